@@ -1,0 +1,1 @@
+"""Kiln data_quality layer."""

@@ -1,0 +1,1 @@
+"""Kiln deployments layer."""

@@ -1,0 +1,1 @@
+"""Kiln flows layer."""

@@ -1,0 +1,150 @@
+"""Pipeline configuration: one YAML file describes one pipeline.
+
+Sections: `storage`, `ingest`, `quality`, `shards`, `train` (schema in `models.config`),
+`evaluate`, `registry`, `launch`. A bad value fails at load with its dotted path and the value
+received. Relative local paths are resolved against the working directory at load time, so
+that subprocesses see the same files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from models.config import ConfigError, TrainConfig, load_yaml_model
+
+__all__ = ["PipelineConfig", "ConfigError", "load_config", "PROJECT_DIR"]
+
+# Repository root (editable install): used to find bundled configs/accelerate/*.yaml.
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+def _is_remote(uri: str) -> bool:
+    return "://" in uri
+
+
+class StorageConfig(Strict):
+    root: str = Field("./kiln-data", description="Local folder or s3://bucket/prefix.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2...).")
+
+    @field_validator("root")
+    @classmethod
+    def _root(cls, v: str) -> str:
+        if _is_remote(v) and not v.startswith("s3://"):
+            raise ValueError("only local folders and s3:// roots are supported")
+        return v
+
+
+class IngestConfig(Strict):
+    source: str | None = Field(None, description="Local folder or s3://bucket/prefix.")
+    metadata_file: str = "metadata.jsonl"
+    caption_column: str = "text"
+    image_extensions: list[str] = Field(
+        default_factory=lambda: [".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"]
+    )
+    workers: int = Field(0, ge=0, description="Decode processes; 0 means one per CPU core.")
+    max_pixels: int = Field(
+        89_478_485, gt=0, description="Images over this pixel count are quarantined unread."
+    )
+
+
+class QualityConfig(Strict):
+    min_side: int = Field(32, gt=0, description="Short side below this is rejected.")
+    max_reject_fraction: float = Field(0.2, ge=0, le=1)
+
+
+class ShardsConfig(Strict):
+    min_side_factor: float = Field(
+        1.0, gt=0, description="A stage takes images whose short side >= resolution * factor."
+    )
+    jpeg_quality: int = Field(90, ge=1, le=100)
+    size_limit: int = Field(1 << 26, gt=0, description="Bytes per MDS shard before a new one.")
+    workers: int = Field(0, ge=0, description="Resize processes; 0 means one per CPU core.")
+
+
+class EvaluateConfig(Strict):
+    prompts_csv: str = Field(description="CSV with columns Prompts,Category (DrawBench).")
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    num_inference_steps: int = Field(25, gt=0)
+    guidance_scale: float = Field(7.5, ge=0)
+    batch_size: int = Field(8, gt=0)
+    limit: int | None = Field(None, gt=0, description="Use only the first N prompts.")
+
+
+class RegistryConfig(Strict):
+    tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
+    experiment: str = "kiln"
+    model_name: str = "kiln-t2i"
+    alias: str = "candidate"
+
+
+class LaunchConfig(Strict):
+    accelerate_config: str = Field(
+        "configs/accelerate/single.yaml", description="Accelerate topology YAML."
+    )
+    num_processes: int | None = Field(None, gt=0, description="Override the topology's count.")
+    max_restarts: int = Field(2, ge=0, description="Relaunches (resuming) after a crash.")
+
+
+class PipelineConfig(Strict):
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    ingest: IngestConfig = Field(default_factory=IngestConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig)
+    shards: ShardsConfig = Field(default_factory=ShardsConfig)
+    train: TrainConfig
+    evaluate: EvaluateConfig
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @property
+    def tracking_uri(self) -> str:
+        if self.registry.tracking_uri:
+            return self.registry.tracking_uri
+        if _is_remote(self.storage.root):
+            raise ConfigError(
+                "registry.tracking_uri must be set when storage.root is remote "
+                f"(received storage.root={self.storage.root!r})"
+            )
+        return f"sqlite:///{Path(self.storage.root) / 'mlflow.db'}"
+
+
+def _abs(p: str) -> str:
+    return p if _is_remote(p) else str(Path(p).expanduser().resolve())
+
+
+def _find_bundled(p: str) -> str:
+    path = Path(p).expanduser()
+    if not path.is_absolute() and not path.exists() and (PROJECT_DIR / path).exists():
+        path = PROJECT_DIR / path
+    return str(path.resolve())
+
+
+def load_config(
+    path: str | Path, *, root: str | None = None, source: str | None = None
+) -> PipelineConfig:
+    """Load and validate a pipeline YAML, applying CLI overrides.
+
+    Args:
+        path: The pipeline YAML.
+        root: Overrides `storage.root`.
+        source: Overrides `ingest.source`.
+
+    Raises:
+        ConfigError: naming each bad field's dotted path and the value received.
+    """
+    cfg: PipelineConfig = load_yaml_model(PipelineConfig, path)
+    if root is not None:
+        cfg.storage = StorageConfig(root=root, endpoint_url=cfg.storage.endpoint_url)
+    if source is not None:
+        cfg.ingest.source = source
+    cfg.storage.root = _abs(cfg.storage.root)
+    if cfg.ingest.source:
+        cfg.ingest.source = _abs(cfg.ingest.source)
+    cfg.evaluate.prompts_csv = _abs(cfg.evaluate.prompts_csv)
+    cfg.launch.accelerate_config = _find_bundled(cfg.launch.accelerate_config)
+    return cfg

@@ -1,0 +1,1 @@
+"""Kiln human_eval layer."""

@@ -1,0 +1,1 @@
+"""Kiln models layer."""

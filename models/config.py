@@ -1,0 +1,180 @@
+"""Typed schema for the `train` section and for the resolved per-stage file.
+
+The training script reads one `stage.yaml` (a :class:`StageRun`) and nothing else. It lives
+here, below `flows/`, so that `models.train` never imports the orchestrator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "Component",
+    "ConfigError",
+    "EMAConfig",
+    "ModelConfig",
+    "StageConfig",
+    "StageRun",
+    "TokenizerConfig",
+    "TrainConfig",
+    "format_validation_error",
+    "load_yaml_model",
+]
+
+
+class ConfigError(ValueError):
+    """A config file failed validation. The message names each bad field and its value."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class Component(Strict):
+    """A model component: built from a config dict, or loaded from a local path or hub id."""
+
+    config: dict[str, Any] | None = None
+    pretrained: str | None = None
+    subfolder: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Component:
+        if (self.config is None) == (self.pretrained is None):
+            raise ValueError("set exactly one of 'config' (build from a dict) or 'pretrained'")
+        return self
+
+
+class TokenizerConfig(Strict):
+    """`builtin: bytes` builds a byte-level CLIP tokenizer offline; else load `pretrained`."""
+
+    builtin: Literal["bytes"] | None = None
+    pretrained: str | None = None
+    subfolder: str | None = None
+    model_max_length: int = Field(77, gt=1)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TokenizerConfig:
+        if (self.builtin is None) == (self.pretrained is None):
+            raise ValueError("set exactly one of 'builtin' or 'pretrained'")
+        return self
+
+
+class ModelConfig(Strict):
+    unet: dict[str, Any]
+    vae: Component
+    text_encoder: Component
+    tokenizer: TokenizerConfig
+    noise_scheduler: dict[str, Any] = Field(
+        default_factory=lambda: {
+            "num_train_timesteps": 1000,
+            "beta_schedule": "scaled_linear",
+            "beta_start": 0.00085,
+            "beta_end": 0.012,
+            "prediction_type": "epsilon",
+            "clip_sample": False,
+            "set_alpha_to_one": False,
+            "steps_offset": 1,
+        }
+    )
+
+
+class StageConfig(Strict):
+    resolution: int = Field(gt=0)
+    batch_size: int = Field(gt=0, description="Per-process micro-batch size.")
+    learning_rate: float = Field(gt=0)
+    max_steps: int = Field(gt=0, description="Optimizer steps in this stage.")
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    warmup_steps: int = Field(0, ge=0)
+    lr_scheduler: Literal["constant", "cosine"] = "constant"
+
+
+class EMAConfig(Strict):
+    enabled: bool = True
+    decay: float = Field(0.9999, gt=0, lt=1)
+    start_step: int = Field(0, ge=0, description="Global step (within the stage) EMA starts at.")
+
+
+class TrainConfig(Strict):
+    model: ModelConfig
+    stages: list[StageConfig] = Field(min_length=1)
+    seed: int = 0
+    weight_decay: float = Field(0.01, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(2, ge=1)
+    log_every: int = Field(10, gt=0)
+    ema: EMAConfig = Field(default_factory=EMAConfig)
+    init_from: Literal["ema", "raw"] = "ema"
+    num_workers: int = Field(0, ge=0, description="DataLoader workers per process.")
+    caption_dropout: float = Field(
+        0.1, ge=0, lt=1, description="Empty-caption rate, for classifier-free guidance."
+    )
+    shuffle_seed: int = 1234
+    log_sample_keys: bool = Field(
+        False, description="Write the key of every sample each rank trains on (data lineage)."
+    )
+
+    @model_validator(mode="after")
+    def _increasing(self) -> TrainConfig:
+        res = [s.resolution for s in self.stages]
+        if res != sorted(res) or len(set(res)) != len(res):
+            raise ValueError(f"stage resolutions must strictly increase, got {res}")
+        return self
+
+
+class StageRun(Strict):
+    """Everything one `accelerate launch -m models.train` needs: the resolved stage.yaml."""
+
+    train: TrainConfig
+    stage_index: int = Field(ge=0)
+    shards: str = Field(description="Local folder of the stage's MDS dataset.")
+    output_dir: str = Field(description="Stage folder: checkpoints/, final/, metrics.jsonl.")
+    init_from_dir: str | None = Field(None, description="Previous stage's final/ export.")
+    tracking_uri: str | None = None
+    mlflow_run_id: str | None = None
+
+    @property
+    def stage(self) -> StageConfig:
+        return self.train.stages[self.stage_index]
+
+    @model_validator(mode="after")
+    def _index_in_range(self) -> StageRun:
+        if self.stage_index >= len(self.train.stages):
+            raise ValueError(
+                f"stage_index {self.stage_index} out of range for {len(self.train.stages)} stages"
+            )
+        return self
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """Render each error as `dotted.path: message (received value)`."""
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        received = e.get("input")
+        shown = repr(received)
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        lines.append(f"  {path}: {e['msg']} (received {shown})")
+    return "\n".join(lines)
+
+
+def load_yaml_model(model: type[BaseModel], path: str | Path) -> Any:
+    """Load a YAML file into `model`, raising :class:`ConfigError` with dotted field paths."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path))) from None

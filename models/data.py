@@ -1,0 +1,114 @@
+"""Streaming data for training: MDS shards -> normalised pixels and token ids.
+
+The loader is a `StreamingDataLoader` over a `StreamingDataset`. Streaming partitions samples
+across ranks itself (from the WORLD_SIZE/RANK that `accelerate launch` sets), so this loader
+must stay out of `accelerator.prepare`: wrapping it again would silently double-shard. Batches
+are dicts whose first value is a tensor, which is what `StreamingDataLoader.state_dict()` needs
+to count samples correctly for mid-epoch resumption.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image
+from streaming import StreamingDataLoader, StreamingDataset
+from transformers import PreTrainedTokenizerBase
+
+__all__ = ["ImageCaptionDataset", "build_loader", "decode_pixels"]
+
+
+def decode_pixels(jpeg: bytes, resolution: int) -> torch.Tensor:
+    """JPEG bytes -> float tensor (3, H, W) in [-1, 1]."""
+    img = Image.open(io.BytesIO(jpeg)).convert("RGB")
+    if img.size != (resolution, resolution):
+        raise ValueError(
+            f"shard image is {img.size[0]}x{img.size[1]}, expected {resolution}x{resolution}: "
+            "were these shards written for another stage?"
+        )
+    arr = np.asarray(img, dtype=np.uint8)
+    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+
+
+class ImageCaptionDataset(StreamingDataset):
+    """A StreamingDataset of Kiln's MDS shards, yielding `pixel_values`, `input_ids` and `key`.
+
+    Args:
+        local: Folder of the stage's MDS dataset (or the local cache, with `remote`).
+        tokenizer: Tokenizes captions to fixed-length ids.
+        resolution: Expected square image size.
+        caption_dropout: Probability of training on the empty caption, which gives the model
+            its unconditional branch for classifier-free guidance. Decided per sample index
+            from `seed`, so a resumed run drops exactly the same captions.
+        **kwargs: Passed to `StreamingDataset` (remote, batch_size, shuffle, shuffle_seed...).
+    """
+
+    def __init__(
+        self,
+        *,
+        local: str,
+        tokenizer: PreTrainedTokenizerBase,
+        resolution: int,
+        caption_dropout: float = 0.0,
+        seed: int = 0,
+        **kwargs,
+    ):
+        super().__init__(local=local, **kwargs)
+        self.tokenizer = tokenizer
+        self.resolution = resolution
+        self.caption_dropout = caption_dropout
+        self.seed = seed
+
+    def __getitem__(self, idx: int) -> dict:
+        sample = super().__getitem__(idx)
+        caption = sample["caption"]
+        if self.caption_dropout and np.random.default_rng([self.seed, idx]).random() < self.caption_dropout:
+            caption = ""
+        ids = self.tokenizer(
+            caption,
+            padding="max_length",
+            truncation=True,
+            max_length=self.tokenizer.model_max_length,
+            return_tensors="pt",
+        ).input_ids[0]
+        # pixel_values first: StreamingDataLoader counts a batch by its first value.
+        return {
+            "pixel_values": decode_pixels(sample["image"], self.resolution),
+            "input_ids": ids,
+            "key": sample["key"],
+        }
+
+
+def build_loader(
+    local: str,
+    tokenizer: PreTrainedTokenizerBase,
+    resolution: int,
+    batch_size: int,
+    *,
+    shuffle_seed: int,
+    seed: int = 0,
+    caption_dropout: float = 0.0,
+    num_workers: int = 0,
+    remote: str | None = None,
+) -> StreamingDataLoader:
+    """A per-rank loader of `batch_size` samples; the rank split comes from the environment."""
+    dataset = ImageCaptionDataset(
+        local=local,
+        remote=remote,
+        tokenizer=tokenizer,
+        resolution=resolution,
+        caption_dropout=caption_dropout,
+        seed=seed,
+        batch_size=batch_size,
+        shuffle=True,
+        shuffle_seed=shuffle_seed,
+    )
+    return StreamingDataLoader(
+        dataset,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        drop_last=True,
+        persistent_workers=False,
+    )

@@ -1,0 +1,127 @@
+"""Build the UNet, VAE, text encoder, tokenizer and noise scheduler from a :class:`ModelConfig`.
+
+The UNet is always built from its config dict (Kiln trains it from scratch). The VAE and text
+encoder are frozen: built from a dict for the `tiny` preset, or loaded from a local path or hub
+id (`stabilityai/stable-diffusion-2-base` subfolders) for real runs. The `tiny` tokenizer is a
+byte-level CLIP BPE with no merges, written locally, so nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from models.config import Component, ModelConfig, TokenizerConfig
+
+__all__ = [
+    "Components",
+    "build_components",
+    "build_tokenizer",
+    "build_unet",
+    "sampling_scheduler",
+    "vae_scale_factor",
+]
+
+
+@dataclass
+class Components:
+    unet: UNet2DConditionModel
+    vae: AutoencoderKL
+    text_encoder: CLIPTextModel
+    tokenizer: CLIPTokenizer
+    noise_scheduler: DDPMScheduler
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # The GPT-2/CLIP reversible byte -> printable-unicode table.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+@lru_cache(maxsize=1)
+def _byte_vocab_dir() -> str:
+    """Write a byte-level CLIP vocab (no merges) once per process; returns its folder."""
+    chars = list(_bytes_to_unicode().values())
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab.update({c + "</w>": i + len(chars) for i, c in enumerate(chars)})
+    vocab["<|startoftext|>"] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    d = Path(tempfile.mkdtemp(prefix="kiln-tokenizer-"))
+    (d / "vocab.json").write_text(json.dumps(vocab))
+    (d / "merges.txt").write_text("#version: 0.2\n")
+    return str(d)
+
+
+def build_tokenizer(cfg: TokenizerConfig) -> CLIPTokenizer:
+    if cfg.pretrained:
+        return CLIPTokenizer.from_pretrained(cfg.pretrained, subfolder=cfg.subfolder or "")
+    d = _byte_vocab_dir()
+    return CLIPTokenizer(
+        vocab_file=f"{d}/vocab.json",
+        merges_file=f"{d}/merges.txt",
+        model_max_length=cfg.model_max_length,
+        pad_token="<|endoftext|>",
+    )
+
+
+def _load(cls, comp: Component, default_subfolder: str):
+    if comp.pretrained:
+        return cls.from_pretrained(comp.pretrained, subfolder=comp.subfolder or default_subfolder)
+    if cls is CLIPTextModel:
+        return CLIPTextModel(CLIPTextConfig(**comp.config))
+    return cls.from_config(comp.config)
+
+
+def vae_scale_factor(vae: AutoencoderKL) -> int:
+    return 2 ** (len(vae.config.block_out_channels) - 1)
+
+
+def build_unet(cfg: ModelConfig, init_from: str | None = None) -> UNet2DConditionModel:
+    """A fresh UNet from its dict, or the previous stage's weights from `init_from`/unet."""
+    if init_from:
+        return UNet2DConditionModel.from_pretrained(init_from, subfolder="unet")
+    return UNet2DConditionModel.from_config(cfg.unet)
+
+
+def build_components(
+    cfg: ModelConfig, *, seed: int = 0, init_unet_from: str | None = None
+) -> Components:
+    """Build every component. Random initialisation is seeded, so every rank gets the same."""
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    text_encoder = _load(CLIPTextModel, cfg.text_encoder, "text_encoder")
+    if text_encoder.config.vocab_size < len(tokenizer):
+        raise ValueError(
+            f"model.text_encoder vocab_size {text_encoder.config.vocab_size} is smaller than "
+            f"the tokenizer's {len(tokenizer)} tokens"
+        )
+    vae = _load(AutoencoderKL, cfg.vae, "vae")
+    unet = build_unet(cfg, init_unet_from)
+    if unet.config.cross_attention_dim != text_encoder.config.hidden_size:
+        raise ValueError(
+            f"model.unet.cross_attention_dim ({unet.config.cross_attention_dim}) must equal the "
+            f"text encoder's hidden size ({text_encoder.config.hidden_size})"
+        )
+    vae.requires_grad_(False)
+    text_encoder.requires_grad_(False)
+    return Components(unet, vae, text_encoder, tokenizer, DDPMScheduler.from_config(cfg.noise_scheduler))
+
+
+def sampling_scheduler(noise_scheduler: DDPMScheduler) -> DDIMScheduler:
+    """The exported pipeline samples with DDIM over the training noise schedule."""
+    return DDIMScheduler.from_config(noise_scheduler.config)

@@ -1,0 +1,287 @@
+"""Train one resolution stage of the text-to-image UNet. Runs on its own under Accelerate:
+
+    accelerate launch --config_file configs/accelerate/single.yaml -m models.train --config stage.yaml
+
+The stage file (a resolved :class:`models.config.StageRun`) is the only input. The script
+resumes from the newest complete checkpoint in `<output_dir>/checkpoints/` by itself, so a
+crashed launch is restarted with the same command. When done it exports a diffusers
+`StableDiffusionPipeline` to `<output_dir>/final/` (EMA weights when EMA is on) and writes
+`<output_dir>/manifest.json`. If `final/` already exists the stage is complete and it exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from diffusers import StableDiffusionPipeline
+from diffusers.optimization import get_scheduler
+from diffusers.training_utils import EMAModel
+from streaming.base.util import clean_stale_shared_memory
+
+from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from models.config import StageRun, load_yaml_model
+from models.data import build_loader
+from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
+from models.metrics import MetricsSink
+
+__all__ = ["build_dataloader", "build_models", "main", "save_and_export", "train_loop"]
+
+log = logging.getLogger("kiln.train")
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    loader_state: dict | None = None
+    losses: list[float] = field(default_factory=list)
+
+
+def build_models(run: StageRun, accelerator: Accelerator):
+    """Components, optimizer, LR schedule and EMA; the UNet and optimizer are `prepare`d."""
+    stage, cfg = run.stage, run.train
+    comps = build_components(cfg.model, seed=cfg.seed, init_unet_from=run.init_from_dir)
+    # Default sampling size of the export: this stage's resolution.
+    comps.unet.register_to_config(sample_size=stage.resolution // vae_scale_factor(comps.vae))
+    comps.unet.train()
+    weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        accelerator.mixed_precision, torch.float32
+    )
+    # The frozen encoders run in the training dtype; only the UNet holds fp32 master weights.
+    comps.vae.to(accelerator.device, dtype=weight_dtype)
+    comps.text_encoder.to(accelerator.device, dtype=weight_dtype)
+    optimizer = torch.optim.AdamW(
+        comps.unet.parameters(),
+        lr=stage.learning_rate,
+        weight_decay=cfg.weight_decay,
+        fused=accelerator.device.type == "cuda",
+    )
+    # Prepared schedulers step once per process per optimizer step, hence the scaling.
+    lr_scheduler = get_scheduler(
+        "cosine" if stage.lr_scheduler == "cosine" else "constant_with_warmup",
+        optimizer=optimizer,
+        num_warmup_steps=stage.warmup_steps * accelerator.num_processes,
+        num_training_steps=stage.max_steps * accelerator.num_processes,
+    )
+    ema = None
+    if cfg.ema.enabled:
+        ema = EMAModel(
+            comps.unet.parameters(),
+            decay=cfg.ema.decay,
+            update_after_step=cfg.ema.start_step,
+            model_cls=type(comps.unet),
+            model_config=comps.unet.config,
+        )
+        ema.to(accelerator.device)
+        accelerator.register_for_checkpointing(ema)
+    comps.unet, optimizer, lr_scheduler = accelerator.prepare(comps.unet, optimizer, lr_scheduler)
+    return comps, optimizer, lr_scheduler, ema, weight_dtype
+
+
+def build_dataloader(run: StageRun, comps: Components):
+    """The stage's streaming loader. Deliberately not passed to `accelerator.prepare`."""
+    cfg = run.train
+    return build_loader(
+        run.shards,
+        comps.tokenizer,
+        run.stage.resolution,
+        run.stage.batch_size,
+        shuffle_seed=cfg.shuffle_seed + run.stage_index,
+        seed=cfg.seed,
+        caption_dropout=cfg.caption_dropout,
+        num_workers=cfg.num_workers,
+    )
+
+
+def _loss(comps: Components, batch: dict, weight_dtype: torch.dtype, device) -> torch.Tensor:
+    pixels = batch["pixel_values"].to(device, dtype=weight_dtype, non_blocking=True)
+    ids = batch["input_ids"].to(device, non_blocking=True)
+    with torch.no_grad():
+        latents = comps.vae.encode(pixels).latent_dist.sample() * comps.vae.config.scaling_factor
+        encoder_hidden = comps.text_encoder(ids)[0]
+    noise = torch.randn_like(latents)
+    sched = comps.noise_scheduler
+    t = torch.randint(0, sched.config.num_train_timesteps, (latents.shape[0],), device=device)
+    noisy = sched.add_noise(latents, noise, t)
+    if sched.config.prediction_type == "v_prediction":
+        target = sched.get_velocity(latents, noise, t)
+    else:
+        target = noise
+    pred = comps.unet(noisy, t, encoder_hidden).sample
+    return F.mse_loss(pred.float(), target.float())
+
+
+def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink):
+    """Optimizer steps until `max_steps`, checkpointing and resuming through `checkpoints/`."""
+    cfg, stage = run.train, run.stage
+    out = Path(run.output_dir)
+    ckpt_root = out / "checkpoints"
+    state = TrainState()
+    resume = latest_checkpoint(ckpt_root)
+    if resume is not None:
+        saved = load_checkpoint(accelerator, resume)
+        state.step, state.loader_state = saved["step"], saved["loader"]
+        loader.load_state_dict(state.loader_state)
+        log.info("resumed from %s at step %d", resume, state.step)
+        sink.event("resumed", step=state.step, checkpoint=str(resume))
+    keys_file = None
+    if cfg.log_sample_keys:
+        keys_file = open(out / f"samples-rank{accelerator.process_index}.jsonl", "a")  # noqa: SIM115
+    samples_per_step = stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
+    t_last, wait_s, loss_sum, loss_n = time.perf_counter(), 0.0, 0.0, 0
+    empty_epochs = 0
+    while state.step < stage.max_steps:
+        got_batch = False
+        t_fetch = time.perf_counter()
+        for batch in loader:
+            got_batch = True
+            wait_s += time.perf_counter() - t_fetch
+            with accelerator.accumulate(comps.unet):
+                loss = _loss(comps, batch, weight_dtype, accelerator.device)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(comps.unet.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            loss_sum += loss.detach().float().item()
+            loss_n += 1
+            if keys_file:
+                keys_file.write(json.dumps({"step": state.step, "keys": batch["key"]}) + "\n")
+            if accelerator.sync_gradients:
+                if ema is not None:
+                    ema.step(comps.unet.parameters())
+                state.step += 1
+                sink.heartbeat(state.step)
+                if state.step % cfg.log_every == 0 or state.step == stage.max_steps:
+                    mean_loss = accelerator.reduce(
+                        torch.tensor(loss_sum / loss_n, device=accelerator.device), "mean"
+                    ).item()
+                    now = time.perf_counter()
+                    dt = now - t_last
+                    steps = cfg.log_every if state.step % cfg.log_every == 0 else state.step % cfg.log_every
+                    sink.log(
+                        state.step,
+                        loss=mean_loss,
+                        lr=lr_scheduler.get_last_lr()[0],
+                        step_time_s=dt / steps,
+                        samples_per_s=samples_per_step * steps / dt,
+                        data_wait_frac=min(1.0, wait_s / dt),
+                    )
+                    state.losses.append(mean_loss)
+                    t_last, wait_s, loss_sum, loss_n = now, 0.0, 0.0, 0
+                if state.step % cfg.checkpoint_every == 0 or state.step == stage.max_steps:
+                    save_checkpoint(
+                        accelerator, ckpt_root, state.step, {"loader": loader.state_dict()},
+                        cfg.keep_checkpoints,
+                    )
+                if state.step >= stage.max_steps:
+                    break
+            t_fetch = time.perf_counter()
+        empty_epochs = 0 if got_batch else empty_epochs + 1
+        if empty_epochs >= 2:
+            raise RuntimeError(
+                f"the stage's dataset {run.shards} yields no full batch of {stage.batch_size} "
+                f"per process on {accelerator.num_processes} processes"
+            )
+    if keys_file:
+        keys_file.close()
+    return state
+
+
+def _param_checksum(module: torch.nn.Module) -> float:
+    return float(sum(p.detach().double().sum().item() for p in module.parameters()))
+
+
+def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
+    """Export the pipeline (EMA weights when enabled) to final/, and the raw UNet beside it."""
+    out = Path(run.output_dir)
+    accelerator.wait_for_everyone()
+    unet = accelerator.unwrap_model(comps.unet)
+    # Every rank reports a checksum of its weights: DDP must have kept them identical.
+    sums = accelerator.gather(torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64))
+    if not accelerator.is_main_process:
+        return
+    export_unet = unet
+    if ema is not None:
+        export_unet = copy.deepcopy(unet)
+        ema.copy_to(export_unet.parameters())
+        raw_tmp = out / ".final-raw.tmp"
+        shutil.rmtree(raw_tmp, ignore_errors=True)
+        unet.save_pretrained(raw_tmp / "unet")
+        shutil.rmtree(out / "final-raw", ignore_errors=True)
+        raw_tmp.rename(out / "final-raw")
+    pipe = StableDiffusionPipeline(
+        vae=comps.vae.to(torch.float32),
+        text_encoder=comps.text_encoder.to(torch.float32),
+        tokenizer=comps.tokenizer,
+        unet=export_unet.to(torch.float32),
+        scheduler=sampling_scheduler(comps.noise_scheduler),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    tmp = out / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp)
+    tmp.rename(out / "final")
+    manifest = {
+        "resolution": run.stage.resolution,
+        "final_step": state.step,
+        "export": str(out / "final"),
+        "raw_unet": str(out / "final-raw" / "unet") if ema is not None else str(out / "final" / "unet"),
+        "ema": ema is not None,
+        "num_processes": accelerator.num_processes,
+        "param_checksums": [float(x) for x in sums.cpu().tolist()],
+        "losses": state.losses,
+        "metrics": sink.last,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    log.info("exported %s", out / "final")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="Resolved stage.yaml (models.config.StageRun)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run: StageRun = load_yaml_model(StageRun, args.config)
+    out = Path(run.output_dir)
+    if (out / "manifest.json").is_file():
+        log.info("stage %dpx already complete: %s", run.stage.resolution, out / "final")
+        return
+    accelerator = Accelerator(gradient_accumulation_steps=run.stage.gradient_accumulation_steps)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        clean_stale_shared_memory()  # a killed earlier launch may have left streaming's shm behind
+    accelerator.wait_for_everyone()
+    sink = MetricsSink(
+        out, run.tracking_uri, run.mlflow_run_id, f"stage{run.stage.resolution}",
+        accelerator.is_main_process,
+    )
+    comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
+    # After the (identically seeded) model build: each rank now draws its own noise and
+    # timesteps. A resumed run restores these RNG states from the checkpoint instead.
+    set_seed(run.train.seed + run.stage_index, device_specific=True)
+    loader = build_dataloader(run, comps)
+    state = train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink)
+    save_and_export(run, accelerator, comps, ema, state, sink)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    if not math.isfinite(state.losses[-1] if state.losses else 0.0):
+        raise FloatingPointError(f"training diverged: final loss {state.losses[-1]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Where every artefact lives under the storage root (see DESIGN.md, "Storage").
+
+Each step records the id of its newest output in `<root>/<kind>/LATEST`, so that the next
+step, run on its own, finds its input without being told.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Layout"]
+
+KINDS = ("catalog", "shards", "runs", "eval")
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    def catalog(self, ingest_id: str) -> Path:
+        return self.root / "catalog" / ingest_id
+
+    def quality(self, ingest_id: str) -> Path:
+        return self.root / "quality" / ingest_id
+
+    def shards(self, version: str, resolution: int | None = None) -> Path:
+        base = self.root / "shards" / version
+        return base if resolution is None else base / str(resolution)
+
+    def run(self, run_id: str) -> Path:
+        return self.root / "runs" / run_id
+
+    def stage(self, run_id: str, resolution: int) -> Path:
+        return self.run(run_id) / f"stage-{resolution}"
+
+    def study(self, study_id: str) -> Path:
+        return self.root / "eval" / study_id
+
+    def set_latest(self, kind: str, ident: str) -> None:
+        assert kind in KINDS, kind
+        path = self.root / kind / "LATEST"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(ident + "\n")
+        tmp.replace(path)
+
+    def latest(self, kind: str, needed_by: str) -> str:
+        """The newest id of `kind`, or a clear error naming the step that must run first."""
+        assert kind in KINDS, kind
+        path = self.root / kind / "LATEST"
+        if not path.is_file():
+            before = {"catalog": "ingest", "shards": "shard", "runs": "train", "eval": "evaluate"}
+            raise FileNotFoundError(
+                f"{needed_by} needs the output of `kiln {before[kind]}`, but {path} does not "
+                f"exist under root {self.root}; run `kiln {before[kind]}` first"
+            )
+        return path.read_text().strip()

@@ -1,0 +1,164 @@
+"""Object storage: one interface over a local folder and S3 (or any S3-compatible store).
+
+All remote I/O in Kiln goes through this module. boto3 does every S3 call; for MinIO, Ceph or
+R2 pass `endpoint_url` (or set `S3_ENDPOINT_URL`, which mosaicml-streaming reads too).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from urllib.parse import urlparse
+
+__all__ = ["ObjectInfo", "Storage", "open_storage"]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object. `key` is relative to the storage prefix, '/'-separated."""
+
+    key: str
+    size: int
+    version: str  # S3 ETag, or the local file's mtime in nanoseconds
+
+
+class Storage:
+    """Read, write and list objects under a root URI (a local folder or `s3://bucket/prefix`)."""
+
+    def __init__(self, uri: str, endpoint_url: str | None = None):
+        self.uri = uri.rstrip("/") if uri != "/" else uri
+        parsed = urlparse(self.uri)
+        self.is_s3 = parsed.scheme == "s3"
+        if parsed.scheme not in ("", "s3", "file"):
+            raise ValueError(f"unsupported storage URI scheme {parsed.scheme!r} in {uri!r}")
+        if self.is_s3:
+            if not parsed.netloc:
+                raise ValueError(f"S3 URI has no bucket: {uri!r}")
+            self.bucket = parsed.netloc
+            self.prefix = parsed.path.strip("/")
+            self.endpoint_url = endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None
+            self._client = None
+        else:
+            self.path = Path(parsed.path if parsed.scheme == "file" else self.uri)
+
+    # -- helpers -------------------------------------------------------------------------------
+    @property
+    def client(self):
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            self._client = boto3.client(
+                "s3",
+                endpoint_url=self.endpoint_url,
+                config=Config(retries={"max_attempts": 8, "mode": "adaptive"}),
+            )
+        return self._client
+
+    def _s3_key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _local(self, key: str) -> Path:
+        # Refuse keys that would escape the root ("..", absolute paths).
+        rel = PurePosixPath(key)
+        if rel.is_absolute() or ".." in rel.parts:
+            raise ValueError(f"key escapes the storage root: {key!r}")
+        return self.path.joinpath(*rel.parts)
+
+    def child(self, key: str) -> Storage:
+        """Storage rooted at `key` below this one."""
+        if self.is_s3:
+            return Storage(f"s3://{self.bucket}/{self._s3_key(key)}", self.endpoint_url)
+        return Storage(str(self._local(key)))
+
+    def url(self, key: str = "") -> str:
+        if self.is_s3:
+            return f"s3://{self.bucket}/{self._s3_key(key)}" if key else self.uri
+        return str(self._local(key)) if key else str(self.path)
+
+    # -- operations ----------------------------------------------------------------------------
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object below `prefix`, sorted by key. S3 listing paginates."""
+        out: list[ObjectInfo] = []
+        if self.is_s3:
+            base = self._s3_key(prefix)
+            strip = f"{self.prefix}/" if self.prefix else ""
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=base):
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][len(strip) :]
+                    if key and not key.endswith("/"):
+                        out.append(ObjectInfo(key, obj["Size"], obj["ETag"].strip('"')))
+        else:
+            top = self._local(prefix) if prefix else self.path
+            if top.is_dir():
+                for p in top.rglob("*"):
+                    if p.is_file():
+                        st = p.stat()
+                        key = p.relative_to(self.path).as_posix()
+                        out.append(ObjectInfo(key, st.st_size, str(st.st_mtime_ns)))
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def exists(self, key: str) -> bool:
+        if self.is_s3:
+            from botocore.exceptions import ClientError
+
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=self._s3_key(key))
+                return True
+            except ClientError as e:
+                if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                    return False
+                raise
+        return self._local(key).exists()
+
+    def read_bytes(self, key: str) -> bytes:
+        if self.is_s3:
+            resp = self.client.get_object(Bucket=self.bucket, Key=self._s3_key(key))
+            return resp["Body"].read()
+        return self._local(key).read_bytes()
+
+    def write_bytes(self, key: str, data: bytes) -> None:
+        """Write atomically: readers see the old object or the new one, never a partial one."""
+        if self.is_s3:
+            self.client.put_object(Bucket=self.bucket, Key=self._s3_key(key), Body=data)
+            return
+        dest = self._local(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def read_text(self, key: str) -> str:
+        return self.read_bytes(key).decode("utf-8")
+
+    def write_text(self, key: str, text: str) -> None:
+        self.write_bytes(key, text.encode("utf-8"))
+
+    def upload_dir(self, local_dir: Path, key: str) -> None:
+        """Copy a local folder to `key`. Local roots get an atomic rename into place."""
+        if self.is_s3:
+            for p in sorted(local_dir.rglob("*")):
+                if p.is_file():
+                    rel = p.relative_to(local_dir).as_posix()
+                    self.client.upload_file(str(p), self.bucket, self._s3_key(f"{key}/{rel}"))
+            return
+        dest = self._local(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.exists():
+            shutil.rmtree(dest)
+        shutil.copytree(local_dir, dest)
+
+
+def open_storage(uri: str, endpoint_url: str | None = None) -> Storage:
+    """Open a storage root. `uri` is a local folder or `s3://bucket/prefix`."""
+    return Storage(uri, endpoint_url)
