@@ -89,6 +89,9 @@ class LaunchConfig(Strict):
     )
     num_processes: int | None = Field(None, gt=0, description="Override the topology's count.")
     max_restarts: int = Field(2, ge=0, description="Relaunches (resuming) after a crash.")
+    hang_timeout_s: float = Field(
+        900, gt=0, description="Kill a launch whose heartbeat is older than this (a hang)."
+    )
 
 
 class PipelineConfig(Strict):

@@ -261,10 +261,17 @@ def main(argv: list[str] | None = None) -> None:
     if (out / "manifest.json").is_file():
         log.info("stage %dpx already complete: %s", run.stage.resolution, out / "final")
         return
-    accelerator = Accelerator(gradient_accumulation_steps=run.stage.gradient_accumulation_steps)
+    accelerator = Accelerator(
+        gradient_accumulation_steps=run.stage.gradient_accumulation_steps,
+        # Without a GPU, Accelerate sets up gloo DDP only when told it runs on CPU; otherwise
+        # each launched process silently trains alone at world size 1.
+        cpu=not torch.cuda.is_available(),
+    )
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        clean_stale_shared_memory()  # a killed earlier launch may have left streaming's shm behind
+    # A killed earlier launch may have left streaming's shared memory behind. Called on every
+    # rank: it synchronises internally (local rank 0 cleans while the others wait).
+    clean_stale_shared_memory()
     accelerator.wait_for_everyone()
     sink = MetricsSink(
         out, run.tracking_uri, run.mlflow_run_id, f"stage{run.stage.resolution}",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -24,11 +23,11 @@ from prefect import task
 
 from tasks.decode import inspect_image
 from tasks.layout import Layout
+from tasks.logs import task_logger
 from tasks.storage import Storage
 
 __all__ = ["IngestResult", "ingest_source", "read_manifest"]
 
-log = logging.getLogger(__name__)
 
 ACCEPTED_COLUMNS = ["key", "sha256", "width", "height", "caption", "format", "mode", "bytes"]
 QUARANTINE_COLUMNS = ["key", "reason", "detail", "step"]
@@ -56,7 +55,7 @@ def read_manifest(
     captions: dict[str, str | None] = {}
     problems: list[dict] = []
     if not store.exists(metadata_file):
-        log.warning("no %s in %s: every image will lack a caption", metadata_file, store.url())
+        task_logger(__name__).warning("no %s in %s: every image will lack a caption", metadata_file, store.url())
         return captions, problems
     for n, line in enumerate(store.read_bytes(metadata_file).splitlines(), start=1):
         where = f"{metadata_file}:{n}"
@@ -116,7 +115,7 @@ def ingest_source(
     if (out / "summary.json").is_file():
         result = IngestResult(**json.loads((out / "summary.json").read_text()))
         result.reused = True
-        log.info("source unchanged since %s: reusing its catalog", ingest_id)
+        task_logger(__name__).info("source unchanged since %s: reusing its catalog", ingest_id)
         layout.set_latest("catalog", ingest_id)
         return result
 
@@ -133,7 +132,7 @@ def ingest_source(
             jobs.append((store.url(), endpoint_url, o.key, max_pixels))
 
     n_workers = workers or os.cpu_count() or 1
-    log.info("ingest %s: %d files listed, decoding %d in %d processes", ingest_id, len(files), len(jobs), n_workers)
+    task_logger(__name__).info("ingest %s: %d files listed, decoding %d in %d processes", ingest_id, len(files), len(jobs), n_workers)
     # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
     with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("spawn")) as pool:
         records = list(pool.map(inspect_image, jobs, chunksize=max(1, len(jobs) // (n_workers * 8))))

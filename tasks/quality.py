@@ -8,7 +8,6 @@ written before the gate is checked, so a failing gate still leaves every reason 
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,10 +16,10 @@ from prefect import task
 
 from data_quality.suite import REASONS, run_suite
 from tasks.layout import Layout
+from tasks.logs import task_logger
 
 __all__ = ["QualityGateError", "ValidateResult", "validate_catalog", "reasons_table"]
 
-log = logging.getLogger(__name__)
 
 
 class QualityGateError(RuntimeError):
@@ -103,5 +102,5 @@ def validate_catalog(
             f"({max_reject_fraction:.1%})\n{reasons_table(result)}\n"
             f"quarantine: {cat / 'quarantine.parquet'}"
         )
-    log.info("validated %s: %d clean, %d quarantined", ingest_id, result.clean, len(files_q))
+    task_logger(__name__).info("validated %s: %d clean, %d quarantined", ingest_id, result.clean, len(files_q))
     return result

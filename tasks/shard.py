@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import multiprocessing as mp
 import os
 import shutil
@@ -26,10 +25,10 @@ from streaming import MDSWriter
 
 from tasks.decode import render_for_stages
 from tasks.layout import Layout
+from tasks.logs import task_logger
 
 __all__ = ["MDS_COLUMNS", "ShardResult", "dataset_version", "write_shards"]
 
-log = logging.getLogger(__name__)
 
 # MosaicML's diffusion shards store JPEG bytes too; a plain StreamingDataset reads them back.
 MDS_COLUMNS = {
@@ -113,7 +112,7 @@ def write_shards(
         per_key = {k: [r for r in todo if k in set(eligible[r]["key"])] for k in keys}
         jobs = [(source, endpoint_url, k, per_key[k], jpeg_quality) for k in keys]
         n_workers = workers or os.cpu_count() or 1
-        log.info("sharding %d images into %s for %s px with %d processes", len(keys), version, todo, n_workers)
+        task_logger(__name__).info("sharding %d images into %s for %s px with %d processes", len(keys), version, todo, n_workers)
         with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("spawn")) as pool:
             rendered = {d["key"]: d for d in pool.map(render_for_stages, jobs, chunksize=max(1, len(jobs) // (n_workers * 8)))}
         failed = {k: d["error"] for k, d in rendered.items() if "error" in d}
@@ -144,7 +143,7 @@ def write_shards(
             tmp.rename(dest)  # publish: the folder appears complete, index.json included
     else:
         result.reused = True
-        log.info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
+        task_logger(__name__).info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
     for r in sorted(resolutions):
         result.stages[r] = _stage_stats(base / str(r))
     (base / "shards.json").write_text(json.dumps({**result.to_dict(), "settings": settings}, indent=2))

@@ -1,0 +1,61 @@
+"""Shard flow: one MDS dataset per training stage from the newest (or a given) clean catalog."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.config import load_config
+from tasks.layout import Layout
+from tasks.shard import write_shards
+
+__all__ = ["shard_flow"]
+
+
+@flow(name="kiln-shard", log_prints=True)
+def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None = None) -> dict:
+    """Write `<root>/shards/<dataset_version>/<resolution>/` for every stage resolution.
+
+    Args:
+        config_path: Pipeline YAML.
+        root: Overrides `storage.root`.
+        ingest_id: Validated catalog to shard; default the newest ingest.
+    """
+    cfg = load_config(config_path, root=root)
+    layout = Layout(Path(cfg.storage.root))
+    ingest_id = ingest_id or layout.latest("catalog", "shard")
+    cat = layout.catalog(ingest_id)
+    if not (cat / "clean.parquet").is_file():
+        raise FileNotFoundError(
+            f"catalog {ingest_id} has not been validated ({cat / 'clean.parquet'} missing): "
+            "run `kiln validate` first"
+        )
+    source = json.loads((cat / "summary.json").read_text())["source"]
+    result = write_shards(
+        cfg.storage.root,
+        ingest_id,
+        source,
+        [s.resolution for s in cfg.train.stages],
+        min_side_factor=cfg.shards.min_side_factor,
+        jpeg_quality=cfg.shards.jpeg_quality,
+        size_limit=cfg.shards.size_limit,
+        workers=cfg.shards.workers,
+        endpoint_url=cfg.storage.endpoint_url,
+    )
+    rows = "\n".join(
+        f"| {r}px | {s['samples']} | {s['shards']} | {s['bytes'] / 1e6:.2f} MB |"
+        for r, s in result.stages.items()
+    )
+    create_markdown_artifact(
+        key="shards",
+        description=f"Dataset {result.dataset_version}",
+        markdown=(
+            f"## Dataset `{result.dataset_version}`{' (reused)' if result.reused else ''}\n\n"
+            f"From catalog `{ingest_id}`, at `{layout.shards(result.dataset_version)}`.\n\n"
+            f"| stage | samples | shards | bytes |\n|---|---:|---:|---:|\n{rows}\n"
+        ),
+    )
+    return result.to_dict()

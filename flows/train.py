@@ -1,0 +1,112 @@
+"""Train flow: the resolution stages in order, each one `accelerate launch` of `models.train`.
+
+Stage k+1 starts from stage k's EMA (or raw) weights. Each stage task is retried
+`launch.max_restarts` times; a retry resumes from the stage's newest complete checkpoint.
+Passing an existing `run_id` resumes a whole interrupted run: finished stages are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.config import PipelineConfig, load_config
+from models.config import StageRun
+from tasks.launch import launch_stage
+from tasks.layout import Layout
+from tasks.registry import create_training_run
+
+__all__ = ["train_flow"]
+
+
+def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) -> dict:
+    path = layout.run(run_id) / "run.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    shards = json.loads((layout.shards(version) / "shards.json").read_text())
+    mlflow_run_id = create_training_run(
+        cfg.tracking_uri,
+        cfg.registry.experiment,
+        run_id,
+        params={
+            "dataset_version": version,
+            "ingest_id": shards["ingest_id"],
+            "stages": ",".join(str(s.resolution) for s in cfg.train.stages),
+            "accelerate_config": Path(cfg.launch.accelerate_config).name,
+            **{f"stage{s.resolution}.{k}": v for s in cfg.train.stages for k, v in s.model_dump().items()},
+        },
+        tags={"kiln.run_id": run_id, "kiln.dataset_version": version},
+        artifact_root=str(Path(cfg.storage.root) / "mlartifacts"),
+    )
+    record = {
+        "run_id": run_id,
+        "mlflow_run_id": mlflow_run_id,
+        "dataset_version": version,
+        "ingest_id": shards["ingest_id"],
+        "stages": {},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    return record
+
+
+@flow(name="kiln-train", log_prints=True)
+def train_flow(
+    config_path: str,
+    root: str | None = None,
+    dataset_version: str | None = None,
+    run_id: str | None = None,
+) -> dict:
+    """Train every stage and export a StableDiffusionPipeline per stage.
+
+    Args:
+        config_path: Pipeline YAML.
+        root: Overrides `storage.root`.
+        dataset_version: Shards to train on; default the newest.
+        run_id: Resume this run; default a new `run-<UTC timestamp>`.
+    """
+    cfg = load_config(config_path, root=root)
+    layout = Layout(Path(cfg.storage.root))
+    version = dataset_version or layout.latest("shards", "train")
+    run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+    record = _run_record(cfg, layout, run_id, version)
+    layout.set_latest("runs", run_id)
+    init_from: str | None = None
+    manifest: dict = {}
+    for i, stage in enumerate(cfg.train.stages):
+        out = layout.stage(run_id, stage.resolution)
+        run = StageRun(
+            train=cfg.train,
+            stage_index=i,
+            shards=str(layout.shards(version, stage.resolution)),
+            output_dir=str(out),
+            init_from_dir=init_from,
+            tracking_uri=cfg.tracking_uri,
+            mlflow_run_id=record["mlflow_run_id"],
+        )
+        manifest = launch_stage.with_options(
+            name=f"train-{stage.resolution}px",
+            retries=cfg.launch.max_restarts,
+            retry_delay_seconds=2,
+        )(run, cfg.launch.accelerate_config, cfg.launch.num_processes, cfg.launch.hang_timeout_s)
+        raw = out / "final-raw"
+        init_from = str(raw if cfg.train.init_from == "raw" and raw.is_dir() else out / "final")
+        record["stages"][str(stage.resolution)] = manifest
+        create_markdown_artifact(
+            key=f"stage-{stage.resolution}",
+            description=f"{run_id} stage {stage.resolution}px",
+            markdown=(
+                f"## Stage {stage.resolution}px of `{run_id}`\n\n"
+                f"{manifest['final_step']} steps on {manifest['num_processes']} process(es). "
+                f"Final loss {manifest['losses'][-1] if manifest['losses'] else float('nan'):.4f}. "
+                f"Export: `{manifest['export']}`\n\n"
+                + "\n".join(f"- {k}: {v:.4g}" for k, v in manifest["metrics"].items())
+            ),
+        )
+    record["export"] = manifest["export"]
+    (layout.run(run_id) / "run.json").write_text(json.dumps(record, indent=2))
+    return record

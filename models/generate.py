@@ -1,0 +1,116 @@
+"""Generate evaluation images for a prompt set (DrawBench), split across processes:
+
+    accelerate launch -m models.generate --pipeline FINAL_DIR --prompts drawbench.csv --out STUDY_DIR
+
+Each (prompt, seed) pair gets its own generator, so an image depends only on its prompt and
+seed, never on batching or process count. Existing images are kept, so a relaunch after a
+crash only generates what is missing. The main process writes `study.json` last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from diffusers import StableDiffusionPipeline
+
+__all__ = ["main", "read_prompts"]
+
+log = logging.getLogger("kiln.generate")
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
+    """Rows of a DrawBench-style CSV (columns `Prompts`, `Category`) as {prompt, category}."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"evaluate.prompts_csv not found: {path}")
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        cols = reader.fieldnames or []
+        if "Prompts" not in cols:
+            raise ValueError(f"{path} must have a 'Prompts' column (and optionally 'Category'); got {cols}")
+        rows = [
+            {"prompt": r["Prompts"].strip(), "category": (r.get("Category") or "").strip()}
+            for r in reader
+            if (r.get("Prompts") or "").strip()
+        ]
+    if not rows:
+        raise ValueError(f"{path} holds no prompts")
+    return rows[:limit] if limit else rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pipeline", required=True, help="Exported StableDiffusionPipeline folder")
+    p.add_argument("--prompts", required=True, help="CSV with Prompts,Category columns")
+    p.add_argument("--out", required=True, help="Study folder: images/ and study.json")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--guidance", type=float, default=7.5)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=int, default=None, help="Only the first N prompts")
+    p.add_argument("--model-ref", default="", help="Recorded in study.json (e.g. run id)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    out = Path(args.out)
+    images = out / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    prompts = read_prompts(args.prompts, args.limit)
+    items = [
+        {"index": i, **row, "seed": seed, "path": f"images/{i:04d}-s{seed}.png"}
+        for i, row in enumerate(prompts)
+        for seed in args.seeds
+    ]
+    pipe = StableDiffusionPipeline.from_pretrained(args.pipeline)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.to(state.device)
+    t0 = time.perf_counter()
+    with state.split_between_processes(items) as mine:
+        todo = [it for it in mine if not (out / it["path"]).is_file()]
+        for start in range(0, len(todo), args.batch_size):
+            batch = todo[start : start + args.batch_size]
+            gens = [torch.Generator(device="cpu").manual_seed(it["seed"]) for it in batch]
+            result = pipe(
+                [it["prompt"] for it in batch],
+                num_inference_steps=args.steps,
+                guidance_scale=args.guidance,
+                generator=gens,
+            )
+            for it, img in zip(batch, result.images, strict=True):
+                tmp = out / (it["path"] + ".tmp")
+                img.save(tmp, format="PNG")
+                tmp.replace(out / it["path"])
+        log.info("rank %d generated %d images", state.process_index, len(todo))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        missing = [it["path"] for it in items if not (out / it["path"]).is_file()]
+        if missing:
+            raise RuntimeError(f"{len(missing)} images missing after generation, e.g. {missing[:3]}")
+        study = {
+            "study_id": out.name,
+            "model": {"pipeline": str(Path(args.pipeline).resolve()), "ref": args.model_ref},
+            "prompts_csv": str(Path(args.prompts).resolve()),
+            "settings": {
+                "seeds": args.seeds,
+                "num_inference_steps": args.steps,
+                "guidance_scale": args.guidance,
+                "resolution": pipe.unet.config.sample_size * pipe.vae_scale_factor,
+            },
+            "generated_s": round(time.perf_counter() - t0, 2),
+            "items": items,
+        }
+        tmp = out / "study.json.tmp"
+        tmp.write_text(json.dumps(study, indent=2))
+        tmp.replace(out / "study.json")
+
+
+if __name__ == "__main__":
+    main()

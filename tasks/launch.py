@@ -1,0 +1,163 @@
+"""`accelerate launch` as a Prefect task: a subprocess whose output streams into the run log.
+
+Prefect wraps the command and never reaches into the training loop. The launched script
+resumes from its own checkpoints, so a failed launch is simply launched again: the flow gives
+`launch_stage` `retries=launch.max_restarts`. A watchdog kills a launch whose heartbeat file
+goes stale (a hang, not a crash), and the whole process group is killed when the task ends
+for any reason (failure, cancellation), so no orphan workers are left behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+from prefect import task
+
+from models.config import StageRun
+from tasks.logs import task_logger
+
+__all__ = ["LaunchError", "accelerate_command", "launch_generate", "launch_stage", "run_launch"]
+
+
+class LaunchError(RuntimeError):
+    """An `accelerate launch` exited non-zero or hung; the message holds its last output lines."""
+
+
+def accelerate_command(
+    accelerate_config: str, module: str, args: list[str], num_processes: int | None = None
+) -> list[str]:
+    """The argv of `accelerate launch --config_file CFG [--num_processes N] -m MODULE ARGS`."""
+    if not Path(accelerate_config).is_file():
+        raise FileNotFoundError(f"launch.accelerate_config not found: {accelerate_config}")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
+    if num_processes:
+        cmd += ["--num_processes", str(num_processes)]
+    return cmd + ["-m", module, *args]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def run_launch(
+    cmd: list[str],
+    *,
+    heartbeat: Path | None = None,
+    hang_timeout_s: float | None = None,
+    logger: logging.Logger | logging.LoggerAdapter | None = None,
+) -> None:
+    """Run `cmd` in its own process group, streaming each output line to `logger`.
+
+    Raises:
+        LaunchError: on a non-zero exit, or when `heartbeat` is older than `hang_timeout_s`.
+    """
+    logger = logger or task_logger(__name__)
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    logger.info("launching: %s", " ".join(cmd))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,  # own process group: one killpg reaches every worker
+        env=env,
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip()
+            tail.append(line)
+            logger.info(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    hung = False
+    try:
+        started = time.time()
+        while proc.poll() is None:
+            reader.join(timeout=1.0)
+            if heartbeat is not None and hang_timeout_s:
+                last = heartbeat.stat().st_mtime if heartbeat.exists() else started
+                if time.time() - max(last, started) > hang_timeout_s:
+                    hung = True
+                    logger.error("no heartbeat for %.0fs: killing the launch", hang_timeout_s)
+                    break
+    finally:
+        _kill_group(proc)
+        reader.join(timeout=5)
+    if hung or proc.returncode != 0:
+        why = f"hung (no heartbeat for {hang_timeout_s}s)" if hung else f"exit code {proc.returncode}"
+        raise LaunchError(f"accelerate launch failed: {why}\n" + "\n".join(tail))
+
+
+@task(name="launch-stage")
+def launch_stage(
+    stage: StageRun,
+    accelerate_config: str,
+    num_processes: int | None = None,
+    hang_timeout_s: float | None = None,
+) -> dict:
+    """Train one stage: write its stage.yaml, launch `models.train`, return its manifest.
+
+    Idempotent: a relaunch resumes from the newest complete checkpoint, and a finished stage
+    returns its manifest without training again.
+    """
+    out = Path(stage.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stage_yaml = out / "stage.yaml"
+    stage_yaml.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
+    cmd = accelerate_command(
+        accelerate_config, "models.train", ["--config", str(stage_yaml)], num_processes
+    )
+    run_launch(cmd, heartbeat=out / "heartbeat", hang_timeout_s=hang_timeout_s)
+    return json.loads((out / "manifest.json").read_text())
+
+
+@task(name="launch-generate")
+def launch_generate(
+    pipeline_dir: str,
+    prompts_csv: str,
+    out_dir: str,
+    *,
+    accelerate_config: str,
+    seeds: list[int],
+    num_inference_steps: int,
+    guidance_scale: float,
+    batch_size: int,
+    limit: int | None = None,
+    model_ref: str = "",
+    num_processes: int | None = None,
+) -> dict:
+    """Generate the evaluation images with `models.generate`; returns the study.json content."""
+    args = [
+        "--pipeline", pipeline_dir,
+        "--prompts", prompts_csv,
+        "--out", out_dir,
+        "--seeds", *map(str, seeds),
+        "--steps", str(num_inference_steps),
+        "--guidance", str(guidance_scale),
+        "--batch-size", str(batch_size),
+        "--model-ref", model_ref,
+    ]  # fmt: skip
+    if limit:
+        args += ["--limit", str(limit)]
+    run_launch(accelerate_command(accelerate_config, "models.generate", args, num_processes))
+    return json.loads((Path(out_dir) / "study.json").read_text())

@@ -1,0 +1,95 @@
+"""MLflow calls: the training run's record and the model registry.
+
+The train flow opens one MLflow run per training run (`create_training_run`); the training
+script logs metrics into it by id, and `register_model` logs the exported pipeline into the
+same run as a pyfunc model, registers a version, tags it with its lineage and points an alias
+(`candidate` by default) at it. Aliases, never the deprecated registry stages.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+from prefect import task
+
+__all__ = ["create_training_run", "ensure_experiment", "register_model"]
+
+# What a serving environment needs to load the pyfunc model (pinned to what trained it).
+SERVING_PACKAGES = ["torch", "diffusers", "transformers", "accelerate", "safetensors", "pandas", "pillow"]
+
+
+def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
+    """The experiment's id, creating it with artifacts under `artifact_root` if missing."""
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = Path(artifact_root).resolve().as_uri() if artifact_root else None
+    return client.create_experiment(name, artifact_location=location)
+
+
+@task(name="create-training-run")
+def create_training_run(
+    tracking_uri: str,
+    experiment: str,
+    run_name: str,
+    params: dict[str, str],
+    tags: dict[str, str],
+    artifact_root: str | None = None,
+) -> str:
+    """Create the MLflow run that a whole training run (all stages) logs into; return its id."""
+    client = MlflowClient(tracking_uri)
+    exp_id = ensure_experiment(client, experiment, artifact_root)
+    run = client.create_run(exp_id, run_name=run_name, tags=tags)
+    for k, v in params.items():
+        client.log_param(run.info.run_id, k, str(v)[:6000])
+    return run.info.run_id
+
+
+@task(name="register-model")
+def register_model(
+    tracking_uri: str,
+    mlflow_run_id: str,
+    export_dir: str,
+    model_name: str,
+    alias: str,
+    lineage: dict[str, str],
+) -> dict:
+    """Log `export_dir` as a pyfunc model in the training run, register it, set `alias`.
+
+    Returns:
+        {"name", "version", "alias", "model_uri", "uri_by_alias"}.
+    """
+    import mlflow
+
+    import models
+    from models.pyfunc import KilnDiffusionModel, signature
+
+    if not (Path(export_dir) / "model_index.json").is_file():
+        raise FileNotFoundError(f"no exported pipeline at {export_dir} (model_index.json missing)")
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    reqs = [f"{p}=={importlib.metadata.version(p)}" for p in SERVING_PACKAGES]
+    with mlflow.start_run(run_id=mlflow_run_id):
+        info = mlflow.pyfunc.log_model(
+            name="model",
+            python_model=KilnDiffusionModel(),
+            artifacts={"pipeline": export_dir},
+            code_paths=[str(Path(models.__file__).parent)],
+            pip_requirements=reqs,
+            signature=signature(),
+        )
+    version = mlflow.register_model(info.model_uri, model_name, tags=lineage)
+    client.set_registered_model_alias(model_name, alias, version.version)
+    client.update_model_version(
+        model_name, version.version, description=f"Kiln training run {lineage.get('run_id', '')}"
+    )
+    return {
+        "name": model_name,
+        "version": str(version.version),
+        "alias": alias,
+        "model_uri": info.model_uri,
+        "uri_by_alias": f"models:/{model_name}@{alias}",
+    }
