@@ -58,6 +58,9 @@ def main() -> None:
     them as one Prefect flow run. Without PREFECT_API_URL, flows run against Prefect's local
     embedded server; `kiln ui` shows them.
     """
+    # Prefect's server telemetry cannot reach the network here and contends for the local
+    # SQLite database; off unless the user has set it.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @main.command("demo-data")

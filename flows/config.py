@@ -29,14 +29,16 @@ def _is_remote(uri: str) -> bool:
 
 
 class StorageConfig(Strict):
-    root: str = Field("./kiln-data", description="Local folder or s3://bucket/prefix.")
+    root: str = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2...).")
 
     @field_validator("root")
     @classmethod
     def _root(cls, v: str) -> str:
-        if _is_remote(v) and not v.startswith("s3://"):
-            raise ValueError("only local folders and s3:// roots are supported")
+        if _is_remote(v):
+            # Sources may be s3://; the root (catalog, shards, runs) is a local or mounted
+            # folder for now.
+            raise ValueError("storage.root must be a local (or mounted) folder")
         return v
 
 
@@ -108,11 +110,6 @@ class PipelineConfig(Strict):
     def tracking_uri(self) -> str:
         if self.registry.tracking_uri:
             return self.registry.tracking_uri
-        if _is_remote(self.storage.root):
-            raise ConfigError(
-                "registry.tracking_uri must be set when storage.root is remote "
-                f"(received storage.root={self.storage.root!r})"
-            )
         return f"sqlite:///{Path(self.storage.root) / 'mlflow.db'}"
 
 

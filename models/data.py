@@ -111,4 +111,8 @@ def build_loader(
         num_workers=num_workers,
         drop_last=True,
         persistent_workers=False,
+        # Each new iterator draws a base seed from this generator. Left at the default, it
+        # would draw from the global torch RNG, and a resumed run (which restores that RNG
+        # and then starts a new iterator) would sample different noise than the original.
+        generator=torch.Generator().manual_seed(seed),
     )

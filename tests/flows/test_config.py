@@ -1,0 +1,80 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.config import PipelineConfig, load_config
+from models.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_and_sd2_presets_load():
+    tiny = load_config(REPO / "configs" / "tiny.yaml")
+    assert [s.resolution for s in tiny.train.stages] == [32, 48, 64]
+    assert tiny.registry.model_name == "kiln-t2i"
+    assert tiny.tracking_uri == f"sqlite:///{Path(tiny.storage.root) / 'mlflow.db'}"
+    assert Path(tiny.launch.accelerate_config).is_file()
+    sd2 = load_config(REPO / "configs" / "sd2-base.yaml")
+    assert [s.resolution for s in sd2.train.stages] == [256, 512, 1024]
+    unet = sd2.train.model.unet
+    assert unet["block_out_channels"] == [320, 640, 1280, 1280]
+    assert unet["attention_head_dim"] == [5, 10, 20, 20]
+    assert unet["cross_attention_dim"] == 1024 and unet["use_linear_projection"] is True
+    assert sd2.train.model.vae.pretrained == "stabilityai/stable-diffusion-2-base"
+    assert sd2.train.model.vae.subfolder == "vae"
+
+
+def test_defaults_from_minimal_config(tmp_path):
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    minimal = {"train": cfg["train"], "evaluate": {"prompts_csv": "p.csv"}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(minimal))
+    loaded = load_config(tmp_path / "c.yaml")
+    assert loaded.storage.root == str(Path("./kiln-data").resolve())
+    assert loaded.registry.model_name == "kiln-t2i"
+    assert isinstance(loaded, PipelineConfig)
+
+
+@pytest.mark.parametrize(
+    ("dotted", "value", "expect"),
+    [
+        ("quality.max_reject_fraction", 1.5, "quality.max_reject_fraction"),
+        ("train.stages.1.batch_size", 0, "train.stages.1.batch_size"),
+        ("shards.jpeg_quality", "high", "shards.jpeg_quality"),
+        ("registry.colour", "red", "registry.colour"),
+    ],
+)
+def test_bad_value_names_field_and_value(tmp_path, dotted, value, expect):
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    node = cfg
+    *parents, leaf = dotted.split(".")
+    for p in parents:
+        node = node[int(p)] if p.isdigit() else node[p]
+    node[leaf] = value
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "bad.yaml")
+    assert expect in str(e.value)
+    assert repr(value) in str(e.value)
+
+
+def test_stage_resolutions_must_increase(tmp_path):
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg["train"]["stages"][1]["resolution"] = 16
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match="strictly increase"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_overrides(tmp_path):
+    cfg = load_config(REPO / "configs" / "tiny.yaml", root=str(tmp_path / "r"), source="s3://b/p")
+    assert cfg.storage.root == str(tmp_path / "r")
+    assert cfg.ingest.source == "s3://b/p"
