@@ -39,14 +39,22 @@ def build_suite(min_side: int):
 
     e = gx.expectations
     suite = gx.ExpectationSuite(name="kiln_catalog")
-    suite.add_expectation(e.ExpectColumnValuesToNotBeNull(column="caption", meta={"reason": "caption_missing"}))
     suite.add_expectation(
-        e.ExpectColumnValuesToMatchRegex(column="caption", regex=r"\S", meta={"reason": "caption_blank"})
+        e.ExpectColumnValuesToNotBeNull(column="caption", meta={"reason": "caption_missing"})
     )
     suite.add_expectation(
-        e.ExpectColumnValuesToBeBetween(column="short_side", min_value=min_side, meta={"reason": "too_small"})
+        e.ExpectColumnValuesToMatchRegex(
+            column="caption", regex=r"\S", meta={"reason": "caption_blank"}
+        )
     )
-    suite.add_expectation(e.ExpectColumnValuesToBeUnique(column="sha256", meta={"reason": "duplicate_sha256"}))
+    suite.add_expectation(
+        e.ExpectColumnValuesToBeBetween(
+            column="short_side", min_value=min_side, meta={"reason": "too_small"}
+        )
+    )
+    suite.add_expectation(
+        e.ExpectColumnValuesToBeUnique(column="sha256", meta={"reason": "duplicate_sha256"})
+    )
     return suite
 
 
@@ -61,7 +69,9 @@ def run_suite(catalog: pd.DataFrame, min_side: int) -> QualityVerdict:
     required = {"key", "caption", "width", "height", "sha256"}
     missing = required - set(catalog.columns)
     if missing:
-        raise ValueError(f"catalog is missing columns {sorted(missing)}; got {list(catalog.columns)}")
+        raise ValueError(
+            f"catalog is missing columns {sorted(missing)}; got {list(catalog.columns)}"
+        )
     df = catalog.copy()
     df["short_side"] = df[["width", "height"]].min(axis=1)
     df = df.sort_values("key").reset_index(drop=True)

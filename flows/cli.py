@@ -34,14 +34,18 @@ SOURCE = click.option(
 )
 
 
-def _call(fn, *args, **kwargs):
-    """Run a flow; turn expected failures into one clear error line instead of a traceback."""
-    from flows.config import ConfigError
+def _call(fn, config_path: str, **kwargs):
+    """Validate the config, then run a flow; expected failures end in one clear error line.
+
+    The config is checked before any flow run starts, so a typo never reaches Prefect.
+    """
+    from flows.config import ConfigError, load_config
     from tasks.launch import LaunchError
     from tasks.quality import QualityGateError
 
     try:
-        return fn(*args, **kwargs)
+        load_config(config_path, root=kwargs.get("root"), source=kwargs.get("source"))
+        return fn(config_path, **kwargs)
     except (ConfigError, FileNotFoundError, QualityGateError, LaunchError, ValueError) as e:
         raise click.ClickException(str(e)) from e
 
@@ -132,11 +136,15 @@ def shard(config_path: str, root: str | None, ingest_id: str | None) -> None:
 @ROOT
 @click.option("--dataset-version", default=None, help="Shards to train on (default: newest).")
 @click.option("--run-id", default=None, help="Resume this training run (default: a new run).")
-def train(config_path: str, root: str | None, dataset_version: str | None, run_id: str | None) -> None:
+def train(
+    config_path: str, root: str | None, dataset_version: str | None, run_id: str | None
+) -> None:
     """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
     from flows.train import train_flow
 
-    result = _call(train_flow, config_path, root=root, dataset_version=dataset_version, run_id=run_id)
+    result = _call(
+        train_flow, config_path, root=root, dataset_version=dataset_version, run_id=run_id
+    )
     _show({k: v for k, v in result.items() if k != "stages"})
 
 
@@ -155,7 +163,9 @@ def evaluate(config_path: str, root: str | None, run_id: str | None) -> None:
 @CONFIG
 @ROOT
 @click.option("--run-id", default=None, help="Training run to register (default: newest).")
-@click.option("--study-id", default=None, help="Evaluation study for the lineage (default: newest).")
+@click.option(
+    "--study-id", default=None, help="Evaluation study for the lineage (default: newest)."
+)
 def register(config_path: str, root: str | None, run_id: str | None, study_id: str | None) -> None:
     """Log the final pipeline to MLflow, register a version and set the alias."""
     from flows.register import register_flow
@@ -181,7 +191,16 @@ def mlflow_ui(config_path: str, root: str | None, port: int) -> None:
 
     cfg = _call(load_config, config_path, root=root)
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
-    cmd = [mlflow, "ui", "--backend-store-uri", cfg.tracking_uri, "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        mlflow,
+        "ui",
+        "--backend-store-uri",
+        cfg.tracking_uri,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     raise SystemExit(subprocess.call(cmd))
 
 

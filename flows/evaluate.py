@@ -33,7 +33,13 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
         raise FileNotFoundError(f"training run {run_id} has not finished: no export in run.json")
     ev = cfg.evaluate
     settings = json.dumps(
-        [Path(ev.prompts_csv).read_bytes().hex(), ev.seeds, ev.num_inference_steps, ev.guidance_scale, ev.limit]
+        [
+            Path(ev.prompts_csv).read_bytes().hex(),
+            ev.seeds,
+            ev.num_inference_steps,
+            ev.guidance_scale,
+            ev.limit,
+        ]
     )
     study_id = f"{run_id}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
     study = launch_generate(
@@ -63,4 +69,8 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
             + "\n".join(f"| {c} | {n} |" for c, n in sorted(cats.items()))
         ),
     )
-    return {"study_id": study_id, "images": len(study["items"]), "path": str(layout.study(study_id))}
+    return {
+        "study_id": study_id,
+        "images": len(study["items"]),
+        "path": str(layout.study(study_id)),
+    }

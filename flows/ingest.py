@@ -34,7 +34,9 @@ def ingest_flow(config_path: str, root: str | None = None, source: str | None = 
         workers=ic.workers,
         endpoint_url=cfg.storage.endpoint_url,
     )
-    reasons = "\n".join(f"| `{k}` | {v} |" for k, v in sorted(result.reasons.items())) or "| - | 0 |"
+    reasons = (
+        "\n".join(f"| `{k}` | {v} |" for k, v in sorted(result.reasons.items())) or "| - | 0 |"
+    )
     create_markdown_artifact(
         key="ingest-summary",
         description=f"Ingest {result.ingest_id}",

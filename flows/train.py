@@ -37,7 +37,11 @@ def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) 
             "ingest_id": shards["ingest_id"],
             "stages": ",".join(str(s.resolution) for s in cfg.train.stages),
             "accelerate_config": Path(cfg.launch.accelerate_config).name,
-            **{f"stage{s.resolution}.{k}": v for s in cfg.train.stages for k, v in s.model_dump().items()},
+            **{
+                f"stage{s.resolution}.{k}": v
+                for s in cfg.train.stages
+                for k, v in s.model_dump().items()
+            },
         },
         tags={"kiln.run_id": run_id, "kiln.dataset_version": version},
         artifact_root=str(Path(cfg.storage.root) / "mlartifacts"),

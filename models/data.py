@@ -64,7 +64,10 @@ class ImageCaptionDataset(StreamingDataset):
     def __getitem__(self, idx: int) -> dict:
         sample = super().__getitem__(idx)
         caption = sample["caption"]
-        if self.caption_dropout and np.random.default_rng([self.seed, idx]).random() < self.caption_dropout:
+        if (
+            self.caption_dropout
+            and np.random.default_rng([self.seed, idx]).random() < self.caption_dropout
+        ):
             caption = ""
         ids = self.tokenizer(
             caption,

@@ -119,7 +119,9 @@ def build_components(
         )
     vae.requires_grad_(False)
     text_encoder.requires_grad_(False)
-    return Components(unet, vae, text_encoder, tokenizer, DDPMScheduler.from_config(cfg.noise_scheduler))
+    return Components(
+        unet, vae, text_encoder, tokenizer, DDPMScheduler.from_config(cfg.noise_scheduler)
+    )
 
 
 def sampling_scheduler(noise_scheduler: DDPMScheduler) -> DDIMScheduler:

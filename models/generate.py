@@ -1,6 +1,6 @@
 """Generate evaluation images for a prompt set (DrawBench), split across processes:
 
-    accelerate launch -m models.generate --pipeline FINAL_DIR --prompts drawbench.csv --out STUDY_DIR
+    accelerate launch -m models.generate --pipeline FINAL --prompts drawbench.csv --out STUDY
 
 Each (prompt, seed) pair gets its own generator, so an image depends only on its prompt and
 seed, never on batching or process count. Existing images are kept, so a relaunch after a
@@ -34,7 +34,9 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
         reader = csv.DictReader(f)
         cols = reader.fieldnames or []
         if "Prompts" not in cols:
-            raise ValueError(f"{path} must have a 'Prompts' column (and optionally 'Category'); got {cols}")
+            raise ValueError(
+                f"{path} must have a 'Prompts' column (and optionally 'Category'); got {cols}"
+            )
         rows = [
             {"prompt": r["Prompts"].strip(), "category": (r.get("Category") or "").strip()}
             for r in reader
@@ -93,7 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     if state.is_main_process:
         missing = [it["path"] for it in items if not (out / it["path"]).is_file()]
         if missing:
-            raise RuntimeError(f"{len(missing)} images missing after generation, e.g. {missing[:3]}")
+            raise RuntimeError(
+                f"{len(missing)} images missing after generation, e.g. {missing[:3]}"
+            )
         study = {
             "study_id": out.name,
             "model": {"pipeline": str(Path(args.pipeline).resolve()), "ref": args.model_ref},

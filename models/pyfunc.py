@@ -14,7 +14,13 @@ import pandas as pd
 
 __all__ = ["KilnDiffusionModel", "signature"]
 
-DEFAULT_PARAMS = {"num_inference_steps": 25, "guidance_scale": 7.5, "seed": 0, "height": 0, "width": 0}
+DEFAULT_PARAMS = {
+    "num_inference_steps": 25,
+    "guidance_scale": 7.5,
+    "seed": 0,
+    "height": 0,
+    "width": 0,
+}
 
 
 def signature():
@@ -56,11 +62,17 @@ class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
         if torch.cuda.is_available():
             self.pipe.to("cuda")
 
-    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:
+    def predict(
+        self, context, model_input: pd.DataFrame, params: dict | None = None
+    ) -> pd.DataFrame:
         import torch
 
         if not isinstance(model_input, pd.DataFrame) or "prompt" not in model_input.columns:
-            got = list(model_input.columns) if isinstance(model_input, pd.DataFrame) else type(model_input).__name__
+            got = (
+                list(model_input.columns)
+                if isinstance(model_input, pd.DataFrame)
+                else type(model_input).__name__
+            )
             raise ValueError(f"predict needs a DataFrame with a 'prompt' column; got {got}")
         p = {**DEFAULT_PARAMS, **(params or {})}
         prompts = [str(x) for x in model_input["prompt"].tolist()]
@@ -77,5 +89,12 @@ class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
         for prompt, img in zip(prompts, images, strict=True):
             buf = io.BytesIO()
             img.save(buf, format="PNG")
-            rows.append({"prompt": prompt, "image": buf.getvalue(), "width": img.width, "height": img.height})
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "image": buf.getvalue(),
+                    "width": img.width,
+                    "height": img.height,
+                }
+            )
         return pd.DataFrame(rows, columns=["prompt", "image", "width", "height"])

@@ -1,6 +1,7 @@
 """Train one resolution stage of the text-to-image UNet. Runs on its own under Accelerate:
 
-    accelerate launch --config_file configs/accelerate/single.yaml -m models.train --config stage.yaml
+    accelerate launch --config_file configs/accelerate/single.yaml \
+        -m models.train --config stage.yaml
 
 The stage file (a resolved :class:`models.config.StageRun`) is the only input. The script
 resumes from the newest complete checkpoint in `<output_dir>/checkpoints/` by itself, so a
@@ -138,7 +139,9 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
     keys_file = None
     if cfg.log_sample_keys:
         keys_file = open(out / f"samples-rank{accelerator.process_index}.jsonl", "a")  # noqa: SIM115
-    samples_per_step = stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
+    samples_per_step = (
+        stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
+    )
     t_last, wait_s, loss_sum, loss_n = time.perf_counter(), 0.0, 0.0, 0
     empty_epochs = 0
     while state.step < stage.max_steps:
@@ -170,7 +173,11 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
                     ).item()
                     now = time.perf_counter()
                     dt = now - t_last
-                    steps = cfg.log_every if state.step % cfg.log_every == 0 else state.step % cfg.log_every
+                    steps = (
+                        cfg.log_every
+                        if state.step % cfg.log_every == 0
+                        else state.step % cfg.log_every
+                    )
                     sink.log(
                         state.step,
                         loss=mean_loss,
@@ -183,7 +190,10 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
                     t_last, wait_s, loss_sum, loss_n = now, 0.0, 0.0, 0
                 if state.step % cfg.checkpoint_every == 0 or state.step == stage.max_steps:
                     save_checkpoint(
-                        accelerator, ckpt_root, state.step, {"loader": loader.state_dict()},
+                        accelerator,
+                        ckpt_root,
+                        state.step,
+                        {"loader": loader.state_dict()},
                         cfg.keep_checkpoints,
                     )
                 if state.step >= stage.max_steps:
@@ -210,7 +220,9 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
     accelerator.wait_for_everyone()
     unet = accelerator.unwrap_model(comps.unet)
     # Every rank reports a checksum of its weights: DDP must have kept them identical.
-    sums = accelerator.gather(torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64))
+    sums = accelerator.gather(
+        torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64)
+    )
     if not accelerator.is_main_process:
         return
     export_unet = unet
@@ -240,7 +252,9 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
         "resolution": run.stage.resolution,
         "final_step": state.step,
         "export": str(out / "final"),
-        "raw_unet": str(out / "final-raw" / "unet") if ema is not None else str(out / "final" / "unet"),
+        "raw_unet": str(out / "final-raw" / "unet")
+        if ema is not None
+        else str(out / "final" / "unet"),
         "ema": ema is not None,
         "num_processes": accelerator.num_processes,
         "param_checksums": [float(x) for x in sums.cpu().tolist()],
@@ -253,7 +267,9 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="Resolved stage.yaml (models.config.StageRun)")
+    parser.add_argument(
+        "--config", required=True, help="Resolved stage.yaml (models.config.StageRun)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run: StageRun = load_yaml_model(StageRun, args.config)
@@ -274,7 +290,10 @@ def main(argv: list[str] | None = None) -> None:
     clean_stale_shared_memory()
     accelerator.wait_for_everyone()
     sink = MetricsSink(
-        out, run.tracking_uri, run.mlflow_run_id, f"stage{run.stage.resolution}",
+        out,
+        run.tracking_uri,
+        run.mlflow_run_id,
+        f"stage{run.stage.resolution}",
         accelerator.is_main_process,
     )
     comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
@@ -282,7 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     # timesteps. A resumed run restores these RNG states from the checkpoint instead.
     set_seed(run.train.seed + run.stage_index, device_specific=True)
     loader = build_dataloader(run, comps)
-    state = train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink)
+    state = train_loop(
+        run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink
+    )
     save_and_export(run, accelerator, comps, ema, state, sink)
     accelerator.wait_for_everyone()
     accelerator.end_training()

@@ -72,7 +72,7 @@ def to_rgb(img: Image.Image) -> Image.Image:
 
 
 def resize_center_crop(img: Image.Image, size: int) -> tuple[Image.Image, tuple[int, int]]:
-    """Resize the short side to `size` (Lanczos) and centre-crop a square; return crop (top, left)."""
+    """Resize the short side to `size` (Lanczos), centre-crop a square; return (top, left)."""
     w, h = img.size
     scale = size / min(w, h)
     nw, nh = max(size, round(w * scale)), max(size, round(h * scale))

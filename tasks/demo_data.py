@@ -73,7 +73,9 @@ def _render(rng: random.Random, size: tuple[int, int]) -> tuple[Image.Image, str
         cx0, cy0, cx1, cy1 = cells[i]
         side = min(cx1 - cx0, cy1 - cy0) * (0.45 if (small and i == 1) else 0.8)
         mx, my = (cx0 + cx1) / 2, (cy0 + cy1) / 2
-        _draw_shape(draw, shape, (mx - side / 2, my - side / 2, mx + side / 2, my + side / 2), COLORS[color])
+        _draw_shape(
+            draw, shape, (mx - side / 2, my - side / 2, mx + side / 2, my + side / 2), COLORS[color]
+        )
     size_word = "small " if small else ""
     caption = f"a {c1} {s1} {rel} a {size_word}{c2} {s2} on a {bg_name} background"
     return img, caption

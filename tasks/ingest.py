@@ -55,7 +55,9 @@ def read_manifest(
     captions: dict[str, str | None] = {}
     problems: list[dict] = []
     if not store.exists(metadata_file):
-        task_logger(__name__).warning("no %s in %s: every image will lack a caption", metadata_file, store.url())
+        task_logger(__name__).warning(
+            "no %s in %s: every image will lack a caption", metadata_file, store.url()
+        )
         return captions, problems
     for n, line in enumerate(store.read_bytes(metadata_file).splitlines(), start=1):
         where = f"{metadata_file}:{n}"
@@ -67,7 +69,13 @@ def read_manifest(
             problems.append({"key": where, "reason": "manifest_bad_json", "detail": str(e)})
             continue
         if not isinstance(row, dict) or not isinstance(row.get("file_name"), str):
-            problems.append({"key": where, "reason": "manifest_no_file_name", "detail": line[:200].decode("utf-8", "replace")})
+            problems.append(
+                {
+                    "key": where,
+                    "reason": "manifest_no_file_name",
+                    "detail": line[:200].decode("utf-8", "replace"),
+                }
+            )
             continue
         cap = row.get(caption_column)
         captions[row["file_name"]] = None if cap is None else str(cap)
@@ -125,17 +133,27 @@ def ingest_source(
     jobs = []
     for o in files:
         if _is_unsafe(o.key):
-            quarantine.append({"key": o.key, "reason": "unsafe_key", "detail": "path escapes the source"})
+            quarantine.append(
+                {"key": o.key, "reason": "unsafe_key", "detail": "path escapes the source"}
+            )
         elif PurePosixPath(o.key).suffix.lower() not in exts:
             quarantine.append({"key": o.key, "reason": "unsupported_extension", "detail": o.key})
         else:
             jobs.append((store.url(), endpoint_url, o.key, max_pixels))
 
     n_workers = workers or os.cpu_count() or 1
-    task_logger(__name__).info("ingest %s: %d files listed, decoding %d in %d processes", ingest_id, len(files), len(jobs), n_workers)
+    task_logger(__name__).info(
+        "ingest %s: %d files listed, decoding %d in %d processes",
+        ingest_id,
+        len(files),
+        len(jobs),
+        n_workers,
+    )
     # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
     with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("spawn")) as pool:
-        records = list(pool.map(inspect_image, jobs, chunksize=max(1, len(jobs) // (n_workers * 8))))
+        records = list(
+            pool.map(inspect_image, jobs, chunksize=max(1, len(jobs) // (n_workers * 8)))
+        )
     accepted = []
     for rec in records:
         if "reason" in rec:
@@ -144,15 +162,25 @@ def ingest_source(
             accepted.append({**rec, "caption": captions.get(rec["key"])})
     listed_keys = {o.key for o in files}
     for key in sorted(set(captions) - listed_keys):
-        manifest_problems.append({"key": key, "reason": "manifest_missing_file", "detail": "listed in manifest, not in source"})
+        manifest_problems.append(
+            {
+                "key": key,
+                "reason": "manifest_missing_file",
+                "detail": "listed in manifest, not in source",
+            }
+        )
     for q in quarantine:
         q["step"] = "ingest"
     for q in manifest_problems:
         q["step"] = "ingest-manifest"
 
     acc_df = pd.DataFrame(accepted, columns=ACCEPTED_COLUMNS).sort_values("key")
-    q_df = pd.DataFrame(quarantine + manifest_problems, columns=QUARANTINE_COLUMNS).sort_values("key")
-    assert len(acc_df) + len(quarantine) == len(files), "every listed file is accepted or quarantined"
+    q_df = pd.DataFrame(quarantine + manifest_problems, columns=QUARANTINE_COLUMNS).sort_values(
+        "key"
+    )
+    assert len(acc_df) + len(quarantine) == len(files), (
+        "every listed file is accepted or quarantined"
+    )
     result = IngestResult(
         ingest_id=ingest_id,
         source=store.url(),

@@ -10,6 +10,7 @@ for any reason (failure, cancellation), so no orphan workers are left behind.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import os
@@ -47,10 +48,8 @@ def accelerate_command(
 
 def _kill_group(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait()
 
 
@@ -104,7 +103,9 @@ def run_launch(
         _kill_group(proc)
         reader.join(timeout=5)
     if hung or proc.returncode != 0:
-        why = f"hung (no heartbeat for {hang_timeout_s}s)" if hung else f"exit code {proc.returncode}"
+        why = (
+            f"hung (no heartbeat for {hang_timeout_s}s)" if hung else f"exit code {proc.returncode}"
+        )
         raise LaunchError(f"accelerate launch failed: {why}\n" + "\n".join(tail))
 
 

@@ -21,7 +21,6 @@ from tasks.logs import task_logger
 __all__ = ["QualityGateError", "ValidateResult", "validate_catalog", "reasons_table"]
 
 
-
 class QualityGateError(RuntimeError):
     """Too large a fraction of the input was rejected."""
 
@@ -102,5 +101,7 @@ def validate_catalog(
             f"({max_reject_fraction:.1%})\n{reasons_table(result)}\n"
             f"quarantine: {cat / 'quarantine.parquet'}"
         )
-    task_logger(__name__).info("validated %s: %d clean, %d quarantined", ingest_id, result.clean, len(files_q))
+    task_logger(__name__).info(
+        "validated %s: %d clean, %d quarantined", ingest_id, result.clean, len(files_q)
+    )
     return result

@@ -17,7 +17,15 @@ from prefect import task
 __all__ = ["create_training_run", "ensure_experiment", "register_model"]
 
 # What a serving environment needs to load the pyfunc model (pinned to what trained it).
-SERVING_PACKAGES = ["torch", "diffusers", "transformers", "accelerate", "safetensors", "pandas", "pillow"]
+SERVING_PACKAGES = [
+    "torch",
+    "diffusers",
+    "transformers",
+    "accelerate",
+    "safetensors",
+    "pandas",
+    "pillow",
+]
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:

@@ -57,7 +57,9 @@ class ShardResult:
 def dataset_version(clean: pd.DataFrame, settings: dict) -> str:
     """Content hash of the clean catalog (keys, bytes, captions) and the shard settings."""
     h = hashlib.sha256(json.dumps({**settings, "format": FORMAT_VERSION}, sort_keys=True).encode())
-    for key, sha, cap in clean.sort_values("key")[["key", "sha256", "caption"]].itertuples(index=False):
+    for key, sha, cap in clean.sort_values("key")[["key", "sha256", "caption"]].itertuples(
+        index=False
+    ):
         h.update(f"\0{key}\0{sha}\0{cap}".encode())
     return "ds-" + h.hexdigest()[:12]
 
@@ -104,7 +106,8 @@ def write_shards(
         if rows.empty:
             raise ValueError(
                 f"stage {r}px has no images: none of {len(clean)} clean images has a short side "
-                f">= {r * min_side_factor:g}px (resolution {r} x shards.min_side_factor {min_side_factor})"
+                f">= {r * min_side_factor:g}px (resolution x shards.min_side_factor "
+                f"{min_side_factor})"
             )
 
     if todo:
@@ -112,13 +115,27 @@ def write_shards(
         per_key = {k: [r for r in todo if k in set(eligible[r]["key"])] for k in keys}
         jobs = [(source, endpoint_url, k, per_key[k], jpeg_quality) for k in keys]
         n_workers = workers or os.cpu_count() or 1
-        task_logger(__name__).info("sharding %d images into %s for %s px with %d processes", len(keys), version, todo, n_workers)
+        task_logger(__name__).info(
+            "sharding %d images into %s for %s px with %d processes",
+            len(keys),
+            version,
+            todo,
+            n_workers,
+        )
         with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("spawn")) as pool:
-            rendered = {d["key"]: d for d in pool.map(render_for_stages, jobs, chunksize=max(1, len(jobs) // (n_workers * 8)))}
+            rendered = {
+                d["key"]: d
+                for d in pool.map(
+                    render_for_stages, jobs, chunksize=max(1, len(jobs) // (n_workers * 8))
+                )
+            }
         failed = {k: d["error"] for k, d in rendered.items() if "error" in d}
         if failed:
             # Ingest decoded these already, so a failure here means the source changed under us.
-            raise RuntimeError(f"{len(failed)} images failed to re-read during sharding: {dict(list(failed.items())[:5])}")
+            raise RuntimeError(
+                f"{len(failed)} images failed to re-read during sharding: "
+                f"{dict(list(failed.items())[:5])}"
+            )
         by_key = clean.set_index("key")
         for r in todo:
             tmp = base / f".{r}.tmp"
@@ -143,9 +160,13 @@ def write_shards(
             tmp.rename(dest)  # publish: the folder appears complete, index.json included
     else:
         result.reused = True
-        task_logger(__name__).info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
+        task_logger(__name__).info(
+            "dataset %s already exists for %s px: reusing it", version, sorted(resolutions)
+        )
     for r in sorted(resolutions):
         result.stages[r] = _stage_stats(base / str(r))
-    (base / "shards.json").write_text(json.dumps({**result.to_dict(), "settings": settings}, indent=2))
+    (base / "shards.json").write_text(
+        json.dumps({**result.to_dict(), "settings": settings}, indent=2)
+    )
     layout.set_latest("shards", version)
     return result

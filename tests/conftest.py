@@ -39,7 +39,9 @@ def demo_src(tmp_path_factory) -> Path:
     return out
 
 
-def _write_tiny_config(path: Path, root: Path, source: Path | str, prompts: Path, **overrides) -> Path:
+def _write_tiny_config(
+    path: Path, root: Path, source: Path | str, prompts: Path, **overrides
+) -> Path:
     """configs/tiny.yaml with root, source and prompts pointed at test folders."""
     cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     cfg["storage"]["root"] = str(root)
@@ -86,8 +88,12 @@ def tiny_shards(tmp_path_factory, demo_src, make_config):
     ing = ingest_source.fn(str(demo_src), root, workers=2)
     validate_catalog.fn(root, ing.ingest_id, min_side=32, max_reject_fraction=0.25)
     res = write_shards.fn(
-        root, ing.ingest_id, str(demo_src), [s.resolution for s in cfg.train.stages],
-        size_limit=cfg.shards.size_limit, workers=2,
+        root,
+        ing.ingest_id,
+        str(demo_src),
+        [s.resolution for s in cfg.train.stages],
+        size_limit=cfg.shards.size_limit,
+        workers=2,
     )
     return cfg_path, Path(root), res.dataset_version
 

@@ -16,7 +16,12 @@ def test_suite_flags_each_failure_with_a_reason():
     )
     v = run_suite(df, min_side=32)
     got = dict(zip(v.rejected["key"], v.rejected["reason"], strict=True))
-    assert got == {"b": "caption_blank", "c": "caption_missing", "d": "too_small", "f": "duplicate_sha256"}
+    assert got == {
+        "b": "caption_blank",
+        "c": "caption_missing",
+        "d": "too_small",
+        "f": "duplicate_sha256",
+    }
     assert list(v.clean["key"]) == ["a", "e"], "the first copy of a duplicate is kept"
     assert "same sha256 as e" in v.rejected.set_index("key").loc["f", "detail"]
     assert {e["reason"]: e["unexpected"] for e in v.expectations} == {
@@ -25,7 +30,9 @@ def test_suite_flags_each_failure_with_a_reason():
 
 
 def test_suite_on_clean_and_empty_catalogs():
-    ok = pd.DataFrame({"key": ["a"], "caption": ["x"], "width": [40], "height": [50], "sha256": ["1"]})
+    ok = pd.DataFrame(
+        {"key": ["a"], "caption": ["x"], "width": [40], "height": [50], "sha256": ["1"]}
+    )
     assert run_suite(ok, min_side=32).rejected.empty
     assert run_suite(ok.iloc[:0], min_side=32).clean.empty
     with pytest.raises(ValueError, match="missing columns"):

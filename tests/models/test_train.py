@@ -44,7 +44,9 @@ def _launch(stage_yaml, topology="single.yaml"):
 
 
 def _keys(out, rank):
-    return [json.loads(line) for line in (out / f"samples-rank{rank}.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line) for line in (out / f"samples-rank{rank}.jsonl").read_text().splitlines()
+    ]
 
 
 def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp_path, tiny_shards):
@@ -52,7 +54,9 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp
     out = tmp_path / "ddp"
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
-    _launch(_stage(cfg_path, root, version, out, stages=stages, log_sample_keys=True), "cpu-ddp-2.yaml")
+    _launch(
+        _stage(cfg_path, root, version, out, stages=stages, log_sample_keys=True), "cpu-ddp-2.yaml"
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_processes"] == 2
     a, b = manifest["param_checksums"]

@@ -11,7 +11,9 @@ def test_demo_data_is_deterministic_and_plants_bad_items(tmp_path):
     assert a["files"] == 20
     for p in (tmp_path / "a").iterdir():
         assert p.read_bytes() == (tmp_path / "b" / p.name).read_bytes(), p.name
-    rows = [json.loads(line) for line in (tmp_path / "a" / "metadata.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "a" / "metadata.jsonl").read_text().splitlines()
+    ]
     assert len(rows) == 20 and set(PLANTED) <= {r["file_name"] for r in rows}
     assert (tmp_path / "a" / "bad-empty.jpg").stat().st_size == 0
     caption = rows[0]["text"]

@@ -54,14 +54,20 @@ def test_manifest_problems_and_unlisted_files(tmp_path):
     assert res.manifest_problems == 2
 
 
-def test_s3_source_through_moto_matches_local(tmp_path, demo_src, s3_bucket, s3_endpoint, upload_dir):
+def test_s3_source_through_moto_matches_local(
+    tmp_path, demo_src, s3_bucket, s3_endpoint, upload_dir
+):
     bucket, client = s3_bucket
     upload_dir(client, bucket, "raw", demo_src)
     local = ingest_source.fn(str(demo_src), str(tmp_path / "a"), workers=1)
-    remote = ingest_source.fn(f"s3://{bucket}/raw", str(tmp_path / "b"), workers=2, endpoint_url=s3_endpoint)
+    remote = ingest_source.fn(
+        f"s3://{bucket}/raw", str(tmp_path / "b"), workers=2, endpoint_url=s3_endpoint
+    )
     acc_l, q_l = _tables(tmp_path / "a", local.ingest_id)
     acc_r, q_r = _tables(tmp_path / "b", remote.ingest_id)
     assert remote.source == f"s3://{bucket}/raw"
     cols = ["key", "sha256", "width", "height", "caption"]
-    pd.testing.assert_frame_equal(acc_l[cols].reset_index(drop=True), acc_r[cols].reset_index(drop=True))
+    pd.testing.assert_frame_equal(
+        acc_l[cols].reset_index(drop=True), acc_r[cols].reset_index(drop=True)
+    )
     assert list(q_l["reason"]) == list(q_r["reason"])

@@ -24,7 +24,9 @@ def test_shards_per_stage_are_readable_and_bucketed(validated):
     assert res.stages[32]["samples"] > res.stages[64]["samples"] > 0
     assert res.stages[32]["shards"] > 1, "tiny size limit gives several shards"
     for r in (32, 64):
-        ds = StreamingDataset(local=str(root / "shards" / res.dataset_version / str(r)), batch_size=1)
+        ds = StreamingDataset(
+            local=str(root / "shards" / res.dataset_version / str(r)), batch_size=1
+        )
         assert len(ds) == res.stages[r]["samples"]
         for i in range(len(ds)):
             s = ds[i]

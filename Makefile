@@ -1,0 +1,42 @@
+# Two commands from a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.kiln-installed
+DEMO_DATA ?= demo-data
+CONFIG ?= configs/tiny.yaml
+
+.PHONY: install demo test test-fast lint format benchmark clean
+
+# Create the venv if missing and install the project with the pinned constraints.
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kiln demo-data $(DEMO_DATA) --n 60
+	$(BIN)/kiln run --config $(CONFIG) --source $(DEMO_DATA)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not e2e"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+benchmark: $(STAMP)
+	$(BIN)/python benchmarks/demo_walltime.py --out benchmarks/results/demo_walltime.json
+
+clean:
+	rm -rf kiln-data $(DEMO_DATA) .pytest_cache

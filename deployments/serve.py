@@ -1,0 +1,42 @@
+"""Serve Kiln's flows from this process, without a work pool:
+
+    python deployments/serve.py --config configs/sd2-base.yaml --cron "0 3 * * 0"
+
+The retraining pipeline runs on the cron schedule; every flow can also be started on demand
+from the Prefect UI. Parameters are config paths, never copies of hyperparameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from prefect import serve
+
+from flows.evaluate import evaluate_flow
+from flows.ingest import ingest_flow
+from flows.pipeline import kiln_pipeline
+from flows.register import register_flow
+from flows.shard import shard_flow
+from flows.train import train_flow
+from flows.validate import validate_flow
+
+
+def build_deployments(config_path: str, cron: str | None) -> list:
+    """One deployment per flow; the pipeline gets the retraining schedule."""
+    params = {"config_path": config_path}
+    deployments = [kiln_pipeline.to_deployment("retrain", parameters=params, cron=cron)]
+    for f in (ingest_flow, validate_flow, shard_flow, train_flow, evaluate_flow, register_flow):
+        deployments.append(f.to_deployment(f.name.removeprefix("kiln-"), parameters=params))
+    return deployments
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/tiny.yaml", help="Pipeline YAML path")
+    p.add_argument("--cron", default=None, help="Retraining schedule, e.g. '0 3 * * 0'")
+    args = p.parse_args()
+    serve(*build_deployments(args.config, args.cron))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""`kiln run` on the demo set, then checks from a consumer's side, each in a fresh process."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def _py(code: str, env: dict) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, demo_src, make_config):
+    base = tmp_path_factory.mktemp("e2e")
+    cfg = make_config(base / "tiny.yaml", base / "root", demo_src, **{"evaluate.seeds": [0, 1]})
+    # No PREFECT_API_URL: the CLI runs against Prefect's local embedded server, as `make demo`.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(base / "prefect-home")
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "run", "--config", str(cfg)],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    out = proc.stdout
+    result = json.loads(out[: out.index("\nKiln pipeline finished")])
+    return base / "root", result, env, out
+
+
+def test_pipeline_result_and_quality_gate(pipeline_run):
+    root, result, _, out = pipeline_run
+    assert "kiln mlflow-ui" in out and "127.0.0.1:4200" in out
+    ing, q = result["ingest"], result["quality"]
+    assert ing["listed"] == 60 and ing["accepted"] + ing["quarantined"] == 60
+    assert q["clean"] + q["rejected_ingest"] + q["rejected_validate"] == 60
+    quarantine = pd.read_parquet(root / "catalog" / ing["ingest_id"] / "quarantine.parquet")
+    reasons = dict(zip(quarantine["key"], quarantine["reason"], strict=True))
+    assert {k: reasons[k] for k in ("bad-truncated.jpg", "bad-empty.jpg", "bad-text.jpg",
+                                    "bad-no-caption.jpg", "bad-duplicate.jpg")} == {
+        "bad-truncated.jpg": "decode_error",
+        "bad-empty.jpg": "empty_file",
+        "bad-text.jpg": "not_an_image",
+        "bad-no-caption.jpg": "caption_blank",
+        "bad-duplicate.jpg": "duplicate_sha256",
+    }  # fmt: skip
+    run = json.loads((root / "runs" / result["run"]["run_id"] / "run.json").read_text())
+    assert list(run["stages"]) == ["32", "48", "64"]
+    for res, m in run["stages"].items():
+        assert m["final_step"] == {"32": 12, "48": 8, "64": 8}[res]
+    assert result["model"]["lineage"]["dataset_version"] == result["shards"]["dataset_version"]
+
+
+def test_registry_alias_loads_and_generates(pipeline_run):
+    root, result, env, _ = pipeline_run
+    out = _py(
+        f"""
+        import io, json, mlflow, pandas as pd
+        from mlflow import MlflowClient
+        from PIL import Image
+        uri = "sqlite:///{root / "mlflow.db"}"
+        mlflow.set_tracking_uri(uri)
+        model = mlflow.pyfunc.load_model("models:/kiln-t2i@candidate")
+        df = model.predict(pd.DataFrame({{"prompt": ["a red circle above a blue square"]}}),
+                           params={{"num_inference_steps": 2}})
+        img = Image.open(io.BytesIO(df["image"][0]))
+        v = MlflowClient(uri).get_model_version_by_alias("kiln-t2i", "candidate")
+        print(json.dumps({{"size": img.size, "tags": v.tags}}))
+        """,
+        env,
+    )
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["size"] == [64, 64]
+    assert got["tags"]["run_id"] == result["run"]["run_id"]
+    assert got["tags"]["study_id"] == result["study"]["study_id"]
+
+
+def test_plain_streaming_dataset_reads_shards(pipeline_run):
+    root, result, env, _ = pipeline_run
+    shards = root / "shards" / result["shards"]["dataset_version"]
+    out = _py(
+        f"""
+        import io
+        from PIL import Image
+        from streaming import StreamingDataset
+        for res in (32, 48, 64):
+            ds = StreamingDataset(local="{shards}/" + str(res), batch_size=1)
+            s = ds[0]
+            assert Image.open(io.BytesIO(s["image"])).size == (res, res)
+            assert all(ds[i]["caption"].strip() for i in range(len(ds)))
+            print(res, len(ds))
+        """,
+        env,
+    )
+    counts = dict(line.split() for line in out.strip().splitlines())
+    assert int(counts["32"]) == result["shards"]["stages"]["32"]["samples"] > 0
+
+
+def test_export_loads_with_diffusers(pipeline_run):
+    _, result, env, _ = pipeline_run
+    out = _py(
+        f"""
+        import torch
+        from diffusers import StableDiffusionPipeline
+        pipe = StableDiffusionPipeline.from_pretrained("{result["run"]["export"]}")
+        img = pipe("a green square", num_inference_steps=2,
+                   generator=torch.Generator().manual_seed(0)).images[0]
+        print(img.size)
+        """,
+        env,
+    )
+    assert out.strip().splitlines()[-1] == "(64, 64)"
+
+
+def test_study_has_one_image_per_prompt_and_seed(pipeline_run, drawbench_csv):
+    _, result, env, _ = pipeline_run
+    study_dir = Path(result["study"]["path"])
+    out = _py(
+        f"""
+        import csv, json
+        from pathlib import Path
+        from PIL import Image
+        study = json.loads(Path("{study_dir}/study.json").read_text())
+        prompts = list(csv.DictReader(open("{drawbench_csv}", newline="")))
+        pairs = {{(it["prompt"], it["seed"]) for it in study["items"]}}
+        assert len(study["items"]) == len(pairs) == 2 * len(prompts)
+        for it in study["items"]:
+            assert Image.open(Path("{study_dir}") / it["path"]).size == (64, 64)
+        print(len(study["items"]), len({{it["category"] for it in study["items"]}}))
+        """,
+        env,
+    )
+    n, cats = map(int, out.split())
+    assert n == 400 and cats > 5

@@ -1,0 +1,35 @@
+"""The layer rule of DESIGN.md: imports point only down the table."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+ALLOWED = {
+    "flows": {"flows", "tasks", "models", "data_quality", "human_eval"},
+    "tasks": {"tasks", "models", "data_quality"},
+    "models": {"models"},
+    "data_quality": {"data_quality"},
+    "human_eval": {"human_eval"},
+    "deployments": {"deployments", "flows"},
+}
+OURS = set(ALLOWED)
+
+
+def _imports(path: Path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module.split(".")[0]
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_imports_point_down(layer):
+    for path in (REPO / layer).rglob("*.py"):
+        for mod in _imports(path):
+            if mod in OURS:
+                assert mod in ALLOWED[layer], f"{path.relative_to(REPO)} imports {mod}"
+            if layer in ("models", "data_quality"):
+                assert mod != "prefect", f"{path.relative_to(REPO)} imports prefect"
