@@ -78,6 +78,12 @@ def train_flow(
     version = dataset_version or layout.latest("shards", "train")
     run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
     record = _run_record(cfg, layout, run_id, version)
+    if record["dataset_version"] != version and dataset_version is not None:
+        raise ValueError(
+            f"run {run_id} trains on {record['dataset_version']}, not {dataset_version}: "
+            "start a new run to train on other data"
+        )
+    version = record["dataset_version"]  # a resumed run keeps its own data
     layout.set_latest("runs", run_id)
     init_from: str | None = None
     manifest: dict = {}

@@ -20,6 +20,7 @@ from pathlib import Path, PurePosixPath
 
 import pandas as pd
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from tasks.decode import inspect_image
 from tasks.layout import Layout
@@ -95,7 +96,7 @@ def _is_unsafe(key: str) -> bool:
     return p.is_absolute() or ".." in p.parts
 
 
-@task(name="ingest-source", retries=1, retry_delay_seconds=5)
+@task(name="ingest-source", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
 def ingest_source(
     source: str,
     root: str,

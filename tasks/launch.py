@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from models.config import StageRun
 from tasks.logs import task_logger
@@ -109,7 +110,7 @@ def run_launch(
         raise LaunchError(f"accelerate launch failed: {why}\n" + "\n".join(tail))
 
 
-@task(name="launch-stage")
+@task(name="launch-stage", cache_policy=NO_CACHE)
 def launch_stage(
     stage: StageRun,
     accelerate_config: str,
@@ -132,7 +133,7 @@ def launch_stage(
     return json.loads((out / "manifest.json").read_text())
 
 
-@task(name="launch-generate")
+@task(name="launch-generate", cache_policy=NO_CACHE)
 def launch_generate(
     pipeline_dir: str,
     prompts_csv: str,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 from data_quality.suite import REASONS, run_suite
 from tasks.layout import Layout
@@ -59,7 +60,7 @@ def _write_parquet(df: pd.DataFrame, path: Path) -> None:
     tmp.replace(path)
 
 
-@task(name="validate-catalog")
+@task(name="validate-catalog", cache_policy=NO_CACHE)
 def validate_catalog(
     root: str, ingest_id: str, *, min_side: int, max_reject_fraction: float
 ) -> ValidateResult:

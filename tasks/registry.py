@@ -13,6 +13,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 
 __all__ = ["create_training_run", "ensure_experiment", "register_model"]
 
@@ -37,7 +38,7 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
     return client.create_experiment(name, artifact_location=location)
 
 
-@task(name="create-training-run")
+@task(name="create-training-run", cache_policy=NO_CACHE)
 def create_training_run(
     tracking_uri: str,
     experiment: str,
@@ -55,7 +56,7 @@ def create_training_run(
     return run.info.run_id
 
 
-@task(name="register-model")
+@task(name="register-model", cache_policy=NO_CACHE)
 def register_model(
     tracking_uri: str,
     mlflow_run_id: str,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from streaming import MDSWriter
 
 from tasks.decode import render_for_stages
@@ -74,7 +75,7 @@ def _stage_stats(path: Path) -> dict:
     }
 
 
-@task(name="write-shards")
+@task(name="write-shards", cache_policy=NO_CACHE)
 def write_shards(
     root: str,
     ingest_id: str,

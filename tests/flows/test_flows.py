@@ -1,0 +1,67 @@
+"""Real Prefect flow runs (session-wide prefect_test_harness), steps run on their own."""
+
+import asyncio
+import json
+
+import pytest
+
+from flows.ingest import ingest_flow
+from flows.shard import shard_flow
+from flows.validate import validate_flow
+from tasks.quality import QualityGateError
+
+
+def _artifact(key: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+            )
+
+    return asyncio.run(read())
+
+
+def test_steps_run_alone_from_an_s3_source(
+    tmp_path, demo_src, make_config, s3_bucket, s3_endpoint, upload_dir
+):
+    bucket, client = s3_bucket
+    upload_dir(client, bucket, "raw", demo_src)
+    cfg = make_config(
+        tmp_path / "c.yaml",
+        tmp_path / "root",
+        f"s3://{bucket}/raw",
+        **{"storage.endpoint_url": s3_endpoint},
+    )
+    ing = ingest_flow(str(cfg))
+    assert ing["listed"] == 60 and ing["source"] == f"s3://{bucket}/raw"
+    q = validate_flow(str(cfg))  # finds the catalog through LATEST
+    assert q["ingest_id"] == ing["ingest_id"] and q["passed"]
+    shards = shard_flow(str(cfg))  # re-reads the images from S3
+    assert shards["stages"][32]["samples"] == q["clean"], "every clean image is >= 32 px"
+    assert (
+        tmp_path / "root" / "shards" / shards["dataset_version"] / "64" / "index.json"
+    ).is_file()
+    assert any("accepted" in a.data for a in _artifact("ingest-summary"))
+
+
+def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_src, make_config):
+    cfg = make_config(
+        tmp_path / "c.yaml", tmp_path / "root", demo_src,
+        **{"quality.min_side": 90, "quality.max_reject_fraction": 0.05},
+    )  # fmt: skip
+    ingest_flow(str(cfg))
+    with pytest.raises(QualityGateError, match="quality gate failed"):
+        validate_flow(str(cfg))
+    summary = json.loads(next((tmp_path / "root" / "quality").glob("*/summary.json")).read_text())
+    assert not summary["passed"] and summary["reasons"]["too_small"] > 0
+    assert any("FAILED" in a.data and "too_small" in a.data for a in _artifact("quality-gate"))
+
+
+def test_shard_before_validate_says_so(tmp_path, demo_src, make_config):
+    cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src)
+    ingest_flow(str(cfg))
+    with pytest.raises(FileNotFoundError, match="run `kiln validate` first"):
+        shard_flow(str(cfg))
