@@ -27,10 +27,7 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
     """
     cfg = load_config(config_path, root=root)
     layout = Layout(Path(cfg.storage.root))
-    run_id = run_id or layout.latest("runs", "evaluate")
-    record = json.loads((layout.run(run_id) / "run.json").read_text())
-    if "export" not in record:
-        raise FileNotFoundError(f"training run {run_id} has not finished: no export in run.json")
+    run_id, record = layout.finished_run(run_id, "evaluate")
     ev = cfg.evaluate
     settings = json.dumps(
         [

@@ -33,10 +33,7 @@ def register_flow(
     """
     cfg = load_config(config_path, root=root)
     layout = Layout(Path(cfg.storage.root))
-    run_id = run_id or layout.latest("runs", "register")
-    record = json.loads((layout.run(run_id) / "run.json").read_text())
-    if "export" not in record:
-        raise FileNotFoundError(f"training run {run_id} has not finished: no export in run.json")
+    run_id, record = layout.finished_run(run_id, "register")
     if study_id is None and (layout.root / "eval" / "LATEST").is_file():
         study_id = layout.latest("eval", "register")
     ingest = json.loads((layout.catalog(record["ingest_id"]) / "summary.json").read_text())

@@ -6,6 +6,7 @@ step, run on its own, finds its input without being told.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,3 +57,17 @@ class Layout:
                 f"exist under root {self.root}; run `kiln {before[kind]}` first"
             )
         return path.read_text().strip()
+
+    def finished_run(self, run_id: str | None, needed_by: str) -> tuple[str, dict]:
+        """(run id, run.json) of a training run that has exported; default the newest run."""
+        run_id = run_id or self.latest("runs", needed_by)
+        path = self.run(run_id) / "run.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{needed_by}: no training run {run_id} under {self.root}")
+        record = json.loads(path.read_text())
+        if "export" not in record:
+            raise FileNotFoundError(
+                f"{needed_by}: training run {run_id} has not finished (no export in run.json); "
+                f"resume it with `kiln train --run-id {run_id}`"
+            )
+        return run_id, record
