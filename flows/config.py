@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from models.config import ConfigError, TrainConfig, load_yaml_model
 
-__all__ = ["PipelineConfig", "ConfigError", "load_config", "PROJECT_DIR"]
+__all__ = ["PipelineConfig", "ConfigError", "check_inputs", "load_config", "PROJECT_DIR"]
 
 # Repository root (editable install): used to find bundled configs/accelerate/*.yaml.
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -111,6 +111,21 @@ class PipelineConfig(Strict):
         if self.registry.tracking_uri:
             return self.registry.tracking_uri
         return f"sqlite:///{Path(self.storage.root) / 'mlflow.db'}"
+
+
+def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
+    """Fail fast on missing files that a later step needs, before hours of earlier steps."""
+    need = {
+        "train": [("launch.accelerate_config", cfg.launch.accelerate_config)],
+        "evaluate": [
+            ("evaluate.prompts_csv", cfg.evaluate.prompts_csv),
+            ("launch.accelerate_config", cfg.launch.accelerate_config),
+        ],
+    }
+    for step in steps:
+        for field, path in need.get(step, []):
+            if not Path(path).is_file():
+                raise ConfigError(f"{field}: file not found (received {path!r})")
 
 
 def _abs(p: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import load_config
+from flows.config import check_inputs, load_config
 from tasks.launch import launch_generate
 from tasks.layout import Layout
 
@@ -26,6 +26,7 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
         run_id: Training run to evaluate; default the newest.
     """
     cfg = load_config(config_path, root=root)
+    check_inputs(cfg, ("evaluate",))
     layout = Layout(Path(cfg.storage.root))
     run_id, record = layout.finished_run(run_id, "evaluate")
     ev = cfg.evaluate

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
+from flows.config import check_inputs, load_config
 from flows.evaluate import evaluate_flow
 from flows.ingest import ingest_flow
 from flows.register import register_flow
@@ -23,6 +24,7 @@ def kiln_pipeline(config_path: str, root: str | None = None, source: str | None 
         root: Overrides `storage.root`.
         source: Overrides `ingest.source`.
     """
+    check_inputs(load_config(config_path, root=root, source=source), ("train", "evaluate"))
     ingest = ingest_flow(config_path, root=root, source=source)
     quality = validate_flow(config_path, root=root, ingest_id=ingest["ingest_id"])
     shards = shard_flow(config_path, root=root, ingest_id=ingest["ingest_id"])

@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, load_config
+from flows.config import PipelineConfig, check_inputs, load_config
 from models.config import StageRun
 from tasks.launch import launch_stage
 from tasks.layout import Layout
@@ -74,6 +74,7 @@ def train_flow(
         run_id: Resume this run; default a new `run-<UTC timestamp>`.
     """
     cfg = load_config(config_path, root=root)
+    check_inputs(cfg, ("train",))
     layout = Layout(Path(cfg.storage.root))
     version = dataset_version or layout.latest("shards", "train")
     run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())

@@ -59,3 +59,16 @@ def test_demo_data_command(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert len(list((tmp_path / "d").glob("*.*"))) == 13  # 12 files + metadata.jsonl
+
+
+def test_run_fails_before_any_work_when_prompts_are_missing(tmp_path, demo_src, make_config):
+    cfg = make_config(
+        tmp_path / "c.yaml",
+        tmp_path / "root",
+        demo_src,
+        **{"evaluate.prompts_csv": str(tmp_path / "nope.csv")},
+    )
+    result = CliRunner().invoke(main, ["run", "--config", str(cfg)])
+    assert result.exit_code == 1
+    assert "evaluate.prompts_csv: file not found" in result.output
+    assert not (tmp_path / "root" / "catalog").exists(), "nothing ran"
