@@ -16,6 +16,7 @@ __all__ = [
     "Component",
     "ConfigError",
     "EMAConfig",
+    "FaultInjection",
     "ModelConfig",
     "StageConfig",
     "StageRun",
@@ -126,6 +127,16 @@ class TrainConfig(Strict):
         return self
 
 
+class FaultInjection(Strict):
+    """Test seam for crash and hang handling. Each fault fires once per stage folder (a marker
+    file remembers it), so the relaunch that follows runs through."""
+
+    kill_at_steps: list[int] = Field(
+        default_factory=list, description="SIGKILL the process right after these steps."
+    )
+    stall_at_step: int | None = Field(None, description="Hang (stop heartbeating) at this step.")
+
+
 class StageRun(Strict):
     """Everything one `accelerate launch -m models.train` needs: the resolved stage.yaml."""
 
@@ -136,6 +147,7 @@ class StageRun(Strict):
     init_from_dir: str | None = Field(None, description="Previous stage's final/ export.")
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    faults: FaultInjection = Field(default_factory=FaultInjection)
 
     @property
     def stage(self) -> StageConfig:

@@ -17,7 +17,9 @@ import copy
 import json
 import logging
 import math
+import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,7 +140,9 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
         sink.event("resumed", step=state.step, checkpoint=str(resume))
     keys_file = None
     if cfg.log_sample_keys:
-        keys_file = open(out / f"samples-rank{accelerator.process_index}.jsonl", "a")  # noqa: SIM115
+        # Line-buffered: a SIGKILL must not lose the lineage of steps already trained.
+        path = out / f"samples-rank{accelerator.process_index}.jsonl"
+        keys_file = open(path, "a", buffering=1)  # noqa: SIM115
     samples_per_step = (
         stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
     )
@@ -196,6 +200,7 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
                         {"loader": loader.state_dict()},
                         cfg.keep_checkpoints,
                     )
+                _inject_faults(run, state.step, out)
                 if state.step >= stage.max_steps:
                     break
             t_fetch = time.perf_counter()
@@ -208,6 +213,22 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
     if keys_file:
         keys_file.close()
     return state
+
+
+def _inject_faults(run: StageRun, step: int, out: Path) -> None:
+    """Fire a configured fault once: a SIGKILL (crash) or an endless stall (hang)."""
+    f = run.faults
+    if step not in f.kill_at_steps and step != f.stall_at_step:
+        return
+    marker = out / f".fault-fired-{step}"
+    if marker.exists():
+        return
+    marker.touch()
+    log.warning("fault injection at step %d", step)
+    if step == f.stall_at_step:
+        while True:  # a hang: no more heartbeats until the watchdog kills us
+            time.sleep(3600)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _param_checksum(module: torch.nn.Module) -> float:

@@ -1,6 +1,8 @@
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +49,87 @@ def test_accelerate_command_checks_the_topology(tmp_path):
     cmd = accelerate_command(str(tmp_path / "t.yaml"), "models.train", ["--config", "x"], 2)
     assert cmd[-4:] == ["-m", "models.train", "--config", "x"]
     assert cmd[cmd.index("--num_processes") + 1] == "2"
+
+
+def _stage_run(tiny_shards, out, **faults):
+    from flows.config import load_config
+    from models.config import FaultInjection, StageRun
+
+    cfg_path, root, version = tiny_shards
+    train = load_config(cfg_path).train
+    stage = train.stages[0].model_copy(update={"max_steps": 6, "batch_size": 4})
+    train = train.model_copy(
+        update={"stages": [stage], "checkpoint_every": 2, "log_every": 1, "log_sample_keys": True}
+    )
+    return StageRun(
+        train=train,
+        stage_index=0,
+        shards=str(root / "shards" / version / "32"),
+        output_dir=str(out),
+        faults=FaultInjection(**faults),
+    )
+
+
+def _per_step(path, field):
+    """The last record of each step (a step redone after a crash is logged again)."""
+    import json
+
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "step" in rec and field in rec:
+            out[rec["step"]] = rec[field]
+    return out
+
+
+def _same_weights(a, b):
+    import torch
+    from safetensors.torch import load_file
+
+    for sub in ("final/unet", "final-raw/unet"):
+        wa = load_file(a / sub / "diffusion_pytorch_model.safetensors")
+        wb = load_file(b / sub / "diffusion_pytorch_model.safetensors")
+        assert all(torch.equal(wa[k], wb[k]) for k in wa), f"{sub} differs"
+
+
+SINGLE = str(Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "single.yaml")
+
+
+def test_sigkill_at_two_steps_resumes_bit_exactly_through_task_retries(tmp_path, tiny_shards):
+    from tasks.launch import launch_stage
+
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    launch_stage.fn(_stage_run(tiny_shards, clean), SINGLE)
+    manifest = launch_stage.with_options(retries=2, retry_delay_seconds=0)(
+        _stage_run(tiny_shards, crashed, kill_at_steps=[3, 5]), SINGLE
+    )
+    assert manifest["final_step"] == 6
+    events = (crashed / "metrics.jsonl").read_text()
+    assert events.count('"event": "resumed"') == 2, "killed twice, resumed twice"
+    assert (crashed / ".fault-fired-3").exists() and (crashed / ".fault-fired-5").exists()
+    assert _per_step(crashed / "metrics.jsonl", "loss") == _per_step(
+        clean / "metrics.jsonl", "loss"
+    )
+    assert _per_step(crashed / "samples-rank0.jsonl", "keys") == _per_step(
+        clean / "samples-rank0.jsonl", "keys"
+    )
+    _same_weights(clean, crashed)
+
+
+def test_stalled_launch_is_killed_by_the_watchdog_and_resumed(tmp_path, tiny_shards):
+    from tasks.launch import launch_stage
+
+    out = tmp_path / "stall"
+    manifest = launch_stage.with_options(retries=1, retry_delay_seconds=0)(
+        _stage_run(tiny_shards, out, stall_at_step=4), SINGLE, hang_timeout_s=20
+    )
+    assert manifest["final_step"] == 6
+    resumed = [
+        r
+        for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+        if r.get("event") == "resumed"
+    ]
+    assert (out / ".fault-fired-4").exists()
+    assert [r["step"] for r in resumed] == [4], (
+        "killed while stalled at step 4, resumed from its checkpoint"
+    )
