@@ -92,6 +92,20 @@ def _same_weights(a, b):
         assert all(torch.equal(wa[k], wb[k]) for k in wa), f"{sub} differs"
 
 
+def _launch_in_flow(run, retries, hang_timeout_s=None):
+    """Launch with retries inside a flow run, as flows/train.py does."""
+    from prefect import flow
+
+    from tasks.launch import launch_stage
+
+    @flow(name="test-launch")
+    def one_stage():
+        task = launch_stage.with_options(retries=retries, retry_delay_seconds=0)
+        return task(run, SINGLE, hang_timeout_s=hang_timeout_s)
+
+    return one_stage()
+
+
 SINGLE = str(Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "single.yaml")
 
 
@@ -100,9 +114,7 @@ def test_sigkill_at_two_steps_resumes_bit_exactly_through_task_retries(tmp_path,
 
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     launch_stage.fn(_stage_run(tiny_shards, clean), SINGLE)
-    manifest = launch_stage.with_options(retries=2, retry_delay_seconds=0)(
-        _stage_run(tiny_shards, crashed, kill_at_steps=[3, 5]), SINGLE
-    )
+    manifest = _launch_in_flow(_stage_run(tiny_shards, crashed, kill_at_steps=[3, 5]), retries=2)
     assert manifest["final_step"] == 6
     events = (crashed / "metrics.jsonl").read_text()
     assert events.count('"event": "resumed"') == 2, "killed twice, resumed twice"
@@ -117,11 +129,10 @@ def test_sigkill_at_two_steps_resumes_bit_exactly_through_task_retries(tmp_path,
 
 
 def test_stalled_launch_is_killed_by_the_watchdog_and_resumed(tmp_path, tiny_shards):
-    from tasks.launch import launch_stage
 
     out = tmp_path / "stall"
-    manifest = launch_stage.with_options(retries=1, retry_delay_seconds=0)(
-        _stage_run(tiny_shards, out, stall_at_step=4), SINGLE, hang_timeout_s=20
+    manifest = _launch_in_flow(
+        _stage_run(tiny_shards, out, stall_at_step=4), retries=1, hang_timeout_s=20
     )
     assert manifest["final_step"] == 6
     resumed = [
