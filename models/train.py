@@ -146,7 +146,8 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
     samples_per_step = (
         stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
     )
-    t_last, wait_s, loss_sum, loss_n = time.perf_counter(), 0.0, 0.0, 0
+    # Per logging window: wall time, data wait, loss sum, micro-batches, optimizer steps.
+    t_last, wait_s, loss_sum, loss_n, window_steps = time.perf_counter(), 0.0, 0.0, 0, 0
     empty_epochs = 0
     while state.step < stage.max_steps:
         got_batch = False
@@ -170,6 +171,7 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
                 if ema is not None:
                     ema.step(comps.unet.parameters())
                 state.step += 1
+                window_steps += 1
                 sink.heartbeat(state.step)
                 if state.step % cfg.log_every == 0 or state.step == stage.max_steps:
                     mean_loss = accelerator.reduce(
@@ -177,11 +179,7 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
                     ).item()
                     now = time.perf_counter()
                     dt = now - t_last
-                    steps = (
-                        cfg.log_every
-                        if state.step % cfg.log_every == 0
-                        else state.step % cfg.log_every
-                    )
+                    steps = window_steps  # fewer than log_every right after a resume
                     sink.log(
                         state.step,
                         loss=mean_loss,
@@ -191,7 +189,7 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
                         data_wait_frac=min(1.0, wait_s / dt),
                     )
                     state.losses.append(mean_loss)
-                    t_last, wait_s, loss_sum, loss_n = now, 0.0, 0.0, 0
+                    t_last, wait_s, loss_sum, loss_n, window_steps = now, 0.0, 0.0, 0, 0
                 if state.step % cfg.checkpoint_every == 0 or state.step == stage.max_steps:
                     save_checkpoint(
                         accelerator,

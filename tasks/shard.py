@@ -112,9 +112,12 @@ def write_shards(
             )
 
     if todo:
-        keys = sorted(set().union(*(set(eligible[r]["key"]) for r in todo)))
-        per_key = {k: [r for r in todo if k in set(eligible[r]["key"])] for k in keys}
-        jobs = [(source, endpoint_url, k, per_key[k], jpeg_quality) for k in keys]
+        stage_keys = {r: set(eligible[r]["key"]) for r in todo}
+        keys = sorted(set().union(*stage_keys.values()))
+        jobs = [
+            (source, endpoint_url, k, [r for r in todo if k in stage_keys[r]], jpeg_quality)
+            for k in keys
+        ]
         n_workers = workers or os.cpu_count() or 1
         task_logger(__name__).info(
             "sharding %d images into %s for %s px with %d processes",

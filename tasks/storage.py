@@ -7,13 +7,12 @@ R2 pass `endpoint_url` (or set `S3_ENDPOINT_URL`, which mosaicml-streaming reads
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
-__all__ = ["ObjectInfo", "Storage", "open_storage"]
+__all__ = ["ObjectInfo", "Storage"]
 
 
 @dataclass(frozen=True)
@@ -67,12 +66,6 @@ class Storage:
         if rel.is_absolute() or ".." in rel.parts:
             raise ValueError(f"key escapes the storage root: {key!r}")
         return self.path.joinpath(*rel.parts)
-
-    def child(self, key: str) -> Storage:
-        """Storage rooted at `key` below this one."""
-        if self.is_s3:
-            return Storage(f"s3://{self.bucket}/{self._s3_key(key)}", self.endpoint_url)
-        return Storage(str(self._local(key)))
 
     def url(self, key: str = "") -> str:
         if self.is_s3:
@@ -143,22 +136,3 @@ class Storage:
 
     def write_text(self, key: str, text: str) -> None:
         self.write_bytes(key, text.encode("utf-8"))
-
-    def upload_dir(self, local_dir: Path, key: str) -> None:
-        """Copy a local folder to `key`. Local roots get an atomic rename into place."""
-        if self.is_s3:
-            for p in sorted(local_dir.rglob("*")):
-                if p.is_file():
-                    rel = p.relative_to(local_dir).as_posix()
-                    self.client.upload_file(str(p), self.bucket, self._s3_key(f"{key}/{rel}"))
-            return
-        dest = self._local(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if dest.exists():
-            shutil.rmtree(dest)
-        shutil.copytree(local_dir, dest)
-
-
-def open_storage(uri: str, endpoint_url: str | None = None) -> Storage:
-    """Open a storage root. `uri` is a local folder or `s3://bucket/prefix`."""
-    return Storage(uri, endpoint_url)

@@ -72,8 +72,6 @@ def _stage_run(tiny_shards, out, **faults):
 
 def _per_step(path, field):
     """The last record of each step (a step redone after a crash is logged again)."""
-    import json
-
     out = {}
     for line in path.read_text().splitlines():
         rec = json.loads(line)
@@ -129,7 +127,6 @@ def test_sigkill_at_two_steps_resumes_bit_exactly_through_task_retries(tmp_path,
 
 
 def test_stalled_launch_is_killed_by_the_watchdog_and_resumed(tmp_path, tiny_shards):
-
     out = tmp_path / "stall"
     manifest = _launch_in_flow(
         _stage_run(tiny_shards, out, stall_at_step=4), retries=1, hang_timeout_s=20
