@@ -9,9 +9,11 @@ that subprocesses see the same files.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from data_quality.rules import QualityConfig
 from models.config import ConfigError, TrainConfig, load_yaml_model
 
 __all__ = ["PipelineConfig", "ConfigError", "check_inputs", "load_config", "PROJECT_DIR"]
@@ -44,8 +46,17 @@ class StorageConfig(Strict):
 
 class IngestConfig(Strict):
     source: str | None = Field(None, description="Local folder or s3://bucket/prefix.")
-    metadata_file: str = "metadata.jsonl"
+    layout: Literal["auto", "imagefolder", "img2dataset", "webdataset"] = Field(
+        "auto", description="Source layout; auto detects it from the listing."
+    )
+    metadata_file: str | None = Field(
+        None, description="imagefolder manifest; default metadata.jsonl, .csv or .parquet."
+    )
     caption_column: str = "text"
+    metadata_columns: list[str] = Field(
+        default_factory=list,
+        description="Pass-through columns kept in the catalog (license, contributor, ...).",
+    )
     image_extensions: list[str] = Field(
         default_factory=lambda: [".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"]
     )
@@ -53,11 +64,23 @@ class IngestConfig(Strict):
     max_pixels: int = Field(
         89_478_485, gt=0, description="Images over this pixel count are quarantined unread."
     )
+    partition_size: int = Field(1000, gt=0, description="Items per decode task.")
+
+    @field_validator("metadata_columns")
+    @classmethod
+    def _no_clash(cls, v: list[str]) -> list[str]:
+        from tasks.sources import CATALOG_COLUMNS
+
+        clash = sorted(set(v) & set(CATALOG_COLUMNS))
+        if clash:
+            raise ValueError(f"names {clash} are catalog columns; pick other names")
+        return v
 
 
-class QualityConfig(Strict):
-    min_side: int = Field(32, gt=0, description="Short side below this is rejected.")
-    max_reject_fraction: float = Field(0.2, ge=0, le=1)
+class ExecutionConfig(Strict):
+    dask_address: str | None = Field(
+        None, description="Dask scheduler (tcp://host:8786) for ingest partitions; else local."
+    )
 
 
 class ShardsConfig(Strict):
@@ -100,6 +123,7 @@ class PipelineConfig(Strict):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     quality: QualityConfig = Field(default_factory=QualityConfig)
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     shards: ShardsConfig = Field(default_factory=ShardsConfig)
     train: TrainConfig
     evaluate: EvaluateConfig

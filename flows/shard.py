@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import flow
@@ -33,11 +32,9 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
             f"catalog {ingest_id} has not been validated ({cat / 'clean.parquet'} missing): "
             "run `kiln validate` first"
         )
-    source = json.loads((cat / "summary.json").read_text())["source"]
     result = write_shards(
         cfg.storage.root,
         ingest_id,
-        source,
         [s.resolution for s in cfg.train.stages],
         min_side_factor=cfg.shards.min_side_factor,
         jpeg_quality=cfg.shards.jpeg_quality,

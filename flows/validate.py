@@ -23,12 +23,19 @@ def _report(summary: dict) -> str:
         for e in result.expectations
     )
     verdict = "passed" if result.passed else "FAILED"
+    docs = (
+        f"Data Docs: [{result.data_docs}](file://{result.data_docs})\n\n"
+        if result.data_docs
+        else ""
+    )
     return (
-        f"## Quality gate {verdict} for `{result.ingest_id}`\n\n"
+        f"## Quality gate {verdict} for `{result.ingest_id}`\n\n{docs}"
         f"{result.listed} files listed: **{result.clean} clean**, "
         f"{result.rejected_ingest} quarantined at ingest, {result.rejected_validate} by the "
         f"suite. Rejected fraction {result.reject_fraction:.1%} (limit "
-        f"{result.max_reject_fraction:.1%}).\n\n### Quarantine reasons\n{reasons_table(result)}\n\n"
+        f"{result.max_reject_fraction:.1%}). Near-duplicates flagged: "
+        f"{result.near_duplicates}. Manifest problems: {result.manifest_problems}.\n\n"
+        f"### Quarantine reasons\n{reasons_table(result)}\n\n"
         f"### Expectations\n| expectation | column | result | rows |\n|---|---|---|---:|\n{rows}\n"
     )
 
@@ -46,12 +53,7 @@ def validate_flow(config_path: str, root: str | None = None, ingest_id: str | No
     layout = Layout(Path(cfg.storage.root))
     ingest_id = ingest_id or layout.latest("catalog", "validate")
     try:
-        result = validate_catalog(
-            cfg.storage.root,
-            ingest_id,
-            min_side=cfg.quality.min_side,
-            max_reject_fraction=cfg.quality.max_reject_fraction,
-        )
+        result = validate_catalog(cfg.storage.root, ingest_id, cfg.quality)
         return result.to_dict()
     finally:
         summary = layout.quality(ingest_id) / "summary.json"

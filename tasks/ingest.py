@@ -1,9 +1,21 @@
-"""Ingest: list a source, read its manifest, decode every image in a process pool, write a catalog.
+"""Ingest: list a source in partitions, decode what is new, and keep an accumulating catalog.
 
-Writes `<root>/catalog/<ingest_id>/{accepted,quarantine}.parquet` and `summary.json`.
-Every listed file ends up in exactly one of the two tables. The ingest id is a hash of the
-listing (keys, sizes, ETags or mtimes) and the manifest, so an unchanged source maps to the
-same id and a re-run reuses the catalog instead of decoding again.
+Per run, `<root>/catalog/<ingest_id>/` gets:
+
+* `accepted.parquet` and `quarantine.parquet`: only the rows this run decoded or rejected;
+* `view_accepted.parquet` and `view_quarantine.parquet`: the current view, every row of every
+  source ingested into this root that is still present (what validate reads);
+* `summary.json`: counts, per-reason tallies and the incremental delta.
+
+`<root>/catalog/LATEST` names the ingest whose view is current. A run compares the listing
+with the view, item by item (key plus size and ETag or mtime, and the versions of its
+sidecars or manifest row): unchanged items are not read again, changed ones replace their old
+rows, and items gone from the source leave the view. A re-run over an unchanged source decodes
+nothing and adds no rows.
+
+Listing and decoding run as Prefect tasks over partitions: the top-level folders of the
+source, and then chunks of `partition_size` items. Locally the decode tasks share a process
+pool; with `dask_address` they run on a Dask cluster through prefect-dask's DaskTaskRunner.
 """
 
 from __future__ import annotations
@@ -14,191 +26,329 @@ import multiprocessing as mp
 import os
 import shutil
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
-from pathlib import Path, PurePosixPath
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.task_runners import ThreadPoolTaskRunner
 
-from tasks.decode import inspect_image
+from tasks.inspect import InspectOptions, inspect_item
 from tasks.layout import Layout
 from tasks.logs import task_logger
-from tasks.storage import Storage
+from tasks.sources import (
+    CATALOG_COLUMNS,
+    LAYOUTS,
+    MANIFEST_NAMES,
+    Item,
+    detect_layout,
+    plan_items,
+    read_manifest,
+)
+from tasks.storage import ObjectInfo, Storage
 
-__all__ = ["IngestResult", "ingest_source", "read_manifest"]
+__all__ = [
+    "ACCEPTED_COLUMNS",
+    "QUARANTINE_COLUMNS",
+    "IngestResult",
+    "decode_partition",
+    "ingest_source",
+    "list_partition",
+    "read_view",
+]
 
-
-ACCEPTED_COLUMNS = ["key", "sha256", "width", "height", "caption", "format", "mode", "bytes"]
-QUARANTINE_COLUMNS = ["key", "reason", "detail", "step"]
+ACCEPTED_COLUMNS = CATALOG_COLUMNS
+QUARANTINE_COLUMNS = [
+    "key", "source", "reason", "detail", "step", "unit", "unit_version", "ingest_id",
+]  # fmt: skip
 
 
 @dataclass
 class IngestResult:
     ingest_id: str
     source: str
-    listed: int
-    accepted: int
-    quarantined: int
-    reasons: dict[str, int] = field(default_factory=dict)
+    layout: str
+    listed: int  # items of this source now: accepted + quarantined (files or tar samples)
+    accepted: int  # of `listed`
+    quarantined: int  # of `listed`
+    reasons: dict[str, int] = field(default_factory=dict)  # over `listed`
     manifest_problems: int = 0
+    new_items: int = 0  # decoded this run (new or changed)
+    unchanged_items: int = 0
+    removed_items: int = 0
+    decoded_accepted: int = 0
+    decoded_quarantined: int = 0
+    view_accepted: int = 0  # all sources in this root
+    view_quarantined: int = 0
     reused: bool = False
+    finished_at: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def read_manifest(
-    store: Storage, metadata_file: str, caption_column: str
-) -> tuple[dict[str, str | None], list[dict]]:
-    """Captions by key from an imagefolder `metadata.jsonl`, plus rows that could not be used."""
-    captions: dict[str, str | None] = {}
-    problems: list[dict] = []
-    if not store.exists(metadata_file):
-        task_logger(__name__).warning(
-            "no %s in %s: every image will lack a caption", metadata_file, store.url()
+@task(name="list-partition", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def list_partition(source: str, prefix: str, endpoint_url: str | None = None) -> list[ObjectInfo]:
+    """Every object below one top-level folder of the source (S3 listing paginates)."""
+    return Storage(source, endpoint_url).list(prefix)
+
+
+@task(name="decode-partition", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def decode_partition(
+    opts: InspectOptions, items: list[Item], pool: Executor | None = None
+) -> list[dict]:
+    """Inspect a chunk of items: in `pool` when given (local runs), else in this process (on a
+    Dask worker). Pure reads, so a retry is safe."""
+    jobs = [(opts, it) for it in items]
+    if pool is None:
+        results = map(inspect_item, jobs)
+    else:
+        results = pool.map(inspect_item, jobs, chunksize=max(1, len(jobs) // 16))
+    return [r for recs in results for r in recs]
+
+
+def _runner(workers: int, dask_address: str | None):
+    if dask_address:
+        from prefect_dask import DaskTaskRunner
+
+        return DaskTaskRunner(address=dask_address)
+    return ThreadPoolTaskRunner(max_workers=max(2, workers))
+
+
+def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.DataFrame, int]:
+    """(accepted, quarantine, ingest_seq) of the view after `ingest_id`; empty when None."""
+    if ingest_id is None:
+        return (
+            pd.DataFrame(columns=ACCEPTED_COLUMNS),
+            pd.DataFrame(columns=QUARANTINE_COLUMNS),
+            0,
         )
-        return captions, problems
-    for n, line in enumerate(store.read_bytes(metadata_file).splitlines(), start=1):
-        where = f"{metadata_file}:{n}"
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            problems.append({"key": where, "reason": "manifest_bad_json", "detail": str(e)})
-            continue
-        if not isinstance(row, dict) or not isinstance(row.get("file_name"), str):
-            problems.append(
-                {
-                    "key": where,
-                    "reason": "manifest_no_file_name",
-                    "detail": line[:200].decode("utf-8", "replace"),
-                }
-            )
-            continue
-        cap = row.get(caption_column)
-        captions[row["file_name"]] = None if cap is None else str(cap)
-    return captions, problems
+    cat = layout.catalog(ingest_id)
+    summary = json.loads((cat / "summary.json").read_text())
+    return (
+        pd.read_parquet(cat / "view_accepted.parquet"),
+        pd.read_parquet(cat / "view_quarantine.parquet"),
+        int(summary.get("ingest_seq", 0)),
+    )
 
 
-def _ingest_id(source: str, listing: list, manifest_digest: str) -> str:
-    h = hashlib.sha256(source.encode())
-    for o in listing:
-        h.update(f"\0{o.key}\0{o.size}\0{o.version}".encode())
-    h.update(manifest_digest.encode())
+def _list_source(store: Storage, runner, endpoint_url: str | None) -> list[ObjectInfo]:
+    dirs, top = store.top_level()
+    futures = [
+        runner.submit(
+            list_partition, {"source": store.url(), "prefix": d, "endpoint_url": endpoint_url}
+        )
+        for d in dirs
+    ]
+    listing = top + [o for f in futures for o in f.result()]
+    return sorted(listing, key=lambda o: o.key)
+
+
+def _ingest_id(source: str, settings: dict, delta: list[tuple[str, str]], removed: list) -> str:
+    h = hashlib.sha256(json.dumps([source, settings, delta, removed], sort_keys=True).encode())
     return "ing-" + h.hexdigest()[:12]
 
 
-def _is_unsafe(key: str) -> bool:
-    p = PurePosixPath(key)
-    return p.is_absolute() or ".." in p.parts
+def _frame(rows: list[dict], columns: list[str]) -> pd.DataFrame:
+    df = pd.DataFrame(rows)
+    for c in columns:
+        if c not in df.columns:
+            df[c] = None
+    extra = [c for c in df.columns if c not in columns]
+    df = df[columns + extra]
+    return df.sort_values("key", kind="stable").reset_index(drop=True) if len(df) else df
 
 
-@task(name="ingest-source", retries=1, retry_delay_seconds=5, cache_policy=NO_CACHE)
-def ingest_source(
-    source: str,
-    root: str,
-    *,
-    metadata_file: str = "metadata.jsonl",
-    caption_column: str = "text",
-    image_extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".webp"),
-    max_pixels: int = 89_478_485,
-    workers: int = 0,
-    endpoint_url: str | None = None,
-) -> IngestResult:
-    """Catalog every file under `source` into `<root>/catalog/<ingest_id>/`.
-
-    Idempotent: an unchanged source gives the same ingest id, and its catalog is reused.
-    """
-    store = Storage(source, endpoint_url)
-    layout = Layout(Path(root))
-    listing = store.list()
-    if not listing and not store.is_s3 and not store.path.is_dir():
-        raise FileNotFoundError(f"ingest source {source!r} does not exist")
-    manifest_obj = next((o for o in listing if o.key == metadata_file), None)
-    files = [o for o in listing if o.key != metadata_file]
-    ingest_id = _ingest_id(store.url(), files, manifest_obj.version if manifest_obj else "-")
-    out = layout.catalog(ingest_id)
-    if (out / "summary.json").is_file():
-        result = IngestResult(**json.loads((out / "summary.json").read_text()))
-        result.reused = True
-        task_logger(__name__).info("source unchanged since %s: reusing its catalog", ingest_id)
-        layout.set_latest("catalog", ingest_id)
-        return result
-
-    captions, manifest_problems = read_manifest(store, metadata_file, caption_column)
-    exts = {e.lower() for e in image_extensions}
-    quarantine: list[dict] = []
-    jobs = []
-    for o in files:
-        if _is_unsafe(o.key):
-            quarantine.append(
-                {"key": o.key, "reason": "unsafe_key", "detail": "path escapes the source"}
-            )
-        elif PurePosixPath(o.key).suffix.lower() not in exts:
-            quarantine.append({"key": o.key, "reason": "unsupported_extension", "detail": o.key})
-        else:
-            jobs.append((store.url(), endpoint_url, o.key, max_pixels))
-
-    n_workers = workers or os.cpu_count() or 1
-    task_logger(__name__).info(
-        "ingest %s: %d files listed, decoding %d in %d processes",
-        ingest_id,
-        len(files),
-        len(jobs),
-        n_workers,
-    )
-    # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
-    with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("spawn")) as pool:
-        records = list(
-            pool.map(inspect_image, jobs, chunksize=max(1, len(jobs) // (n_workers * 8)))
-        )
-    accepted = []
-    for rec in records:
-        if "reason" in rec:
-            quarantine.append({"key": rec["key"], "reason": rec["reason"], "detail": rec["detail"]})
-        else:
-            accepted.append({**rec, "caption": captions.get(rec["key"])})
-    listed_keys = {o.key for o in files}
-    for key in sorted(set(captions) - listed_keys):
-        manifest_problems.append(
-            {
-                "key": key,
-                "reason": "manifest_missing_file",
-                "detail": "listed in manifest, not in source",
-            }
-        )
-    for q in quarantine:
-        q["step"] = "ingest"
-    for q in manifest_problems:
-        q["step"] = "ingest-manifest"
-
-    acc_df = pd.DataFrame(accepted, columns=ACCEPTED_COLUMNS).sort_values("key")
-    q_df = pd.DataFrame(quarantine + manifest_problems, columns=QUARANTINE_COLUMNS).sort_values(
-        "key"
-    )
-    assert len(acc_df) + len(quarantine) == len(files), (
-        "every listed file is accepted or quarantined"
-    )
-    result = IngestResult(
-        ingest_id=ingest_id,
-        source=store.url(),
-        listed=len(files),
-        accepted=len(acc_df),
-        quarantined=len(quarantine),
-        reasons=dict(Counter(q["reason"] for q in quarantine)),
-        manifest_problems=len(manifest_problems),
-    )
+def _write_dir(out: Path, tables: dict[str, pd.DataFrame], summary: dict) -> None:
     # Write into a temporary folder and rename it into place: a crash leaves no half catalog.
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    acc_df.to_parquet(tmp / "accepted.parquet", index=False)
-    q_df.to_parquet(tmp / "quarantine.parquet", index=False)
-    (tmp / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
+    for name, df in tables.items():
+        df.to_parquet(tmp / f"{name}.parquet", index=False)
+    (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    layout.set_latest("catalog", ingest_id)
+
+
+def ingest_source(
+    source: str,
+    root: str,
+    *,
+    layout: str = "auto",
+    metadata_file: str | None = None,
+    caption_column: str = "text",
+    metadata_columns: tuple[str, ...] = (),
+    image_extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".webp"),
+    max_pixels: int = 89_478_485,
+    workers: int = 0,
+    partition_size: int = 1000,
+    endpoint_url: str | None = None,
+    dask_address: str | None = None,
+) -> IngestResult:
+    """Catalog what is new or changed under `source` and update the current view.
+
+    Must run where Prefect tasks can run (inside a flow, or standalone). Returns the run's
+    counts; `reused` is true when nothing changed, and then no ingest id is created.
+    """
+    log = task_logger(__name__)
+    if layout not in ("auto", *LAYOUTS):
+        raise ValueError(f"ingest.layout must be auto or one of {LAYOUTS}, got {layout!r}")
+    store = Storage(source, endpoint_url)
+    if not store.is_s3 and not store.path.is_dir():
+        raise FileNotFoundError(f"ingest source {source!r} does not exist")
+    cat_layout = Layout(Path(root))
+    exts = {e.lower() for e in image_extensions}
+    n_workers = workers or os.cpu_count() or 1
+    src = store.url()
+
+    with ExitStack() as stack:
+        runner = stack.enter_context(_runner(n_workers, dask_address))
+        listing = _list_source(store, runner, endpoint_url)
+        chosen = layout if layout != "auto" else detect_layout(listing, exts)
+        manifest_obj = None
+        if chosen == "imagefolder":
+            names = [metadata_file] if metadata_file else list(MANIFEST_NAMES)
+            manifest_obj = next((o for o in listing if o.key in names), None)
+            if manifest_obj is None:
+                log.warning("no manifest (%s) in %s: images will lack captions", names, src)
+        manifest = read_manifest(store, manifest_obj, caption_column, list(metadata_columns))
+        items, listing_rejects = plan_items(listing, chosen, manifest, exts)
+
+        previous = cat_layout.latest_or_none("catalog")
+        view_acc, view_q, seq = read_view(cat_layout, previous)
+        mine_acc = view_acc[view_acc["source"] == src]
+        mine_q = view_q[(view_q["source"] == src) & (view_q["step"] == "ingest")]
+        known = dict(zip(mine_acc["unit"], mine_acc["unit_version"], strict=True))
+        known.update(zip(mine_q["unit"], mine_q["unit_version"], strict=True))
+        todo = [it for it in items if known.get(it.key) != it.version]
+        rejects = [r for r in listing_rejects if known.get(r["key"]) != r["version"]]
+        present = {it.key for it in items} | {r["key"] for r in listing_rejects}
+        removed = sorted(set(known) - present)
+        prev_summary = (
+            json.loads((cat_layout.catalog(previous) / "summary.json").read_text())
+            if previous
+            else {}
+        )
+        manifests = {**prev_summary.get("manifests", {}), src: manifest.version}
+        manifest_changed = prev_summary.get("manifests", {}).get(src) != manifest.version
+        settings = {
+            "layout": chosen,
+            "caption_column": caption_column,
+            "metadata_columns": list(metadata_columns),
+            "max_pixels": max_pixels,
+        }
+        delta = [(it.key, it.version) for it in todo] + [(r["key"], r["version"]) for r in rejects]
+        if not delta and not removed and not manifest_changed and previous is not None:
+            log.info("source %s unchanged since %s: nothing to decode", src, previous)
+            return _result_for(previous, src, chosen, view_acc, view_q, prev_summary, reused=True)
+
+        ingest_id = _ingest_id(src, settings, delta, removed)
+        opts = InspectOptions(src, endpoint_url, max_pixels, tuple(metadata_columns))
+        log.info(
+            "ingest %s (%s layout): %d items listed, %d new or changed, %d removed; decoding "
+            "in partitions of %d on %s",
+            ingest_id, chosen, len(items) + len(listing_rejects), len(todo), len(removed),
+            partition_size, "Dask " + dask_address if dask_address else f"{n_workers} processes",
+        )  # fmt: skip
+        pool = None
+        if not dask_address and todo:
+            # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
+            pool = stack.enter_context(
+                ProcessPoolExecutor(min(n_workers, len(todo)), mp_context=mp.get_context("spawn"))
+            )
+        parts = [todo[i : i + partition_size] for i in range(0, len(todo), partition_size)]
+        futures = [
+            runner.submit(decode_partition, {"opts": opts, "items": p, "pool": pool}) for p in parts
+        ]
+        records = [r for f in futures for r in f.result()]
+
+    seq += 1
+    stamp = {"source": src, "ingest_id": ingest_id}
+    accepted = [{**r, **stamp, "ingest_seq": seq} for r in records if "reason" not in r]
+    quarantine = [
+        {**{k: r.get(k) for k in QUARANTINE_COLUMNS}, **stamp, "step": "ingest"}
+        for r in records if "reason" in r
+    ] + [
+        {**r, **stamp, "step": "ingest", "unit": r["key"], "unit_version": r.pop("version")}
+        for r in rejects
+    ]  # fmt: skip
+    problems = [
+        {**p, **stamp, "step": "ingest-manifest", "unit": manifest.name or "-",
+         "unit_version": manifest.version}
+        for p in manifest.problems
+    ]  # fmt: skip
+    acc_df = _frame(accepted, ACCEPTED_COLUMNS + list(metadata_columns))
+    q_df = _frame(quarantine + problems, QUARANTINE_COLUMNS)
+
+    # The new view: other sources untouched; this source's changed and removed units replaced.
+    stale = {it.key for it in todo} | {r["key"] for r in rejects} | set(removed)
+    keep_acc = view_acc[~((view_acc["source"] == src) & view_acc["unit"].isin(stale))]
+    keep_q = view_q[
+        ~(
+            (view_q["source"] == src)
+            & (view_q["unit"].isin(stale) | view_q["step"].eq("ingest-manifest"))
+        )
+    ]
+    new_acc = _concat(keep_acc, acc_df)
+    new_q = _concat(keep_q, q_df)
+    result = _result_for(ingest_id, src, chosen, new_acc, new_q, {}, reused=False)
+    result.new_items, result.removed_items = len(todo) + len(rejects), len(removed)
+    result.unchanged_items = len(items) + len(listing_rejects) - result.new_items
+    result.decoded_accepted = len(acc_df)
+    result.decoded_quarantined = int((q_df["step"] == "ingest").sum()) if len(q_df) else 0
+    mine = new_acc[new_acc["source"] == src]
+    assert result.listed == len(mine) + result.quarantined, "accepted + quarantined = listed"
+    summary = {**result.to_dict(), "ingest_seq": seq, "previous": previous,
+               "settings": settings, "manifests": manifests,
+               "removed": removed[:1000]}  # fmt: skip
+    _write_dir(
+        cat_layout.catalog(ingest_id),
+        {"accepted": acc_df, "quarantine": q_df, "view_accepted": new_acc,
+         "view_quarantine": new_q},
+        summary,
+    )  # fmt: skip
+    cat_layout.set_latest("catalog", ingest_id)
     return result
+
+
+def _concat(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
+    frames = [f for f in (a, b) if len(f)]
+    if not frames:
+        return b if len(b.columns) >= len(a.columns) else a
+    out = pd.concat(frames, ignore_index=True)
+    return out.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
+
+
+def _result_for(
+    ingest_id: str,
+    src: str,
+    layout: str,
+    acc: pd.DataFrame,
+    q: pd.DataFrame,
+    prev: dict,
+    *,
+    reused: bool,
+) -> IngestResult:
+    mine_acc = acc[acc["source"] == src]
+    mine_q = q[q["source"] == src]
+    files_q = mine_q[mine_q["step"] == "ingest"]
+    return IngestResult(
+        ingest_id=ingest_id,
+        source=src,
+        layout=layout,
+        listed=len(mine_acc) + len(files_q),
+        accepted=len(mine_acc),
+        quarantined=len(files_q),
+        reasons=dict(Counter(files_q["reason"])),
+        manifest_problems=int((mine_q["step"] == "ingest-manifest").sum()),
+        unchanged_items=len(mine_acc) + len(files_q) if reused else 0,
+        view_accepted=len(acc),
+        view_quarantined=len(q),
+        reused=reused,
+        finished_at=prev.get("finished_at") or datetime.now(UTC).isoformat(timespec="seconds"),
+    )

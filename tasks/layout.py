@@ -46,6 +46,11 @@ class Layout:
         tmp.write_text(ident + "\n")
         tmp.replace(path)
 
+    def latest_or_none(self, kind: str) -> str | None:
+        assert kind in KINDS, kind
+        path = self.root / kind / "LATEST"
+        return path.read_text().strip() if path.is_file() else None
+
     def latest(self, kind: str, needed_by: str) -> str:
         """The newest id of `kind`, or a clear error naming the step that must run first."""
         assert kind in KINDS, kind

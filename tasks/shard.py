@@ -41,7 +41,7 @@ MDS_COLUMNS = {
     "crop_top": "int32",
     "crop_left": "int32",
 }
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass
@@ -58,10 +58,9 @@ class ShardResult:
 def dataset_version(clean: pd.DataFrame, settings: dict) -> str:
     """Content hash of the clean catalog (keys, bytes, captions) and the shard settings."""
     h = hashlib.sha256(json.dumps({**settings, "format": FORMAT_VERSION}, sort_keys=True).encode())
-    for key, sha, cap in clean.sort_values("key")[["key", "sha256", "caption"]].itertuples(
-        index=False
-    ):
-        h.update(f"\0{key}\0{sha}\0{cap}".encode())
+    rows = clean.sort_values(["source", "key"])[["source", "key", "sha256", "caption"]]
+    for src, key, sha, cap in rows.itertuples(index=False):
+        h.update(f"\0{src}\0{key}\0{sha}\0{cap}".encode())
     return "ds-" + h.hexdigest()[:12]
 
 
@@ -79,7 +78,6 @@ def _stage_stats(path: Path) -> dict:
 def write_shards(
     root: str,
     ingest_id: str,
-    source: str,
     resolutions: list[int],
     *,
     min_side_factor: float = 1.0,
@@ -112,12 +110,19 @@ def write_shards(
             )
 
     if todo:
-        stage_keys = {r: set(eligible[r]["key"]) for r in todo}
+        stage_keys = {
+            r: set(zip(eligible[r]["source"], eligible[r]["key"], strict=True)) for r in todo
+        }
         keys = sorted(set().union(*stage_keys.values()))
-        jobs = [
-            (source, endpoint_url, k, [r for r in todo if k in stage_keys[r]], jpeg_quality)
-            for k in keys
-        ]
+        by_uid = {(row.source, row.key): row for row in clean.itertuples(index=False)}
+        jobs = []
+        for src, key in keys:
+            row = by_uid[(src, key)]
+            stages = [r for r in todo if (src, key) in stage_keys[r]]
+            jobs.append(
+                (src, endpoint_url, key, row.object, int(row.offset), int(row.length), stages,
+                 jpeg_quality)
+            )  # fmt: skip
         n_workers = workers or os.cpu_count() or 1
         task_logger(__name__).info(
             "sharding %d images into %s for %s px with %d processes",
@@ -127,12 +132,8 @@ def write_shards(
             n_workers,
         )
         with ProcessPoolExecutor(n_workers, mp_context=mp.get_context("spawn")) as pool:
-            rendered = {
-                d["key"]: d
-                for d in pool.map(
-                    render_for_stages, jobs, chunksize=max(1, len(jobs) // (n_workers * 8))
-                )
-            }
+            done = pool.map(render_for_stages, jobs, chunksize=max(1, len(jobs) // (n_workers * 8)))
+            rendered = {(job[0], d["key"]): d for job, d in zip(jobs, done, strict=True)}
         failed = {k: d["error"] for k, d in rendered.items() if "error" in d}
         if failed:
             # Ingest decoded these already, so a failure here means the source changed under us.
@@ -140,21 +141,20 @@ def write_shards(
                 f"{len(failed)} images failed to re-read during sharding: "
                 f"{dict(list(failed.items())[:5])}"
             )
-        by_key = clean.set_index("key")
         for r in todo:
             tmp = base / f".{r}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             with MDSWriter(out=str(tmp), columns=MDS_COLUMNS, size_limit=size_limit) as writer:
-                for key in sorted(eligible[r]["key"]):
-                    jpeg, top, left = rendered[key]["images"][r]
-                    row = by_key.loc[key]
+                for uid in sorted(stage_keys[r]):
+                    jpeg, top, left = rendered[uid]["images"][r]
+                    row, key = by_uid[uid], uid[1]
                     writer.write(
                         {
                             "image": jpeg,
-                            "caption": row["caption"],
+                            "caption": row.caption,
                             "key": key,
-                            "orig_width": int(row["width"]),
-                            "orig_height": int(row["height"]),
+                            "orig_width": int(row.width),
+                            "orig_height": int(row.height),
                             "crop_top": top,
                             "crop_left": left,
                         }

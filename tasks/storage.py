@@ -50,10 +50,17 @@ class Storage:
             import boto3
             from botocore.config import Config
 
+            # botocore retries throttling (SlowDown, 503) and 5xx with exponential backoff and
+            # jitter; "adaptive" also rate-limits this client once the store pushes back.
             self._client = boto3.client(
                 "s3",
                 endpoint_url=self.endpoint_url,
-                config=Config(retries={"max_attempts": 8, "mode": "adaptive"}),
+                config=Config(
+                    retries={"max_attempts": 10, "mode": "adaptive"},
+                    connect_timeout=10,
+                    read_timeout=60,
+                    max_pool_connections=32,
+                ),
             )
         return self._client
 
@@ -96,6 +103,31 @@ class Storage:
         out.sort(key=lambda o: o.key)
         return out
 
+    def top_level(self) -> tuple[list[str], list[ObjectInfo]]:
+        """(sub-folder prefixes, objects) directly under the root: the partitions of a listing."""
+        if self.is_s3:
+            dirs: list[str] = []
+            objs: list[ObjectInfo] = []
+            strip = f"{self.prefix}/" if self.prefix else ""
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=strip, Delimiter="/"):
+                dirs += [p["Prefix"][len(strip) :] for p in page.get("CommonPrefixes", [])]
+                for obj in page.get("Contents", []):
+                    key = obj["Key"][len(strip) :]
+                    if key and not key.endswith("/"):
+                        objs.append(ObjectInfo(key, obj["Size"], obj["ETag"].strip('"')))
+            return sorted(dirs), sorted(objs, key=lambda o: o.key)
+        if not self.path.is_dir():
+            return [], []
+        dirs, objs = [], []
+        for p in sorted(self.path.iterdir()):
+            if p.is_dir():
+                dirs.append(p.name + "/")
+            elif p.is_file():
+                st = p.stat()
+                objs.append(ObjectInfo(p.name, st.st_size, str(st.st_mtime_ns)))
+        return dirs, objs
+
     def exists(self, key: str) -> bool:
         if self.is_s3:
             from botocore.exceptions import ClientError
@@ -114,6 +146,27 @@ class Storage:
             resp = self.client.get_object(Bucket=self.bucket, Key=self._s3_key(key))
             return resp["Body"].read()
         return self._local(key).read_bytes()
+
+    def read_range(self, key: str, offset: int, length: int) -> bytes:
+        """`length` bytes from `offset`: one member of a tar shard, without reading the rest."""
+        if length == 0:
+            return b""
+        if self.is_s3:
+            resp = self.client.get_object(
+                Bucket=self.bucket,
+                Key=self._s3_key(key),
+                Range=f"bytes={offset}-{offset + length - 1}",
+            )
+            return resp["Body"].read()
+        with open(self._local(key), "rb") as f:
+            f.seek(offset)
+            return f.read(length)
+
+    def open_stream(self, key: str):
+        """A readable binary stream over one object (an S3 body streams; nothing is buffered)."""
+        if self.is_s3:
+            return self.client.get_object(Bucket=self.bucket, Key=self._s3_key(key))["Body"]
+        return open(self._local(key), "rb")
 
     def write_bytes(self, key: str, data: bytes) -> None:
         """Write atomically: readers see the old object or the new one, never a partial one."""

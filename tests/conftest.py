@@ -25,6 +25,8 @@ def prefect_harness(tmp_path_factory):
     from prefect.testing.utilities import prefect_test_harness
 
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    # Unit tests call ingest (which submits Prefect tasks) outside a flow run.
+    os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
     with prefect_test_harness(server_startup_timeout=120):
         yield
 
@@ -85,12 +87,11 @@ def tiny_shards(tmp_path_factory, demo_src, make_config):
     cfg_path = make_config(base / "tiny.yaml", base / "root", demo_src)
     cfg = load_config(cfg_path)
     root = cfg.storage.root
-    ing = ingest_source.fn(str(demo_src), root, workers=2)
-    validate_catalog.fn(root, ing.ingest_id, min_side=32, max_reject_fraction=0.25)
+    ing = ingest_source(str(demo_src), root, workers=2)
+    validate_catalog.fn(root, ing.ingest_id, cfg.quality)
     res = write_shards.fn(
         root,
         ing.ingest_id,
-        str(demo_src),
         [s.resolution for s in cfg.train.stages],
         size_limit=cfg.shards.size_limit,
         workers=2,
@@ -142,3 +143,173 @@ def upload_dir():
                 client.upload_file(str(p), bucket, f"{prefix}/{p.relative_to(folder).as_posix()}")
 
     return upload
+
+
+# -- source corpora --------------------------------------------------------------------------
+
+
+def _jpeg(size=(64, 48), color=(200, 30, 30), **save) -> bytes:
+    import io
+
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", size, color)
+    ImageDraw.Draw(img).ellipse((4, 4, size[0] // 2, size[1] // 2), fill=(20, 20, 220))
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=90, **save)
+    return buf.getvalue()
+
+
+def _png(img) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+SAMPLES = [  # (stem, caption, size, colour): the same six images in every layout
+    ("a", "a red field with a blue disc", (64, 48), (200, 30, 30)),
+    ("b", "a green field with a blue disc", (48, 64), (30, 200, 30)),
+    ("c", "a yellow field with a blue disc", (72, 72), (230, 200, 20)),
+    ("d", "a grey field with a blue disc", (80, 40), (128, 128, 128)),
+    ("e", "a purple field with a blue disc", (40, 40), (140, 60, 170)),
+    ("f", "an orange field with a blue disc", (96, 64), (240, 130, 30)),
+]
+
+
+def write_layout(kind: str, dest: Path) -> dict[str, str]:
+    """SAMPLES in one of the three layouts; returns {catalog key: caption}."""
+    import io
+    import json
+    import tarfile
+
+    dest.mkdir(parents=True, exist_ok=True)
+    keys = {}
+    if kind == "imagefolder":
+        with open(dest / "metadata.jsonl", "w") as f:
+            for stem, cap, size, color in SAMPLES:
+                (dest / f"{stem}.jpg").write_bytes(_jpeg(size, color))
+                f.write(json.dumps({"file_name": f"{stem}.jpg", "text": cap, "license": "cc0"}))
+                f.write("\n")
+                keys[f"{stem}.jpg"] = cap
+    elif kind == "img2dataset":
+        for i, (stem, cap, size, color) in enumerate(SAMPLES):
+            part = dest / f"{i // 3:05d}"
+            part.mkdir(exist_ok=True)
+            (part / f"{stem}.jpg").write_bytes(_jpeg(size, color))
+            (part / f"{stem}.txt").write_text(cap)
+            (part / f"{stem}.json").write_text(json.dumps({"license": "cc0", "url": "x"}))
+            keys[f"{i // 3:05d}/{stem}.jpg"] = cap
+    else:
+        for t in range(2):
+            with tarfile.open(dest / f"{t:05d}.tar", "w") as tf:
+                for stem, cap, size, color in SAMPLES[t * 3 : t * 3 + 3]:
+                    for ext, data in (
+                        ("jpg", _jpeg(size, color)),
+                        ("txt", cap.encode()),
+                        ("json", json.dumps({"license": "cc0"}).encode()),
+                    ):
+                        info = tarfile.TarInfo(f"{stem}.{ext}")
+                        info.size = len(data)
+                        tf.addfile(info, io.BytesIO(data))
+                    keys[f"{t:05d}.tar/{stem}"] = cap
+    return keys
+
+
+def write_hostile(dest: Path) -> dict[str, str]:
+    """An imagefolder of hostile and awkward files; returns {key: expected outcome}.
+
+    The outcome is a quarantine reason code, or "ok:<conversion>" for accepted images.
+    """
+    import json
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest.parent / "outside.jpg").write_bytes(_jpeg())  # must never be read
+    good = _jpeg((64, 64))
+    files = {
+        "ok.jpg": (good, "a plain photo", "ok:"),
+        "truncated.jpg": (_jpeg((256, 256))[:700], "cut short", "decode_error"),
+        "empty.jpg": (b"", "nothing", "empty_file"),
+        "text.jpg": (b"hello, not an image\n" * 5, "text", "not_an_image"),
+        "tiny.jpg": (_jpeg((16, 16)), "a tiny photo", "too_small"),
+        "wide.jpg": (_jpeg((400, 40)), "a very wide photo", "extreme_aspect"),
+        "blank.jpg": (_jpeg((60, 60), (1, 2, 3)), "   ", "caption_blank"),
+        "nocap.jpg": (_jpeg((60, 61)), None, "caption_missing"),
+        "long.jpg": (_jpeg((60, 62)), "word " * 400, "caption_too_long"),
+        "cmyk.jpg": (None, "a cmyk photo", "ok:CMYK->RGB"),
+        "palette.png": (None, "a palette image with transparency", "ok:P->RGB(alpha on white)"),
+        "la.png": (None, "grey with alpha", "ok:LA->RGB(alpha on white)"),
+        "rgba.png": (None, "colour with alpha", "ok:RGBA->RGB(alpha on white)"),
+        "deep.png": (None, "a 16-bit greyscale scan", "ok:I;16->RGB(16-bit scaled)"),
+        "rotated.jpg": (None, "a photo taken sideways", "ok:exif:6"),
+        "bomb.png": (None, "a decompression bomb", "too_many_pixels"),
+        "notes.txt": (b"just notes", None, "unsupported_extension"),
+    }
+    cmyk = Image.new("CMYK", (50, 40), (0, 255, 255, 0))
+    import io
+
+    buf = io.BytesIO()
+    cmyk.save(buf, format="JPEG")
+    files["cmyk.jpg"] = (buf.getvalue(), *files["cmyk.jpg"][1:])
+    pal = Image.new("P", (40, 40), 0)
+    pal.putpalette([255, 0, 0, 0, 255, 0] + [0] * 762)
+    pal.info["transparency"] = 0
+    files["palette.png"] = (_png(pal), *files["palette.png"][1:])
+    files["la.png"] = (_png(Image.new("LA", (40, 40), (90, 128))), *files["la.png"][1:])
+    files["rgba.png"] = (_png(Image.new("RGBA", (40, 40), (9, 9, 9, 0))), *files["rgba.png"][1:])
+    files["deep.png"] = (_png(Image.new("I;16", (40, 40), 40000)), *files["deep.png"][1:])
+    rot = Image.new("RGB", (80, 40), (10, 200, 10))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    rot.save(buf, format="JPEG", exif=exif.tobytes())
+    files["rotated.jpg"] = (buf.getvalue(), *files["rotated.jpg"][1:])
+    # A PNG header claiming 40000 x 40000 pixels: rejected from the header, never decoded.
+    ihdr = struct.pack(">IIBBBBB", 40000, 40000, 8, 0, 0, 0, 0)
+    chunk = lambda t, d: (  # noqa: E731
+        struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d) & 0xFFFFFFFF)
+    )
+    bomb = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+    files["bomb.png"] = (bomb, *files["bomb.png"][1:])
+
+    expected = {}
+    lines = []
+    for name, (data, caption, outcome) in files.items():
+        (dest / name).write_bytes(data)
+        expected[name] = outcome
+        if caption is not None and not name.endswith(".txt"):
+            lines.append(json.dumps({"file_name": name, "text": caption}).encode())
+    lines += [
+        b"{this is not json",
+        json.dumps({"file_name": "gone.jpg", "text": "no such file"}).encode(),
+        json.dumps({"file_name": "../outside.jpg", "text": "escape"}).encode(),
+        b'{"file_name": "ok.jpg", "text": "\xff\xfe not utf-8"}',
+    ]
+    (dest / "metadata.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    n = len(lines)
+    expected.update(
+        {
+            f"metadata.jsonl:{n - 3}": "manifest_bad_json",
+            "gone.jpg": "manifest_missing_file",
+            "../outside.jpg": "manifest_unsafe_key",
+            f"metadata.jsonl:{n}": "manifest_not_utf8",
+        }
+    )
+    return expected
+
+
+@pytest.fixture
+def layouts():
+    """layouts(kind, dest): write SAMPLES in a layout; returns {key: caption}."""
+    return write_layout
+
+
+@pytest.fixture
+def hostile_src(tmp_path) -> tuple[Path, dict[str, str]]:
+    src = tmp_path / "hostile" / "src"
+    return src, write_hostile(src)

@@ -1,73 +1,126 @@
+import io
 import json
+import tarfile
 
 import pandas as pd
+import pytest
 
+from data_quality.rules import QualityConfig
 from tasks.ingest import ingest_source
+from tasks.quality import validate_catalog
 
 
-def _tables(root, ingest_id):
-    cat = root / "catalog" / ingest_id
-    return pd.read_parquet(cat / "accepted.parquet"), pd.read_parquet(cat / "quarantine.parquet")
+def _cat(root, ingest_id, name="view_accepted"):
+    return pd.read_parquet(root / "catalog" / ingest_id / f"{name}.parquet")
 
 
-def test_local_ingest_accounts_for_every_file(tmp_path, demo_src):
+def test_hostile_files_are_accepted_or_quarantined_with_a_reason(tmp_path, hostile_src):
+    src, expected = hostile_src
     root = tmp_path / "root"
-    res = ingest_source.fn(str(demo_src), str(root), workers=2)
-    acc, q = _tables(root, res.ingest_id)
-    assert res.listed == 60 and res.accepted + res.quarantined == res.listed
-    assert len(acc) == res.accepted and len(q) == res.quarantined
-    reasons = dict(zip(q["key"], q["reason"], strict=True))
-    assert reasons == {
-        "bad-truncated.jpg": "decode_error",
-        "bad-empty.jpg": "empty_file",
-        "bad-text.jpg": "not_an_image",
-    }
-    assert {"key", "sha256", "width", "height", "caption"} <= set(acc.columns)
-    assert acc.loc[acc["key"] == "bad-no-caption.jpg", "caption"].item() == ""
-    assert (acc["width"] > 0).all() and acc["sha256"].str.len().eq(64).all()
-    assert (root / "catalog" / "LATEST").read_text().strip() == res.ingest_id
+    ing = ingest_source(str(src), str(root), workers=2)
+    rules = QualityConfig(min_side=32, max_caption_chars=500, max_reject_fraction=1.0)
+    val = validate_catalog.fn(str(root), ing.ingest_id, rules)
+
+    q = pd.read_parquet(root / "quality" / ing.ingest_id / "quarantine.parquet")
+    clean = pd.read_parquet(root / "catalog" / ing.ingest_id / "clean.parquet")
+    got = dict(zip(q["key"], q["reason"], strict=True))
+    got |= {k: f"ok:{c}" for k, c in zip(clean["key"], clean["conversion"], strict=True)}
+    assert got == expected
+    files = [k for k in expected if not k.startswith(("metadata", "gone", "../"))]
+    assert val.listed == len(files) == ing.listed
+    assert val.clean + (q["step"] != "ingest-manifest").sum() == val.listed
+    assert ing.accepted + ing.quarantined == ing.listed
+    rot = clean.set_index("key").loc["rotated.jpg"]
+    assert (rot["width"], rot["height"]) == (40, 80), "size after EXIF orientation"
+    assert clean["phash"].str.fullmatch("[0-9a-f]{16}").all()
+    summary = json.loads((root / "catalog" / ing.ingest_id / "summary.json").read_text())
+    assert summary["reasons"]["too_many_pixels"] == 1 and summary["listed"] == len(files)
 
 
-def test_unchanged_source_is_reused(tmp_path, demo_src):
-    root = tmp_path / "root"
-    first = ingest_source.fn(str(demo_src), str(root), workers=1)
-    again = ingest_source.fn(str(demo_src), str(root), workers=1)
-    assert again.reused and again.ingest_id == first.ingest_id
+def _tar_bytes(members: list[tuple[str, bytes]]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
 
 
-def test_manifest_problems_and_unlisted_files(tmp_path):
-    from tasks.demo_data import write_demo_dataset
+def test_sidecar_tar_and_key_hazards(tmp_path, s3_bucket, s3_endpoint):
+    from PIL import Image
 
-    src = tmp_path / "src"
-    write_demo_dataset(src, n=10)
-    with open(src / "metadata.jsonl", "a") as f:
-        f.write("{not json\n")
-        f.write(json.dumps({"file_name": "gone.jpg", "text": "missing file"}) + "\n")
-    (src / "notes.txt").write_text("not an image")
-    res = ingest_source.fn(str(src), str(tmp_path / "root"), workers=1)
-    _, q = _tables(tmp_path / "root", res.ingest_id)
-    by_reason = q.groupby("reason")["key"].apply(list).to_dict()
-    assert by_reason["manifest_bad_json"] == ["metadata.jsonl:11"]
-    assert by_reason["manifest_missing_file"] == ["gone.jpg"]
-    assert by_reason["unsupported_extension"] == ["notes.txt"]
-    assert res.accepted + res.quarantined == res.listed == 11
-    assert res.manifest_problems == 2
-
-
-def test_s3_source_through_moto_matches_local(
-    tmp_path, demo_src, s3_bucket, s3_endpoint, upload_dir
-):
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 48), (9, 90, 200)).save(buf, format="JPEG")
+    jpg = buf.getvalue()
     bucket, client = s3_bucket
-    upload_dir(client, bucket, "raw", demo_src)
-    local = ingest_source.fn(str(demo_src), str(tmp_path / "a"), workers=1)
-    remote = ingest_source.fn(
-        f"s3://{bucket}/raw", str(tmp_path / "b"), workers=2, endpoint_url=s3_endpoint
-    )
-    acc_l, q_l = _tables(tmp_path / "a", local.ingest_id)
-    acc_r, q_r = _tables(tmp_path / "b", remote.ingest_id)
-    assert remote.source == f"s3://{bucket}/raw"
-    cols = ["key", "sha256", "width", "height", "caption"]
-    pd.testing.assert_frame_equal(
-        acc_l[cols].reset_index(drop=True), acc_r[cols].reset_index(drop=True)
-    )
-    assert list(q_l["reason"]) == list(q_r["reason"])
+    put = lambda key, data: client.put_object(Bucket=bucket, Key=f"raw/{key}", Body=data)  # noqa: E731
+    put("00000.tar", _tar_bytes([
+        ("good.jpg", jpg), ("good.txt", b"a blue square"),
+        ("badcap.jpg", jpg), ("badcap.txt", b"\xff\xfe caption"),
+        ("../../evil.jpg", jpg), ("../../evil.txt", b"escape"),
+        ("lonely.txt", b"no image here"),
+        ("badjson.jpg", jpg), ("badjson.txt", b"fine"), ("badjson.json", b"{oops"),
+    ]))  # fmt: skip
+    whole = _tar_bytes([("x1.jpg", jpg), ("x1.txt", b"one"), ("x2.jpg", jpg * 20)])
+    put("00001.tar", whole[:5000])  # cut inside x2's image
+    put("sub/../../sneaky.tar", whole)
+    res = ingest_source(f"s3://{bucket}/raw", str(tmp_path / "root"), endpoint_url=s3_endpoint)
+    assert res.layout == "webdataset"
+    acc = _cat(tmp_path / "root", res.ingest_id)
+    q = _cat(tmp_path / "root", res.ingest_id, "view_quarantine")
+    got = dict(zip(q["key"], q["reason"], strict=True))
+    assert got == {
+        "00000.tar/badcap": "caption_not_utf8",
+        "00000.tar/../../evil": "unsafe_key",
+        "00000.tar/lonely": "no_image",
+        "00000.tar/badjson": "sidecar_bad_json",
+        "00001.tar": "tar_error",
+        "sub/../../sneaky.tar": "unsafe_key",
+    }
+    assert set(acc["key"]) == {"00000.tar/good", "00001.tar/x1"}
+    good = acc.set_index("key").loc["00000.tar/good"]
+    assert good["object"] == "00000.tar" and good["length"] == len(jpg) and good["offset"] > 0
+    assert res.accepted + res.quarantined == res.listed == 8
+
+
+def test_img2dataset_caption_not_utf8(tmp_path):
+    src = tmp_path / "src" / "00000"
+    src.mkdir(parents=True)
+    from PIL import Image
+
+    for stem in ("a", "b", "c"):
+        Image.new("RGB", (40, 40), (1, 2, 3)).save(src / f"{stem}.jpg")
+    (src / "a.txt").write_text("fine")
+    (src / "b.txt").write_bytes(b"caf\xe9 latin-1")
+    (src / "c.txt").write_text("fine too")
+    (src / "c.json").write_text("[not, an, object")
+    res = ingest_source(str(tmp_path / "src"), str(tmp_path / "root"))
+    q = _cat(tmp_path / "root", res.ingest_id, "view_quarantine")
+    assert res.layout == "img2dataset"
+    assert dict(zip(q["key"], q["reason"], strict=True)) == {
+        "00000/b.jpg": "caption_not_utf8",
+        "00000/c.jpg": "sidecar_bad_json",
+    }
+
+
+@pytest.mark.parametrize("kind", ["imagefolder", "img2dataset", "webdataset"])
+def test_layouts_local_and_s3_give_the_same_catalog(
+    tmp_path, layouts, kind, s3_bucket, s3_endpoint, upload_dir
+):
+    src = tmp_path / "src"
+    keys = layouts(kind, src)
+    bucket, client = s3_bucket
+    upload_dir(client, bucket, "raw", src)
+    cols = ["key", "caption", "sha256", "phash", "width", "height", "license"]
+    local = ingest_source(str(src), str(tmp_path / "a"), workers=2, metadata_columns=("license",))
+    remote = ingest_source(
+        f"s3://{bucket}/raw", str(tmp_path / "b"), workers=2, endpoint_url=s3_endpoint,
+        metadata_columns=("license",),
+    )  # fmt: skip
+    assert local.layout == remote.layout == kind
+    a, b = _cat(tmp_path / "a", local.ingest_id), _cat(tmp_path / "b", remote.ingest_id)
+    assert dict(zip(a["key"], a["caption"], strict=True)) == keys
+    assert (a["license"] == "cc0").all()
+    pd.testing.assert_frame_equal(a[cols], b[cols])
+    assert local.accepted == remote.accepted == 6 and remote.quarantined == 0

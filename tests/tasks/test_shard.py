@@ -5,6 +5,7 @@ import pytest
 from PIL import Image
 from streaming import StreamingDataset
 
+from data_quality.rules import QualityConfig
 from tasks.ingest import ingest_source
 from tasks.quality import validate_catalog
 from tasks.shard import write_shards
@@ -13,14 +14,16 @@ from tasks.shard import write_shards
 @pytest.fixture
 def validated(tmp_path, demo_src):
     root = tmp_path / "root"
-    ing = ingest_source.fn(str(demo_src), str(root), workers=1)
-    validate_catalog.fn(str(root), ing.ingest_id, min_side=32, max_reject_fraction=0.25)
+    ing = ingest_source(str(demo_src), str(root), workers=1)
+    validate_catalog.fn(
+        str(root), ing.ingest_id, QualityConfig(min_side=32, max_reject_fraction=0.25)
+    )
     return root, ing.ingest_id, demo_src
 
 
 def test_shards_per_stage_are_readable_and_bucketed(validated):
     root, ingest_id, src = validated
-    res = write_shards.fn(str(root), ingest_id, str(src), [32, 64], size_limit=16384, workers=2)
+    res = write_shards.fn(str(root), ingest_id, [32, 64], size_limit=16384, workers=2)
     assert res.stages[32]["samples"] > res.stages[64]["samples"] > 0
     assert res.stages[32]["shards"] > 1, "tiny size limit gives several shards"
     for r in (32, 64):
@@ -39,9 +42,9 @@ def test_shards_per_stage_are_readable_and_bucketed(validated):
 
 def test_same_input_same_version_and_reuse(validated):
     root, ingest_id, src = validated
-    a = write_shards.fn(str(root), ingest_id, str(src), [32], workers=1)
-    b = write_shards.fn(str(root), ingest_id, str(src), [32], workers=1)
-    c = write_shards.fn(str(root), ingest_id, str(src), [32], jpeg_quality=70, workers=1)
+    a = write_shards.fn(str(root), ingest_id, [32], workers=1)
+    b = write_shards.fn(str(root), ingest_id, [32], workers=1)
+    c = write_shards.fn(str(root), ingest_id, [32], jpeg_quality=70, workers=1)
     assert a.dataset_version == b.dataset_version and b.reused
     assert c.dataset_version != a.dataset_version
 
@@ -49,4 +52,4 @@ def test_same_input_same_version_and_reuse(validated):
 def test_stage_without_images_is_a_clear_error(validated):
     root, ingest_id, src = validated
     with pytest.raises(ValueError, match="stage 4096px has no images"):
-        write_shards.fn(str(root), ingest_id, str(src), [32, 4096], workers=1)
+        write_shards.fn(str(root), ingest_id, [32, 4096], workers=1)

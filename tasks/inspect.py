@@ -1,0 +1,188 @@
+"""Inspect one ingest item (an image file with its sidecars, or a whole tar shard).
+
+Runs in ingest's worker processes (or on Dask workers), so it imports little. Every outcome is
+a list of records, never an exception: each record is either catalog metadata for one image or
+a reason code for quarantine. Records point at the bytes they came from with (object, offset,
+length), so that the shard step can read a tar member back with one ranged read.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from tasks.decode import _store, inspect_bytes
+from tasks.sources import Item, is_unsafe_key
+
+__all__ = ["InspectOptions", "inspect_item"]
+
+WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+
+
+@dataclass(frozen=True)
+class InspectOptions:
+    source: str
+    endpoint_url: str | None
+    max_pixels: int
+    metadata_columns: tuple[str, ...] = ()
+
+
+def _caption(raw: bytes | None) -> tuple[str | None, dict | None]:
+    """Caption text from a `.txt` sidecar, or a quarantine reason when it is not UTF-8."""
+    if raw is None:
+        return None, None
+    try:
+        return raw.decode("utf-8").strip(), None
+    except UnicodeDecodeError as e:
+        return None, {"reason": "caption_not_utf8", "detail": str(e)}
+
+
+def _meta(raw: bytes | None, columns: tuple[str, ...]) -> tuple[dict, dict | None]:
+    """Pass-through columns from a `.json` sidecar, or a quarantine reason when unreadable."""
+    if raw is None:
+        return {c: None for c in columns}, None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+        if not isinstance(doc, dict):
+            raise ValueError(f"expected a JSON object, got {type(doc).__name__}")
+    except (UnicodeDecodeError, ValueError) as e:
+        return {}, {"reason": "sidecar_bad_json", "detail": f"{type(e).__name__}: {e}"[:500]}
+    return {c: _flat(doc.get(c)) for c in columns}, None
+
+
+def _flat(v):
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else v
+
+
+def _record(base: dict, image: bytes, opts: InspectOptions, problem: dict | None) -> dict:
+    rec = {**base, **inspect_bytes(image, opts.max_pixels)}
+    if problem and "reason" not in rec:
+        rec.update(problem)  # the image is fine, but its caption or metadata is not
+    return rec
+
+
+def _inspect_file(item: Item, opts: InspectOptions) -> list[dict]:
+    store = _store(opts.source, opts.endpoint_url)
+    base = {"key": item.key, "object": item.key, "offset": -1}
+    try:
+        data = store.read_bytes(item.key)
+        txt = store.read_bytes(item.txt) if item.txt else None
+        side = store.read_bytes(item.json) if item.json else None
+    except Exception as e:  # noqa: BLE001 - any read failure is a quarantine reason
+        return [{**base, "reason": "read_error", "detail": f"{type(e).__name__}: {e}"[:500]}]
+    base["length"] = len(data)
+    if item.txt is not None or item.json is not None:  # img2dataset sidecars
+        caption, problem = _caption(txt)
+        meta, meta_problem = _meta(side, opts.metadata_columns)
+        problem = problem or meta_problem
+    else:  # imagefolder: caption and metadata came from the manifest
+        caption, meta, problem = item.caption, dict(item.meta), None
+    return [_record({**base, "caption": caption, **meta}, data, opts, problem)]
+
+
+def _split_member(name: str) -> tuple[str, str]:
+    # WebDataset convention: the key is the path up to the first dot of the file name.
+    p = PurePosixPath(name)
+    stem, _, ext = p.name.partition(".")
+    parent = str(p.parent)
+    return (stem if parent == "." else f"{parent}/{stem}"), ext.lower()
+
+
+def _finish_sample(
+    tar_key: str, sample: str, members: dict, opts: InspectOptions, seen: set[str]
+) -> dict:
+    key = f"{tar_key}/{sample}"
+    base = {"key": key, "object": tar_key, "offset": -1, "length": 0}
+    names = ", ".join(sorted(m["name"] for m in members.values()))
+    if any(is_unsafe_key(m["name"]) for m in members.values()):
+        return {**base, "reason": "unsafe_key", "detail": f"tar member path escapes: {names}"}
+    if key in seen:
+        return {**base, "reason": "duplicate_key", "detail": f"sample key repeated in {tar_key}"}
+    seen.add(key)
+    img_ext = next((e for e in WDS_IMAGE_EXTS if e in members), None)
+    if img_ext is None:
+        return {**base, "reason": "no_image", "detail": f"sample has no image member: {names}"}
+    img = members[img_ext]
+    base.update(offset=img["offset"], length=img["size"])
+    caption, problem = _caption(members["txt"]["data"] if "txt" in members else None)
+    meta, meta_problem = _meta(
+        members["json"]["data"] if "json" in members else None, opts.metadata_columns
+    )
+    return _record({**base, "caption": caption, **meta}, img["data"], opts, problem or meta_problem)
+
+
+def _inspect_tar(item: Item, opts: InspectOptions) -> list[dict]:
+    """Stream a tar once, member by member (never extracted to disk, never held whole)."""
+    out: list[dict] = []
+    seen: set[str] = set()
+    current, members = None, {}
+    try:
+        with (
+            _store(opts.source, opts.endpoint_url).open_stream(item.key) as raw,
+            tarfile.open(fileobj=raw, mode="r|*") as tf,
+        ):
+            for m in tf:
+                if m.isdir():
+                    continue
+                sample, ext = _split_member(m.name)
+                if not m.isfile():
+                    out.append(
+                        {
+                            "key": f"{item.key}/{m.name}",
+                            "object": item.key,
+                            "offset": -1,
+                            "length": 0,
+                            "reason": "unsupported_member",
+                            "detail": "links and devices are not read",
+                        }
+                    )
+                    continue
+                if sample != current:
+                    if current is not None:
+                        out.append(_finish_sample(item.key, current, members, opts, seen))
+                    current, members = sample, {}
+                data = tf.extractfile(m).read()
+                members[ext] = {
+                    "name": m.name,
+                    "offset": m.offset_data,
+                    "size": m.size,
+                    "data": data,
+                }
+            if current is not None:
+                out.append(_finish_sample(item.key, current, members, opts, seen))
+    except Exception as e:  # noqa: BLE001 - a broken tar is a reason; what was read counts
+        if current is not None and members:
+            out.append(_finish_sample(item.key, current, members, opts, seen))
+        out.append(
+            {
+                "key": item.key,
+                "object": item.key,
+                "offset": -1,
+                "length": 0,
+                "reason": "tar_error",
+                "detail": f"{type(e).__name__}: {e}"[:500],
+            }
+        )
+    if not out:
+        out.append(
+            {
+                "key": item.key,
+                "object": item.key,
+                "offset": -1,
+                "length": 0,
+                "reason": "empty_tar",
+                "detail": "no samples",
+            }
+        )
+    return out
+
+
+def inspect_item(job: tuple[InspectOptions, Item]) -> list[dict]:
+    """Records for one item; `job` is (options, item). Never raises for bad input."""
+    opts, item = job
+    recs = _inspect_tar(item, opts) if item.kind == "tar" else _inspect_file(item, opts)
+    for r in recs:
+        r["unit"], r["unit_version"] = item.key, item.version
+    return recs
