@@ -124,3 +124,26 @@ def test_layouts_local_and_s3_give_the_same_catalog(
     assert (a["license"] == "cc0").all()
     pd.testing.assert_frame_equal(a[cols], b[cols])
     assert local.accepted == remote.accepted == 6 and remote.quarantined == 0
+
+
+def test_dask_cluster_gives_the_same_catalog_as_a_local_run(tmp_path, hostile_src):
+    from distributed import LocalCluster
+
+    src, _ = hostile_src
+    local = ingest_source(str(src), str(tmp_path / "a"), workers=2, partition_size=3)
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    ) as cluster:
+        remote = ingest_source(
+            str(src),
+            str(tmp_path / "b"),
+            partition_size=3,
+            dask_address=cluster.scheduler_address,
+        )
+        assert "decode_partition" in cluster.scheduler.task_prefixes, "decoding ran on Dask"
+    assert remote.ingest_id == local.ingest_id
+    for name in ("view_accepted", "view_quarantine"):
+        pd.testing.assert_frame_equal(
+            _cat(tmp_path / "a", local.ingest_id, name),
+            _cat(tmp_path / "b", remote.ingest_id, name),
+        )

@@ -22,7 +22,7 @@ def validated(tmp_path, demo_src):
 
 
 def test_shards_per_stage_are_readable_and_bucketed(validated):
-    root, ingest_id, src = validated
+    root, ingest_id, _ = validated
     res = write_shards.fn(str(root), ingest_id, [32, 64], size_limit=16384, workers=2)
     assert res.stages[32]["samples"] > res.stages[64]["samples"] > 0
     assert res.stages[32]["shards"] > 1, "tiny size limit gives several shards"
@@ -41,7 +41,7 @@ def test_shards_per_stage_are_readable_and_bucketed(validated):
 
 
 def test_same_input_same_version_and_reuse(validated):
-    root, ingest_id, src = validated
+    root, ingest_id, _ = validated
     a = write_shards.fn(str(root), ingest_id, [32], workers=1)
     b = write_shards.fn(str(root), ingest_id, [32], workers=1)
     c = write_shards.fn(str(root), ingest_id, [32], jpeg_quality=70, workers=1)
@@ -50,6 +50,23 @@ def test_same_input_same_version_and_reuse(validated):
 
 
 def test_stage_without_images_is_a_clear_error(validated):
-    root, ingest_id, src = validated
+    root, ingest_id, _ = validated
     with pytest.raises(ValueError, match="stage 4096px has no images"):
         write_shards.fn(str(root), ingest_id, [32, 4096], workers=1)
+
+
+def test_shards_from_webdataset_tars_on_s3_use_ranged_reads(
+    tmp_path, layouts, s3_bucket, s3_endpoint, upload_dir
+):
+    src = tmp_path / "wds"
+    keys = layouts("webdataset", src)
+    bucket, client = s3_bucket
+    upload_dir(client, bucket, "raw", src)
+    root = tmp_path / "root"
+    ing = ingest_source(f"s3://{bucket}/raw", str(root), endpoint_url=s3_endpoint)
+    validate_catalog.fn(str(root), ing.ingest_id, QualityConfig(min_side=32))
+    res = write_shards.fn(str(root), ing.ingest_id, [32], workers=2, endpoint_url=s3_endpoint)
+    ds = StreamingDataset(local=str(root / "shards" / res.dataset_version / "32"), batch_size=1)
+    got = {ds[i]["key"]: ds[i]["caption"] for i in range(len(ds))}
+    assert got == keys
+    assert all(Image.open(io.BytesIO(ds[i]["image"])).size == (32, 32) for i in range(len(ds)))
