@@ -48,7 +48,8 @@ def test_pipeline_result_and_quality_gate(pipeline_run):
     ing, q = result["ingest"], result["quality"]
     assert ing["listed"] == 60 and ing["accepted"] + ing["quarantined"] == 60
     assert q["clean"] + q["rejected_ingest"] + q["rejected_validate"] == 60
-    quarantine = pd.read_parquet(root / "catalog" / ing["ingest_id"] / "quarantine.parquet")
+    quarantine = pd.read_parquet(root / "quality" / ing["ingest_id"] / "quarantine.parquet")
+    assert (root / "quality" / ing["ingest_id"] / "index.html").is_file(), "Data Docs built"
     reasons = dict(zip(quarantine["key"], quarantine["reason"], strict=True))
     assert {k: reasons[k] for k in ("bad-truncated.jpg", "bad-empty.jpg", "bad-text.jpg",
                                     "bad-no-caption.jpg", "bad-duplicate.jpg")} == {

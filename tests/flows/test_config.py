@@ -23,6 +23,7 @@ def test_tiny_and_sd2_presets_load():
     assert unet["cross_attention_dim"] == 1024 and unet["use_linear_projection"] is True
     assert sd2.train.model.vae.pretrained == "stabilityai/stable-diffusion-2-base"
     assert sd2.train.model.vae.subfolder == "vae"
+    assert sd2.quality.min_aesthetic == 4.5 and sd2.ingest.layout == "auto"
 
 
 def test_defaults_from_minimal_config(tmp_path):
@@ -42,6 +43,10 @@ def test_defaults_from_minimal_config(tmp_path):
         ("train.stages.1.batch_size", 0, "train.stages.1.batch_size"),
         ("shards.jpeg_quality", "high", "shards.jpeg_quality"),
         ("registry.colour", "red", "registry.colour"),
+        ("ingest.layout", "zip", "ingest.layout"),
+        ("ingest.metadata_columns", ["license", "sha256"], "catalog columns"),
+        ("quality.max_caption_chars", 0, "quality.max_caption_chars"),
+        ("quality.near_duplicate_distance", 40, "quality.near_duplicate_distance"),
     ],
 )
 def test_bad_value_names_field_and_value(tmp_path, dotted, value, expect):

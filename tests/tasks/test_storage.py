@@ -39,3 +39,72 @@ def test_bad_uris():
         Storage("gs://bucket/x")
     with pytest.raises(ValueError, match="bucket"):
         Storage("s3:///nobucket")
+
+
+@pytest.fixture
+def flaky_s3(s3_endpoint):
+    """An HTTP proxy in front of moto that answers the first two GETs of every object with
+    503 SlowDown and 500 InternalError, as a throttled or failing store would."""
+    import http.client
+    import threading
+    from collections import Counter
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import urlparse
+
+    upstream = urlparse(s3_endpoint)
+    seen: Counter = Counter()
+    failures: list[int] = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def _forward(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            is_object_get = self.command == "GET" and "?" not in self.path
+            if is_object_get and seen[self.path] < 2:
+                seen[self.path] += 1
+                code, name = (503, "SlowDown") if seen[self.path] == 1 else (500, "InternalError")
+                failures.append(code)
+                err = f"<Error><Code>{name}</Code><Message>injected</Message></Error>".encode()
+                self.send_response(code)
+                self.send_header("Content-Length", str(len(err)))
+                self.end_headers()
+                self.wfile.write(err)
+                return
+            conn = http.client.HTTPConnection(upstream.hostname, upstream.port)
+            conn.request(self.command, self.path, body=body, headers=dict(self.headers))
+            resp = conn.getresponse()
+            data = resp.read()
+            self.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                    self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_PUT = do_HEAD = do_POST = _forward
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", failures
+    server.shutdown()
+
+
+def test_reads_retry_throttling_and_5xx_with_backoff(tmp_path, flaky_s3, s3_bucket, layouts):
+    from tasks.ingest import ingest_source
+
+    endpoint, failures = flaky_s3
+    bucket, client = s3_bucket
+    src = tmp_path / "src"
+    keys = layouts("img2dataset", src)
+    for p in sorted(src.rglob("*")):
+        if p.is_file():
+            client.upload_file(str(p), bucket, f"raw/{p.relative_to(src).as_posix()}")
+    st = Storage(f"s3://{bucket}/raw", endpoint)
+    assert st.read_bytes("00000/a.txt") == b"a red field with a blue disc"
+    assert failures == [503, 500], "one object read survived a 503 and a 500"
+    res = ingest_source(f"s3://{bucket}/raw", str(tmp_path / "root"), endpoint_url=endpoint)
+    assert res.accepted == len(keys) and res.quarantined == 0
+    assert failures.count(503) == 18, "every image and sidecar was throttled once, then read"
