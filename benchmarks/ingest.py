@@ -163,9 +163,7 @@ def main() -> None:
                 root = work / "root-s3"
                 shutil.rmtree(root, ignore_errors=True)
                 t = time.perf_counter()
-                res = ingest_source(
-                    "s3://bench/raw", str(root), workers=w, endpoint_url=endpoint
-                )
+                res = ingest_source("s3://bench/raw", str(root), workers=w, endpoint_url=endpoint)
                 results["ingest_s3"] = rate(time.perf_counter() - t)
                 assert res.accepted == len(files), res
             finally:
@@ -174,8 +172,11 @@ def main() -> None:
     decode = results["decode_only"]["img_per_s"]
     out = {
         "benchmark": "ingest",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },  # fmt: skip
         "images": len(files),
         "image_px": args.size,
         "mean_file_kb": round(total_bytes / len(files) / 1024, 1),
