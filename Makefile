@@ -37,6 +37,7 @@ format: $(STAMP)
 
 benchmark: $(STAMP)
 	$(BIN)/python benchmarks/demo_walltime.py --out benchmarks/results/demo_walltime.json
+	$(BIN)/python benchmarks/ingest.py --out benchmarks/results/ingest.json
 
 clean:
 	rm -rf kiln-data $(DEMO_DATA) .pytest_cache

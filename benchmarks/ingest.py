@@ -6,7 +6,9 @@ the same number of worker processes for every path:
 * decode-only: PIL open + full load of every file, in a spawn process pool (the limit);
 * Kiln's ingest (`tasks.ingest.ingest_source`: listing, partition tasks, read, sha256, integrity
   decode, EXIF, pHash, catalog parquet) over the local folder;
-* the same ingest over moto's S3 server on 127.0.0.1 (real HTTP).
+* plain GETs of the same objects from moto's S3 server on 127.0.0.1 (the store's own limit:
+  moto is a single Python process, far slower than a real object store);
+* the same ingest over that S3 server (real HTTP).
 
 Rates are images per second per worker process ("per core"). `ingest_vs_decode_only` is the
 local ingest rate over the decode-only rate.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import platform
@@ -68,6 +71,20 @@ def _decode_only(path: str) -> tuple[int, int]:
     with Image.open(path) as img:
         img.load()
         return img.size
+
+
+_CLIENT = None
+
+
+def _s3_get(job: tuple[str, str, str]) -> int:
+    """Read one object from S3 and nothing else (the store's own limit)."""
+    global _CLIENT
+    endpoint, bucket, key = job
+    if _CLIENT is None:
+        import boto3
+
+        _CLIENT = boto3.client("s3", endpoint_url=endpoint)
+    return len(_CLIENT.get_object(Bucket=bucket, Key=key)["Body"].read())
 
 
 def _make_corpus(src: Path, n: int, size: int, workers: int) -> None:
@@ -151,6 +168,7 @@ def main() -> None:
             for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
                          ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
                 os.environ.setdefault(k, v)
+            logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a log line per request
             port = _free_port()
             server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
             server.start()
@@ -160,6 +178,12 @@ def main() -> None:
                 client.create_bucket(Bucket="bench")
                 for f in [*files, str(src / "metadata.jsonl")]:
                     client.upload_file(f, "bench", f"raw/{Path(f).relative_to(src).as_posix()}")
+                keys = [f"raw/{Path(f).relative_to(src).as_posix()}" for f in files]
+                t = time.perf_counter()
+                with ProcessPoolExecutor(w, mp_context=mp.get_context("spawn")) as pool:
+                    jobs = [(endpoint, "bench", k) for k in keys]
+                    list(pool.map(_s3_get, jobs, chunksize=max(1, len(jobs) // (w * 16))))
+                results["s3_read_only"] = rate(time.perf_counter() - t)
                 root = work / "root-s3"
                 shutil.rmtree(root, ignore_errors=True)
                 t = time.perf_counter()
@@ -186,7 +210,9 @@ def main() -> None:
         "ingest_vs_decode_only": round(results["ingest_local"]["img_per_s"] / decode, 3),
     }
     if "ingest_s3" in results:
-        out["ingest_s3_vs_decode_only"] = round(results["ingest_s3"]["img_per_s"] / decode, 3)
+        s3 = results["ingest_s3"]["img_per_s"]
+        out["ingest_s3_vs_decode_only"] = round(s3 / decode, 3)
+        out["ingest_s3_vs_s3_read_only"] = round(s3 / results["s3_read_only"]["img_per_s"], 3)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))  # noqa: T201 - a benchmark script reports on stdout

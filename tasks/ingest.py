@@ -2,6 +2,7 @@
 
 Per run, `<root>/catalog/<ingest_id>/` gets:
 
+* `listing.parquet`: every object the run saw (key, size, ETag or mtime);
 * `accepted.parquet` and `quarantine.parquet`: only the rows this run decoded or rejected;
 * `view_accepted.parquet` and `view_quarantine.parquet`: the current view, every row of every
   source ingested into this root that is still present (what validate reads);
@@ -148,8 +149,10 @@ def _list_source(store: Storage, runner, endpoint_url: str | None) -> list[Objec
     return sorted(listing, key=lambda o: o.key)
 
 
-def _ingest_id(source: str, settings: dict, delta: list[tuple[str, str]], removed: list) -> str:
-    h = hashlib.sha256(json.dumps([source, settings, delta, removed], sort_keys=True).encode())
+def _ingest_id(source: str, state: dict, delta: list[tuple[str, str]], removed: list) -> str:
+    # `state` holds the previous ingest id, the manifest version and the settings, so that
+    # every change of the view gets its own id and an id is never reused for other content.
+    h = hashlib.sha256(json.dumps([source, state, delta, removed], sort_keys=True).encode())
     return "ing-" + h.hexdigest()[:12]
 
 
@@ -247,7 +250,8 @@ def ingest_source(
             log.info("source %s unchanged since %s: nothing to decode", src, previous)
             return _result_for(previous, src, chosen, view_acc, view_q, prev_summary, reused=True)
 
-        ingest_id = _ingest_id(src, settings, delta, removed)
+        state = {**settings, "previous": previous, "manifest": manifest.version}
+        ingest_id = _ingest_id(src, state, delta, removed)
         opts = InspectOptions(src, endpoint_url, max_pixels, tuple(metadata_columns))
         log.info(
             "ingest %s (%s layout): %d items listed, %d new or changed, %d removed; decoding "
@@ -306,10 +310,13 @@ def ingest_source(
     summary = {**result.to_dict(), "ingest_seq": seq, "previous": previous,
                "settings": settings, "manifests": manifests,
                "removed": removed[:1000]}  # fmt: skip
+    seen = pd.DataFrame(
+        [(o.key, o.size, o.version) for o in listing], columns=["key", "size", "version"]
+    ).assign(source=src)
     _write_dir(
         cat_layout.catalog(ingest_id),
         {"accepted": acc_df, "quarantine": q_df, "view_accepted": new_acc,
-         "view_quarantine": new_q},
+         "view_quarantine": new_q, "listing": seen},
         summary,
     )  # fmt: skip
     cat_layout.set_latest("catalog", ingest_id)

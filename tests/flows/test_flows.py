@@ -44,7 +44,9 @@ def test_steps_run_alone_from_an_s3_source(
     assert (
         tmp_path / "root" / "shards" / shards["dataset_version"] / "64" / "index.json"
     ).is_file()
-    assert any("accepted" in a.data for a in _artifact("ingest-summary"))
+    assert any("60** items listed" in a.data for a in _artifact("ingest-summary"))
+    docs = tmp_path / "root" / "quality" / ing["ingest_id"] / "index.html"
+    assert any(f"file://{docs}" in a.data for a in _artifact("quality-gate")), "Data Docs link"
 
 
 def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_src, make_config):

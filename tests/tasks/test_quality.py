@@ -79,6 +79,8 @@ def test_incremental_runs_decode_only_what_is_new(tmp_path):
     view = pd.read_parquet(root / "catalog" / third.ingest_id / "view_accepted.parquet")
     assert len(view) == first.accepted + 10 and third.listed == 30
     assert set(view.loc[view["key"].str.startswith("new-"), "ingest_seq"]) == {2}
+    seen = pd.read_parquet(root / "catalog" / third.ingest_id / "listing.parquet")
+    assert len(seen) == 31 and seen["version"].str.len().gt(0).all(), "30 images + manifest"
 
     (src / "new-03.jpg").unlink()
     fourth = ingest_source(str(src), str(root), workers=1)
