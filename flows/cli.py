@@ -40,13 +40,21 @@ def _call(fn, config_path: str, **kwargs):
     The config is checked before any flow run starts, so a typo never reaches Prefect.
     """
     from flows.config import ConfigError, load_config
+    from tasks.health import HealthCheckError
     from tasks.launch import LaunchError
     from tasks.quality import QualityGateError
 
     try:
         load_config(config_path, root=kwargs.get("root"), source=kwargs.get("source"))
         return fn(config_path, **kwargs)
-    except (ConfigError, FileNotFoundError, QualityGateError, LaunchError, ValueError) as e:
+    except (
+        ConfigError,
+        FileNotFoundError,
+        QualityGateError,
+        LaunchError,
+        HealthCheckError,
+        ValueError,
+    ) as e:
         raise click.ClickException(str(e)) from e
 
 
@@ -146,6 +154,45 @@ def train(
         train_flow, config_path, root=root, dataset_version=dataset_version, run_id=run_id
     )
     _show({k: v for k, v in result.items() if k != "stages"})
+
+
+@main.command()
+@CONFIG
+@ROOT
+@click.option(
+    "--measure-steps", type=int, default=None,
+    help="Measure each stage's img/s on this machine with N real training steps.",
+)  # fmt: skip
+@click.option(
+    "--img-per-s", type=float, default=None,
+    help="Per-device img/s of stage 1 (other stages scaled by FLOPs per sample).",
+)  # fmt: skip
+def plan(
+    config_path: str, root: str | None, measure_steps: int | None, img_per_s: float | None
+) -> None:
+    """Print each stage's steps, samples, wall time, GPU-hours and cost, and the total.
+
+    The plan is saved to <root>/runs/plan.json; the train flow's summary compares it with the
+    actual run.
+    """
+    from pathlib import Path
+
+    from flows.config import ConfigError, load_config
+    from tasks.plan import format_plan, make_plan, save_plan, topology_processes
+
+    if (measure_steps is None) == (img_per_s is None):
+        raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
+    try:
+        cfg = load_config(config_path, root=root)
+        procs = topology_processes(cfg.launch.accelerate_config, cfg.launch.num_processes)
+        result = make_plan(
+            cfg.train, procs, cfg.launch.gpu_hour_usd,
+            img_per_s=img_per_s, measure_steps=measure_steps,
+        )  # fmt: skip
+    except (ConfigError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    save_plan(result, Path(cfg.storage.root) / "runs" / "plan.json")
+    click.echo(format_plan(result))
 
 
 @main.command()

@@ -117,6 +117,15 @@ class LaunchConfig(Strict):
     hang_timeout_s: float = Field(
         900, gt=0, description="Kill a launch whose heartbeat is older than this (a hang)."
     )
+    gpu_hour_usd: float = Field(
+        0.0, ge=0, description="Price of one device-hour; 0 reports GPU-hours without cost."
+    )
+    health_check: bool = Field(
+        True, description="Pre-flight check (GPUs, all-reduce, disk, storage) before launches."
+    )
+    health_timeout_s: float = Field(
+        300, gt=0, description="Longest the pre-flight all-reduce launch may take."
+    )
 
 
 class PipelineConfig(Strict):

@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.config import PipelineConfig, check_inputs, load_config
 from models.config import StageRun
+from tasks.health import preflight
 from tasks.launch import launch_stage
 from tasks.layout import Layout
 from tasks.registry import create_training_run
@@ -58,6 +59,30 @@ def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) 
     return record
 
 
+def _stage_summary(run_id: str, i: int, res: int, manifest: dict, plan: dict | None) -> str:
+    m = manifest["metrics"]
+    loss = manifest["losses"][-1] if manifest["losses"] else float("nan")
+    lines = [
+        f"## Stage {res}px of `{run_id}`\n",
+        f"{manifest['final_step']} steps on {manifest['num_processes']} process(es). "
+        f"Final loss {loss:.4f}. Export: `{manifest['export']}`\n",
+        "| metric | last window |",
+        "|---|---:|",
+        *(f"| {k} | {v:.4g} |" for k, v in m.items()),
+    ]
+    if plan and i < len(plan["stages"]) and plan["stages"][i]["resolution"] == res:
+        p = plan["stages"][i]
+        lines += [
+            "\n### Plan vs actual (`kiln plan`)\n",
+            "| | planned | actual |",
+            "|---|---:|---:|",
+            f"| img/s | {p['img_per_s']:.4g} | {m.get('samples_per_s', float('nan')):.4g} |",
+            f"| GPU-hours | {p['gpu_hours']:.4g} | {m.get('gpu_hours', float('nan')):.4g} |",
+            f"| cost $ | {p['cost_usd']:.4g} | {m.get('cost_usd', float('nan')):.4g} |",
+        ]
+    return "\n".join(lines)
+
+
 @flow(name="kiln-train", log_prints=True)
 def train_flow(
     config_path: str,
@@ -88,6 +113,21 @@ def train_flow(
     layout.set_latest("runs", run_id)
     init_from: str | None = None
     manifest: dict = {}
+    plan_path = layout.root / "runs" / "plan.json"  # written by `kiln plan`
+    plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
+    pending = [
+        s for s in cfg.train.stages
+        if not (layout.stage(run_id, s.resolution) / "manifest.json").is_file()
+    ]  # fmt: skip
+    if cfg.launch.health_check and pending:
+        record["health"] = preflight(
+            cfg.train,
+            cfg.launch.accelerate_config,
+            cfg.launch.num_processes,
+            str(layout.run(run_id)),
+            [str(layout.shards(version, s.resolution)) for s in pending],
+            cfg.launch.health_timeout_s,
+        )
     for i, stage in enumerate(cfg.train.stages):
         out = layout.stage(run_id, stage.resolution)
         run = StageRun(
@@ -98,6 +138,7 @@ def train_flow(
             init_from_dir=init_from,
             tracking_uri=cfg.tracking_uri,
             mlflow_run_id=record["mlflow_run_id"],
+            gpu_hour_usd=cfg.launch.gpu_hour_usd,
         )
         manifest = launch_stage.with_options(
             name=f"train-{stage.resolution}px",
@@ -110,13 +151,7 @@ def train_flow(
         create_markdown_artifact(
             key=f"stage-{stage.resolution}",
             description=f"{run_id} stage {stage.resolution}px",
-            markdown=(
-                f"## Stage {stage.resolution}px of `{run_id}`\n\n"
-                f"{manifest['final_step']} steps on {manifest['num_processes']} process(es). "
-                f"Final loss {manifest['losses'][-1] if manifest['losses'] else float('nan'):.4f}. "
-                f"Export: `{manifest['export']}`\n\n"
-                + "\n".join(f"- {k}: {v:.4g}" for k, v in manifest["metrics"].items())
-            ),
+            markdown=_stage_summary(run_id, i, stage.resolution, manifest, plan),
         )
     record["export"] = manifest["export"]
     (layout.run(run_id) / "run.json").write_text(json.dumps(record, indent=2))

@@ -118,6 +118,20 @@ class TrainConfig(Strict):
     log_sample_keys: bool = Field(
         False, description="Write the key of every sample each rank trains on (data lineage)."
     )
+    snr_gamma: float | None = Field(
+        None, gt=0, description="Min-SNR-gamma loss weighting (Hang et al. 2023); 5.0 is usual."
+    )
+    attention: Literal["sdpa", "eager"] = Field(
+        "sdpa", description="sdpa: torch scaled_dot_product_attention (flash/mem-efficient)."
+    )
+    channels_last: bool = Field(False, description="UNet and latents in channels_last layout.")
+    compile: bool = Field(False, description="torch.compile the UNet (inductor).")
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="Peak TFLOP/s per device for MFU; default a GPU table or a "
+        "measured matmul peak on CPU.",
+    )
 
     @model_validator(mode="after")
     def _increasing(self) -> TrainConfig:
@@ -147,6 +161,7 @@ class StageRun(Strict):
     init_from_dir: str | None = Field(None, description="Previous stage's final/ export.")
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    gpu_hour_usd: float = Field(0.0, ge=0, description="Price of one device-hour, for cost.")
     faults: FaultInjection = Field(default_factory=FaultInjection)
 
     @property

@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from diffusers import StableDiffusionPipeline
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel
+from diffusers.training_utils import EMAModel, compute_snr
 from streaming.base.util import clean_stale_shared_memory
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -38,6 +38,7 @@ from models.config import StageRun, load_yaml_model
 from models.data import build_loader
 from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
 from models.metrics import MetricsSink
+from models.perf import device_peak_flops, device_stats, train_flops_per_sample
 
 __all__ = ["build_dataloader", "build_models", "main", "save_and_export", "train_loop"]
 
@@ -49,6 +50,7 @@ class TrainState:
     step: int = 0
     loader_state: dict | None = None
     losses: list[float] = field(default_factory=list)
+    elapsed_s: float = 0.0  # training wall time over every launch of the stage (logged windows)
 
 
 def build_models(run: StageRun, accelerator: Accelerator):
@@ -58,6 +60,13 @@ def build_models(run: StageRun, accelerator: Accelerator):
     # Default sampling size of the export: this stage's resolution.
     comps.unet.register_to_config(sample_size=stage.resolution // vae_scale_factor(comps.vae))
     comps.unet.train()
+    if cfg.attention == "eager":
+        # Plain matmul-softmax attention; the default processor calls torch's SDPA kernels.
+        from diffusers.models.attention_processor import AttnProcessor
+
+        comps.unet.set_attn_processor(AttnProcessor())
+    if cfg.channels_last:
+        comps.unet.to(memory_format=torch.channels_last)
     weight_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
         accelerator.mixed_precision, torch.float32
     )
@@ -107,7 +116,9 @@ def build_dataloader(run: StageRun, comps: Components):
     )
 
 
-def _loss(comps: Components, batch: dict, weight_dtype: torch.dtype, device) -> torch.Tensor:
+def _loss(
+    comps: Components, batch: dict, weight_dtype: torch.dtype, device, cfg=None
+) -> torch.Tensor:
     pixels = batch["pixel_values"].to(device, dtype=weight_dtype, non_blocking=True)
     ids = batch["input_ids"].to(device, non_blocking=True)
     with torch.no_grad():
@@ -117,24 +128,38 @@ def _loss(comps: Components, batch: dict, weight_dtype: torch.dtype, device) -> 
     sched = comps.noise_scheduler
     t = torch.randint(0, sched.config.num_train_timesteps, (latents.shape[0],), device=device)
     noisy = sched.add_noise(latents, noise, t)
-    if sched.config.prediction_type == "v_prediction":
-        target = sched.get_velocity(latents, noise, t)
-    else:
-        target = noise
+    v_pred = sched.config.prediction_type == "v_prediction"
+    target = sched.get_velocity(latents, noise, t) if v_pred else noise
+    if cfg is not None and cfg.channels_last:
+        noisy = noisy.contiguous(memory_format=torch.channels_last)
     pred = comps.unet(noisy, t, encoder_hidden).sample
-    return F.mse_loss(pred.float(), target.float())
+    if cfg is None or cfg.snr_gamma is None:
+        return F.mse_loss(pred.float(), target.float())
+    # Min-SNR-gamma (Hang et al. 2023): weight each timestep by min(SNR, gamma) / SNR (eps) or
+    # / (SNR + 1) (v), so that easy low-noise steps stop dominating the gradient.
+    snr = compute_snr(sched, t)
+    weight = torch.clamp(snr, max=cfg.snr_gamma) / (snr + 1 if v_pred else snr)
+    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+    return (per_sample * weight).mean()
 
 
-def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink):
-    """Optimizer steps until `max_steps`, checkpointing and resuming through `checkpoints/`."""
+def train_loop(
+    run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink,
+    checkpoints: bool = True,
+):  # fmt: skip
+    """Optimizer steps until `max_steps`, checkpointing and resuming through `checkpoints/`.
+
+    `checkpoints=False` (throughput measurement only) neither resumes nor saves.
+    """
     cfg, stage = run.train, run.stage
     out = Path(run.output_dir)
     ckpt_root = out / "checkpoints"
     state = TrainState()
-    resume = latest_checkpoint(ckpt_root)
+    resume = latest_checkpoint(ckpt_root) if checkpoints else None
     if resume is not None:
         saved = load_checkpoint(accelerator, resume)
         state.step, state.loader_state = saved["step"], saved["loader"]
+        state.elapsed_s = saved.get("elapsed_s", 0.0)
         loader.load_state_dict(state.loader_state)
         log.info("resumed from %s at step %d", resume, state.step)
         sink.event("resumed", step=state.step, checkpoint=str(resume))
@@ -146,6 +171,8 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
     samples_per_step = (
         stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
     )
+    perf = _perf_setup(run, accelerator, comps, sink)
+    grad_norm = float("nan")
     # Per logging window: wall time, data wait, loss sum, micro-batches, optimizer steps.
     t_last, wait_s, loss_sum, loss_n, window_steps = time.perf_counter(), 0.0, 0.0, 0, 0
     empty_epochs = 0
@@ -156,10 +183,11 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
             got_batch = True
             wait_s += time.perf_counter() - t_fetch
             with accelerator.accumulate(comps.unet):
-                loss = _loss(comps, batch, weight_dtype, accelerator.device)
+                loss = _loss(comps, batch, weight_dtype, accelerator.device, cfg)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(comps.unet.parameters(), cfg.max_grad_norm)
+                    norm = accelerator.clip_grad_norm_(comps.unet.parameters(), cfg.max_grad_norm)
+                    grad_norm = float(norm) if norm is not None else float("nan")
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -179,23 +207,34 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
                     ).item()
                     now = time.perf_counter()
                     dt = now - t_last
+                    state.elapsed_s += dt
                     steps = window_steps  # fewer than log_every right after a resume
+                    rate = samples_per_step * steps / dt
+                    dev_hours = state.elapsed_s * accelerator.num_processes / 3600
                     sink.log(
                         state.step,
                         loss=mean_loss,
                         lr=lr_scheduler.get_last_lr()[0],
+                        grad_norm=grad_norm,
                         step_time_s=dt / steps,
-                        samples_per_s=samples_per_step * steps / dt,
+                        samples_per_s=rate,
+                        samples_per_s_per_device=rate / accelerator.num_processes,
                         data_wait_frac=min(1.0, wait_s / dt),
+                        mfu=rate * perf["flops_per_sample"] / perf["peak_flops_total"],
+                        gpu_hours=dev_hours,
+                        cost_usd=dev_hours * run.gpu_hour_usd,
+                        **device_stats(accelerator.device),
                     )
                     state.losses.append(mean_loss)
                     t_last, wait_s, loss_sum, loss_n, window_steps = now, 0.0, 0.0, 0, 0
-                if state.step % cfg.checkpoint_every == 0 or state.step == stage.max_steps:
+                if checkpoints and (
+                    state.step % cfg.checkpoint_every == 0 or state.step == stage.max_steps
+                ):
                     save_checkpoint(
                         accelerator,
                         ckpt_root,
                         state.step,
-                        {"loader": loader.state_dict()},
+                        {"loader": loader.state_dict(), "elapsed_s": state.elapsed_s},
                         cfg.keep_checkpoints,
                     )
                 _inject_faults(run, state.step, out)
@@ -211,6 +250,32 @@ def train_loop(run, accelerator, comps, optimizer, lr_scheduler, ema, loader, we
     if keys_file:
         keys_file.close()
     return state
+
+
+def _perf_setup(run: StageRun, accelerator: Accelerator, comps: Components, sink) -> dict:
+    """FLOPs per sample (counted once, on meta copies) and the peak of the devices in use."""
+    flops = train_flops_per_sample(
+        dict(accelerator.unwrap_model(comps.unet).config),
+        vae=comps.vae,
+        text_encoder=comps.text_encoder,
+        resolution=run.stage.resolution,
+        latent_channels=comps.vae.config.latent_channels,
+        vae_scale=vae_scale_factor(comps.vae),
+        seq_len=comps.tokenizer.model_max_length,
+    )
+    peak, source = device_peak_flops(accelerator.device, run.train.peak_tflops)
+    perf = {
+        "flops_per_sample": flops,
+        "peak_flops_per_device": peak,
+        "peak_flops_total": peak * accelerator.num_processes,
+        "peak_source": source,
+    }
+    sink.event("perf", **perf)
+    log.info(
+        "%.3g TFLOPs per training sample; device peak %.3g TFLOP/s (%s)",
+        flops / 1e12, peak / 1e12, source,
+    )  # fmt: skip
+    return perf
 
 
 def _inject_faults(run: StageRun, step: int, out: Path) -> None:
@@ -301,6 +366,8 @@ def main(argv: list[str] | None = None) -> None:
         # Without a GPU, Accelerate sets up gloo DDP only when told it runs on CPU; otherwise
         # each launched process silently trains alone at world size 1.
         cpu=not torch.cuda.is_available(),
+        # torch.compile through Accelerate, which also unwraps the compiled UNet for saving.
+        dynamo_backend="inductor" if run.train.compile else "no",
     )
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)

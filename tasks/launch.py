@@ -19,10 +19,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
 from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from models.config import StageRun
@@ -60,8 +62,13 @@ def run_launch(
     heartbeat: Path | None = None,
     hang_timeout_s: float | None = None,
     logger: logging.Logger | logging.LoggerAdapter | None = None,
+    on_progress: Callable[[int], None] | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     """Run `cmd` in its own process group, streaming each output line to `logger`.
+
+    `on_progress(step)` is called when the heartbeat's step changes; `timeout_s` bounds the
+    whole launch (used by the health check).
 
     Raises:
         LaunchError: on a non-zero exit, or when `heartbeat` is older than `hang_timeout_s`.
@@ -89,11 +96,21 @@ def run_launch(
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    hung = False
+    hung = timed_out = False
     try:
-        started = time.time()
+        started, last_step = time.time(), None
         while proc.poll() is None:
             reader.join(timeout=1.0)
+            if timeout_s and time.time() - started > timeout_s:
+                timed_out = True
+                logger.error("launch still running after %.0fs: killing it", timeout_s)
+                break
+            if on_progress is not None and heartbeat is not None and heartbeat.exists():
+                with contextlib.suppress(OSError, ValueError):
+                    step = json.loads(heartbeat.read_text())["step"]
+                    if step != last_step:
+                        last_step = step
+                        on_progress(step)
             if heartbeat is not None and hang_timeout_s:
                 last = heartbeat.stat().st_mtime if heartbeat.exists() else started
                 if time.time() - max(last, started) > hang_timeout_s:
@@ -103,9 +120,13 @@ def run_launch(
     finally:
         _kill_group(proc)
         reader.join(timeout=5)
-    if hung or proc.returncode != 0:
+    if hung or timed_out or proc.returncode != 0:
         why = (
-            f"hung (no heartbeat for {hang_timeout_s}s)" if hung else f"exit code {proc.returncode}"
+            f"hung (no heartbeat for {hang_timeout_s}s)"
+            if hung
+            else f"timed out after {timeout_s}s"
+            if timed_out
+            else f"exit code {proc.returncode}"
         )
         raise LaunchError(f"accelerate launch failed: {why}\n" + "\n".join(tail))
 
@@ -129,7 +150,18 @@ def launch_stage(
     cmd = accelerate_command(
         accelerate_config, "models.train", ["--config", str(stage_yaml)], num_processes
     )
-    run_launch(cmd, heartbeat=out / "heartbeat", hang_timeout_s=hang_timeout_s)
+    total = stage.stage.max_steps
+    progress_id = create_progress_artifact(
+        progress=0.0,
+        key=f"train-{stage.stage.resolution}px-progress",
+        description=f"Optimizer steps of stage {stage.stage.resolution}px out of {total}",
+    )
+
+    def report(step: int) -> None:
+        update_progress_artifact(progress_id, progress=100.0 * min(step, total) / total)
+
+    run_launch(cmd, heartbeat=out / "heartbeat", hang_timeout_s=hang_timeout_s, on_progress=report)
+    update_progress_artifact(progress_id, progress=100.0)
     return json.loads((out / "manifest.json").read_text())
 
 

@@ -18,6 +18,7 @@ COMMANDS = [
     "register",
     "ui",
     "mlflow-ui",
+    "plan",
 ]
 
 
@@ -72,3 +73,53 @@ def test_run_fails_before_any_work_when_prompts_are_missing(tmp_path, demo_src, 
     assert result.exit_code == 1
     assert "evaluate.prompts_csv: file not found" in result.output
     assert not (tmp_path / "root" / "catalog").exists(), "nothing ran"
+
+
+def test_plan_for_tiny_from_a_given_rate_and_from_a_measurement(tmp_path, tiny_config):
+    import json
+
+    runner = CliRunner()
+    root = tmp_path / "root"
+    given = runner.invoke(
+        main, ["plan", "--config", str(tiny_config), "--root", str(root), "--img-per-s", "100"]
+    )
+    assert given.exit_code == 0, given.output
+    lines = given.output.splitlines()
+    assert lines[0].split()[:3] == ["stage", "steps", "samples"]
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln.strip().endswith(tuple("0123456789"))}
+    assert set(rows) >= {"32px", "48px", "64px", "total"}
+    assert rows["32px"][1:3] == ["12", "96"] and rows["64px"][1:3] == ["8", "64"]
+    assert float(rows["32px"][3]) == 100.0 and float(rows["64px"][3]) < 100.0, "FLOPs-scaled"
+    plan = json.loads((root / "runs" / "plan.json").read_text())
+    assert plan["total"]["samples"] == 96 + 64 + 64 and plan["num_processes"] == 1
+
+    measured = runner.invoke(
+        main, ["plan", "--config", str(tiny_config), "--root", str(root), "--measure-steps", "4"]
+    )
+    assert measured.exit_code == 0, measured.output
+    assert "measured on cpu" in measured.output
+    plan = json.loads((root / "runs" / "plan.json").read_text())
+    assert all(s["img_per_s"] > 0 and s["wall_hours"] > 0 for s in plan["stages"])
+
+    both = runner.invoke(main, ["plan", "--config", str(tiny_config), "--img-per-s", "1",
+                                "--measure-steps", "4"])  # fmt: skip
+    assert both.exit_code != 0 and "exactly one of" in both.output
+
+
+def test_train_throughput_benchmark_writes_its_fields(tmp_path):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "tt.json"
+    proc = subprocess.run(
+        [sys.executable, str(repo / "benchmarks" / "train_throughput.py"), "--out", str(out),
+         "--steps", "6"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    res = json.loads(out.read_text())
+    for k in ("img_per_s", "mfu", "data_wait_frac", "peak_mem_gb"):
+        assert res[k] > 0 or k == "data_wait_frac", k
+    assert res["baseline"]["img_per_s"] > 0 and res["speedup_vs_baseline"] > 0

@@ -17,7 +17,7 @@ from models.config import StageRun
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _stage(cfg_path, root, version, out, *, stage_index=0, **train_overrides):
+def _stage(cfg_path, root, version, out, *, stage_index=0, run_opts=None, **train_overrides):
     cfg = load_config(cfg_path)
     train = cfg.train.model_copy(update=train_overrides)
     res = train.stages[stage_index].resolution
@@ -26,6 +26,7 @@ def _stage(cfg_path, root, version, out, *, stage_index=0, **train_overrides):
         stage_index=stage_index,
         shards=str(root / "shards" / version / str(res)),
         output_dir=str(out),
+        **(run_opts or {}),
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "stage.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json")))
@@ -123,3 +124,65 @@ def test_bad_stage_file_fails_clearly(tmp_path, tiny_shards, bad):
     )  # fmt: skip
     assert proc.returncode != 0
     assert "invalid config" in proc.stderr
+
+
+def test_speed_options_min_snr_and_perf_metrics(tmp_path, tiny_shards):
+    cfg_path, root, version = tiny_shards
+    cfg = load_config(cfg_path)
+    stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
+    out = tmp_path / "opts"
+    stage_yaml = _stage(
+        cfg_path, root, version, out, stages=stages, log_every=2, attention="eager",
+        channels_last=True, snr_gamma=5.0, run_opts={"gpu_hour_usd": 2.0},
+    )  # fmt: skip
+    _launch(stage_yaml)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    perf = next(x for x in lines if x.get("event") == "perf")
+    assert perf["flops_per_sample"] > 1e6 and perf["peak_source"].startswith("measured")
+    logged = [x for x in lines if "loss" in x]
+    assert [x["step"] for x in logged] == [2, 4]
+    for x in logged:
+        assert 0 < x["mfu"] < 1 and 0 <= x["data_wait_frac"] <= 1
+        assert x["grad_norm"] > 0 and x["samples_per_s_per_device"] == x["samples_per_s"]
+        assert x["cost_usd"] == pytest.approx(2.0 * x["gpu_hours"]) and x["gpu_hours"] > 0
+    assert logged[1]["gpu_hours"] > logged[0]["gpu_hours"], "GPU-hours accumulate"
+    assert (out / "final" / "model_index.json").is_file()
+
+
+def test_min_snr_weighting_follows_the_paper():
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_snr
+
+    from models.factory import build_components
+    from models.train import _loss
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml").train
+    comps = build_components(cfg.model, seed=0)
+    batch = {
+        "pixel_values": torch.randn(32, 3, 32, 32),
+        "input_ids": torch.randint(0, 500, (32, 77)),
+    }
+    plain, weighted = [], []
+    for gamma, sink in ((None, plain), (5.0, weighted)):
+        torch.manual_seed(0)
+        sink.append(_loss(comps, batch, torch.float32, "cpu", cfg.model_copy(
+            update={"snr_gamma": gamma})).item())  # fmt: skip
+    # Same noise and timesteps; only steps with SNR > gamma are down-weighted.
+    assert weighted[0] < plain[0] and torch.isfinite(torch.tensor(weighted[0]))
+    sched = DDPMScheduler.from_config(comps.noise_scheduler.config)
+    t = torch.tensor([1, 100, 999])
+    snr = compute_snr(sched, t)
+    w = torch.clamp(snr, max=5.0) / snr
+    assert w[0] < 0.01 and w[-1] == pytest.approx(1.0), "low-noise steps down-weighted"
+
+
+@pytest.mark.e2e
+def test_compiled_unet_trains_checkpoints_and_exports(tmp_path, tiny_shards):
+    cfg_path, root, version = tiny_shards
+    cfg = load_config(cfg_path)
+    stages = [cfg.train.stages[0].model_copy(update={"max_steps": 2, "batch_size": 2})]
+    out = tmp_path / "compiled"
+    _launch(_stage(cfg_path, root, version, out, stages=stages, compile=True, checkpoint_every=1))
+    assert (out / "checkpoints" / "step-00000002" / "kiln_state.json").is_file()
+    weights = load_file(out / "final" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert not any(k.startswith("_orig_mod") for k in weights), "export holds the plain UNet"

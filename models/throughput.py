@@ -1,0 +1,104 @@
+"""Measure one stage's training throughput on this machine, through the real training loop.
+
+Writes a small synthetic MDS dataset at the stage's resolution, then runs `build_models`,
+`build_dataloader` and `train_loop` from `models.train` for a few steps in this process (one
+device), with no checkpoints and no export. The last logging window (after warm-up and any
+compilation) gives samples/s, MFU, the data-wait fraction and peak memory. `kiln plan` and
+`benchmarks/train_throughput.py` both use it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import resource
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from streaming import MDSWriter
+
+from models.config import StageRun, TrainConfig
+
+__all__ = ["measure_stage", "write_synthetic_shards"]
+
+
+def write_synthetic_shards(out: Path, resolution: int, n: int, seed: int = 0) -> None:
+    """`n` random JPEG images with captions, in the columns the training loader reads."""
+    rng = np.random.default_rng(seed)
+    cols = {"image": "bytes", "caption": "str", "key": "str"}
+    with MDSWriter(out=str(out), columns=cols, size_limit=1 << 24) as w:
+        for i in range(n):
+            arr = rng.integers(0, 255, (resolution, resolution, 3), dtype=np.uint8)
+            buf = io.BytesIO()
+            Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+            w.write({"image": buf.getvalue(), "caption": f"synthetic sample {i}", "key": f"s{i}"})
+
+
+def measure_stage(
+    train: TrainConfig, stage_index: int, steps: int = 20, work_dir: str | None = None
+) -> dict:
+    """Train `steps` optimizer steps of stage `stage_index` on synthetic data; return rates.
+
+    Returns img_per_s (this device), mfu, data_wait_frac, peak_mem_gb, flops_per_sample,
+    device and the settings measured.
+    """
+    from accelerate import Accelerator
+
+    from models.metrics import MetricsSink
+    from models.train import build_dataloader, build_models, train_loop
+
+    if steps < 4:
+        raise ValueError(f"steps must be at least 4 (warm-up plus a measured window), got {steps}")
+    stage = train.stages[stage_index]
+    cfg = train.model_copy(deep=True)
+    window = max(2, steps // 2)
+    cfg.log_every = window
+    cfg.checkpoint_every = 10**9
+    cfg.stages[stage_index] = stage.model_copy(update={"max_steps": steps, "warmup_steps": 0})
+    with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
+        tmp = Path(tmp)
+        per_step = stage.batch_size * stage.gradient_accumulation_steps
+        write_synthetic_shards(tmp / "shards", stage.resolution, max(2 * per_step, 8))
+        run = StageRun(
+            train=cfg, stage_index=stage_index, shards=str(tmp / "shards"),
+            output_dir=str(tmp / "out"),
+        )  # fmt: skip
+        (tmp / "out").mkdir()
+        accelerator = Accelerator(
+            gradient_accumulation_steps=stage.gradient_accumulation_steps,
+            cpu=not torch.cuda.is_available(),
+            dynamo_backend="inductor" if cfg.compile else "no",
+        )
+        sink = MetricsSink(tmp / "out", None, None, "plan", True)
+        comps, optimizer, sched, ema, dtype = build_models(run, accelerator)
+        loader = build_dataloader(run, comps)
+        if accelerator.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        train_loop(
+            run, accelerator, comps, optimizer, sched, ema, loader, dtype, sink, checkpoints=False
+        )
+        lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
+        perf = next(x for x in lines if x.get("event") == "perf")
+        last = [x for x in lines if "samples_per_s" in x][-1]
+    if accelerator.device.type == "cuda":
+        peak_mem = torch.cuda.max_memory_allocated() / 1e9
+    else:  # peak resident set of this process (Linux reports KiB)
+        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    return {
+        "resolution": stage.resolution,
+        "batch_size": stage.batch_size,
+        "steps": steps,
+        "measured_steps": window,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "precision": accelerator.mixed_precision,
+        "img_per_s": last["samples_per_s"],
+        "mfu": last["mfu"],
+        "data_wait_frac": last["data_wait_frac"],
+        "peak_mem_gb": round(peak_mem, 3),
+        "flops_per_sample": perf["flops_per_sample"],
+        "peak_flops_per_device": perf["peak_flops_per_device"],
+        "peak_source": perf["peak_source"],
+    }

@@ -1,0 +1,138 @@
+"""Pre-flight health check before training launches: fail in seconds, with a clear message.
+
+Checks, in order of cost:
+
+1. the topology's GPU needs against the GPUs this machine sees;
+2. storage: every stage's MDS index is readable and the run folder is writable;
+3. free disk under the run folder against an estimate of the checkpoints (weights, AdamW
+   moments, EMA, times `train.keep_checkpoints`, plus one export);
+4. a collective: `accelerate launch -m models.healthcheck` all-reduces across every launched
+   process, bounded by `launch.health_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from models.config import TrainConfig
+from tasks.launch import LaunchError, accelerate_command, run_launch
+from tasks.logs import task_logger
+
+__all__ = [
+    "HealthCheckError",
+    "check_collective",
+    "check_disk",
+    "check_gpus",
+    "check_storage",
+    "checkpoint_bytes",
+    "preflight",
+]
+
+
+class HealthCheckError(RuntimeError):
+    """The machine or cluster is not fit to start this training run."""
+
+
+def check_gpus(accelerate_config: str, num_processes: int | None, visible: int | None = None):
+    """GPU topologies need one visible GPU per process on each machine."""
+    cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
+    dist = str(cfg.get("distributed_type", "NO")).upper()
+    if cfg.get("use_cpu") or dist not in ("MULTI_GPU", "FSDP", "DEEPSPEED"):
+        return
+    procs = num_processes or int(cfg.get("num_processes") or 1)
+    per_machine = -(-procs // int(cfg.get("num_machines") or 1))
+    if visible is None:
+        import torch
+
+        visible = torch.cuda.device_count()
+    if visible < per_machine:
+        raise HealthCheckError(
+            f"topology {Path(accelerate_config).name} ({dist}) starts {per_machine} processes "
+            f"per machine, one per GPU, but this machine sees {visible} GPU(s). Check "
+            "CUDA_VISIBLE_DEVICES and the driver, set launch.num_processes, or use "
+            "configs/accelerate/single.yaml (one process) or cpu-ddp-2.yaml (CPU)."
+        )
+
+
+def check_storage(run_dir: Path, shard_dirs: list[str]) -> None:
+    """Every stage's dataset index parses, and the run folder accepts a write."""
+    for d in shard_dirs:
+        index = Path(d) / "index.json"
+        try:
+            json.loads(index.read_text())
+        except (OSError, ValueError) as e:
+            raise HealthCheckError(f"storage: cannot read the dataset index {index}: {e}") from e
+    probe = run_dir / ".health-probe"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise HealthCheckError(f"storage: the run folder {run_dir} is not writable: {e}") from e
+
+
+def checkpoint_bytes(train: TrainConfig) -> int:
+    """Disk a stage needs: `keep_checkpoints` x (fp32 weights + 2 AdamW moments + EMA) plus
+    one fp32 export. Parameters are counted on a meta copy of the UNet (no memory)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(train.model.unet)
+    n = sum(p.numel() for p in unet.parameters())
+    per_ckpt = n * 4 * (3 + (1 if train.ema.enabled else 0))
+    return per_ckpt * train.keep_checkpoints + n * 4 * 2  # export: EMA and raw UNet
+
+
+def check_disk(run_dir: Path, train: TrainConfig) -> None:
+    need = checkpoint_bytes(train)
+    free = shutil.disk_usage(run_dir if run_dir.exists() else run_dir.parent).free
+    if free < need:
+        raise HealthCheckError(
+            f"disk: {free / 1e9:.1f} GB free under {run_dir}, but a stage's checkpoints need "
+            f"about {need / 1e9:.1f} GB (train.keep_checkpoints={train.keep_checkpoints}); "
+            "free space, lower keep_checkpoints, or move storage.root"
+        )
+
+
+def check_collective(
+    accelerate_config: str, num_processes: int | None, out: Path, timeout_s: float
+) -> dict:
+    """All-reduce across every process of the topology; returns models.healthcheck's report."""
+    cmd = accelerate_command(accelerate_config, "models.healthcheck", ["--out", str(out)],
+                             num_processes)  # fmt: skip
+    try:
+        run_launch(cmd, timeout_s=timeout_s)
+    except LaunchError as e:
+        raise HealthCheckError(
+            f"collective: the all-reduce across the processes of "
+            f"{Path(accelerate_config).name} did not complete ({e}). Check that every node is "
+            "up and can reach main_process_ip:main_process_port, and the NCCL/gloo setup."
+        ) from e
+    return json.loads((out / "health.json").read_text())
+
+
+@task(name="preflight-health-check", cache_policy=NO_CACHE)
+def preflight(
+    train: TrainConfig,
+    accelerate_config: str,
+    num_processes: int | None,
+    run_dir: str,
+    shard_dirs: list[str],
+    timeout_s: float = 300,
+) -> dict:
+    """Run every check; raise HealthCheckError naming the first that fails."""
+    log = task_logger(__name__)
+    run = Path(run_dir)
+    check_gpus(accelerate_config, num_processes)
+    check_storage(run, shard_dirs)
+    check_disk(run, train)
+    report = check_collective(accelerate_config, num_processes, run / "health", timeout_s)
+    log.info("pre-flight health check passed: %s", report)
+    return report

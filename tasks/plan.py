@@ -1,0 +1,137 @@
+"""Plan a training run before it starts: steps, samples, wall time, GPU-hours and cost.
+
+The rate per device comes from a measurement on this machine (`models.throughput`, the real
+training loop on synthetic data) or from a given img/s for the first stage, scaled to the
+other stages by their FLOPs per sample. The global rate assumes linear scaling over the
+topology's processes, which DDP gets close to within a node; treat multi-node plans as a
+lower bound on time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+
+from models.config import TrainConfig
+
+__all__ = ["StagePlan", "format_plan", "make_plan", "topology_processes"]
+
+
+@dataclass
+class StagePlan:
+    resolution: int
+    steps: int
+    samples: int
+    img_per_s_per_device: float
+    img_per_s: float
+    wall_hours: float
+    gpu_hours: float
+    cost_usd: float
+    rate_source: str
+
+
+def topology_processes(accelerate_config: str, override: int | None) -> int:
+    """Processes an `accelerate launch` with this config starts (all machines)."""
+    if override:
+        return override
+    cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
+    return int(cfg.get("num_processes") or 1)
+
+
+def make_plan(
+    train: TrainConfig,
+    num_processes: int,
+    gpu_hour_usd: float,
+    *,
+    img_per_s: float | None = None,
+    measure_steps: int | None = None,
+) -> dict:
+    """Per-stage plan and totals; exactly one of `img_per_s` and `measure_steps`."""
+    from models.perf import train_flops_per_sample
+
+    if (img_per_s is None) == (measure_steps is None):
+        raise ValueError("give exactly one of --img-per-s and --measure-steps")
+    if img_per_s is not None and img_per_s <= 0:
+        raise ValueError(f"--img-per-s must be positive, got {img_per_s}")
+    rates: list[tuple[float, str]] = []
+    if measure_steps is not None:
+        from models.throughput import measure_stage
+
+        for i in range(len(train.stages)):
+            m = measure_stage(train, i, steps=measure_steps)
+            rates.append((m["img_per_s"], f"measured on {m['device']}, {measure_steps} steps"))
+    else:
+        # Scale by the UNet's FLOPs alone: its config is in the YAML (no download needed), and
+        # it dominates the cost of every stage.
+        unet = train.model.unet
+        flops = [
+            train_flops_per_sample(unet, resolution=s.resolution, latent_channels=unet.get(
+                "in_channels", 4), seq_len=train.model.tokenizer.model_max_length)
+            for s in train.stages
+        ]  # fmt: skip
+        rates = [
+            (img_per_s * flops[0] / f, f"given {img_per_s:g} img/s at stage 1, FLOPs-scaled")
+            for f in flops
+        ]
+    stages = []
+    for s, (rate, source) in zip(train.stages, rates, strict=True):
+        samples = s.max_steps * s.batch_size * s.gradient_accumulation_steps * num_processes
+        global_rate = rate * num_processes
+        wall_h = samples / global_rate / 3600
+        stages.append(
+            StagePlan(
+                resolution=s.resolution, steps=s.max_steps, samples=samples,
+                img_per_s_per_device=round(rate, 3), img_per_s=round(global_rate, 3),
+                wall_hours=wall_h, gpu_hours=wall_h * num_processes,
+                cost_usd=wall_h * num_processes * gpu_hour_usd, rate_source=source,
+            )
+        )  # fmt: skip
+    total = {
+        k: sum(getattr(p, k) for p in stages)
+        for k in ("steps", "samples", "wall_hours", "gpu_hours", "cost_usd")
+    }
+    return {
+        "num_processes": num_processes,
+        "gpu_hour_usd": gpu_hour_usd,
+        "stages": [asdict(p) for p in stages],
+        "total": total,
+    }
+
+
+def _hms(hours: float) -> str:
+    secs = round(hours * 3600)
+    return f"{secs // 3600}:{secs % 3600 // 60:02d}:{secs % 60:02d}"
+
+
+def format_plan(plan: dict) -> str:
+    """The plan as a fixed-width table."""
+    head = (
+        f"{'stage':>6} {'steps':>9} {'samples':>13} {'img/s/dev':>10} {'img/s':>10} "
+        f"{'wall':>12} {'GPU-h':>10} {'cost $':>11}"
+    )
+    rows = [head, "-" * len(head)]
+    for p in plan["stages"]:
+        rows.append(
+            f"{p['resolution']:>5}px {p['steps']:>9,} {p['samples']:>13,} "
+            f"{p['img_per_s_per_device']:>10.2f} {p['img_per_s']:>10.2f} "
+            f"{_hms(p['wall_hours']):>12} {p['gpu_hours']:>10,.3f} {p['cost_usd']:>11,.2f}"
+        )
+    t = plan["total"]
+    rows.append("-" * len(head))
+    rows.append(
+        f"{'total':>6} {t['steps']:>9,} {t['samples']:>13,} {'':>10} {'':>10} "
+        f"{_hms(t['wall_hours']):>12} {t['gpu_hours']:>10,.3f} {t['cost_usd']:>11,.2f}"
+    )
+    rows.append(
+        f"{plan['num_processes']} processes at ${plan['gpu_hour_usd']:g} per device-hour; "
+        f"rates: {plan['stages'][0]['rate_source']}"
+    )
+    return "\n".join(rows)
+
+
+def save_plan(plan: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=2))
