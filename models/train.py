@@ -155,6 +155,7 @@ def train_loop(
     out = Path(run.output_dir)
     ckpt_root = out / "checkpoints"
     state = TrainState()
+    perf = _perf_setup(run, accelerator, comps, sink)
     resume = latest_checkpoint(ckpt_root) if checkpoints else None
     if resume is not None:
         saved = load_checkpoint(accelerator, resume)
@@ -171,7 +172,6 @@ def train_loop(
     samples_per_step = (
         stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
     )
-    perf = _perf_setup(run, accelerator, comps, sink)
     grad_norm = float("nan")
     # Per logging window: wall time, data wait, loss sum, micro-batches, optimizer steps.
     t_last, wait_s, loss_sum, loss_n, window_steps = time.perf_counter(), 0.0, 0.0, 0, 0
@@ -253,7 +253,16 @@ def train_loop(
 
 
 def _perf_setup(run: StageRun, accelerator: Accelerator, comps: Components, sink) -> dict:
-    """FLOPs per sample (counted once, on meta copies) and the peak of the devices in use."""
+    """FLOPs per sample (counted once, on meta copies) and the peak of the devices in use.
+
+    Runs under `fork_rng`: measuring the CPU peak draws random matrices, and the global RNG
+    must be exactly where set_seed or the checkpoint left it, or a resumed run diverges.
+    """
+    with torch.random.fork_rng(devices=[]):
+        return _perf_measure(run, accelerator, comps, sink)
+
+
+def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, sink) -> dict:
     flops = train_flops_per_sample(
         dict(accelerator.unwrap_model(comps.unet).config),
         vae=comps.vae,

@@ -90,7 +90,7 @@ def _same_weights(a, b):
         assert all(torch.equal(wa[k], wb[k]) for k in wa), f"{sub} differs"
 
 
-def _launch_in_flow(run, retries, hang_timeout_s=None):
+def _launch_in_flow(run, retries, hang_timeout_s=None, topology=None):
     """Launch with retries inside a flow run, as flows/train.py does."""
     from prefect import flow
 
@@ -99,9 +99,24 @@ def _launch_in_flow(run, retries, hang_timeout_s=None):
     @flow(name="test-launch")
     def one_stage():
         task = launch_stage.with_options(retries=retries, retry_delay_seconds=0)
-        return task(run, SINGLE, hang_timeout_s=hang_timeout_s)
+        return task(run, topology or SINGLE, hang_timeout_s=hang_timeout_s)
 
     return one_stage()
+
+
+def _progress(key):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+            )
+
+    return [a.data for a in asyncio.run(read())]
 
 
 SINGLE = str(Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "single.yaml")
@@ -141,3 +156,26 @@ def test_stalled_launch_is_killed_by_the_watchdog_and_resumed(tmp_path, tiny_sha
     assert [r["step"] for r in resumed] == [4], (
         "killed while stalled at step 4, resumed from its checkpoint"
     )
+    assert 100.0 in _progress("train-32px-progress"), "the progress artifact reached 100%"
+
+
+def test_sigkill_of_a_ddp_rank_resumes_bit_exactly(tmp_path, tiny_shards):
+    """Two CPU processes over gloo: one rank is SIGKILLed at step 3 (the fault fires on the
+    first rank to reach it); torchrun tears the other down; the retry resumes both ranks."""
+    from tasks.launch import launch_stage
+
+    ddp = SINGLE.replace("single.yaml", "cpu-ddp-2.yaml")
+    clean, crashed = tmp_path / "clean", tmp_path / "crashed"
+    launch_stage.fn(_stage_run(tiny_shards, clean), ddp)
+    manifest = _launch_in_flow(
+        _stage_run(tiny_shards, crashed, kill_at_steps=[3]), retries=1, topology=ddp
+    )
+    assert manifest["final_step"] == 6 and manifest["num_processes"] == 2
+    assert (crashed / "metrics.jsonl").read_text().count('"event": "resumed"') == 1
+    assert _per_step(crashed / "metrics.jsonl", "loss") == _per_step(
+        clean / "metrics.jsonl", "loss"
+    )
+    for rank in (0, 1):
+        name = f"samples-rank{rank}.jsonl"
+        assert _per_step(crashed / name, "keys") == _per_step(clean / name, "keys")
+    _same_weights(clean, crashed)
