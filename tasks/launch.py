@@ -26,6 +26,7 @@ import yaml
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.context import TaskRunContext
 
 from models.config import StageRun
 from tasks.logs import task_logger
