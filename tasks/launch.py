@@ -152,17 +152,25 @@ def launch_stage(
         accelerate_config, "models.train", ["--config", str(stage_yaml)], num_processes
     )
     total = stage.stage.max_steps
-    progress_id = create_progress_artifact(
-        progress=0.0,
-        key=f"train-{stage.stage.resolution}px-progress",
-        description=f"Optimizer steps of stage {stage.stage.resolution}px out of {total}",
-    )
+    progress_id = None
+    if TaskRunContext.get() is not None:  # called as a task, not through .fn()
+        progress_id = create_progress_artifact(
+            progress=0.0,
+            key=f"train-{stage.stage.resolution}px-progress",
+            description=f"Optimizer steps of stage {stage.stage.resolution}px out of {total}",
+        )
 
     def report(step: int) -> None:
         update_progress_artifact(progress_id, progress=100.0 * min(step, total) / total)
 
-    run_launch(cmd, heartbeat=out / "heartbeat", hang_timeout_s=hang_timeout_s, on_progress=report)
-    update_progress_artifact(progress_id, progress=100.0)
+    run_launch(
+        cmd,
+        heartbeat=out / "heartbeat",
+        hang_timeout_s=hang_timeout_s,
+        on_progress=report if progress_id else None,
+    )
+    if progress_id:
+        update_progress_artifact(progress_id, progress=100.0)
     return json.loads((out / "manifest.json").read_text())
 
 
