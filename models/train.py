@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 from diffusers import StableDiffusionPipeline
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
@@ -87,6 +87,11 @@ def build_models(run: StageRun, accelerator: Accelerator):
         num_training_steps=stage.max_steps * accelerator.num_processes,
     )
     ema = None
+    if cfg.ema.enabled and accelerator.distributed_type == DistributedType.FSDP:
+        raise ValueError(
+            "train.ema.enabled is not supported with an FSDP topology: the EMA would track "
+            "each rank's parameter shards. Disable EMA for FSDP, or use DDP (multi-gpu.yaml)."
+        )
     if cfg.ema.enabled:
         ema = EMAModel(
             comps.unet.parameters(),
@@ -316,8 +321,16 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
     sums = accelerator.gather(
         torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64)
     )
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    # Under FSDP each rank holds shards: gather the full state dict (a collective, so every
+    # rank calls it) and rebuild a plain UNet from it on the main process.
+    full_state = accelerator.get_state_dict(comps.unet) if fsdp else None
     if not accelerator.is_main_process:
         return
+    if fsdp:
+        plain = type(unet).from_config(unet.config)
+        plain.load_state_dict(full_state)
+        unet = plain
     export_unet = unet
     if ema is not None:
         export_unet = copy.deepcopy(unet)
