@@ -38,6 +38,7 @@ format: $(STAMP)
 benchmark: $(STAMP)
 	$(BIN)/python benchmarks/demo_walltime.py --out benchmarks/results/demo_walltime.json
 	$(BIN)/python benchmarks/ingest.py --out benchmarks/results/ingest.json
+	$(BIN)/python benchmarks/train_throughput.py --out benchmarks/results/train_throughput_cpu.json --steps 12
 
 clean:
 	rm -rf kiln-data $(DEMO_DATA) .pytest_cache
