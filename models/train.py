@@ -283,6 +283,7 @@ def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, si
         "peak_flops_per_device": peak,
         "peak_flops_total": peak * accelerator.num_processes,
         "peak_source": source,
+        "precision": accelerator.mixed_precision,
     }
     sink.event("perf", **perf)
     log.info(

@@ -33,10 +33,10 @@ def _stage(cfg_path, root, version, out, *, stage_index=0, run_opts=None, **trai
     return out / "stage.yaml"
 
 
-def _launch(stage_yaml, topology="single.yaml"):
+def _launch(stage_yaml, topology="single.yaml", extra=()):
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "configs" / "accelerate" / topology),
+        "--config_file", str(REPO / "configs" / "accelerate" / topology), *extra,
         "-m", "models.train", "--config", str(stage_yaml),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -135,10 +135,11 @@ def test_speed_options_min_snr_and_perf_metrics(tmp_path, tiny_shards):
         cfg_path, root, version, out, stages=stages, log_every=2, attention="eager",
         channels_last=True, snr_gamma=5.0, run_opts={"gpu_hour_usd": 2.0},
     )  # fmt: skip
-    _launch(stage_yaml)
+    _launch(stage_yaml, extra=("--mixed_precision", "bf16"))  # bf16 autocast works on CPU too
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     perf = next(x for x in lines if x.get("event") == "perf")
     assert perf["flops_per_sample"] > 1e6 and perf["peak_source"].startswith("measured")
+    assert perf["precision"] == "bf16"
     logged = [x for x in lines if "loss" in x]
     assert [x["step"] for x in logged] == [2, 4]
     for x in logged:
