@@ -16,7 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from data_quality.rules import QualityConfig
 from models.config import ConfigError, TrainConfig, load_yaml_model
 
-__all__ = ["PipelineConfig", "ConfigError", "check_inputs", "load_config", "PROJECT_DIR"]
+__all__ = [
+    "PipelineConfig", "ConfigError", "check_inputs", "encoder_key", "load_config", "PROJECT_DIR",
+]  # fmt: skip
 
 # Repository root (editable install): used to find bundled configs/accelerate/*.yaml.
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -90,6 +92,12 @@ class ShardsConfig(Strict):
     jpeg_quality: int = Field(90, ge=1, le=100)
     size_limit: int = Field(1 << 26, gt=0, description="Bytes per MDS shard before a new one.")
     workers: int = Field(0, ge=0, description="Resize processes; 0 means one per CPU core.")
+    precompute: bool = Field(
+        False, description="Also write VAE latents and text states per stage (models.precompute)."
+    )
+    precompute_text: bool = Field(
+        True, description="With precompute: store text-encoder states (else token ids only)."
+    )
 
 
 class EvaluateConfig(Strict):
@@ -144,6 +152,17 @@ class PipelineConfig(Strict):
         if self.registry.tracking_uri:
             return self.registry.tracking_uri
         return f"sqlite:///{Path(self.storage.root) / 'mlflow.db'}"
+
+
+def encoder_key(cfg: PipelineConfig) -> str:
+    """Identity of the frozen encoders (and text mode) that precomputed latents depend on."""
+    import hashlib
+    import json
+
+    m = cfg.train.model
+    parts = [m.vae.model_dump(), m.text_encoder.model_dump(), m.tokenizer.model_dump(),
+             cfg.shards.precompute_text]  # fmt: skip
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:

@@ -7,7 +7,9 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import load_config
+from flows.config import check_inputs, encoder_key, load_config
+from models.config import StageRun
+from tasks.launch import launch_precompute
 from tasks.layout import Layout
 from tasks.shard import write_shards
 
@@ -42,6 +44,18 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
         workers=cfg.shards.workers,
         endpoint_url=cfg.storage.endpoint_url,
     )
+    if cfg.shards.precompute:
+        check_inputs(cfg, ("train",))
+        for i, stage in enumerate(cfg.train.stages):
+            images = layout.shards(result.dataset_version, stage.resolution)
+            out = layout.latents(result.dataset_version, stage.resolution, encoder_key(cfg))
+            spec = StageRun(train=cfg.train, stage_index=i, shards=str(images),
+                            output_dir=str(out.parent))  # fmt: skip
+            launch_precompute.with_options(name=f"precompute-{stage.resolution}px")(
+                spec, str(out), cfg.launch.accelerate_config,
+                text=cfg.shards.precompute_text, num_processes=cfg.launch.num_processes,
+            )  # fmt: skip
+            result.stages[stage.resolution]["latents"] = str(out)
     rows = "\n".join(
         f"| {r}px | {s['samples']} | {s['shards']} | {s['bytes'] / 1e6:.2f} MB |"
         for r, s in result.stages.items()

@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, check_inputs, load_config
+from flows.config import PipelineConfig, check_inputs, encoder_key, load_config
 from models.config import StageRun
 from tasks.health import preflight
 from tasks.launch import launch_stage
@@ -130,10 +130,13 @@ def train_flow(
         )
     for i, stage in enumerate(cfg.train.stages):
         out = layout.stage(run_id, stage.resolution)
+        # Precomputed latents for these encoders, when the shard step wrote them.
+        latents = layout.latents(version, stage.resolution, encoder_key(cfg))
+        images = layout.shards(version, stage.resolution)
         run = StageRun(
             train=cfg.train,
             stage_index=i,
-            shards=str(layout.shards(version, stage.resolution)),
+            shards=str(latents if (latents / "index.json").is_file() else images),
             output_dir=str(out),
             init_from_dir=init_from,
             tracking_uri=cfg.tracking_uri,

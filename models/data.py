@@ -17,7 +17,17 @@ from PIL import Image
 from streaming import StreamingDataLoader, StreamingDataset
 from transformers import PreTrainedTokenizerBase
 
-__all__ = ["ImageCaptionDataset", "build_loader", "decode_pixels"]
+__all__ = ["ImageCaptionDataset", "build_loader", "decode_pixels", "precomputed_columns"]
+
+
+def precomputed_columns(local: str) -> set[str]:
+    """Which precomputed columns (latent_mean, text_hidden) a local MDS dataset carries."""
+    import json
+    from pathlib import Path
+
+    index = json.loads((Path(local) / "index.json").read_text())
+    names = set(index["shards"][0].get("column_names", [])) if index["shards"] else set()
+    return names & {"latent_mean", "text_hidden"}
 
 
 def decode_pixels(jpeg: bytes, resolution: int) -> torch.Tensor:
@@ -61,14 +71,38 @@ class ImageCaptionDataset(StreamingDataset):
         self.caption_dropout = caption_dropout
         self.seed = seed
 
+    def _ids(self, caption: str) -> torch.Tensor:
+        return self.tokenizer(
+            caption,
+            padding="max_length",
+            truncation=True,
+            max_length=self.tokenizer.model_max_length,
+            return_tensors="pt",
+        ).input_ids[0]
+
     def __getitem__(self, idx: int) -> dict:
         sample = super().__getitem__(idx)
         caption = sample["caption"]
-        if (
+        drop = bool(
             self.caption_dropout
             and np.random.default_rng([self.seed, idx]).random() < self.caption_dropout
-        ):
+        )
+        if drop:
             caption = ""
+        if "latent_mean" in sample:
+            # Precomputed shards (models/precompute.py): no image decode, no VAE.
+            out = {
+                "latent_mean": torch.from_numpy(sample["latent_mean"].astype(np.float32)),
+                "latent_std": torch.from_numpy(sample["latent_std"].astype(np.float32)),
+            }
+            if "text_hidden" in sample:
+                out["text_hidden"] = torch.from_numpy(sample["text_hidden"].astype(np.float32))
+                out["drop"] = torch.tensor(drop)
+            else:
+                ids = sample["input_ids"]
+                out["input_ids"] = self._ids("") if drop else torch.from_numpy(ids.astype(np.int64))
+            out["key"] = sample["key"]
+            return out
         ids = self.tokenizer(
             caption,
             padding="max_length",
@@ -76,7 +110,7 @@ class ImageCaptionDataset(StreamingDataset):
             max_length=self.tokenizer.model_max_length,
             return_tensors="pt",
         ).input_ids[0]
-        # pixel_values first: StreamingDataLoader counts a batch by its first value.
+        # A tensor first: StreamingDataLoader counts a batch by its first value.
         return {
             "pixel_values": decode_pixels(sample["image"], self.resolution),
             "input_ids": ids,

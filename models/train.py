@@ -35,7 +35,7 @@ from streaming.base.util import clean_stale_shared_memory
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from models.config import StageRun, load_yaml_model
-from models.data import build_loader
+from models.data import build_loader, precomputed_columns
 from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
 from models.metrics import MetricsSink
 from models.perf import device_peak_flops, device_stats, train_flops_per_sample
@@ -124,11 +124,28 @@ def build_dataloader(run: StageRun, comps: Components):
 def _loss(
     comps: Components, batch: dict, weight_dtype: torch.dtype, device, cfg=None
 ) -> torch.Tensor:
-    pixels = batch["pixel_values"].to(device, dtype=weight_dtype, non_blocking=True)
-    ids = batch["input_ids"].to(device, non_blocking=True)
+    scale = comps.vae.config.scaling_factor
     with torch.no_grad():
-        latents = comps.vae.encode(pixels).latent_dist.sample() * comps.vae.config.scaling_factor
-        encoder_hidden = comps.text_encoder(ids)[0]
+        if "latent_mean" in batch:
+            # Precomputed: sample the VAE's diagonal Gaussian as latent_dist.sample() does.
+            mean = batch["latent_mean"].to(device, dtype=weight_dtype, non_blocking=True)
+            std = batch["latent_std"].to(device, dtype=weight_dtype, non_blocking=True)
+            latents = (mean + std * torch.randn_like(mean)) * scale
+        else:
+            pixels = batch["pixel_values"].to(device, dtype=weight_dtype, non_blocking=True)
+            latents = comps.vae.encode(pixels).latent_dist.sample() * scale
+        if "text_hidden" in batch:
+            encoder_hidden = batch["text_hidden"].to(device, dtype=weight_dtype)
+            drop = batch["drop"].to(device)
+            if drop.any():  # caption dropout: the empty caption's states
+                empty = comps.tokenizer(
+                    "", padding="max_length", max_length=comps.tokenizer.model_max_length,
+                    return_tensors="pt",
+                ).input_ids.to(device)  # fmt: skip
+                encoder_hidden[drop] = comps.text_encoder(empty)[0].to(weight_dtype)
+        else:
+            ids = batch["input_ids"].to(device, non_blocking=True)
+            encoder_hidden = comps.text_encoder(ids)[0]
     noise = torch.randn_like(latents)
     sched = comps.noise_scheduler
     t = torch.randint(0, sched.config.num_train_timesteps, (latents.shape[0],), device=device)
@@ -268,10 +285,11 @@ def _perf_setup(run: StageRun, accelerator: Accelerator, comps: Components, sink
 
 
 def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, sink) -> dict:
+    pre = precomputed_columns(run.shards)  # precomputed work is not training FLOPs
     flops = train_flops_per_sample(
         dict(accelerator.unwrap_model(comps.unet).config),
-        vae=comps.vae,
-        text_encoder=comps.text_encoder,
+        vae=None if "latent_mean" in pre else comps.vae,
+        text_encoder=None if "text_hidden" in pre else comps.text_encoder,
         resolution=run.stage.resolution,
         latent_channels=comps.vae.config.latent_channels,
         vae_scale=vae_scale_factor(comps.vae),

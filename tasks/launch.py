@@ -31,7 +31,14 @@ from prefect.context import TaskRunContext
 from models.config import StageRun
 from tasks.logs import task_logger
 
-__all__ = ["LaunchError", "accelerate_command", "launch_generate", "launch_stage", "run_launch"]
+__all__ = [
+    "LaunchError",
+    "accelerate_command",
+    "launch_generate",
+    "launch_precompute",
+    "launch_stage",
+    "run_launch",
+]
 
 
 class LaunchError(RuntimeError):
@@ -204,3 +211,26 @@ def launch_generate(
         args += ["--limit", str(limit)]
     run_launch(accelerate_command(accelerate_config, "models.generate", args, num_processes))
     return json.loads((Path(out_dir) / "study.json").read_text())
+
+
+@task(name="launch-precompute", cache_policy=NO_CACHE)
+def launch_precompute(
+    stage: StageRun,
+    out_dir: str,
+    accelerate_config: str,
+    *,
+    text: bool = True,
+    num_processes: int | None = None,
+) -> str:
+    """Precompute one stage's latents with `models.precompute`; returns the dataset folder.
+
+    Idempotent: a complete folder (index.json present) is returned without work.
+    """
+    out = Path(out_dir)
+    if (out / "index.json").is_file():
+        return str(out)
+    cfg_path = out.parent / f".precompute-{out.name}.yaml"
+    cfg_path.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
+    args = ["--config", str(cfg_path), "--out", str(out)] + ([] if text else ["--no-text"])
+    run_launch(accelerate_command(accelerate_config, "models.precompute", args, num_processes))
+    return str(out)

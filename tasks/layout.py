@@ -29,6 +29,10 @@ class Layout:
         base = self.root / "shards" / version
         return base if resolution is None else base / str(resolution)
 
+    def latents(self, version: str, resolution: int, encoder_key: str) -> Path:
+        """Precomputed latents of a stage, for one set of frozen encoders."""
+        return self.root / "shards" / version / f"{resolution}-latents-{encoder_key}"
+
     def run(self, run_id: str) -> Path:
         return self.root / "runs" / run_id
 

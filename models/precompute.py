@@ -1,0 +1,124 @@
+"""Precompute VAE latents and text-encoder states for one stage's MDS dataset.
+
+    accelerate launch --config_file TOPOLOGY -m models.precompute --config stage.yaml \
+        --out shards/<version>/<res>-latents [--no-text]
+
+Reads the stage's image shards (`stage.yaml`'s `shards`), runs the frozen VAE encoder and
+text encoder once per sample, and writes a parallel MDS dataset with `latent_mean` and
+`latent_std` (fp16, the VAE's diagonal Gaussian), `text_hidden` (fp16) or, with `--no-text`,
+only `input_ids`, plus `key` and `caption`. Training then samples `mean + std * noise`, which
+is what `latent_dist.sample()` does, so the objective is unchanged (MosaicML reported 1.4-2x
+higher throughput from this).
+
+Each rank encodes samples `rank::world` and writes its own part folder; the main process
+merges the parts into one `index.json` with streaming's `merge_index`. Everything is written
+under `<out>.tmp` and renamed into place only when complete, so a reader never sees a partial
+dataset and a crashed run simply starts again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import Accelerator
+from streaming import MDSWriter, StreamingDataset
+from streaming.base.util import clean_stale_shared_memory, merge_index
+
+from models.config import StageRun, load_yaml_model
+from models.data import decode_pixels
+from models.factory import build_components
+
+__all__ = ["LATENT_COLUMNS", "encode_batch", "main"]
+
+log = logging.getLogger("kiln.precompute")
+
+LATENT_COLUMNS = {
+    "latent_mean": "ndarray:float16",
+    "latent_std": "ndarray:float16",
+    "key": "str",
+    "caption": "str",
+}
+
+
+@torch.no_grad()
+def encode_batch(comps, pixels: torch.Tensor, captions: list[str], text: bool) -> dict:
+    """VAE mean/std (unscaled) and text states (or ids) for a batch; fp32 tensors on CPU."""
+    dist = comps.vae.encode(pixels).latent_dist
+    ids = comps.tokenizer(
+        captions, padding="max_length", truncation=True,
+        max_length=comps.tokenizer.model_max_length, return_tensors="pt",
+    ).input_ids  # fmt: skip
+    out = {"latent_mean": dist.mean.float().cpu(), "latent_std": dist.std.float().cpu()}
+    if text:
+        out["text_hidden"] = comps.text_encoder(ids.to(pixels.device))[0].float().cpu()
+    else:
+        out["input_ids"] = ids
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="stage.yaml (models.config.StageRun)")
+    p.add_argument("--out", required=True, help="Output folder of the latents dataset")
+    p.add_argument("--no-text", action="store_true", help="Store token ids, not text states")
+    p.add_argument("--batch-size", type=int, default=32)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run: StageRun = load_yaml_model(StageRun, args.config)
+    out = Path(args.out)
+    if (out / "index.json").is_file():
+        log.info("latents already complete: %s", out)
+        return
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    clean_stale_shared_memory()
+    tmp = out.with_name(out.name + ".tmp")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    comps = build_components(run.train.model, seed=run.train.seed)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        accelerator.mixed_precision, torch.float32
+    )
+    comps.vae.to(accelerator.device, dtype=dtype).eval()
+    comps.text_encoder.to(accelerator.device, dtype=dtype).eval()
+    ds = StreamingDataset(local=run.shards, batch_size=1, shuffle=False)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, ds.num_samples, world))
+    cols = dict(LATENT_COLUMNS)
+    cols["text_hidden" if not args.no_text else "input_ids"] = (
+        "ndarray:float16" if not args.no_text else "ndarray:int32"
+    )
+    res = run.stage.resolution
+    with MDSWriter(out=str(tmp / f"part-{rank:05d}"), columns=cols, size_limit=1 << 26) as w:
+        for start in range(0, len(mine), args.batch_size):
+            samples = [ds.get_item(i) for i in mine[start : start + args.batch_size]]
+            pixels = torch.stack([decode_pixels(s["image"], res) for s in samples])
+            enc = encode_batch(
+                comps, pixels.to(accelerator.device, dtype=dtype),
+                [s["caption"] for s in samples], not args.no_text,
+            )  # fmt: skip
+            for j, s in enumerate(samples):
+                row = {"key": s["key"], "caption": s["caption"]}
+                for name, t in enc.items():
+                    kind = np.int32 if name == "input_ids" else np.float16
+                    row[name] = t[j].numpy().astype(kind)
+                w.write(row)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        parts = sorted(str(p / "index.json") for p in tmp.glob("part-*"))
+        merge_index(parts, str(tmp), keep_local=True, download_timeout=60)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)  # publish: index.json appears with every shard in place
+        log.info("wrote %d latents to %s", ds.num_samples, out)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
