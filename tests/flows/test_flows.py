@@ -67,3 +67,25 @@ def test_shard_before_validate_says_so(tmp_path, demo_src, make_config):
     ingest_flow(str(cfg))
     with pytest.raises(FileNotFoundError, match="run `kiln validate` first"):
         shard_flow(str(cfg))
+
+
+@pytest.mark.e2e
+def test_precompute_in_the_shard_flow_and_training_on_latents(tmp_path, demo_src, make_config):
+    from flows.train import train_flow
+
+    cfg = make_config(
+        tmp_path / "c.yaml", tmp_path / "root", demo_src,
+        **{"shards.precompute": True, "train.checkpoint_every": 100},
+    )  # fmt: skip
+    ingest_flow(str(cfg))
+    validate_flow(str(cfg))
+    shards = shard_flow(str(cfg))
+    for res, stage in shards["stages"].items():
+        assert stage["latents"].split("/")[-1].startswith(f"{res}-latents-")
+        assert (tmp_path / "root" / "shards" / shards["dataset_version"]).is_dir()
+    record = train_flow(str(cfg))
+    assert record["health"]["world_size"] == 1
+    for res in ("32", "48", "64"):
+        stage_yaml = tmp_path / "root" / "runs" / record["run_id"] / f"stage-{res}" / "stage.yaml"
+        assert f"/{res}-latents-" in stage_yaml.read_text(), "training read the latents"
+    assert any("Plan vs actual" not in a.data and "mfu" in a.data for a in _artifact("stage-64"))
