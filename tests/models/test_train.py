@@ -214,3 +214,26 @@ def test_fsdp_shard_grad_op_trains_and_exports(tmp_path, tiny_shards):
     assert json.loads((out / "manifest.json").read_text())["final_step"] == 3
     weights = load_file(out / "final" / "unet" / "diffusion_pytorch_model.safetensors")
     assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_ema_export_and_start_step(tmp_path, tiny_shards):
+    """The export holds the EMA weights; before `ema.start_step` the EMA just tracks the raw
+    weights (MosaicML started EMA late in the last stage to save compute)."""
+    cfg_path, root, version = tiny_shards
+    cfg = load_config(cfg_path)
+    stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
+    weights = {}
+    for name, start in (("late", 100), ("early", 0)):
+        out = tmp_path / name
+        ema = cfg.train.ema.model_copy(update={"enabled": True, "decay": 0.9, "start_step": start})
+        _launch(_stage(cfg_path, root, version, out, stages=stages, ema=ema))
+        f = "diffusion_pytorch_model.safetensors"
+        weights[name] = (load_file(out / "final" / "unet" / f),
+                         load_file(out / "final-raw" / "unet" / f))  # fmt: skip
+        assert json.loads((out / "manifest.json").read_text())["ema"] is True
+    exported, raw = weights["late"]
+    for k in raw:  # before start_step the EMA copies the raw weights (s - (s - p), to 1 ulp)
+        torch.testing.assert_close(exported[k], raw[k], atol=1e-6, rtol=1e-6)
+    exported, raw = weights["early"]
+    assert any(not torch.equal(exported[k], raw[k]) for k in raw), "export holds EMA weights"
+    assert all(torch.equal(raw[k], weights["late"][1][k]) for k in raw), "EMA never feeds back"
