@@ -237,3 +237,21 @@ def test_ema_export_and_start_step(tmp_path, tiny_shards):
     exported, raw = weights["early"]
     assert any(not torch.equal(exported[k], raw[k]) for k in raw), "export holds EMA weights"
     assert all(torch.equal(raw[k], weights["late"][1][k]) for k in raw), "EMA never feeds back"
+
+
+def test_one_and_two_processes_see_the_same_global_sample_order(tmp_path, tiny_shards):
+    """Elastic determinism: at the same global batch size, the union of the ranks' batches
+    at every step is the single process's batch (streaming's canonical-node shuffle)."""
+    cfg_path, root, version = tiny_shards
+    cfg = load_config(cfg_path)
+    runs = {}
+    for name, procs, per_rank in (("one", 1, 8), ("two", 2, 4)):
+        stages = [cfg.train.stages[0].model_copy(update={"max_steps": 5, "batch_size": per_rank})]
+        out = tmp_path / name
+        topo = "single.yaml" if procs == 1 else "cpu-ddp-2.yaml"
+        _launch(_stage(cfg_path, root, version, out, stages=stages, log_sample_keys=True), topo)
+        runs[name] = [_keys(out, r) for r in range(procs)]
+    one = [sorted(rec["keys"]) for rec in runs["one"][0]]
+    two = [sorted(a["keys"] + b["keys"]) for a, b in zip(*runs["two"], strict=True)]
+    assert len(one) == len(two) == 5
+    assert one == two
