@@ -59,6 +59,25 @@ def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) 
     return record
 
 
+def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) -> list[str]:
+    """Folders of the mixed-in datasets for one stage, of the same kind as the main one."""
+    out = []
+    for m in cfg.train.mix:
+        path = (
+            layout.latents(m.dataset_version, res, encoder_key(cfg))
+            if latents
+            else layout.shards(m.dataset_version, res)
+        )
+        if not (path / "index.json").is_file():
+            kind = "precomputed latents" if latents else "shards"
+            raise FileNotFoundError(
+                f"train.mix: {m.dataset_version} has no {kind} for {res}px at {path}; shard it "
+                "with the same settings (and shards.precompute) first"
+            )
+        out.append(str(path))
+    return out
+
+
 def _stage_summary(run_id: str, i: int, res: int, manifest: dict, plan: dict | None) -> str:
     m = manifest["metrics"]
     loss = manifest["losses"][-1] if manifest["losses"] else float("nan")
@@ -125,7 +144,11 @@ def train_flow(
             cfg.launch.accelerate_config,
             cfg.launch.num_processes,
             str(layout.run(run_id)),
-            [str(layout.shards(version, s.resolution)) for s in pending],
+            [
+                str(layout.shards(v, s.resolution))
+                for s in pending
+                for v in [version, *(m.dataset_version for m in cfg.train.mix)]
+            ],
             cfg.launch.health_timeout_s,
         )
     for i, stage in enumerate(cfg.train.stages):
@@ -137,6 +160,9 @@ def train_flow(
             train=cfg.train,
             stage_index=i,
             shards=str(latents if (latents / "index.json").is_file() else images),
+            mix_shards=[
+                str(layout.shards(m.dataset_version, stage.resolution)) for m in cfg.train.mix
+            ],  # fmt: skip
             output_dir=str(out),
             init_from_dir=init_from,
             tracking_uri=cfg.tracking_uri,

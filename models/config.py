@@ -20,6 +20,7 @@ __all__ = [
     "ModelConfig",
     "StageConfig",
     "StageRun",
+    "StreamMix",
     "TokenizerConfig",
     "TrainConfig",
     "format_validation_error",
@@ -99,6 +100,13 @@ class EMAConfig(Strict):
     start_step: int = Field(0, ge=0, description="Global step (within the stage) EMA starts at.")
 
 
+class StreamMix(Strict):
+    """Another dataset version mixed into every stage, e.g. 20 % of last year's data."""
+
+    dataset_version: str
+    proportion: float = Field(gt=0, lt=1, description="Share of each epoch's samples.")
+
+
 class TrainConfig(Strict):
     model: ModelConfig
     stages: list[StageConfig] = Field(min_length=1)
@@ -115,6 +123,17 @@ class TrainConfig(Strict):
         0.1, ge=0, lt=1, description="Empty-caption rate, for classifier-free guidance."
     )
     shuffle_seed: int = 1234
+    shuffle_algo: Literal["py1e", "py1br", "py1b", "py1s", "py2s", "naive"] = Field(
+        "py1e", description="Streaming's shuffle algorithm (py1e: MosaicML's default)."
+    )
+    predownload: int | None = Field(None, gt=0, description="Samples to read ahead per worker.")
+    cache_limit: str | None = Field(
+        None, description="Local cache size limit for remote shards, e.g. '200gb'."
+    )
+    mix: list[StreamMix] = Field(
+        default_factory=list,
+        description="Other dataset versions mixed in; the current one gets the rest.",
+    )
     log_sample_keys: bool = Field(
         False, description="Write the key of every sample each rank trains on (data lineage)."
     )
@@ -132,6 +151,14 @@ class TrainConfig(Strict):
         description="Peak TFLOP/s per device for MFU; default a GPU table or a "
         "measured matmul peak on CPU.",
     )
+
+    @model_validator(mode="after")
+    def _mix_total(self) -> TrainConfig:
+        total = sum(m.proportion for m in self.mix)
+        if total >= 1:
+            raise ValueError(f"train.mix proportions sum to {total:g}; they must leave the "
+                             "current dataset a share (sum < 1)")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _increasing(self) -> TrainConfig:
@@ -161,6 +188,9 @@ class StageRun(Strict):
     init_from_dir: str | None = Field(None, description="Previous stage's final/ export.")
     tracking_uri: str | None = None
     mlflow_run_id: str | None = None
+    mix_shards: list[str] = Field(
+        default_factory=list, description="Local folders of train.mix, in order, for this stage."
+    )
     gpu_hour_usd: float = Field(0.0, ge=0, description="Price of one device-hour, for cost.")
     faults: FaultInjection = Field(default_factory=FaultInjection)
 

@@ -58,14 +58,17 @@ class ImageCaptionDataset(StreamingDataset):
     def __init__(
         self,
         *,
-        local: str,
+        local: str | None = None,
         tokenizer: PreTrainedTokenizerBase,
         resolution: int,
         caption_dropout: float = 0.0,
         seed: int = 0,
         **kwargs,
     ):
-        super().__init__(local=local, **kwargs)
+        if kwargs.get("streams"):
+            super().__init__(**kwargs)
+        else:
+            super().__init__(local=local, **kwargs)
         self.tokenizer = tokenizer
         self.resolution = resolution
         self.caption_dropout = caption_dropout
@@ -129,11 +132,29 @@ def build_loader(
     caption_dropout: float = 0.0,
     num_workers: int = 0,
     remote: str | None = None,
+    mix: list[tuple[str, float]] | None = None,
+    shuffle_algo: str = "py1e",
+    predownload: int | None = None,
+    cache_limit: str | None = None,
 ) -> StreamingDataLoader:
-    """A per-rank loader of `batch_size` samples; the rank split comes from the environment."""
+    """A per-rank loader of `batch_size` samples; the rank split comes from the environment.
+
+    `mix` adds other datasets as streams, each (local folder, proportion); `local` then gets
+    the remaining share. Proportions fix each epoch's composition (streaming up- or
+    down-samples each stream to its share).
+    """
+    streams = None
+    if mix:
+        from streaming import Stream
+
+        rest = 1.0 - sum(p for _, p in mix)
+        streams = [Stream(local=local, remote=remote, proportion=rest)] + [
+            Stream(local=path, proportion=p) for path, p in mix
+        ]
     dataset = ImageCaptionDataset(
-        local=local,
-        remote=remote,
+        local=None if streams else local,
+        remote=None if streams else remote,
+        streams=streams,
         tokenizer=tokenizer,
         resolution=resolution,
         caption_dropout=caption_dropout,
@@ -141,6 +162,9 @@ def build_loader(
         batch_size=batch_size,
         shuffle=True,
         shuffle_seed=shuffle_seed,
+        shuffle_algo=shuffle_algo,
+        predownload=predownload,
+        cache_limit=cache_limit,
     )
     return StreamingDataLoader(
         dataset,

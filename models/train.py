@@ -118,6 +118,10 @@ def build_dataloader(run: StageRun, comps: Components):
         seed=cfg.seed,
         caption_dropout=cfg.caption_dropout,
         num_workers=cfg.num_workers,
+        mix=[(path, m.proportion) for path, m in zip(run.mix_shards, cfg.mix, strict=True)],
+        shuffle_algo=cfg.shuffle_algo,
+        predownload=cfg.predownload,
+        cache_limit=cfg.cache_limit,
     )
 
 

@@ -83,3 +83,14 @@ def test_overrides(tmp_path):
     cfg = load_config(REPO / "configs" / "tiny.yaml", root=str(tmp_path / "r"), source="s3://b/p")
     assert cfg.storage.root == str(tmp_path / "r")
     assert cfg.ingest.source == "s3://b/p"
+
+
+def test_mix_proportions_must_leave_a_share(tmp_path):
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg["train"]["mix"] = [
+        {"dataset_version": "ds-a", "proportion": 0.6},
+        {"dataset_version": "ds-b", "proportion": 0.5},
+    ]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match="proportions sum to 1.1"):
+        load_config(tmp_path / "bad.yaml")
