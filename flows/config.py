@@ -89,7 +89,9 @@ class ShardsConfig(Strict):
     min_side_factor: float = Field(
         1.0, gt=0, description="A stage takes images whose short side >= resolution * factor."
     )
-    jpeg_quality: int = Field(90, ge=1, le=100)
+    jpeg_quality: int = Field(90, ge=1, le=100, description="JPEG or WebP quality.")
+    image_format: Literal["jpeg", "webp", "png"] = Field("jpeg", description="Stored encoding.")
+    partition_size: int = Field(2000, gt=0, description="Images per conversion task.")
     size_limit: int = Field(1 << 26, gt=0, description="Bytes per MDS shard before a new one.")
     workers: int = Field(0, ge=0, description="Resize processes; 0 means one per CPU core.")
     precompute: bool = Field(

@@ -40,9 +40,12 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
         [s.resolution for s in cfg.train.stages],
         min_side_factor=cfg.shards.min_side_factor,
         jpeg_quality=cfg.shards.jpeg_quality,
+        image_format=cfg.shards.image_format,
         size_limit=cfg.shards.size_limit,
         workers=cfg.shards.workers,
+        partition_size=cfg.shards.partition_size,
         endpoint_url=cfg.storage.endpoint_url,
+        dask_address=cfg.execution.dask_address,
     )
     if cfg.shards.precompute:
         check_inputs(cfg, ("train",))

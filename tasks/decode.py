@@ -148,10 +148,12 @@ def render_for_stages(job: tuple) -> dict:
     """Decode one image once and encode it for every stage resolution it qualifies for.
 
     `job` is (source_uri, endpoint_url, key, object, offset, length, resolutions,
-    jpeg_quality); offset -1 means the whole object, else a tar member's byte range. Returns
+    quality[, format]); offset -1 means the whole object, else a tar member's byte range;
+    format is jpeg (default), webp or png. Returns
     {"key", "images": {resolution: (jpeg_bytes, crop_top, crop_left)}} or {"key", "error"}.
     """
-    uri, endpoint_url, key, obj, offset, length, resolutions, quality = job
+    uri, endpoint_url, key, obj, offset, length, resolutions, quality, *fmt = job
+    fmt = (fmt or ["jpeg"])[0]
     try:
         store = _store(uri, endpoint_url)
         data = store.read_bytes(obj) if offset < 0 else store.read_range(obj, offset, length)
@@ -166,7 +168,12 @@ def render_for_stages(job: tuple) -> dict:
         for res in resolutions:
             crop, (top, left) = resize_center_crop(img, res)
             buf = io.BytesIO()
-            crop.save(buf, format="JPEG", quality=quality)
+            if fmt == "png":
+                crop.save(buf, format="PNG", optimize=False)
+            elif fmt == "webp":
+                crop.save(buf, format="WEBP", quality=quality, method=4)
+            else:
+                crop.save(buf, format="JPEG", quality=quality)
             out[res] = (buf.getvalue(), top, left)
         return {"key": key, "images": out}
     except Exception as e:  # noqa: BLE001 - reported per key, never crashes the pool

@@ -70,3 +70,47 @@ def test_shards_from_webdataset_tars_on_s3_use_ranged_reads(
     got = {ds[i]["key"]: ds[i]["caption"] for i in range(len(ds))}
     assert got == keys
     assert all(Image.open(io.BytesIO(ds[i]["image"])).size == (32, 32) for i in range(len(ds)))
+
+
+def test_failed_conversion_publishes_nothing_and_the_next_run_finishes_it(tmp_path):
+    import shutil
+
+    from tasks.demo_data import write_demo_dataset
+
+    src, root = tmp_path / "src", tmp_path / "root"
+    write_demo_dataset(src, n=40, seed=3)
+    ing = ingest_source(str(src), str(root), workers=1)
+    validate_catalog.fn(str(root), ing.ingest_id, QualityConfig(min_side=32))
+    last = sorted(p for p in src.glob("0*.*"))[-1]
+    saved = last.read_bytes()
+    last.unlink()  # the source changes under the conversion: the last partition fails
+    with pytest.raises(RuntimeError, match="shard partitions failed"):
+        write_shards.fn(str(root), ing.ingest_id, [32, 48], partition_size=8, workers=2)
+    version_dir = next((root / "shards").glob("ds-*"))
+    assert not list(version_dir.glob("*/index.json")), "nothing published"
+    first = version_dir / ".partial" / "32" / "part-00000" / "index.json"
+    before = first.stat().st_mtime_ns
+    last.write_bytes(saved)
+    res = write_shards.fn(str(root), ing.ingest_id, [32, 48], partition_size=8, workers=2)
+    assert res.dataset_version == version_dir.name and not res.reused
+    done = version_dir / "32" / "part-00000" / "index.json"
+    assert done.stat().st_mtime_ns == before, "a finished partition is not redone"
+    assert not (version_dir / ".partial").exists()
+    ds = StreamingDataset(local=str(version_dir / "32"), batch_size=1, shuffle=False)
+    assert ds.num_samples == res.stages[32]["samples"] > 8
+    shutil.rmtree(version_dir / "48")
+    again = write_shards.fn(str(root), ing.ingest_id, [32, 48], partition_size=8, workers=1)
+    assert (version_dir / "48" / "index.json").is_file() and again.stages[48]["samples"] > 0
+
+
+def test_webp_encoding_and_pass_through_metadata(tmp_path, layouts):
+    src, root = tmp_path / "src", tmp_path / "root"
+    layouts("imagefolder", src)
+    ing = ingest_source(str(src), str(root), metadata_columns=("license",))
+    validate_catalog.fn(str(root), ing.ingest_id, QualityConfig(min_side=32))
+    res = write_shards.fn(str(root), ing.ingest_id, [32], image_format="webp", workers=1)
+    ds = StreamingDataset(local=str(root / "shards" / res.dataset_version / "32"), batch_size=1)
+    for i in range(len(ds)):
+        s = ds[i]
+        assert Image.open(io.BytesIO(s["image"])).format == "WEBP"
+        assert s["meta"] == {"license": "cc0"}
