@@ -1,0 +1,253 @@
+"""Data-path throughput: Kiln's streaming loader against the decode-only limit, an
+ImageFolder-style baseline, and the precomputed-latents path; plus the shard step against a
+naive single-process conversion. All measured in one run on the same 256-px images.
+
+1. `loader`: MDS through `models.data.build_loader` (read, JPEG decode, to tensor, tokenize,
+   collate), `--workers` DataLoader workers; samples/s per worker ("per core").
+2. `decode_only`: PIL decode of the same JPEG bytes, already in memory, in a process pool.
+3. `imagefolder_local` / `imagefolder_s3`: the original files read one by one (local disk or
+   one GET each from moto's S3 server), decoded, resized to 256 and centre-cropped: what a
+   torchvision ImageFolder pipeline does. The loader from S3 streams the MDS shards from the
+   same server into a local cache.
+4. `latents`: precomputed SD2-shaped latents (4x32x32 mean and std) and text states
+   (77x1024), fp16, through the same loader.
+5. `shard_step` vs `shard_naive`: Kiln's partitioned shard task against one process that
+   fully decodes, resizes and re-encodes each image.
+
+    python benchmarks/loader.py --out benchmarks/results/loader.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import multiprocessing as mp
+import os
+import platform
+import shutil
+import socket
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+RES = 256
+
+
+def _decode(data: bytes) -> tuple[int, int]:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        img.load()
+        return img.size
+
+
+def _naive_render(path: str) -> bytes:
+    """The naive shard conversion: full decode, Lanczos resize, centre crop, JPEG encode."""
+    from PIL import Image
+
+    from tasks.decode import resize_center_crop
+
+    with Image.open(path) as img:
+        crop, _ = resize_center_crop(img.convert("RGB"), RES)
+    buf = io.BytesIO()
+    crop.save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _imagefolder_item(path: str):
+    """One ImageFolder-style sample: read, decode, resize, centre-crop, to tensor."""
+    from PIL import Image
+
+    from tasks.decode import resize_center_crop
+
+    with Image.open(path) as img:
+        crop, _ = resize_center_crop(img.convert("RGB"), RES)
+    return np.asarray(crop, dtype=np.float32).mean()
+
+
+_S3 = None
+
+
+def _imagefolder_s3_item(job: tuple[str, str, str]):
+    global _S3
+    from PIL import Image
+
+    from tasks.decode import resize_center_crop
+
+    endpoint, bucket, key = job
+    if _S3 is None:
+        import boto3
+
+        _S3 = boto3.client("s3", endpoint_url=endpoint)
+    data = _S3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    with Image.open(io.BytesIO(data)) as img:
+        crop, _ = resize_center_crop(img.convert("RGB"), RES)
+    return np.asarray(crop, dtype=np.float32).mean()
+
+
+def _time_loader(loader, epochs: int = 1) -> tuple[float, int]:
+    n = 0
+    t = time.perf_counter()
+    for _ in range(epochs):
+        for batch in loader:
+            n += len(batch["key"])
+    return time.perf_counter() - t, n
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--n", type=int, default=2000, help="Source images (1024 px, generated)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "kiln-bench-loader"))
+    args = p.parse_args()
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    import importlib.util
+
+    from prefect.testing.utilities import prefect_test_harness
+    from streaming import MDSWriter
+
+    from flows.config import PROJECT_DIR, load_config
+    from models.data import build_loader
+    from models.factory import build_tokenizer
+    from tasks.ingest import ingest_source
+    from tasks.quality import validate_catalog
+    from tasks.shard import write_shards
+
+    spec = importlib.util.spec_from_file_location("bench_ingest", Path(__file__).with_name(
+        "ingest.py"))  # fmt: skip
+    bench_ingest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_ingest)
+
+    w = args.workers
+    work = Path(args.work)
+    src = work / "src"
+    bench_ingest._make_corpus(src, args.n, 1024, w)
+    files = sorted(str(f) for f in src.rglob("*.jpg"))
+    cfg = load_config(PROJECT_DIR / "configs" / "tiny.yaml")
+    tok = build_tokenizer(cfg.train.model.tokenizer)
+    per = lambda n, s: {"seconds": round(s, 3), "samples_per_s": round(n / s, 1),  # noqa: E731
+                        "samples_per_s_per_core": round(n / s / w, 1)}  # fmt: skip
+    res: dict = {}
+
+    with prefect_test_harness(server_startup_timeout=120):
+        root = work / "root"
+        shutil.rmtree(root, ignore_errors=True)
+        ing = ingest_source(str(src), str(root), workers=w)
+        rules = cfg.quality.model_copy(update={"min_side": 32, "max_reject_fraction": 1.0})
+        validate_catalog.fn(str(root), ing.ingest_id, rules)
+        t = time.perf_counter()
+        shard = write_shards.fn(str(root), ing.ingest_id, [RES], workers=w, partition_size=250)
+        res["shard_step"] = per(len(files), time.perf_counter() - t)
+    # Naive baseline: one process, full decode (no draft), resize, encode.
+    sample = files[: max(50, len(files) // 10)]
+    t = time.perf_counter()
+    for f in sample:
+        _naive_render(f)
+    naive_s = (time.perf_counter() - t) * len(files) / len(sample)
+    res["shard_naive_single_process"] = per(len(files), naive_s)
+    mds = root / "shards" / shard.dataset_version / str(RES)
+
+    loader = build_loader(str(mds), tok, RES, 32, shuffle_seed=0, num_workers=w)
+    _time_loader(loader)  # warm the page cache and the workers' imports
+    secs, n = _time_loader(loader)
+    res["loader"] = per(n, secs)
+
+    from streaming import StreamingDataset
+
+    ds = StreamingDataset(local=str(mds), batch_size=1, shuffle=False)
+    blobs = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
+    t = time.perf_counter()
+    with ProcessPoolExecutor(w, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_decode, blobs, chunksize=64))
+    res["decode_only"] = per(len(blobs), time.perf_counter() - t)
+
+    t = time.perf_counter()
+    with ProcessPoolExecutor(w, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(_imagefolder_item, files, chunksize=16))
+    res["imagefolder_local"] = per(len(files), time.perf_counter() - t)
+
+    lat = work / "latents"
+    shutil.rmtree(lat, ignore_errors=True)
+    cols = {"latent_mean": "ndarray:float16", "latent_std": "ndarray:float16",
+            "text_hidden": "ndarray:float16", "key": "str", "caption": "str"}  # fmt: skip
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(lat), columns=cols, size_limit=1 << 27) as wr:
+        for i in range(len(files)):
+            wr.write({"latent_mean": rng.standard_normal((4, 32, 32)).astype(np.float16),
+                      "latent_std": rng.random((4, 32, 32)).astype(np.float16),
+                      "text_hidden": rng.standard_normal((77, 1024)).astype(np.float16),
+                      "key": f"k{i}", "caption": f"caption {i}"})  # fmt: skip
+    lat_loader = build_loader(str(lat), tok, RES, 64, shuffle_seed=0, num_workers=w)
+    _time_loader(lat_loader)
+    secs, n = _time_loader(lat_loader, epochs=2)
+    res["latents"] = per(n, secs)
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
+                 ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+        os.environ.setdefault(k, v)
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{port}"
+        os.environ["S3_ENDPOINT_URL"] = endpoint  # streaming reads it for S3 remotes
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="bench")
+        for f in files:
+            client.upload_file(f, "bench", f"raw/{Path(f).relative_to(src).as_posix()}")
+        for f in mds.rglob("*"):
+            if f.is_file():
+                client.upload_file(str(f), "bench", f"mds/{f.relative_to(mds).as_posix()}")
+        jobs = [(endpoint, "bench", f"raw/{Path(f).relative_to(src).as_posix()}") for f in files]
+        t = time.perf_counter()
+        with ProcessPoolExecutor(w, mp_context=mp.get_context("spawn")) as pool:
+            list(pool.map(_imagefolder_s3_item, jobs, chunksize=16))
+        res["imagefolder_s3"] = per(len(files), time.perf_counter() - t)
+        cache = work / "cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        s3_loader = build_loader(str(cache), tok, RES, 32, shuffle_seed=0, num_workers=w,
+                                 remote="s3://bench/mds")  # fmt: skip
+        secs, n = _time_loader(s3_loader)  # cold: shards stream from S3 into the cache
+        res["loader_s3_cold"] = per(n, secs)
+    finally:
+        server.stop()
+
+    r = {k: v["samples_per_s"] for k, v in res.items()}
+    out = {
+        "benchmark": "loader",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "images": len(files),
+        "resolution": RES,
+        "workers": w,
+        **res,
+        "loader_vs_decode_only": round(r["loader"] / r["decode_only"], 3),
+        "loader_vs_imagefolder_local": round(r["loader"] / r["imagefolder_local"], 3),
+        "loader_vs_imagefolder_s3": round(r["loader_s3_cold"] / r["imagefolder_s3"], 3),
+        "latents_samples_per_s_per_core": res["latents"]["samples_per_s_per_core"],
+        "shard_vs_naive": round(r["shard_step"] / r["shard_naive_single_process"], 3),
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))  # noqa: T201 - a benchmark script reports on stdout
+
+
+if __name__ == "__main__":
+    main()
