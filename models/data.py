@@ -17,7 +17,14 @@ from PIL import Image
 from streaming import StreamingDataLoader, StreamingDataset
 from transformers import PreTrainedTokenizerBase
 
-__all__ = ["ImageCaptionDataset", "build_loader", "decode_pixels", "precomputed_columns"]
+__all__ = [
+    "ImageCaptionDataset",
+    "build_loader",
+    "decode_pixels",
+    "decode_uint8",
+    "normalize_pixels",
+    "precomputed_columns",
+]
 
 
 def precomputed_columns(local: str) -> set[str]:
@@ -30,16 +37,26 @@ def precomputed_columns(local: str) -> set[str]:
     return names & {"latent_mean", "text_hidden"}
 
 
-def decode_pixels(jpeg: bytes, resolution: int) -> torch.Tensor:
-    """JPEG bytes -> float tensor (3, H, W) in [-1, 1]."""
+def decode_uint8(jpeg: bytes, resolution: int) -> torch.Tensor:
+    """Image bytes -> uint8 tensor (3, H, W). The loader ships uint8 (a quarter of the bytes
+    of float32 through worker shared memory); the training step normalises on the device."""
     img = Image.open(io.BytesIO(jpeg)).convert("RGB")
     if img.size != (resolution, resolution):
         raise ValueError(
             f"shard image is {img.size[0]}x{img.size[1]}, expected {resolution}x{resolution}: "
             "were these shards written for another stage?"
         )
-    arr = np.asarray(img, dtype=np.uint8)
-    return torch.from_numpy(arr.copy()).permute(2, 0, 1).float().div_(127.5).sub_(1.0)
+    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+
+def normalize_pixels(pixels: torch.Tensor) -> torch.Tensor:
+    """uint8 (..., 3, H, W) -> float32 in [-1, 1]."""
+    return pixels.float().div_(127.5).sub_(1.0)
+
+
+def decode_pixels(jpeg: bytes, resolution: int) -> torch.Tensor:
+    """Image bytes -> float tensor (3, H, W) in [-1, 1]."""
+    return normalize_pixels(decode_uint8(jpeg, resolution))
 
 
 class ImageCaptionDataset(StreamingDataset):
@@ -94,12 +111,14 @@ class ImageCaptionDataset(StreamingDataset):
             caption = ""
         if "latent_mean" in sample:
             # Precomputed shards (models/precompute.py): no image decode, no VAE.
+            # fp16 as stored (half the bytes through worker shared memory); the training step
+            # casts on the device.
             out = {
-                "latent_mean": torch.from_numpy(sample["latent_mean"].astype(np.float32)),
-                "latent_std": torch.from_numpy(sample["latent_std"].astype(np.float32)),
+                "latent_mean": torch.from_numpy(np.ascontiguousarray(sample["latent_mean"])),
+                "latent_std": torch.from_numpy(np.ascontiguousarray(sample["latent_std"])),
             }
             if "text_hidden" in sample:
-                out["text_hidden"] = torch.from_numpy(sample["text_hidden"].astype(np.float32))
+                out["text_hidden"] = torch.from_numpy(np.ascontiguousarray(sample["text_hidden"]))
                 out["drop"] = torch.tensor(drop)
             else:
                 ids = sample["input_ids"]
@@ -115,7 +134,7 @@ class ImageCaptionDataset(StreamingDataset):
         ).input_ids[0]
         # A tensor first: StreamingDataLoader counts a batch by its first value.
         return {
-            "pixel_values": decode_pixels(sample["image"], self.resolution),
+            "pixel_values": decode_uint8(sample["image"], self.resolution),
             "input_ids": ids,
             "key": sample["key"],
         }

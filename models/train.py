@@ -35,7 +35,7 @@ from streaming.base.util import clean_stale_shared_memory
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from models.config import StageRun, load_yaml_model
-from models.data import build_loader, precomputed_columns
+from models.data import build_loader, normalize_pixels, precomputed_columns
 from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
 from models.metrics import MetricsSink
 from models.perf import device_peak_flops, device_stats, train_flops_per_sample
@@ -136,7 +136,10 @@ def _loss(
             std = batch["latent_std"].to(device, dtype=weight_dtype, non_blocking=True)
             latents = (mean + std * torch.randn_like(mean)) * scale
         else:
-            pixels = batch["pixel_values"].to(device, dtype=weight_dtype, non_blocking=True)
+            pixels = batch["pixel_values"].to(device, non_blocking=True)
+            if pixels.dtype == torch.uint8:  # the loader ships uint8; normalise on the device
+                pixels = normalize_pixels(pixels)
+            pixels = pixels.to(weight_dtype)
             latents = comps.vae.encode(pixels).latent_dist.sample() * scale
         if "text_hidden" in batch:
             encoder_hidden = batch["text_hidden"].to(device, dtype=weight_dtype)
