@@ -38,6 +38,7 @@ format: $(STAMP)
 benchmark: $(STAMP)
 	$(BIN)/python benchmarks/demo_walltime.py --out benchmarks/results/demo_walltime.json
 	$(BIN)/python benchmarks/ingest.py --out benchmarks/results/ingest.json
+	$(BIN)/python benchmarks/loader.py --out benchmarks/results/loader.json
 	$(BIN)/python benchmarks/train_throughput.py --out benchmarks/results/train_throughput_cpu.json --steps 12
 
 clean:
