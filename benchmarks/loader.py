@@ -27,7 +27,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -121,12 +120,6 @@ def _time_loader(loader, epochs: int = 1) -> tuple[float, int]:
     return time.perf_counter() - t, n
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -217,7 +210,7 @@ def main() -> None:
     for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
                  ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
         os.environ.setdefault(k, v)
-    port = _free_port()
+    port = bench_ingest._free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:

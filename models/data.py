@@ -125,13 +125,7 @@ class ImageCaptionDataset(StreamingDataset):
                 out["input_ids"] = self._ids("") if drop else torch.from_numpy(ids.astype(np.int64))
             out["key"] = sample["key"]
             return out
-        ids = self.tokenizer(
-            caption,
-            padding="max_length",
-            truncation=True,
-            max_length=self.tokenizer.model_max_length,
-            return_tensors="pt",
-        ).input_ids[0]
+        ids = self._ids(caption)
         # A tensor first: StreamingDataLoader counts a batch by its first value.
         return {
             "pixel_values": decode_uint8(sample["image"], self.resolution),
