@@ -36,11 +36,11 @@ from pathlib import Path
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from tasks.inspect import InspectOptions, inspect_item
 from tasks.layout import Layout
 from tasks.logs import task_logger
+from tasks.runners import partition_runner
 from tasks.sources import (
     CATALOG_COLUMNS,
     LAYOUTS,
@@ -110,14 +110,6 @@ def decode_partition(
     else:
         results = pool.map(inspect_item, jobs, chunksize=max(1, len(jobs) // 16))
     return [r for recs in results for r in recs]
-
-
-def _runner(workers: int, dask_address: str | None):
-    if dask_address:
-        from prefect_dask import DaskTaskRunner
-
-        return DaskTaskRunner(address=dask_address)
-    return ThreadPoolTaskRunner(max_workers=max(2, workers))
 
 
 def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.DataFrame, int]:
@@ -210,7 +202,7 @@ def ingest_source(
     src = store.url()
 
     with ExitStack() as stack:
-        runner = stack.enter_context(_runner(n_workers, dask_address))
+        runner = stack.enter_context(partition_runner(n_workers, dask_address))
         listing = _list_source(store, runner, endpoint_url)
         chosen = layout if layout != "auto" else detect_layout(listing, exts)
         manifest_obj = None

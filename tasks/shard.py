@@ -35,6 +35,7 @@ from streaming.base.util import merge_index
 from tasks.decode import render_for_stages
 from tasks.layout import Layout
 from tasks.logs import task_logger
+from tasks.runners import partition_runner
 from tasks.sources import CATALOG_COLUMNS
 
 __all__ = ["MDS_COLUMNS", "ShardResult", "dataset_version", "write_shards"]
@@ -194,8 +195,6 @@ def write_shards(
 def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_address):
     from contextlib import ExitStack
 
-    from tasks.ingest import _runner
-
     log = task_logger(__name__)
     stage_keys = {r: set(zip(eligible[r]["source"], eligible[r]["key"], strict=True)) for r in todo}
     keys = sorted(set().union(*stage_keys.values()))
@@ -222,7 +221,7 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
     log.info("sharding %d images into %s for %s px: %d partitions on %s", len(keys), base.name,
              todo, len(parts), "Dask" if dask_address else f"{n_workers} processes")  # fmt: skip
     with ExitStack() as stack:
-        runner = stack.enter_context(_runner(n_workers, dask_address))
+        runner = stack.enter_context(partition_runner(n_workers, dask_address))
         pool = None
         if not dask_address:
             pool = stack.enter_context(
