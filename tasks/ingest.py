@@ -220,23 +220,29 @@ def ingest_source(
         mine_q = view_q[(view_q["source"] == src) & (view_q["step"] == "ingest")]
         known = dict(zip(mine_acc["unit"], mine_acc["unit_version"], strict=True))
         known.update(zip(mine_q["unit"], mine_q["unit_version"], strict=True))
-        todo = [it for it in items if known.get(it.key) != it.version]
-        rejects = [r for r in listing_rejects if known.get(r["key"]) != r["version"]]
-        present = {it.key for it in items} | {r["key"] for r in listing_rejects}
-        removed = sorted(set(known) - present)
         prev_summary = (
             json.loads((cat_layout.catalog(previous) / "summary.json").read_text())
             if previous
             else {}
         )
-        manifests = {**prev_summary.get("manifests", {}), src: manifest.version}
-        manifest_changed = prev_summary.get("manifests", {}).get(src) != manifest.version
         settings = {
             "layout": chosen,
             "caption_column": caption_column,
             "metadata_columns": list(metadata_columns),
             "max_pixels": max_pixels,
         }
+        source_settings = {**prev_summary.get("source_settings", {}), src: settings}
+        if prev_summary.get("source_settings", {}).get(src, settings) != settings:
+            # New caption or metadata columns, or another pixel limit: every row of this
+            # source must be rebuilt, not only the changed files.
+            log.info("ingest settings for %s changed: re-reading every item", src)
+            known = {}
+        todo = [it for it in items if known.get(it.key) != it.version]
+        rejects = [r for r in listing_rejects if known.get(r["key"]) != r["version"]]
+        present = {it.key for it in items} | {r["key"] for r in listing_rejects}
+        removed = sorted((set(mine_acc["unit"]) | set(mine_q["unit"])) - present)
+        manifests = {**prev_summary.get("manifests", {}), src: manifest.version}
+        manifest_changed = prev_summary.get("manifests", {}).get(src) != manifest.version
         delta = [(it.key, it.version) for it in todo] + [(r["key"], r["version"]) for r in rejects]
         if not delta and not removed and not manifest_changed and previous is not None:
             log.info("source %s unchanged since %s: nothing to decode", src, previous)
@@ -301,6 +307,7 @@ def ingest_source(
     assert result.listed == len(mine) + result.quarantined, "accepted + quarantined = listed"
     summary = {**result.to_dict(), "ingest_seq": seq, "previous": previous,
                "settings": settings, "manifests": manifests,
+               "source_settings": source_settings,
                "removed": removed[:1000]}  # fmt: skip
     seen = pd.DataFrame(
         [(o.key, o.size, o.version) for o in listing], columns=["key", "size", "version"]

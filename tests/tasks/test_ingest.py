@@ -147,3 +147,16 @@ def test_dask_cluster_gives_the_same_catalog_as_a_local_run(tmp_path, hostile_sr
             _cat(tmp_path / "a", local.ingest_id, name),
             _cat(tmp_path / "b", remote.ingest_id, name),
         )
+
+
+def test_changed_ingest_settings_rebuild_every_row(tmp_path, layouts):
+    src, root = tmp_path / "src", tmp_path / "root"
+    layouts("img2dataset", src)
+    first = ingest_source(str(src), str(root))
+    assert "license" not in _cat(root, first.ingest_id).columns
+    again = ingest_source(str(src), str(root))
+    assert again.reused and again.new_items == 0
+    more = ingest_source(str(src), str(root), metadata_columns=("license",))
+    assert more.new_items == 6 and more.removed_items == 0
+    view = _cat(root, more.ingest_id)
+    assert len(view) == 6 and (view["license"] == "cc0").all(), "old rows backfilled"
