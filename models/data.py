@@ -1,52 +1,82 @@
-"""Streaming data for training: MDS shards -> normalised pixels and token ids.
+"""Streaming data for training: MDS shards -> uint8 pixels (or latents) and token ids.
 
 The loader is a `StreamingDataLoader` over a `StreamingDataset`. Streaming partitions samples
 across ranks itself (from the WORLD_SIZE/RANK that `accelerate launch` sets), so this loader
-must stay out of `accelerator.prepare`: wrapping it again would silently double-shard. Batches
-are dicts whose first value is a tensor, which is what `StreamingDataLoader.state_dict()` needs
-to count samples correctly for mid-epoch resumption.
+must stay out of `accelerator.prepare`: wrapping it again would silently double-shard.
+
+The per-sample path is kept to reading the stored bytes: `ImageCaptionDataset.__getitem__`
+maps the shard file once per worker and returns views into it. Everything that can run on a
+whole batch does, in `KilnCollate`: image decode (libjpeg-turbo through torchvision, straight
+into a CHW tensor), one call of the Rust tokenizer for all captions, and one copy of each
+column into the shared-memory batch. Batches are dicts whose first value is a tensor, which is
+what `StreamingDataLoader.state_dict()` needs to count samples for mid-epoch resumption.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import mmap
+import os
+import warnings
+from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 from streaming import StreamingDataLoader, StreamingDataset
-from transformers import PreTrainedTokenizerBase
+from torch.utils.data import default_collate
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 __all__ = [
     "ImageCaptionDataset",
+    "KilnCollate",
     "build_loader",
     "decode_pixels",
     "decode_uint8",
+    "fast_tokenizer",
     "normalize_pixels",
     "precomputed_columns",
 ]
 
+Size = int | tuple[int, int]  # a square side, or (width, height) for an aspect bucket
+
 
 def precomputed_columns(local: str) -> set[str]:
     """Which precomputed columns (latent_mean, text_hidden) a local MDS dataset carries."""
-    import json
-    from pathlib import Path
-
     index = json.loads((Path(local) / "index.json").read_text())
     names = set(index["shards"][0].get("column_names", [])) if index["shards"] else set()
     return names & {"latent_mean", "text_hidden"}
 
 
-def decode_uint8(jpeg: bytes, resolution: int) -> torch.Tensor:
-    """Image bytes -> uint8 tensor (3, H, W). The loader ships uint8 (a quarter of the bytes
-    of float32 through worker shared memory); the training step normalises on the device."""
-    img = Image.open(io.BytesIO(jpeg)).convert("RGB")
-    if img.size != (resolution, resolution):
+def _wh(size: Size) -> tuple[int, int]:
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
+
+
+def decode_uint8(data: bytes | memoryview, size: Size) -> torch.Tensor:
+    """Image bytes (JPEG, PNG or WebP) -> uint8 tensor (3, H, W), checked against `size`.
+
+    The loader ships uint8 (a quarter of the bytes of float32 through worker shared memory);
+    the training step normalises on the device.
+    """
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # decoders only read it
+    if bytes(buf[:2].numpy()) == b"\xff\xd8":
+        img = decode_jpeg(buf, mode=ImageReadMode.RGB)
+    else:
+        try:
+            img = decode_image(buf, mode=ImageReadMode.RGB)
+        except RuntimeError:  # a format torchvision lacks: PIL decodes everything we write
+            rgb = Image.open(io.BytesIO(bytes(data))).convert("RGB")
+            img = torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1)
+    w, h = _wh(size)
+    if tuple(img.shape[1:]) != (h, w):
         raise ValueError(
-            f"shard image is {img.size[0]}x{img.size[1]}, expected {resolution}x{resolution}: "
-            "were these shards written for another stage?"
+            f"shard image is {img.shape[2]}x{img.shape[1]}, expected {w}x{h}: "
+            "were these shards written for another stage or bucket?"
         )
-    return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+    return img
 
 
 def normalize_pixels(pixels: torch.Tensor) -> torch.Tensor:
@@ -54,30 +84,216 @@ def normalize_pixels(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.float().div_(127.5).sub_(1.0)
 
 
-def decode_pixels(jpeg: bytes, resolution: int) -> torch.Tensor:
+def decode_pixels(data: bytes, size: Size) -> torch.Tensor:
     """Image bytes -> float tensor (3, H, W) in [-1, 1]."""
-    return normalize_pixels(decode_uint8(jpeg, resolution))
+    return normalize_pixels(decode_uint8(data, size))
+
+
+def fast_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """The Rust ("fast") version of `tokenizer`; converted once from its files if it is slow."""
+    if tokenizer.is_fast:
+        return tokenizer
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="kiln-tok-") as d:
+        tokenizer.save_pretrained(d)
+        return AutoTokenizer.from_pretrained(d, use_fast=True)
+
+
+class KilnCollate:
+    """Turns a list of `ImageCaptionDataset` samples into one batch dict of tensors.
+
+    Args:
+        tokenizer: The model's tokenizer; captions are tokenized a whole batch at a time by its
+            Rust backend, padded and truncated to `model_max_length` as the model expects.
+        size: Expected image size: a square side, or (width, height).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, size: Size):
+        fast = fast_tokenizer(tokenizer)
+        self.max_length = int(tokenizer.model_max_length)
+        from tokenizers import Tokenizer
+
+        # A private copy of the backend: padding and truncation are set on it once, instead
+        # of being re-applied by the Python wrapper on every call.
+        backend = Tokenizer.from_str(fast.backend_tokenizer.to_str())
+        backend.enable_truncation(self.max_length)
+        backend.enable_padding(length=self.max_length, pad_id=fast.pad_token_id,
+                               pad_token=fast.pad_token)  # fmt: skip
+        self.backend = backend
+        self.size = size
+        self._empty: torch.Tensor | None = None
+
+    def ids(self, captions: list[str]) -> torch.Tensor:
+        """Token ids (len(captions), model_max_length), int64."""
+        enc = self.backend.encode_batch(captions, add_special_tokens=True)
+        return torch.tensor([e.ids for e in enc], dtype=torch.int64)
+
+    def __call__(self, samples: list[dict]) -> dict:
+        first = samples[0]
+        with warnings.catch_warnings():
+            # Views of the read-only shard map become tensors without a copy; they are only
+            # read (stacked into the batch), so torch's non-writable warning does not apply.
+            warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not")
+            out: dict = {}
+            if "latent_mean" in first:
+                for col in ("latent_mean", "latent_std", "text_hidden"):
+                    if col in first:
+                        out[col] = _stack([s[col] for s in samples])
+            else:
+                out["pixel_values"] = default_collate(
+                    [decode_uint8(s["image"], self.size) for s in samples]
+                )
+            if "text_hidden" in first:
+                out["drop"] = torch.tensor([s["drop"] for s in samples])
+            elif "input_ids" in first:  # precomputed ids; a dropped caption gets the empty one
+                if self._empty is None:
+                    self._empty = self.ids([""])[0]
+                ids = _stack([s["input_ids"] for s in samples]).numpy().astype(np.int64)
+                drop = [s["drop"] for s in samples]
+                if any(drop):
+                    ids[drop] = self._empty.numpy()
+                out["input_ids"] = torch.from_numpy(ids)
+            else:
+                out["input_ids"] = self.ids([s["caption"] for s in samples])
+        out["key"] = [s["key"] for s in samples]
+        return out
+
+
+def _stack(arrays: list[np.ndarray]) -> torch.Tensor:
+    """Stack same-shape arrays into one tensor with a single copy.
+
+    In a DataLoader worker the batch is allocated in shared memory up front, as torch's own
+    `default_collate` does, so handing it to the main process copies nothing more.
+    """
+    shape, dtype = (len(arrays), *arrays[0].shape), torch.from_numpy(arrays[0][:0]).dtype
+    if torch.utils.data.get_worker_info() is not None:
+        elem = torch.empty(0, dtype=dtype)
+        storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
+        out = elem.new(storage).resize_(shape)
+    else:
+        out = torch.empty(shape, dtype=dtype)
+    # One torch op for the whole batch: it drops the GIL once, where numpy drops it per array
+    # and then waits for streaming's download threads to hand it back each time (measured
+    # 40x slower). Copied as bytes: MDS stores arrays at arbitrary, unaligned offsets.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        views = [torch.from_numpy(a.view(np.uint8)) for a in arrays]
+    torch.stack(views, out=out.view(torch.uint8))
+    return out
+
+
+def _plan(shard) -> tuple | None:
+    """(file path, number of variable-size columns, [(name, fixed size, decoder)]) of an
+    uncompressed MDS shard, worked out once per shard instead of once per sample."""
+    plan = getattr(shard, "_kiln_plan", False)
+    if plan is False:
+        plan = None
+        raw = getattr(shard, "raw_data", None)
+        if raw is not None and hasattr(shard, "column_sizes"):
+            columns = []
+            for name, enc, size in zip(shard.column_names, shard.column_encodings,
+                                       shard.column_sizes, strict=True):  # fmt: skip
+                if enc == "bytes":
+                    decode = _as_view
+                elif enc == "str":
+                    decode = _utf8
+                else:
+                    decode = _coder(enc)
+                columns.append((name, size, decode))
+            path = os.path.join(shard.dirname, shard.split or "", raw.basename)
+            plan = (path, sum(size is None for size in shard.column_sizes), columns)
+        shard._kiln_plan = plan
+    return plan
+
+
+def _as_view(data: memoryview) -> memoryview:
+    return data
+
+
+def _utf8(data: memoryview) -> str:
+    return str(data, "utf-8")
+
+
+def _coder(encoding: str):
+    # streaming's decoder for one encoding, parsed once. The others get bytes.
+    from streaming.base.format.mds.encodings import _get_coder
+
+    coder = _get_coder(encoding)
+    if coder is None:
+        raise ValueError(f"unsupported MDS column encoding: {encoding!r}")
+    if encoding.startswith("ndarray"):
+        return _NDArrayView(coder)
+    return lambda data: coder.decode(bytes(data))
+
+
+class _NDArrayView:
+    """Decodes an MDS ndarray column as a view of the mapped shard (no copy).
+
+    An ndarray without a fixed shape in its encoding stores a small dtype/shape header per
+    sample. Every sample of a Kiln column has the same shape, so the header of the first
+    sample is parsed by streaming and remembered; later samples with identical header bytes
+    skip the parse.
+    """
+
+    def __init__(self, coder):
+        self.coder = coder
+        self.header: bytes | None = None
+        self.dtype = self.shape = None
+
+    def __call__(self, data: memoryview) -> np.ndarray:
+        h = self.header
+        if h is not None and data[: len(h)] == h:
+            return np.frombuffer(data, self.dtype, offset=len(h)).reshape(self.shape)
+        arr = self.coder.decode(data)
+        nbytes = arr.size * arr.dtype.itemsize
+        self.header = bytes(data[: len(data) - nbytes])
+        self.dtype, self.shape = arr.dtype, arr.shape
+        return arr
+
+
+# Open shard maps of this process, least recently used first. Mapped once, a sample read is a
+# slice (no open/seek/read per sample); bounded so a long epoch over many shards does not
+# hold thousands of maps.
+_MAPS: OrderedDict[str, mmap.mmap] = OrderedDict()
+_MAX_MAPS = 64
+
+
+def _shard_map(path: str) -> mmap.mmap:
+    m = _MAPS.get(path)
+    if m is None:
+        with open(path, "rb") as f:
+            # MAP_POPULATE maps the whole (page-cached) shard in one call instead of one page
+            # fault per 4 KiB on first touch, which costs more than the copy itself.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+        _MAPS[path] = m
+        if len(_MAPS) > _MAX_MAPS:
+            # Dropped, not closed: a batch being collated may still hold views of it.
+            _MAPS.popitem(last=False)
+    else:
+        _MAPS.move_to_end(path)
+    return m
 
 
 class ImageCaptionDataset(StreamingDataset):
-    """A StreamingDataset of Kiln's MDS shards, yielding `pixel_values`, `input_ids` and `key`.
+    """A StreamingDataset of Kiln's MDS shards (images or precomputed latents).
+
+    `dataset[i]` is the stored sample with its caption dropout applied, its arrays and image
+    bytes as views of the mapped shard; `KilnCollate` turns a list of them into a batch.
 
     Args:
         local: Folder of the stage's MDS dataset (or the local cache, with `remote`).
-        tokenizer: Tokenizes captions to fixed-length ids.
-        resolution: Expected square image size.
         caption_dropout: Probability of training on the empty caption, which gives the model
             its unconditional branch for classifier-free guidance. Decided per sample index
             from `seed`, so a resumed run drops exactly the same captions.
-        **kwargs: Passed to `StreamingDataset` (remote, batch_size, shuffle, shuffle_seed...).
+        **kwargs: Passed to `StreamingDataset` (remote, streams, batch_size, shuffle...).
     """
 
     def __init__(
         self,
         *,
         local: str | None = None,
-        tokenizer: PreTrainedTokenizerBase,
-        resolution: int,
         caption_dropout: float = 0.0,
         seed: int = 0,
         **kwargs,
@@ -86,58 +302,57 @@ class ImageCaptionDataset(StreamingDataset):
             super().__init__(**kwargs)
         else:
             super().__init__(local=local, **kwargs)
-        self.tokenizer = tokenizer
-        self.resolution = resolution
         self.caption_dropout = caption_dropout
         self.seed = seed
 
-    def _ids(self, caption: str) -> torch.Tensor:
-        return self.tokenizer(
-            caption,
-            padding="max_length",
-            truncation=True,
-            max_length=self.tokenizer.model_max_length,
-            return_tensors="pt",
-        ).input_ids[0]
+    def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
+        # Streaming's download thread calls this for every sample, and each call takes the
+        # cache's file lock. Without a cache limit nothing is ever evicted, so a shard found
+        # LOCAL stays LOCAL and needs no lock: this skips ~2/3 of the loader's per-sample cost.
+        from streaming.base.dataset import _ShardState
+
+        if not self.cache_limit and self._shard_states[shard_id] == _ShardState.LOCAL:
+            return
+        super().prepare_shard(shard_id, blocking)
+
+    def _read(self, idx: int) -> dict:
+        shard_id, rel = self.spanner[idx]
+        shard = self.shards[shard_id]
+        plan = _plan(shard)
+        if plan is None:  # not an uncompressed MDS shard: streaming's own reader
+            return self.get_item(idx)
+        path, n_var, columns = plan
+        try:
+            m = _shard_map(path)
+        except FileNotFoundError:  # not downloaded (or evicted): streaming fetches it
+            return self.get_item(idx)
+        begin, end = np.frombuffer(m, np.uint32, 2, 4 + 4 * rel)
+        data = memoryview(m)[begin:end]
+        var = np.frombuffer(data, np.uint32, n_var).tolist() if n_var else []
+        pos, sample = 4 * n_var, {}
+        for name, size, decode in columns:
+            if size is None:
+                size = var.pop(0)
+            sample[name] = decode(data[pos : pos + size])
+            pos += size
+        return sample
 
     def __getitem__(self, idx: int) -> dict:
-        sample = super().__getitem__(idx)
-        caption = sample["caption"]
+        sample = self._read(idx)
         drop = bool(
             self.caption_dropout
             and np.random.default_rng([self.seed, idx]).random() < self.caption_dropout
         )
-        if drop:
-            caption = ""
-        if "latent_mean" in sample:
-            # Precomputed shards (models/precompute.py): no image decode, no VAE.
-            # fp16 as stored (half the bytes through worker shared memory); the training step
-            # casts on the device.
-            out = {
-                "latent_mean": torch.from_numpy(np.ascontiguousarray(sample["latent_mean"])),
-                "latent_std": torch.from_numpy(np.ascontiguousarray(sample["latent_std"])),
-            }
-            if "text_hidden" in sample:
-                out["text_hidden"] = torch.from_numpy(np.ascontiguousarray(sample["text_hidden"]))
-                out["drop"] = torch.tensor(drop)
-            else:
-                ids = sample["input_ids"]
-                out["input_ids"] = self._ids("") if drop else torch.from_numpy(ids.astype(np.int64))
-            out["key"] = sample["key"]
-            return out
-        ids = self._ids(caption)
-        # A tensor first: StreamingDataLoader counts a batch by its first value.
-        return {
-            "pixel_values": decode_uint8(sample["image"], self.resolution),
-            "input_ids": ids,
-            "key": sample["key"],
-        }
+        out = {k: sample[k] for k in ("latent_mean", "latent_std", "text_hidden", "input_ids",
+                                      "image") if k in sample}  # fmt: skip
+        out.update(caption="" if drop else sample["caption"], drop=drop, key=sample["key"])
+        return out
 
 
 def build_loader(
     local: str,
     tokenizer: PreTrainedTokenizerBase,
-    resolution: int,
+    resolution: Size,
     batch_size: int,
     *,
     shuffle_seed: int,
@@ -168,8 +383,6 @@ def build_loader(
         local=None if streams else local,
         remote=None if streams else remote,
         streams=streams,
-        tokenizer=tokenizer,
-        resolution=resolution,
         caption_dropout=caption_dropout,
         seed=seed,
         batch_size=batch_size,
@@ -182,6 +395,7 @@ def build_loader(
     return StreamingDataLoader(
         dataset,
         batch_size=batch_size,
+        collate_fn=KilnCollate(tokenizer, resolution),
         num_workers=num_workers,
         drop_last=True,
         persistent_workers=False,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizerFast
 
 from models.config import Component, ModelConfig, TokenizerConfig
 
@@ -35,7 +35,7 @@ class Components:
     unet: UNet2DConditionModel
     vae: AutoencoderKL
     text_encoder: CLIPTextModel
-    tokenizer: CLIPTokenizer
+    tokenizer: CLIPTokenizerFast
     noise_scheduler: DDPMScheduler
 
 
@@ -67,11 +67,14 @@ def _byte_vocab_dir() -> str:
     return str(d)
 
 
-def build_tokenizer(cfg: TokenizerConfig) -> CLIPTokenizer:
+def build_tokenizer(cfg: TokenizerConfig) -> CLIPTokenizerFast:
+    """The CLIP tokenizer, always the Rust ("fast") one: the loader tokenizes whole batches
+    with it, and the exported pipeline saves the same one, so training and inference agree.
+    A hub tokenizer without `tokenizer.json` (SD2's) is converted from its vocab and merges."""
     if cfg.pretrained:
-        return CLIPTokenizer.from_pretrained(cfg.pretrained, subfolder=cfg.subfolder or "")
+        return CLIPTokenizerFast.from_pretrained(cfg.pretrained, subfolder=cfg.subfolder or "")
     d = _byte_vocab_dir()
-    return CLIPTokenizer(
+    return CLIPTokenizerFast(
         vocab_file=f"{d}/vocab.json",
         merges_file=f"{d}/merges.txt",
         model_max_length=cfg.model_max_length,

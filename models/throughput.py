@@ -25,11 +25,13 @@ from models.config import StageRun, TrainConfig
 __all__ = ["measure_stage", "write_synthetic_shards"]
 
 
-def write_synthetic_shards(out: Path, resolution: int, n: int, seed: int = 0) -> None:
+def write_synthetic_shards(
+    out: Path, resolution: int, n: int, seed: int = 0, size_limit: int = 1 << 24
+) -> None:
     """`n` random JPEG images with captions, in the columns the training loader reads."""
     rng = np.random.default_rng(seed)
     cols = {"image": "bytes", "caption": "str", "key": "str"}
-    with MDSWriter(out=str(out), columns=cols, size_limit=1 << 24) as w:
+    with MDSWriter(out=str(out), columns=cols, size_limit=size_limit) as w:
         for i in range(n):
             arr = rng.integers(0, 255, (resolution, resolution, 3), dtype=np.uint8)
             buf = io.BytesIO()

@@ -24,3 +24,91 @@ def test_streams_mix_by_proportion(tmp_path, tiny_shards):
                           for k in batch["key"])  # fmt: skip
     share = counts["other"] / sum(counts.values())
     assert abs(share - 0.2) < 0.05, counts
+
+
+def test_mapped_reads_match_streamings_reader(tmp_path, tiny_shards):
+    """The loader's mapped-shard reader returns exactly what StreamingDataset.get_item does,
+    for image shards and for ndarray columns whose shape changes from sample to sample."""
+    import numpy as np
+    from streaming import MDSWriter, StreamingDataset
+
+    from models.data import ImageCaptionDataset
+
+    _, root, version = tiny_shards
+    arrays = tmp_path / "arrays"
+    cols = {"key": "str", "caption": "str", "a": "ndarray:float16", "b": "ndarray",
+            "c": "ndarray:int32:3", "n": "int32", "meta": "json"}  # fmt: skip
+    rng = np.random.default_rng(0)
+    with MDSWriter(out=str(arrays), columns=cols, size_limit=1 << 12) as w:
+        for i in range(40):
+            shape = (4, 2, 2) if i % 7 else (2, 3)  # a shape change breaks the header cache
+            w.write({"key": f"k{i}", "caption": f"é {i}", "n": i, "meta": {"i": i},
+                     "a": rng.standard_normal(shape).astype(np.float16),
+                     "b": rng.standard_normal(5) if i % 2 else rng.integers(0, 9, (2, 2)),
+                     "c": np.arange(3, dtype=np.int32) + i})  # fmt: skip
+    for local in (str(root / "shards" / version / "32"), str(arrays)):
+        ours = ImageCaptionDataset(local=local, batch_size=1, shuffle=False)
+        ref = StreamingDataset(local=local, batch_size=1, shuffle=False)
+        assert ours.num_samples == ref.num_samples > 0
+        assert len(ref.shards) > 1  # several shards, so the shard lookup is exercised
+        for i in range(ref.num_samples):
+            got, want = ours._read(i), ref.get_item(i)
+            assert got.keys() == want.keys()
+            for k, v in want.items():
+                if isinstance(v, np.ndarray):
+                    assert got[k].dtype == v.dtype and np.array_equal(got[k], v), (i, k)
+                elif isinstance(v, bytes):
+                    assert bytes(got[k]) == v, (i, k)
+                else:
+                    assert got[k] == v, (i, k)
+
+
+def test_collate_tokenizes_like_the_tokenizer(tiny_shards):
+    """Batch tokenization in the collate gives the ids the model's tokenizer gives."""
+    import numpy as np
+    import torch
+
+    from models.data import KilnCollate
+
+    cfg_path, _, _ = tiny_shards
+    tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
+    assert tok.is_fast
+    captions = ["a photo of a cat", "", "  spaced   out  ", "Crème brûlée, 日本の写真!",
+                "long " * 200, "UPPER and lower"]  # fmt: skip
+    want = tok(captions, padding="max_length", truncation=True,
+               max_length=tok.model_max_length, return_tensors="np").input_ids  # fmt: skip
+    got = KilnCollate(tok, 32).ids(captions)
+    assert got.dtype == torch.int64 and tuple(got.shape) == want.shape
+    assert np.array_equal(got.numpy(), want)
+
+
+def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_endpoint,
+                                           upload_dir, monkeypatch):  # fmt: skip
+    """A loader over an `s3://` remote (moto's server, with a cache limit that forces
+    evictions) yields the same batches, in the same order, as the local dataset."""
+    import json
+
+    import torch
+
+    cfg_path, _, _ = tiny_shards
+    tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
+    local = tmp_path / "mds"
+    write_synthetic_shards(local, 32, 48, size_limit=1 << 13)
+    bucket, client = s3_bucket
+    upload_dir(client, bucket, "mds", local)
+    monkeypatch.setenv("S3_ENDPOINT_URL", s3_endpoint)  # streaming's S3 endpoint setting
+    shards = json.loads((local / "index.json").read_text())["shards"]
+    assert len(shards) > 6
+    biggest = max(s["raw_data"]["bytes"] for s in shards)
+
+    def batches(**kw):
+        loader = build_loader(tokenizer=tok, resolution=32, batch_size=4, shuffle_seed=3, **kw)
+        return [(b["key"], b["pixel_values"], b["input_ids"]) for b in loader]
+
+    want = batches(local=str(local))
+    got = batches(local=str(tmp_path / "cache"), remote=f"s3://{bucket}/mds",
+                  cache_limit=str(4 * biggest))  # fmt: skip
+    assert len(list((tmp_path / "cache").glob("*.mds"))) < len(shards)  # some were evicted
+    assert [k for k, _, _ in got] == [k for k, _, _ in want]
+    for (_, p1, i1), (_, p2, i2) in zip(got, want, strict=True):
+        assert torch.equal(p1, p2) and torch.equal(i1, i2)
