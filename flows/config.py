@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from data_quality.rules import QualityConfig
 from models.config import ConfigError, TrainConfig, load_yaml_model
@@ -100,6 +100,18 @@ class ShardsConfig(Strict):
     precompute_text: bool = Field(
         True, description="With precompute: store text-encoder states (else token ids only)."
     )
+    aspect_buckets: bool = Field(
+        False,
+        description="SDXL-style aspect-ratio buckets instead of centre crops for bucket_stages; "
+        "each bucket is its own stream, and every batch comes from one bucket.",
+    )
+    bucket_stages: list[int] | None = Field(
+        None, description="Stage resolutions that use buckets; default the largest stage."
+    )
+    bucket_step: int = Field(
+        64, gt=0, description="Bucket sides are multiples of this (64 for SD2: VAE x UNet)."
+    )
+    bucket_max_aspect: float = Field(2.0, ge=1.0, description="Widest aspect ratio either way.")
 
 
 class EvaluateConfig(Strict):
@@ -148,6 +160,31 @@ class PipelineConfig(Strict):
     evaluate: EvaluateConfig
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _buckets_fit_the_stages(self) -> PipelineConfig:
+        stages = [s.resolution for s in self.train.stages]
+        for r in self.shards.bucket_stages or []:
+            if r not in stages:
+                raise ValueError(
+                    f"shards.bucket_stages: {r} is not a stage resolution {stages} "
+                    f"(received {self.shards.bucket_stages})"
+                )
+        for r in self.bucket_stages():
+            if r % self.shards.bucket_step:
+                raise ValueError(
+                    f"shards.bucket_step: stage {r}px is not a multiple of it "
+                    f"(received {self.shards.bucket_step})"
+                )
+        return self
+
+    def bucket_stages(self) -> list[int]:
+        """Stage resolutions written as aspect-ratio buckets (none unless aspect_buckets)."""
+        if not self.shards.aspect_buckets:
+            return []
+        if self.shards.bucket_stages is not None:
+            return sorted(self.shards.bucket_stages)
+        return [max(s.resolution for s in self.train.stages)]
 
     @property
     def tracking_uri(self) -> str:

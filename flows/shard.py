@@ -46,6 +46,9 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
         partition_size=cfg.shards.partition_size,
         endpoint_url=cfg.storage.endpoint_url,
         dask_address=cfg.execution.dask_address,
+        bucket_stages=cfg.bucket_stages(),
+        bucket_step=cfg.shards.bucket_step,
+        bucket_max_aspect=cfg.shards.bucket_max_aspect,
     )
     if cfg.shards.precompute:
         check_inputs(cfg, ("train",))
@@ -60,7 +63,8 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
             )  # fmt: skip
             result.stages[stage.resolution]["latents"] = str(out)
     rows = "\n".join(
-        f"| {r}px | {s['samples']} | {s['shards']} | {s['bytes'] / 1e6:.2f} MB |"
+        f"| {r}px | {s['samples']} | {s['shards']} | {s['bytes'] / 1e6:.2f} MB | "
+        f"{', '.join(f'{b}: {n}' for b, n in s.get('buckets', {}).items()) or 'square'} |"
         for r, s in result.stages.items()
     )
     create_markdown_artifact(
@@ -69,7 +73,7 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
         markdown=(
             f"## Dataset `{result.dataset_version}`{' (reused)' if result.reused else ''}\n\n"
             f"From catalog `{ingest_id}`, at `{layout.shards(result.dataset_version)}`.\n\n"
-            f"| stage | samples | shards | bytes |\n|---|---:|---:|---:|\n{rows}\n"
+            f"| stage | samples | shards | bytes | buckets |\n|---|---:|---:|---:|---|\n{rows}\n"
         ),
     )
     return result.to_dict()

@@ -18,7 +18,7 @@ from flows.config import PipelineConfig, check_inputs, encoder_key, load_config
 from models.config import StageRun
 from tasks.health import preflight
 from tasks.launch import launch_stage
-from tasks.layout import Layout
+from tasks.layout import Layout, is_published
 from tasks.registry import create_training_run
 
 __all__ = ["train_flow"]
@@ -68,7 +68,7 @@ def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) ->
             if latents
             else layout.shards(m.dataset_version, res)
         )
-        if not (path / "index.json").is_file():
+        if not is_published(path):
             kind = "precomputed latents" if latents else "shards"
             raise FileNotFoundError(
                 f"train.mix: {m.dataset_version} has no {kind} for {res}px at {path}; shard it "
@@ -159,7 +159,7 @@ def train_flow(
         run = StageRun(
             train=cfg.train,
             stage_index=i,
-            shards=str(latents if (latents / "index.json").is_file() else images),
+            shards=str(latents if is_published(latents) else images),
             mix_shards=[
                 str(layout.shards(m.dataset_version, stage.resolution)) for m in cfg.train.mix
             ],  # fmt: skip

@@ -44,8 +44,18 @@ __all__ = [
 Size = int | tuple[int, int]  # a square side, or (width, height) for an aspect bucket
 
 
+def dataset_buckets(local: str) -> list[dict] | None:
+    """A bucketed stage's aspect buckets, from its `buckets.json` ({name, width, height,
+    samples} each, one MDS dataset per `name` subfolder); None for a plain MDS dataset."""
+    path = Path(local) / "buckets.json"
+    return json.loads(path.read_text())["buckets"] if path.is_file() else None
+
+
 def precomputed_columns(local: str) -> set[str]:
     """Which precomputed columns (latent_mean, text_hidden) a local MDS dataset carries."""
+    buckets = dataset_buckets(local)
+    if buckets:
+        local = str(Path(local) / buckets[0]["name"])
     index = json.loads((Path(local) / "index.json").read_text())
     names = set(index["shards"][0].get("column_names", [])) if index["shards"] else set()
     return names & {"latent_mean", "text_hidden"}
@@ -55,8 +65,9 @@ def _wh(size: Size) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
-def decode_uint8(data: bytes | memoryview, size: Size) -> torch.Tensor:
-    """Image bytes (JPEG, PNG or WebP) -> uint8 tensor (3, H, W), checked against `size`.
+def decode_uint8(data: bytes | memoryview, size: Size | None) -> torch.Tensor:
+    """Image bytes (JPEG, PNG or WebP) -> uint8 tensor (3, H, W), checked against `size`
+    (unless None).
 
     The loader ships uint8 (a quarter of the bytes of float32 through worker shared memory);
     the training step normalises on the device.
@@ -70,6 +81,8 @@ def decode_uint8(data: bytes | memoryview, size: Size) -> torch.Tensor:
         except RuntimeError:  # a format torchvision lacks: PIL decodes everything we write
             rgb = Image.open(io.BytesIO(bytes(data))).convert("RGB")
             img = torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1)
+    if size is None:
+        return img
     w, h = _wh(size)
     if tuple(img.shape[1:]) != (h, w):
         raise ValueError(
@@ -106,10 +119,11 @@ class KilnCollate:
     Args:
         tokenizer: The model's tokenizer; captions are tokenized a whole batch at a time by its
             Rust backend, padded and truncated to `model_max_length` as the model expects.
-        size: Expected image size: a square side, or (width, height).
+        size: Expected image size: a square side, or (width, height); or a list of them for
+            aspect buckets, where every batch must hold one of the sizes.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, size: Size):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, size: Size | list[Size]):
         fast = fast_tokenizer(tokenizer)
         self.max_length = int(tokenizer.model_max_length)
         from tokenizers import Tokenizer
@@ -121,7 +135,7 @@ class KilnCollate:
         backend.enable_padding(length=self.max_length, pad_id=fast.pad_token_id,
                                pad_token=fast.pad_token)  # fmt: skip
         self.backend = backend
-        self.size = size
+        self.sizes = {_wh(x) for x in size} if isinstance(size, list) else {_wh(size)}
         self._empty: torch.Tensor | None = None
 
     def ids(self, captions: list[str]) -> torch.Tensor:
@@ -141,9 +155,15 @@ class KilnCollate:
                     if col in first:
                         out[col] = _stack([s[col] for s in samples])
             else:
-                out["pixel_values"] = default_collate(
-                    [decode_uint8(s["image"], self.size) for s in samples]
-                )
+                images = [decode_uint8(s["image"], None) for s in samples]
+                shapes = {(int(x.shape[2]), int(x.shape[1])) for x in images}
+                if len(shapes) > 1 or not shapes <= self.sizes:
+                    raise ValueError(
+                        f"a batch holds images of {sorted(shapes)} (width x height), expected "
+                        f"one of {sorted(self.sizes)}: were these shards written for another "
+                        "stage, or are buckets batched per stream?"
+                    )
+                out["pixel_values"] = default_collate(images)
             if "text_hidden" in first:
                 out["drop"] = torch.tensor([s["drop"] for s in samples])
             elif "input_ids" in first:  # precomputed ids; a dropped caption gets the empty one
@@ -370,19 +390,40 @@ def build_loader(
     `mix` adds other datasets as streams, each (local folder, proportion); `local` then gets
     the remaining share. Proportions fix each epoch's composition (streaming up- or
     down-samples each stream to its share).
-    """
-    streams = None
-    if mix:
-        from streaming import Stream
 
-        rest = 1.0 - sum(p for _, p in mix)
-        streams = [Stream(local=local, remote=remote, proportion=rest)] + [
-            Stream(local=path, proportion=p) for path, p in mix
-        ]
+    A bucketed stage (`buckets.json`, see `tasks/shard.py`) becomes one stream per aspect
+    bucket, each with its share of the dataset's proportion, batched `per_stream`: every batch
+    comes from one bucket, so its images have one shape.
+    """
+    from streaming import Stream
+
+    def parts(path: str, remote: str | None, share: float) -> tuple[list, list]:
+        buckets = dataset_buckets(path)
+        if buckets is None:
+            return [Stream(local=path, remote=remote, proportion=share)], []
+        total = sum(b["samples"] for b in buckets)
+        return [
+            Stream(local=str(Path(path) / b["name"]),
+                   remote=f"{remote}/{b['name']}" if remote else None,
+                   proportion=share * b["samples"] / total)
+            for b in buckets
+        ], [(b["width"], b["height"]) for b in buckets]  # fmt: skip
+
+    rest = 1.0 - sum(p for _, p in mix or [])
+    streams, sizes = parts(local, remote, rest)
+    for path, p in mix or []:
+        more, more_sizes = parts(path, None, p)
+        streams += more
+        sizes += more_sizes
+    bucketed = bool(sizes)
+    if bucketed:
+        sizes = sorted(set(sizes) | {_wh(resolution)})
+    single = len(streams) == 1
     dataset = ImageCaptionDataset(
-        local=None if streams else local,
-        remote=None if streams else remote,
-        streams=streams,
+        local=local if single else None,
+        remote=remote if single else None,
+        streams=None if single else streams,
+        batching_method="per_stream" if bucketed else "random",
         caption_dropout=caption_dropout,
         seed=seed,
         batch_size=batch_size,
@@ -395,7 +436,7 @@ def build_loader(
     return StreamingDataLoader(
         dataset,
         batch_size=batch_size,
-        collate_fn=KilnCollate(tokenizer, resolution),
+        collate_fn=KilnCollate(tokenizer, sizes if bucketed else resolution),
         num_workers=num_workers,
         drop_last=True,
         persistent_workers=False,

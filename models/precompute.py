@@ -30,7 +30,7 @@ from streaming import MDSWriter, StreamingDataset
 from streaming.base.util import clean_stale_shared_memory, merge_index
 
 from models.config import StageRun, load_yaml_model
-from models.data import decode_pixels
+from models.data import dataset_buckets, decode_pixels
 from models.factory import build_components
 
 __all__ = ["LATENT_COLUMNS", "encode_batch", "main"]
@@ -61,6 +61,29 @@ def encode_batch(comps, pixels: torch.Tensor, captions: list[str], text: bool) -
     return out
 
 
+def _encode_dataset(accelerator, comps, dtype, src: Path, dst: Path, size, cols: dict, args) -> int:
+    """Encode this rank's share (every world-th sample) of one MDS image dataset into
+    `dst/part-<rank>`; returns the number of samples encoded."""
+    ds = StreamingDataset(local=str(src), batch_size=1, shuffle=False)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = list(range(rank, ds.num_samples, world))
+    with MDSWriter(out=str(dst / f"part-{rank:05d}"), columns=cols, size_limit=1 << 26) as w:
+        for start in range(0, len(mine), args.batch_size):
+            samples = [ds.get_item(i) for i in mine[start : start + args.batch_size]]
+            pixels = torch.stack([decode_pixels(s["image"], size) for s in samples])
+            enc = encode_batch(
+                comps, pixels.to(accelerator.device, dtype=dtype),
+                [s["caption"] for s in samples], "text_hidden" in cols,
+            )  # fmt: skip
+            for j, s in enumerate(samples):
+                row = {"key": s["key"], "caption": s["caption"]}
+                for name, t in enc.items():
+                    kind = np.int32 if name == "input_ids" else np.float16
+                    row[name] = t[j].numpy().astype(kind)
+                w.write(row)
+    return len(mine)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="stage.yaml (models.config.StageRun)")
@@ -71,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     run: StageRun = load_yaml_model(StageRun, args.config)
     out = Path(args.out)
-    if (out / "index.json").is_file():
+    if (out / "index.json").is_file() or (out / "buckets.json").is_file():
         log.info("latents already complete: %s", out)
         return
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
@@ -87,35 +110,31 @@ def main(argv: list[str] | None = None) -> None:
     )
     comps.vae.to(accelerator.device, dtype=dtype).eval()
     comps.text_encoder.to(accelerator.device, dtype=dtype).eval()
-    ds = StreamingDataset(local=run.shards, batch_size=1, shuffle=False)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine = list(range(rank, ds.num_samples, world))
     cols = dict(LATENT_COLUMNS)
     cols["text_hidden" if not args.no_text else "input_ids"] = (
         "ndarray:float16" if not args.no_text else "ndarray:int32"
     )
+    # A bucketed stage (tasks/shard.py) is one dataset per aspect bucket: encode each into a
+    # bucket folder of the same name, and copy the bucket list, so the loader streams them
+    # per bucket just as it streams the images.
+    buckets = dataset_buckets(run.shards)
     res = run.stage.resolution
-    with MDSWriter(out=str(tmp / f"part-{rank:05d}"), columns=cols, size_limit=1 << 26) as w:
-        for start in range(0, len(mine), args.batch_size):
-            samples = [ds.get_item(i) for i in mine[start : start + args.batch_size]]
-            pixels = torch.stack([decode_pixels(s["image"], res) for s in samples])
-            enc = encode_batch(
-                comps, pixels.to(accelerator.device, dtype=dtype),
-                [s["caption"] for s in samples], not args.no_text,
-            )  # fmt: skip
-            for j, s in enumerate(samples):
-                row = {"key": s["key"], "caption": s["caption"]}
-                for name, t in enc.items():
-                    kind = np.int32 if name == "input_ids" else np.float16
-                    row[name] = t[j].numpy().astype(kind)
-                w.write(row)
+    parts = [(b["name"], (b["width"], b["height"])) for b in buckets] if buckets else [("", res)]
+    names = [name for name, _ in parts]
+    total = 0
+    for name, size in parts:
+        src, dst = Path(run.shards) / name, tmp / name
+        total += _encode_dataset(accelerator, comps, dtype, src, dst, size, cols, args)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        parts = sorted(str(p / "index.json") for p in tmp.glob("part-*"))
-        merge_index(parts, str(tmp), keep_local=True, download_timeout=60)
+        for name in names:
+            parts = sorted(str(p / "index.json") for p in (tmp / name).glob("part-*"))
+            merge_index(parts, str(tmp / name), keep_local=True, download_timeout=60)
+        if buckets:
+            shutil.copy(Path(run.shards) / "buckets.json", tmp / "buckets.json")
         shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)  # publish: index.json appears with every shard in place
-        log.info("wrote %d latents to %s", ds.num_samples, out)
+        tmp.rename(out)  # publish: the index appears with every shard in place
+        log.info("wrote latents (%d samples on rank 0, %d folders) to %s", total, len(names), out)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -61,13 +61,18 @@ def check_gpus(accelerate_config: str, num_processes: int | None, visible: int |
 
 
 def check_storage(run_dir: Path, shard_dirs: list[str]) -> None:
-    """Every stage's dataset index parses, and the run folder accepts a write."""
+    """Every stage's dataset index parses (each bucket's, for a bucketed stage), and the run
+    folder accepts a write."""
     for d in shard_dirs:
-        index = Path(d) / "index.json"
+        indexes = [Path(d) / "index.json"]
         try:
-            json.loads(index.read_text())
-        except (OSError, ValueError) as e:
-            raise HealthCheckError(f"storage: cannot read the dataset index {index}: {e}") from e
+            if (Path(d) / "buckets.json").is_file():
+                buckets = json.loads((Path(d) / "buckets.json").read_text())["buckets"]
+                indexes = [Path(d) / b["name"] / "index.json" for b in buckets]
+            for index in indexes:
+                json.loads(index.read_text())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HealthCheckError(f"storage: cannot read the dataset index in {d}: {e}") from e
     probe = run_dir / ".health-probe"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
 from models.config import StageRun
+from tasks.layout import is_published
 from tasks.logs import task_logger
 
 __all__ = [
@@ -224,10 +225,10 @@ def launch_precompute(
 ) -> str:
     """Precompute one stage's latents with `models.precompute`; returns the dataset folder.
 
-    Idempotent: a complete folder (index.json present) is returned without work.
+    Idempotent: a complete folder (see `tasks.layout.is_published`) is returned without work.
     """
     out = Path(out_dir)
-    if (out / "index.json").is_file():
+    if is_published(out):
         return str(out)
     cfg_path = out.parent / f".precompute-{out.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))

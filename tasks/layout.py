@@ -10,9 +10,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "is_published"]
 
 KINDS = ("catalog", "shards", "runs", "eval")
+
+
+def is_published(dataset: Path) -> bool:
+    """Whether an MDS dataset folder is complete: its index.json, or for a stage written as
+    aspect-ratio buckets, its buckets.json (written after every bucket's index)."""
+    return (dataset / "index.json").is_file() or (dataset / "buckets.json").is_file()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,11 @@
 
 `<root>/shards/<dataset_version>/<resolution>/` holds the images whose short side is at least
 `resolution * shards.min_side_factor`, resized (Lanczos) and centre-cropped to a square, as
-JPEG bytes plus caption. The dataset version hashes the clean catalog and the shard settings:
+JPEG bytes plus caption. A stage with aspect-ratio buckets (`shards.aspect_buckets`) instead
+holds one MDS dataset per bucket, `<resolution>/<width>x<height>/`, listed in
+`<resolution>/buckets.json`: each image goes to the bucket nearest its aspect ratio and is
+resized to cover it and centre-cropped, and it qualifies when that needs an upscale of at most
+`1 / min_side_factor`. The dataset version hashes the clean catalog and the shard settings:
 the same input gives the same version, and an existing version is reused. Each resolution is
 written to a temporary folder and renamed into place only when complete, so a reader never
 sees a partial dataset.
@@ -32,8 +36,8 @@ from prefect.cache_policies import NO_CACHE
 from streaming import MDSWriter
 from streaming.base.util import merge_index
 
-from tasks.decode import render_for_stages
-from tasks.layout import Layout
+from tasks.decode import aspect_buckets, nearest_bucket, render_for_stages
+from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
 from tasks.runners import partition_runner
 from tasks.sources import CATALOG_COLUMNS
@@ -76,6 +80,15 @@ def dataset_version(clean: pd.DataFrame, settings: dict) -> str:
 
 
 def _stage_stats(path: Path) -> dict:
+    if (path / "buckets.json").is_file():
+        buckets = json.loads((path / "buckets.json").read_text())["buckets"]
+        parts = [(b, _stage_stats(path / b["name"])) for b in buckets]
+        return {
+            "samples": sum(st["samples"] for _, st in parts),
+            "shards": sum(st["shards"] for _, st in parts),
+            "bytes": sum(st["bytes"] for _, st in parts),
+            "buckets": {b["name"]: st["samples"] for b, st in parts},
+        }
     index = json.loads((path / "index.json").read_text())
     shards = index["shards"]
     return {
@@ -85,40 +98,71 @@ def _stage_stats(path: Path) -> dict:
     }
 
 
+def _stage_of(target) -> int:
+    return target if isinstance(target, int) else int(target[0])
+
+
+def _write_part(out: Path, uids: list, rendered: dict, rows: dict, r: int, size_limit: int):
+    shutil.rmtree(out, ignore_errors=True)  # a part left half-written by a crash
+    with MDSWriter(out=str(out), columns=MDS_COLUMNS, size_limit=size_limit) as w:
+        for uid in uids:
+            img, top, left = rendered[uid][r]
+            row = rows[uid]
+            w.write({"image": img, "caption": row["caption"], "key": uid[1],
+                     "orig_width": int(row["width"]), "orig_height": int(row["height"]),
+                     "crop_top": top, "crop_left": left, "meta": row["meta"]})  # fmt: skip
+
+
 @task(name="shard-partition", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def write_partition(
     partial: str, index: int, jobs: list[tuple], rows: dict, size_limit: int, pool=None
 ) -> dict:
-    """Render one partition's images and write one MDS part per stage; skip finished parts."""
+    """Render one partition's images and write one MDS part per stage; skip finished parts.
+
+    A job's targets are stage resolutions (square stages) or (resolution, width, height) for
+    a bucketed stage, whose part is one MDS part per bucket plus a `part-NNNNN.done` marker.
+    """
     base = Path(partial)
-    stages = sorted({r for job in jobs for r in job[6]})
-    parts = {r: base / str(r) / f"part-{index:05d}" for r in stages}
-    todo = [r for r in stages if not (parts[r] / "index.json").is_file()]
+    stages = sorted({_stage_of(t) for job in jobs for t in job[6]})
+    bucketed = {int(t[0]) for job in jobs for t in job[6] if not isinstance(t, int)}
+    name = f"part-{index:05d}"
+    done = {r: base / str(r) / (f"{name}.done" if r in bucketed else f"{name}/index.json")
+            for r in stages}  # fmt: skip
+    todo = [r for r in stages if not done[r].is_file()]
     if not todo:
         return {"index": index, "skipped": True}
-    jobs = [(*j[:6], [r for r in j[6] if r in todo], *j[7:]) for j in jobs]
+    jobs = [(*j[:6], [t for t in j[6] if _stage_of(t) in todo], *j[7:]) for j in jobs]
     jobs = [j for j in jobs if j[6]]
-    done = pool.map(render_for_stages, jobs, chunksize=8) if pool else map(render_for_stages, jobs)
+    bucket_of = {((j[0], j[2]), int(t[0])): (int(t[1]), int(t[2]))
+                 for j in jobs for t in j[6] if not isinstance(t, int)}  # fmt: skip
+    done_map = pool.map(render_for_stages, jobs, chunksize=8) if pool else map(
+        render_for_stages, jobs)  # fmt: skip
     rendered = {}
-    for job, d in zip(jobs, done, strict=True):
+    for job, d in zip(jobs, done_map, strict=True):
         if "error" in d:
             # Ingest decoded these already: a failure means the source changed under us.
             raise RuntimeError(f"{job[0]}/{d['key']}: failed to re-read during sharding: "
                                f"{d['error']}")  # fmt: skip
         rendered[(job[0], d["key"])] = d["images"]
     for r in todo:
-        shutil.rmtree(parts[r], ignore_errors=True)  # a part left half-written by a crash
-        with MDSWriter(out=str(parts[r]), columns=MDS_COLUMNS, size_limit=size_limit) as w:
-            for uid in sorted(u for u in rendered if r in rendered[u]):
-                img, top, left = rendered[uid][r]
-                row = rows[uid]
-                w.write({"image": img, "caption": row["caption"], "key": uid[1],
-                         "orig_width": int(row["width"]), "orig_height": int(row["height"]),
-                         "crop_top": top, "crop_left": left, "meta": row["meta"]})  # fmt: skip
+        uids = sorted(u for u in rendered if r in rendered[u])
+        if r not in bucketed:
+            _write_part(base / str(r) / name, uids, rendered, rows, r, size_limit)
+            continue
+        for stale in (base / str(r)).glob(f"*/{name}"):  # buckets of a crashed attempt
+            shutil.rmtree(stale)
+        groups: dict[tuple, list] = {}
+        for uid in uids:
+            groups.setdefault(bucket_of[(uid, r)], []).append(uid)
+        for (bw, bh), members in sorted(groups.items()):
+            _write_part(base / str(r) / f"{bw}x{bh}" / name, members, rendered, rows, r,
+                        size_limit)  # fmt: skip
+        done[r].parent.mkdir(parents=True, exist_ok=True)
+        done[r].write_text(json.dumps({f"{w}x{h}": len(v) for (w, h), v in groups.items()}))
     return {"index": index, "skipped": False}
 
 
-def _check_readback(path: Path, resolution: int, expected: int, sample: int = 32) -> None:
+def _check_readback(path: Path, size: tuple[int, int], expected: int, sample: int = 32) -> None:
     """Open the merged dataset with StreamingDataset and check count, decode, size, caption."""
     import io
 
@@ -131,10 +175,10 @@ def _check_readback(path: Path, resolution: int, expected: int, sample: int = 32
     step = max(1, ds.num_samples // sample)
     for i in range(0, ds.num_samples, step):
         s = ds.get_item(i)
-        size = Image.open(io.BytesIO(s["image"])).size
-        if size != (resolution, resolution) or not s["caption"].strip():
-            raise RuntimeError(f"{path}: sample {i} ({s['key']}) read back as {size}, "
-                               f"caption {s['caption']!r}")  # fmt: skip
+        got = Image.open(io.BytesIO(s["image"])).size
+        if got != tuple(size) or not s["caption"].strip():
+            raise RuntimeError(f"{path}: sample {i} ({s['key']}) read back as {got}, expected "
+                               f"{size}, caption {s['caption']!r}")  # fmt: skip
 
 
 @task(name="write-shards", cache_policy=NO_CACHE)
@@ -151,8 +195,15 @@ def write_shards(
     partition_size: int = 2000,
     endpoint_url: str | None = None,
     dask_address: str | None = None,
+    bucket_stages: list[int] | None = None,
+    bucket_step: int = 64,
+    bucket_max_aspect: float = 2.0,
 ) -> ShardResult:
-    """Write (or reuse, or finish) the MDS datasets for every stage of `ingest_id`'s clean rows."""
+    """Write (or reuse, or finish) the MDS datasets for every stage of `ingest_id`'s clean rows.
+
+    `bucket_stages` are the stage resolutions written as aspect-ratio buckets
+    (`tasks.decode.aspect_buckets(resolution, bucket_step, bucket_max_aspect)`), not squares.
+    """
 
     log = task_logger(__name__)
     layout = Layout(Path(root))
@@ -165,18 +216,34 @@ def write_shards(
         "size_limit": size_limit,
         "partition_size": partition_size,
     }
+    unknown = sorted(set(bucket_stages or []) - set(resolutions))
+    if unknown:
+        raise ValueError(f"bucket stages {unknown} are not stage resolutions {sorted(resolutions)}")
+    buckets = {r: aspect_buckets(r, bucket_step, bucket_max_aspect) for r in bucket_stages or []}
+    if buckets:  # only then: versions written without buckets keep their hash
+        settings["buckets"] = {str(r): b for r, b in sorted(buckets.items())}
     version = dataset_version(clean, settings)
     result = ShardResult(dataset_version=version, ingest_id=ingest_id)
     base = layout.shards(version)
-    todo = [r for r in sorted(resolutions) if not (base / str(r) / "index.json").is_file()]
+    todo = [r for r in sorted(resolutions) if not is_published(base / str(r))]
     clean = clean.assign(short_side=clean[["width", "height"]].min(axis=1))
-    eligible = {r: clean[clean["short_side"] >= r * min_side_factor] for r in sorted(resolutions)}
-    for r, rows in eligible.items():
-        if rows.empty:
+    eligible = {}
+    for r in sorted(resolutions):
+        if r in buckets:
+            target = [nearest_bucket(w, h, buckets[r])
+                      for w, h in zip(clean["width"], clean["height"], strict=True)]  # fmt: skip
+            upscale = [max(bw / w, bh / h) for (bw, bh), w, h in
+                       zip(target, clean["width"], clean["height"], strict=True)]  # fmt: skip
+            rows = clean.assign(bucket=target, upscale=upscale)
+            eligible[r] = rows[rows["upscale"] <= 1 / min_side_factor + 1e-9]
+            need = f"covers its aspect bucket of {r}px with an upscale <= {1 / min_side_factor:g}"
+        else:
+            eligible[r] = clean[clean["short_side"] >= r * min_side_factor]
+            need = f"has a short side >= {r * min_side_factor:g}px"
+        if eligible[r].empty:
             raise ValueError(
-                f"stage {r}px has no images: none of {len(clean)} clean images has a short side "
-                f">= {r * min_side_factor:g}px (resolution x shards.min_side_factor "
-                f"{min_side_factor})"
+                f"stage {r}px has no images: none of {len(clean)} clean images {need} "
+                f"(resolution and shards.min_side_factor {min_side_factor})"
             )
     if not todo:
         result.reused = True
@@ -208,9 +275,19 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
         rows[uid] = {"caption": rec["caption"], "width": rec["width"], "height": rec["height"],
                      "meta": meta, "object": rec["object"], "offset": rec["offset"],
                      "length": rec["length"]}  # fmt: skip
+    bucket_of = {
+        r: dict(zip(zip(eligible[r]["source"], eligible[r]["key"], strict=True),
+                    eligible[r]["bucket"], strict=True))
+        for r in todo if "bucket" in eligible[r]
+    }  # fmt: skip
+
+    def target(r: int, uid: tuple):
+        return (r, *bucket_of[r][uid]) if r in bucket_of else r
+
     jobs = [
         (src, endpoint_url, key, rows[(src, key)]["object"], int(rows[(src, key)]["offset"]),
-         int(rows[(src, key)]["length"]), [r for r in todo if (src, key) in stage_keys[r]],
+         int(rows[(src, key)]["length"]),
+         [target(r, (src, key)) for r in todo if (src, key) in stage_keys[r]],
          settings["jpeg_quality"], settings["image_format"])
         for src, key in keys
     ]  # fmt: skip
@@ -247,14 +324,33 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
                  len(parts))  # fmt: skip
     for r in todo:
         stage_dir = partial / str(r)
-        indexes = sorted(str(p / "index.json") for p in stage_dir.glob("part-*")
-                         if (p / "index.json").is_file())  # fmt: skip
-        merge_index(indexes, str(stage_dir), keep_local=True, download_timeout=60)
-        _check_readback(stage_dir, r, len(stage_keys[r]))
+        if r in bucket_of:
+            counts: dict[tuple, int] = {}
+            for b in bucket_of[r].values():
+                counts[tuple(b)] = counts.get(tuple(b), 0) + 1
+            listed = []
+            for (bw, bh), n in sorted(counts.items(), key=lambda kv: kv[0][0] / kv[0][1]):
+                _merge_and_check(stage_dir / f"{bw}x{bh}", (bw, bh), n)
+                listed.append({"name": f"{bw}x{bh}", "width": bw, "height": bh, "samples": n})
+            for marker in stage_dir.glob("part-*.done"):
+                marker.unlink()
+            (stage_dir / "buckets.json").write_text(
+                json.dumps({"resolution": r, "buckets": listed}, indent=2)
+            )
+        else:
+            _merge_and_check(stage_dir, (r, r), len(stage_keys[r]))
         dest = base / str(r)
         shutil.rmtree(dest, ignore_errors=True)
         stage_dir.rename(dest)  # publish: the folder appears complete, index.json included
     shutil.rmtree(partial, ignore_errors=True)
+
+
+def _merge_and_check(folder: Path, size: tuple[int, int], expected: int) -> None:
+    """Merge a folder's finished parts into one index.json, then read it back and check it."""
+    indexes = sorted(str(p / "index.json") for p in folder.glob("part-*")
+                     if (p / "index.json").is_file())  # fmt: skip
+    merge_index(indexes, str(folder), keep_local=True, download_timeout=60)
+    _check_readback(folder, size, expected)
 
 
 def _isnull(v) -> bool:

@@ -47,6 +47,7 @@ def test_defaults_from_minimal_config(tmp_path):
         ("ingest.metadata_columns", ["license", "sha256"], "catalog columns"),
         ("quality.max_caption_chars", 0, "quality.max_caption_chars"),
         ("quality.near_duplicate_distance", 40, "quality.near_duplicate_distance"),
+        ("shards.bucket_stages", [32, 99], "shards.bucket_stages"),
     ],
 )
 def test_bad_value_names_field_and_value(tmp_path, dotted, value, expect):
@@ -68,6 +69,17 @@ def test_stage_resolutions_must_increase(tmp_path):
     cfg["train"]["stages"][1]["resolution"] = 16
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError, match="strictly increase"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_aspect_buckets_default_to_the_largest_stage_and_fit_the_step(tmp_path):
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg["shards"].update(aspect_buckets=True, bucket_step=8)
+    (tmp_path / "ok.yaml").write_text(yaml.safe_dump(cfg))
+    assert load_config(tmp_path / "ok.yaml").bucket_stages() == [64]
+    cfg["shards"].update(bucket_step=48)
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match="shards.bucket_step: stage 64px is not a multiple"):
         load_config(tmp_path / "bad.yaml")
 
 

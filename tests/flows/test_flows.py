@@ -2,8 +2,10 @@
 
 import asyncio
 import json
+from pathlib import Path
 
 import pytest
+from streaming import StreamingDataset
 
 from flows.ingest import ingest_flow
 from flows.shard import shard_flow
@@ -71,11 +73,14 @@ def test_shard_before_validate_says_so(tmp_path, demo_src, make_config):
 
 @pytest.mark.e2e
 def test_precompute_in_the_shard_flow_and_training_on_latents(tmp_path, demo_src, make_config):
+    """Precomputed latents for every stage, the 64 px one in aspect buckets, and training on
+    them."""
     from flows.train import train_flow
 
     cfg = make_config(
         tmp_path / "c.yaml", tmp_path / "root", demo_src,
-        **{"shards.precompute": True, "train.checkpoint_every": 100},
+        **{"shards.precompute": True, "train.checkpoint_every": 100,
+           "shards.aspect_buckets": True, "shards.bucket_step": 8},
     )  # fmt: skip
     ingest_flow(str(cfg))
     validate_flow(str(cfg))
@@ -83,6 +88,13 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(tmp_path, demo_src
     for res, stage in shards["stages"].items():
         assert stage["latents"].split("/")[-1].startswith(f"{res}-latents-")
         assert (tmp_path / "root" / "shards" / shards["dataset_version"]).is_dir()
+    assert len(shards["stages"][64]["buckets"]) >= 3 and "buckets" not in shards["stages"][48]
+    latents_64 = Path(shards["stages"][64]["latents"])
+    buckets = json.loads((latents_64 / "buckets.json").read_text())["buckets"]
+    for b in buckets:
+        ds = StreamingDataset(local=str(latents_64 / b["name"]), batch_size=1)
+        assert len(ds) == b["samples"]
+        assert ds[0]["latent_mean"].shape[1:] == (b["height"] // 4, b["width"] // 4)
     record = train_flow(str(cfg))
     assert record["health"]["world_size"] == 1
     for res in ("32", "48", "64"):

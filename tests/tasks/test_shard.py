@@ -73,6 +73,8 @@ def test_shards_from_webdataset_tars_on_s3_use_ranged_reads(
 
 
 def test_failed_conversion_publishes_nothing_and_the_next_run_finishes_it(tmp_path):
+    """Square stage 32 and bucketed stage 48 alike: a failed partition publishes nothing and
+    the next run redoes only the unfinished partitions."""
     import shutil
 
     from tasks.demo_data import write_demo_dataset
@@ -84,23 +86,31 @@ def test_failed_conversion_publishes_nothing_and_the_next_run_finishes_it(tmp_pa
     last = sorted(p for p in src.glob("0*.*"))[-1]
     saved = last.read_bytes()
     last.unlink()  # the source changes under the conversion: the last partition fails
+    kw = {"partition_size": 8, "bucket_stages": [48], "bucket_step": 8}
     with pytest.raises(RuntimeError, match="shard partitions failed"):
-        write_shards.fn(str(root), ing.ingest_id, [32, 48], partition_size=8, workers=2)
+        write_shards.fn(str(root), ing.ingest_id, [32, 48], workers=2, **kw)
     version_dir = next((root / "shards").glob("ds-*"))
     assert not list(version_dir.glob("*/index.json")), "nothing published"
-    first = version_dir / ".partial" / "32" / "part-00000" / "index.json"
-    before = first.stat().st_mtime_ns
+    assert not list(version_dir.glob("*/buckets.json")), "nothing published"
+    partial = version_dir / ".partial"
+    first = partial / "32" / "part-00000" / "index.json"
+    assert (partial / "48" / "part-00000.done").is_file()
+    bucket_part = next((partial / "48").glob("*x*/part-00000/index.json"))
+    before = first.stat().st_mtime_ns, bucket_part.stat().st_mtime_ns
     last.write_bytes(saved)
-    res = write_shards.fn(str(root), ing.ingest_id, [32, 48], partition_size=8, workers=2)
+    res = write_shards.fn(str(root), ing.ingest_id, [32, 48], workers=2, **kw)
     assert res.dataset_version == version_dir.name and not res.reused
     done = version_dir / "32" / "part-00000" / "index.json"
-    assert done.stat().st_mtime_ns == before, "a finished partition is not redone"
+    done_bucket = version_dir / "48" / bucket_part.relative_to(partial / "48")
+    after = done.stat().st_mtime_ns, done_bucket.stat().st_mtime_ns
+    assert after == before, "a finished partition is not redone"
     assert not (version_dir / ".partial").exists()
     ds = StreamingDataset(local=str(version_dir / "32"), batch_size=1, shuffle=False)
     assert ds.num_samples == res.stages[32]["samples"] > 8
+    assert not list((version_dir / "48").glob("*.done"))
     shutil.rmtree(version_dir / "48")
-    again = write_shards.fn(str(root), ing.ingest_id, [32, 48], partition_size=8, workers=1)
-    assert (version_dir / "48" / "index.json").is_file() and again.stages[48]["samples"] > 0
+    again = write_shards.fn(str(root), ing.ingest_id, [32, 48], workers=1, **kw)
+    assert (version_dir / "48" / "buckets.json").is_file() and again.stages[48]["samples"] > 0
 
 
 def test_webp_encoding_and_pass_through_metadata(tmp_path, layouts):
@@ -114,3 +124,59 @@ def test_webp_encoding_and_pass_through_metadata(tmp_path, layouts):
         s = ds[i]
         assert Image.open(io.BytesIO(s["image"])).format == "WEBP"
         assert s["meta"] == {"license": "cc0"}
+
+
+def test_aspect_buckets_cover_the_stage():
+    from tasks.decode import aspect_buckets, nearest_bucket, resize_crop
+
+    b = aspect_buckets(1024)
+    assert (1024, 1024) in b and {(h, w) for w, h in b} == set(b), "square, and mirrored"
+    for w, h in b:
+        assert w % 64 == 0 and h % 64 == 0 and max(w / h, h / w) <= 2
+        assert 0.85 * 1024**2 <= w * h <= 1024**2
+    assert nearest_bucket(3000, 2000, b) == (1216, 832)
+    assert nearest_bucket(2000, 3000, b) == (832, 1216)
+    assert nearest_bucket(5000, 100, b) == (1408, 704), "beyond the widest: the widest"
+    assert nearest_bucket(700, 700, b) == (1024, 1024)
+    with pytest.raises(ValueError, match="multiple of the bucket step"):
+        aspect_buckets(1000)
+    crop, (top, left) = resize_crop(Image.new("RGB", (300, 100)), 160, 96)
+    assert crop.size == (160, 96) and (top, left) == (0, 64)  # resized to 288x96, centred
+
+
+def test_bucketed_stage_has_one_dataset_per_bucket_and_batches_per_bucket(validated):
+    from flows.config import PROJECT_DIR, load_config
+    from models.data import build_loader
+    from models.factory import build_tokenizer
+    from tasks.decode import aspect_buckets, nearest_bucket
+
+    root, ingest_id, _ = validated
+    res = write_shards.fn(str(root), ingest_id, [32, 64], bucket_stages=[64], bucket_step=8,
+                          size_limit=16384, workers=2)  # fmt: skip
+    base = root / "shards" / res.dataset_version
+    assert (base / "32" / "index.json").is_file(), "the other stage stays square"
+    listed = json.loads((base / "64" / "buckets.json").read_text())["buckets"]
+    assert len(listed) >= 3, "the demo has portrait, square and landscape images"
+    assert sum(b["samples"] for b in listed) == res.stages[64]["samples"] > 0
+    assert res.stages[64]["buckets"] == {b["name"]: b["samples"] for b in listed}
+    buckets = aspect_buckets(64, 8)
+    for b in listed:
+        ds = StreamingDataset(local=str(base / "64" / b["name"]), batch_size=1)
+        assert len(ds) == b["samples"]
+        for i in range(len(ds)):
+            s = ds[i]
+            size = (b["width"], b["height"])
+            assert Image.open(io.BytesIO(s["image"])).size == size
+            assert nearest_bucket(s["orig_width"], s["orig_height"], buckets) == size
+            assert s["orig_width"] >= size[0] and s["orig_height"] >= size[1], "no upscale"
+    plain = write_shards.fn(str(root), ingest_id, [32, 64], size_limit=16384, workers=2)
+    assert plain.dataset_version != res.dataset_version
+
+    # The loader streams each bucket and batches per bucket: one shape per batch.
+    tok = build_tokenizer(load_config(PROJECT_DIR / "configs" / "tiny.yaml").train.model.tokenizer)
+    shapes = []
+    for batch in build_loader(str(base / "64"), tok, 64, 2, shuffle_seed=0):
+        h, w = batch["pixel_values"].shape[2:]
+        assert (w, h) in {(b["width"], b["height"]) for b in listed}
+        shapes.append((w, h))
+    assert len(set(shapes)) >= 2 and len(shapes) >= 5
