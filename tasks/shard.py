@@ -163,18 +163,26 @@ def write_partition(
 
 
 def _check_readback(path: Path, size: tuple[int, int], expected: int, sample: int = 32) -> None:
-    """Open the merged dataset with StreamingDataset and check count, decode, size, caption."""
+    """Open the merged index with streaming's shard readers (what StreamingDataset reads a
+    local dataset with) and check count, decode, size and caption of a spread of samples.
+
+    Not a StreamingDataset itself: each one a process opens keeps shared-memory handles until
+    the process exits (streaming registers them with atexit), and the flow process is long-lived.
+    """
     import io
 
     from PIL import Image
-    from streaming import StreamingDataset
+    from streaming.base.format import reader_from_json
 
-    ds = StreamingDataset(local=str(path), batch_size=1, shuffle=False)
-    if ds.num_samples != expected:
-        raise RuntimeError(f"{path}: {ds.num_samples} samples read back, {expected} written")
-    step = max(1, ds.num_samples // sample)
-    for i in range(0, ds.num_samples, step):
-        s = ds.get_item(i)
+    index = json.loads((path / "index.json").read_text())
+    shards = [reader_from_json(str(path), None, s) for s in index["shards"]]
+    lookup = [(sh, j) for sh in shards for j in range(sh.samples)]
+    if len(lookup) != expected:
+        raise RuntimeError(f"{path}: {len(lookup)} samples read back, {expected} written")
+    step = max(1, len(lookup) // sample)
+    for i in range(0, len(lookup), step):
+        sh, j = lookup[i]
+        s = sh.get_item(j)
         got = Image.open(io.BytesIO(s["image"])).size
         if got != tuple(size) or not s["caption"].strip():
             raise RuntimeError(f"{path}: sample {i} ({s['key']}) read back as {got}, expected "
@@ -316,33 +324,37 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
                 skipped += f.result()["skipped"]
             except Exception as e:  # noqa: BLE001 - finish the other partitions, then fail
                 errors.append(str(e))
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {len(parts)} shard partitions failed (finished "
-                           f"ones are kept for the next run): {errors[:3]}")  # fmt: skip
-    if skipped:
-        log.info("%d of %d partitions were already finished by an earlier run", skipped,
-                 len(parts))  # fmt: skip
+        if errors:
+            raise RuntimeError(f"{len(errors)} of {len(parts)} shard partitions failed (finished "
+                               f"ones are kept for the next run): {errors[:3]}")  # fmt: skip
+        if skipped:
+            log.info("%d of %d partitions were already finished by an earlier run", skipped,
+                     len(parts))  # fmt: skip
     for r in todo:
-        stage_dir = partial / str(r)
-        if r in bucket_of:
-            counts: dict[tuple, int] = {}
-            for b in bucket_of[r].values():
-                counts[tuple(b)] = counts.get(tuple(b), 0) + 1
-            listed = []
-            for (bw, bh), n in sorted(counts.items(), key=lambda kv: kv[0][0] / kv[0][1]):
-                _merge_and_check(stage_dir / f"{bw}x{bh}", (bw, bh), n)
-                listed.append({"name": f"{bw}x{bh}", "width": bw, "height": bh, "samples": n})
-            for marker in stage_dir.glob("part-*.done"):
-                marker.unlink()
-            (stage_dir / "buckets.json").write_text(
-                json.dumps({"resolution": r, "buckets": listed}, indent=2)
-            )
-        else:
-            _merge_and_check(stage_dir, (r, r), len(stage_keys[r]))
-        dest = base / str(r)
-        shutil.rmtree(dest, ignore_errors=True)
-        stage_dir.rename(dest)  # publish: the folder appears complete, index.json included
+        _publish_stage(base, partial / str(r), r, bucket_of.get(r), len(stage_keys[r]))
     shutil.rmtree(partial, ignore_errors=True)
+
+
+def _publish_stage(base: Path, stage_dir: Path, r: int, buckets: dict | None, expected: int):
+    """Merge a stage's parts (per bucket), check them read back, and rename it into place."""
+    if buckets is None:
+        _merge_and_check(stage_dir, (r, r), expected)
+    else:
+        counts: dict[tuple, int] = {}
+        for b in buckets.values():
+            counts[tuple(b)] = counts.get(tuple(b), 0) + 1
+        listed = []
+        for (bw, bh), n in sorted(counts.items(), key=lambda kv: kv[0][0] / kv[0][1]):
+            _merge_and_check(stage_dir / f"{bw}x{bh}", (bw, bh), n)
+            listed.append({"name": f"{bw}x{bh}", "width": bw, "height": bh, "samples": n})
+        for marker in stage_dir.glob("part-*.done"):
+            marker.unlink()
+        (stage_dir / "buckets.json").write_text(  # last: it marks the stage complete
+            json.dumps({"resolution": r, "buckets": listed}, indent=2)
+        )
+    dest = base / str(r)
+    shutil.rmtree(dest, ignore_errors=True)
+    stage_dir.rename(dest)  # publish: the folder appears complete, its index included
 
 
 def _merge_and_check(folder: Path, size: tuple[int, int], expected: int) -> None:
