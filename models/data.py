@@ -117,8 +117,8 @@ class KilnCollate:
     """Turns a list of `ImageCaptionDataset` samples into one batch dict of tensors.
 
     Args:
-        tokenizer: The model's tokenizer; captions are tokenized a whole batch at a time by its
-            Rust backend, padded and truncated to `model_max_length` as the model expects.
+        tokenizer: The model's tokenizer; captions are tokenized by its Rust backend, padded
+            and truncated to `model_max_length` as the model expects.
         size: Expected image size: a square side, or (width, height); or a list of them for
             aspect buckets, where every batch must hold one of the sizes.
     """
@@ -148,37 +148,33 @@ class KilnCollate:
 
     def __call__(self, samples: list[dict]) -> dict:
         first = samples[0]
-        with warnings.catch_warnings():
-            # Views of the read-only shard map become tensors without a copy; they are only
-            # read (stacked into the batch), so torch's non-writable warning does not apply.
-            warnings.filterwarnings("ignore", message="The given (buffer|NumPy array) is not")
-            out: dict = {}
-            if "latent_mean" in first:
-                for col in ("latent_mean", "latent_std", "text_hidden"):
-                    if col in first:
-                        out[col] = _stack([s[col] for s in samples])
-            else:
-                images = [decode_uint8(s["image"], None) for s in samples]
-                shapes = {(int(x.shape[2]), int(x.shape[1])) for x in images}
-                if len(shapes) > 1 or not shapes <= self.sizes:
-                    raise ValueError(
-                        f"a batch holds images of {sorted(shapes)} (width x height), expected "
-                        f"one of {sorted(self.sizes)}: were these shards written for another "
-                        "stage, or are buckets batched per stream?"
-                    )
-                out["pixel_values"] = default_collate(images)
-            if "text_hidden" in first:
-                out["drop"] = torch.tensor([s["drop"] for s in samples])
-            elif "input_ids" in first:  # precomputed ids; a dropped caption gets the empty one
-                if self._empty is None:
-                    self._empty = self.ids([""])[0]
-                ids = _stack([s["input_ids"] for s in samples]).numpy().astype(np.int64)
-                drop = [s["drop"] for s in samples]
-                if any(drop):
-                    ids[drop] = self._empty.numpy()
-                out["input_ids"] = torch.from_numpy(ids)
-            else:
-                out["input_ids"] = self.ids([s["caption"] for s in samples])
+        out: dict = {}
+        if "latent_mean" in first:
+            for col in ("latent_mean", "latent_std", "text_hidden"):
+                if col in first:
+                    out[col] = _stack([s[col] for s in samples])
+        else:
+            images = [decode_uint8(s["image"], None) for s in samples]
+            shapes = {(int(x.shape[2]), int(x.shape[1])) for x in images}
+            if len(shapes) > 1 or not shapes <= self.sizes:
+                raise ValueError(
+                    f"a batch holds images of {sorted(shapes)} (width x height), expected "
+                    f"one of {sorted(self.sizes)}: were these shards written for another "
+                    "stage, or are buckets batched per stream?"
+                )
+            out["pixel_values"] = default_collate(images)
+        if "text_hidden" in first:
+            out["drop"] = torch.tensor([s["drop"] for s in samples])
+        elif "input_ids" in first:  # precomputed ids; a dropped caption gets the empty one
+            if self._empty is None:
+                self._empty = self.ids([""])[0]
+            ids = _stack([s["input_ids"] for s in samples]).numpy().astype(np.int64)
+            drop = [s["drop"] for s in samples]
+            if any(drop):
+                ids[drop] = self._empty.numpy()
+            out["input_ids"] = torch.from_numpy(ids)
+        else:
+            out["input_ids"] = self.ids([s["caption"] for s in samples])
         out["key"] = [s["key"] for s in samples]
         return out
 

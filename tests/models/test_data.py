@@ -112,3 +112,15 @@ def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_
     assert [k for k, _, _ in got] == [k for k, _, _ in want]
     for (_, p1, i1), (_, p2, i2) in zip(got, want, strict=True):
         assert torch.equal(p1, p2) and torch.equal(i1, i2)
+
+
+def test_shards_of_another_size_fail_clearly(tiny_shards):
+    """A stage's loader pointed at shards written for another resolution names both sizes."""
+    import pytest
+
+    cfg_path, root, version = tiny_shards
+    tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
+    loader = build_loader(str(root / "shards" / version / "32"), tok, 48, 4, shuffle_seed=0)
+    want = r"images of \[\(32, 32\)\].*expected one of \[\(48, 48\)\]"
+    with pytest.raises(ValueError, match=want):
+        next(iter(loader))
