@@ -36,7 +36,7 @@ from prefect.cache_policies import NO_CACHE
 from streaming import MDSWriter
 from streaming.base.util import merge_index
 
-from tasks.decode import aspect_buckets, nearest_bucket, render_for_stages
+from tasks.decode import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
 from tasks.runners import partition_runner
@@ -238,8 +238,7 @@ def write_shards(
     eligible = {}
     for r in sorted(resolutions):
         if r in buckets:
-            target = [nearest_bucket(w, h, buckets[r])
-                      for w, h in zip(clean["width"], clean["height"], strict=True)]  # fmt: skip
+            target = nearest_buckets(clean["width"], clean["height"], buckets[r])
             upscale = [max(bw / w, bh / h) for (bw, bh), w, h in
                        zip(target, clean["width"], clean["height"], strict=True)]  # fmt: skip
             rows = clean.assign(bucket=target, upscale=upscale)

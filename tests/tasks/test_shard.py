@@ -127,7 +127,9 @@ def test_webp_encoding_and_pass_through_metadata(tmp_path, layouts):
 
 
 def test_aspect_buckets_cover_the_stage():
-    from tasks.decode import aspect_buckets, nearest_bucket, resize_crop
+    import numpy as np
+
+    from tasks.decode import aspect_buckets, nearest_bucket, nearest_buckets, resize_crop
 
     b = aspect_buckets(1024)
     assert (1024, 1024) in b and {(h, w) for w, h in b} == set(b), "square, and mirrored"
@@ -138,6 +140,10 @@ def test_aspect_buckets_cover_the_stage():
     assert nearest_bucket(2000, 3000, b) == (832, 1216)
     assert nearest_bucket(5000, 100, b) == (1408, 704), "beyond the widest: the widest"
     assert nearest_bucket(700, 700, b) == (1024, 1024)
+    rng = np.random.default_rng(0)
+    w, h = rng.integers(10, 5000, 5000), rng.integers(10, 5000, 5000)
+    want = [nearest_bucket(x, y, b) for x, y in zip(w, h, strict=True)]
+    assert nearest_buckets(w, h, b) == want, "the column version agrees"
     with pytest.raises(ValueError, match="multiple of the bucket step"):
         aspect_buckets(1000)
     crop, (top, left) = resize_crop(Image.new("RGB", (300, 100)), 160, 96)
