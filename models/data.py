@@ -7,8 +7,8 @@ must stay out of `accelerator.prepare`: wrapping it again would silently double-
 The per-sample path is kept to reading the stored bytes: `ImageCaptionDataset.__getitem__`
 maps the shard file once per worker and returns views into it. Everything that can run on a
 whole batch does, in `KilnCollate`: image decode (libjpeg-turbo through torchvision, straight
-into a CHW tensor), one call of the Rust tokenizer for all captions, and one copy of each
-column into the shared-memory batch. Batches are dicts whose first value is a tensor, which is
+into a CHW tensor), the Rust tokenizer for the captions, and one copy of each column into
+the shared-memory batch. Batches are dicts whose first value is a tensor, which is
 what `StreamingDataLoader.state_dict()` needs to count samples for mid-epoch resumption.
 """
 
@@ -34,6 +34,7 @@ __all__ = [
     "ImageCaptionDataset",
     "KilnCollate",
     "build_loader",
+    "dataset_buckets",
     "decode_pixels",
     "decode_uint8",
     "fast_tokenizer",
@@ -194,7 +195,8 @@ def _stack(arrays: list[np.ndarray]) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype)
     # One torch op for the whole batch: it drops the GIL once, where numpy drops it per array
     # and then waits for streaming's download threads to hand it back each time (measured
-    # 40x slower). Copied as bytes: MDS stores arrays at arbitrary, unaligned offsets.
+    # 40x slower). Viewed as bytes: MDS stores arrays at arbitrary offsets, which a uint8 view
+    # of any dtype accepts.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         views = [torch.from_numpy(a.view(np.uint8)) for a in arrays]
@@ -273,7 +275,8 @@ class _NDArrayView:
 
 # Open shard maps of this process, least recently used first. Mapped once, a sample read is a
 # slice (no open/seek/read per sample); bounded so a long epoch over many shards does not
-# hold thousands of maps.
+# hold thousands of maps. Keyed by path: a published shard file never changes (a new dataset
+# version is a new folder, and a shard evicted and fetched again has the same bytes).
 _MAPS: OrderedDict[str, mmap.mmap] = OrderedDict()
 _MAX_MAPS = 64
 
@@ -327,7 +330,8 @@ class ImageCaptionDataset(StreamingDataset):
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         # Streaming's download thread calls this for every sample, and each call takes the
         # cache's file lock. Without a cache limit nothing is ever evicted, so a shard found
-        # LOCAL stays LOCAL and needs no lock: this skips ~2/3 of the loader's per-sample cost.
+        # LOCAL stays LOCAL and needs no lock (this matters while some shards are remote;
+        # when all are local the thread does not run at all, below).
         from streaming.base.dataset import _ShardState
 
         if not self.cache_limit and self._shard_states[shard_id] == _ShardState.LOCAL:
@@ -346,18 +350,19 @@ class ImageCaptionDataset(StreamingDataset):
     # can be evicted there is nothing for them to do, yet they compete with the reading thread
     # for the GIL for every sample. Both are then finished at once.
     def _prepare_thread(self, it) -> None:
-        if self._all_local():
-            it.prepare_index = it.total
-            it.on_exit()
-            return
-        super()._prepare_thread(it)
+        if not self._finished_at_once(it, "prepare_index"):
+            super()._prepare_thread(it)
 
     def _ready_thread(self, it) -> None:
-        if self._all_local():
-            it.ready_index = it.total
-            it.on_exit()
-            return
-        super()._ready_thread(it)
+        if not self._finished_at_once(it, "ready_index"):
+            super()._ready_thread(it)
+
+    def _finished_at_once(self, it, index: str) -> bool:
+        if not self._all_local():
+            return False
+        setattr(it, index, it.total)
+        it.on_exit()  # what the thread does when it runs out of samples
+        return True
 
     def _read(self, idx: int) -> dict:
         shard_id, rel = self.spanner[idx]

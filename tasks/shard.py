@@ -30,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -239,8 +240,8 @@ def write_shards(
     for r in sorted(resolutions):
         if r in buckets:
             target = nearest_buckets(clean["width"], clean["height"], buckets[r])
-            upscale = [max(bw / w, bh / h) for (bw, bh), w, h in
-                       zip(target, clean["width"], clean["height"], strict=True)]  # fmt: skip
+            bw, bh = (np.array([b[i] for b in target], float).reshape(-1) for i in (0, 1))
+            upscale = np.maximum(bw / clean["width"].to_numpy(), bh / clean["height"].to_numpy())
             rows = clean.assign(bucket=target, upscale=upscale)
             eligible[r] = rows[rows["upscale"] <= 1 / min_side_factor + 1e-9]
             need = f"covers its aspect bucket of {r}px with an upscale <= {1 / min_side_factor:g}"
