@@ -112,6 +112,25 @@ class ShardsConfig(Strict):
         64, gt=0, description="Bucket sides are multiples of this (64 for SD2: VAE x UNet)."
     )
     bucket_max_aspect: float = Field(2.0, ge=1.0, description="Widest aspect ratio either way.")
+    remote: str | None = Field(
+        None,
+        description="s3://bucket/prefix (or a shared folder) to publish dataset versions to; "
+        "training then streams them from there through cache_dir.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Local cache of streamed shards on each training machine (fast local "
+        "disk); default <root>/cache.",
+    )
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v and not v.startswith("s3://"):
+            raise ValueError(f"must be s3://bucket/prefix or a folder (received {v!r})")
+        if v is not None and v.startswith("s3://") and not v[5:].split("/")[0]:
+            raise ValueError(f"names no bucket (received {v!r})")
+        return v.rstrip("/") if v else v
 
 
 class EvaluateConfig(Strict):
@@ -252,5 +271,8 @@ def load_config(
     if cfg.ingest.source:
         cfg.ingest.source = _abs(cfg.ingest.source)
     cfg.evaluate.prompts_csv = _abs(cfg.evaluate.prompts_csv)
+    if cfg.shards.remote:
+        cfg.shards.remote = _abs(cfg.shards.remote)
+    cfg.shards.cache_dir = _abs(cfg.shards.cache_dir or str(Path(cfg.storage.root) / "cache"))
     cfg.launch.accelerate_config = _find_bundled(cfg.launch.accelerate_config)
     return cfg

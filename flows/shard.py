@@ -11,6 +11,7 @@ from flows.config import check_inputs, encoder_key, load_config
 from models.config import StageRun
 from tasks.launch import launch_precompute
 from tasks.layout import Layout
+from tasks.publish import publish_shards
 from tasks.shard import write_shards
 
 __all__ = ["shard_flow"]
@@ -18,7 +19,8 @@ __all__ = ["shard_flow"]
 
 @flow(name="kiln-shard", log_prints=True)
 def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None = None) -> dict:
-    """Write `<root>/shards/<dataset_version>/<resolution>/` for every stage resolution.
+    """Write `<root>/shards/<dataset_version>/<resolution>/` for every stage resolution, and
+    publish the version to `shards.remote` when it is set.
 
     Args:
         config_path: Pipeline YAML.
@@ -62,6 +64,14 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
                 text=cfg.shards.precompute_text, num_processes=cfg.launch.num_processes,
             )  # fmt: skip
             result.stages[stage.resolution]["latents"] = str(out)
+    published = ""
+    if cfg.shards.remote:
+        pub = publish_shards(
+            cfg.storage.root, result.dataset_version, cfg.shards.remote, cfg.storage.endpoint_url
+        )
+        published = (f"Published to `{pub['remote']}`: {pub['uploaded']} objects "
+                     f"({pub['bytes'] / 1e6:.2f} MB) sent; {pub['already_there']} were there "
+                     "already.\n\n")  # fmt: skip
     rows = "\n".join(
         f"| {r}px | {s['samples']} | {s['shards']} | {s['bytes'] / 1e6:.2f} MB | "
         f"{', '.join(f'{b}: {n}' for b, n in s.get('buckets', {}).items()) or 'square'} |"
@@ -73,7 +83,11 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
         markdown=(
             f"## Dataset `{result.dataset_version}`{' (reused)' if result.reused else ''}\n\n"
             f"From catalog `{ingest_id}`, at `{layout.shards(result.dataset_version)}`.\n\n"
+            f"{published}"
             f"| stage | samples | shards | bytes | buckets |\n|---|---:|---:|---:|---|\n{rows}\n"
         ),
     )
-    return result.to_dict()
+    out = result.to_dict()
+    if cfg.shards.remote:
+        out["remote"] = pub["remote"]
+    return out

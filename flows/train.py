@@ -19,6 +19,7 @@ from models.config import StageRun
 from tasks.health import preflight
 from tasks.launch import launch_stage
 from tasks.layout import Layout, is_published
+from tasks.publish import publish_shards
 from tasks.registry import create_training_run
 
 __all__ = ["train_flow"]
@@ -76,6 +77,16 @@ def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) ->
             )
         out.append(str(path))
     return out
+
+
+def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str]) -> dict:
+    """StageRun fields that stream the published copies of `shards` and `mix` (under
+    `shards.remote`, as `tasks.publish` lays them out) through `shards.cache_dir`."""
+    rel = [Path(p).relative_to(layout.root / "shards").as_posix() for p in [shards, *mix]]
+    remotes = [f"{cfg.shards.remote}/{r}" for r in rel]
+    caches = [str(Path(cfg.shards.cache_dir, r)) for r in rel]
+    return {"shards_remote": remotes[0], "shards_cache": caches[0], "mix_remotes": remotes[1:],
+            "mix_caches": caches[1:], "s3_endpoint_url": cfg.storage.endpoint_url}  # fmt: skip
 
 
 def _stage_summary(run_id: str, i: int, res: int, manifest: dict, plan: dict | None) -> str:
@@ -151,18 +162,23 @@ def train_flow(
             ],
             cfg.launch.health_timeout_s,
         )
+    if cfg.shards.remote:  # idempotent: makes sure every version trained on is published
+        for v in dict.fromkeys([version, *(m.dataset_version for m in cfg.train.mix)]):
+            publish_shards(cfg.storage.root, v, cfg.shards.remote, cfg.storage.endpoint_url)
     for i, stage in enumerate(cfg.train.stages):
         out = layout.stage(run_id, stage.resolution)
         # Precomputed latents for these encoders, when the shard step wrote them.
         latents = layout.latents(version, stage.resolution, encoder_key(cfg))
         images = layout.shards(version, stage.resolution)
+        shards = latents if is_published(latents) else images
+        mix = _mix_shards(cfg, layout, stage.resolution, latents=shards == latents)
+        streamed = _streamed(cfg, layout, shards, mix) if cfg.shards.remote else {}
         run = StageRun(
             train=cfg.train,
             stage_index=i,
-            shards=str(latents if is_published(latents) else images),
-            mix_shards=[
-                str(layout.shards(m.dataset_version, stage.resolution)) for m in cfg.train.mix
-            ],  # fmt: skip
+            shards=str(shards),
+            mix_shards=mix,
+            **streamed,
             output_dir=str(out),
             init_from_dir=init_from,
             tracking_uri=cfg.tracking_uri,

@@ -191,12 +191,36 @@ class StageRun(Strict):
     mix_shards: list[str] = Field(
         default_factory=list, description="Local folders of train.mix, in order, for this stage."
     )
+    shards_remote: str | None = Field(
+        None, description="Published copy of `shards` (s3://...) streamed into `shards_cache`."
+    )
+    shards_cache: str | None = Field(None, description="Local cache folder for shards_remote.")
+    mix_remotes: list[str] = Field(
+        default_factory=list, description="Published copies of mix_shards, in order."
+    )
+    mix_caches: list[str] = Field(
+        default_factory=list, description="Local cache folders for mix_remotes, in order."
+    )
+    s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint for remotes.")
     gpu_hour_usd: float = Field(0.0, ge=0, description="Price of one device-hour, for cost.")
     faults: FaultInjection = Field(default_factory=FaultInjection)
 
     @property
     def stage(self) -> StageConfig:
         return self.train.stages[self.stage_index]
+
+    @model_validator(mode="after")
+    def _remotes_match(self) -> StageRun:
+        if (self.shards_remote is None) != (self.shards_cache is None):
+            raise ValueError("shards_remote and shards_cache are set together")
+        if self.shards_remote and not (
+            len(self.mix_remotes) == len(self.mix_caches) == len(self.mix_shards)
+        ):
+            raise ValueError("with shards_remote, every mix_shards entry needs a remote and a "
+                             f"cache (received {len(self.mix_shards)} mix_shards, "
+                             f"{len(self.mix_remotes)} mix_remotes, {len(self.mix_caches)} "
+                             "mix_caches)")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _index_in_range(self) -> StageRun:

@@ -109,8 +109,14 @@ def build_models(run: StageRun, accelerator: Accelerator):
 def build_dataloader(run: StageRun, comps: Components):
     """The stage's streaming loader. Deliberately not passed to `accelerator.prepare`."""
     cfg = run.train
+    mix = [(path, m.proportion) for path, m in zip(run.mix_shards, cfg.mix, strict=True)]
+    local, remote = run.shards, None
+    if run.shards_remote:  # stream the published copy through a local cache
+        local, remote = run.shards_cache, run.shards_remote
+        mix = [(cache, p, rem) for (_, p), cache, rem
+               in zip(mix, run.mix_caches, run.mix_remotes, strict=True)]  # fmt: skip
     return build_loader(
-        run.shards,
+        local,
         comps.tokenizer,
         run.stage.resolution,
         run.stage.batch_size,
@@ -118,7 +124,8 @@ def build_dataloader(run: StageRun, comps: Components):
         seed=cfg.seed,
         caption_dropout=cfg.caption_dropout,
         num_workers=cfg.num_workers,
-        mix=[(path, m.proportion) for path, m in zip(run.mix_shards, cfg.mix, strict=True)],
+        remote=remote,
+        mix=mix,
         shuffle_algo=cfg.shuffle_algo,
         predownload=cfg.predownload,
         cache_limit=cfg.cache_limit,
@@ -136,7 +143,9 @@ def _loss(
             std = batch["latent_std"].to(device, dtype=weight_dtype, non_blocking=True)
             latents = (mean + std * torch.randn_like(mean)) * scale
         else:
-            pixels = batch["pixel_values"].to(device, non_blocking=True)
+            # The loader's batch has channels-last strides (see KilnCollate); the model
+            # gets the standard layout, transposed here on the device.
+            pixels = batch["pixel_values"].to(device, non_blocking=True).contiguous()
             if pixels.dtype == torch.uint8:  # the loader ships uint8; normalise on the device
                 pixels = normalize_pixels(pixels)
             pixels = pixels.to(weight_dtype)

@@ -73,18 +73,19 @@ def run_launch(
     logger: logging.Logger | logging.LoggerAdapter | None = None,
     on_progress: Callable[[int], None] | None = None,
     timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Run `cmd` in its own process group, streaming each output line to `logger`.
 
     `on_progress(step)` is called when the heartbeat's step changes; `timeout_s` bounds the
-    whole launch (used by the health check).
+    whole launch (used by the health check); `env` adds variables to this process's.
 
     Raises:
         LaunchError: on a non-zero exit, or when `heartbeat` is older than `hang_timeout_s`.
     """
     logger = logger or task_logger(__name__)
     tail: collections.deque[str] = collections.deque(maxlen=40)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     logger.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(
         cmd,
@@ -176,6 +177,8 @@ def launch_stage(
         heartbeat=out / "heartbeat",
         hang_timeout_s=hang_timeout_s,
         on_progress=report if progress_id else None,
+        # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
+        env={"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
     )
     if progress_id:
         update_progress_artifact(progress_id, progress=100.0)

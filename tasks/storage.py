@@ -7,6 +7,7 @@ R2 pass `endpoint_url` (or set `S3_ENDPOINT_URL`, which mosaicml-streaming reads
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -179,6 +180,23 @@ class Storage:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+            os.replace(tmp, dest)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def upload_file(self, key: str, path: Path) -> None:
+        """Copy a local file to `key`, atomically as `write_bytes` (S3: multipart when large;
+        a reader sees the whole object or none)."""
+        if self.is_s3:
+            self.client.upload_file(str(path), self.bucket, self._s3_key(key))
+            return
+        dest = self._local(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
+        os.close(fd)
+        try:
+            shutil.copyfile(path, tmp)
             os.replace(tmp, dest)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
