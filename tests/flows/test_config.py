@@ -48,6 +48,8 @@ def test_defaults_from_minimal_config(tmp_path):
         ("quality.max_caption_chars", 0, "quality.max_caption_chars"),
         ("quality.near_duplicate_distance", 40, "quality.near_duplicate_distance"),
         ("shards.bucket_stages", [32, 99], "shards.bucket_stages"),
+        ("shards.remote", "gs://bucket/kiln", "shards.remote"),
+        ("shards.remote", "s3:///kiln", "shards.remote"),
     ],
 )
 def test_bad_value_names_field_and_value(tmp_path, dotted, value, expect):
@@ -95,6 +97,7 @@ def test_overrides(tmp_path):
     cfg = load_config(REPO / "configs" / "tiny.yaml", root=str(tmp_path / "r"), source="s3://b/p")
     assert cfg.storage.root == str(tmp_path / "r")
     assert cfg.ingest.source == "s3://b/p"
+    assert cfg.shards.cache_dir == str(tmp_path / "r" / "cache"), "the cache follows the root"
 
 
 def test_mix_proportions_must_leave_a_share(tmp_path):

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 from streaming import StreamingDataset
 
 from flows.ingest import ingest_flow
@@ -72,19 +73,30 @@ def test_shard_before_validate_says_so(tmp_path, demo_src, make_config):
 
 
 @pytest.mark.e2e
-def test_precompute_in_the_shard_flow_and_training_on_latents(tmp_path, demo_src, make_config):
-    """Precomputed latents for every stage, the 64 px one in aspect buckets, and training on
-    them."""
+def test_precompute_in_the_shard_flow_and_training_on_latents(
+    tmp_path, demo_src, make_config, s3_bucket, s3_endpoint
+):
+    """Precomputed latents for every stage, the 64 px one in aspect buckets, published to S3
+    (moto's server), and training that streams them from there through a local cache."""
     from flows.train import train_flow
+    from tasks.storage import Storage
 
+    bucket, _ = s3_bucket
     cfg = make_config(
         tmp_path / "c.yaml", tmp_path / "root", demo_src,
         **{"shards.precompute": True, "train.checkpoint_every": 100,
-           "shards.aspect_buckets": True, "shards.bucket_step": 8},
+           "shards.aspect_buckets": True, "shards.bucket_step": 8,
+           "shards.remote": f"s3://{bucket}/datasets", "storage.endpoint_url": s3_endpoint},
     )  # fmt: skip
     ingest_flow(str(cfg))
     validate_flow(str(cfg))
     shards = shard_flow(str(cfg))
+    version = shards["dataset_version"]
+    assert shards["remote"] == f"s3://{bucket}/datasets/{version}"
+    published = {o.key for o in Storage(f"s3://{bucket}/datasets", s3_endpoint).list(version)}
+    latents_64 = Path(shards["stages"][64]["latents"]).name
+    for key in ("shards.json", "32/index.json", "64/buckets.json", f"{latents_64}/buckets.json"):
+        assert f"{version}/{key}" in published, key
     for res, stage in shards["stages"].items():
         assert stage["latents"].split("/")[-1].startswith(f"{res}-latents-")
         assert (tmp_path / "root" / "shards" / shards["dataset_version"]).is_dir()
@@ -99,5 +111,9 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(tmp_path, demo_src
     assert record["health"]["world_size"] == 1
     for res in ("32", "48", "64"):
         stage_yaml = tmp_path / "root" / "runs" / record["run_id"] / f"stage-{res}" / "stage.yaml"
-        assert f"/{res}-latents-" in stage_yaml.read_text(), "training read the latents"
+        run = yaml.safe_load(stage_yaml.read_text())
+        assert f"/{res}-latents-" in run["shards"], "training read the latents"
+        assert run["shards_remote"].startswith(f"s3://{bucket}/datasets/{version}/{res}-latents-")
+        assert any(Path(run["shards_cache"]).rglob("*.mds")), "streamed from S3 into the cache"
+        assert run["shards_cache"].startswith(str(tmp_path / "root" / "cache"))
     assert any("Plan vs actual" not in a.data and "mfu" in a.data for a in _artifact("stage-64"))
