@@ -29,9 +29,12 @@ from streaming import StreamingDataLoader, StreamingDataset
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from models.ring import BatchRing, InRing
+
 __all__ = [
     "ImageCaptionDataset",
     "KilnCollate",
+    "KilnLoader",
     "build_loader",
     "dataset_buckets",
     "decode_pixels",
@@ -65,6 +68,15 @@ def _wh(size: Size) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
+def _decode_jpeg(buf: torch.Tensor) -> torch.Tensor:
+    # torchvision's operator itself: its Python wrapper adds a deprecation warning, usage
+    # logging and tracing checks to every call (10 us an image, 6% of decoding 256 px).
+    op = getattr(torch.ops.image, "decode_jpeg", None)
+    if op is None:  # pragma: no cover - another torchvision build
+        return decode_jpeg(buf, mode=ImageReadMode.RGB)
+    return op(buf, ImageReadMode.RGB.value, False)  # (bytes, mode, apply_exif_orientation)
+
+
 def decode_uint8(data: bytes | memoryview, size: Size | None) -> torch.Tensor:
     """Image bytes (JPEG, PNG or WebP) -> uint8 tensor (3, H, W), checked against `size`
     (unless None).
@@ -73,8 +85,8 @@ def decode_uint8(data: bytes | memoryview, size: Size | None) -> torch.Tensor:
     the training step normalises on the device.
     """
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # decoders only read it
-    if bytes(buf[:2].numpy()) == b"\xff\xd8":
-        img = decode_jpeg(buf, mode=ImageReadMode.RGB)
+    if data[:2] == b"\xff\xd8":
+        img = _decode_jpeg(buf)
     else:
         try:
             img = decode_image(buf, mode=ImageReadMode.RGB)
@@ -137,6 +149,13 @@ class KilnCollate:
         self.backend = backend
         self.sizes = {_wh(x) for x in size} if isinstance(size, list) else {_wh(size)}
         self._empty: torch.Tensor | None = None
+        self.ring: BatchRing | None = None  # set by KilnLoader around forking its workers
+        self.image_ring = False  # whether KilnLoader should make one (image datasets)
+
+    def ring_bytes(self, batch_size: int) -> int:
+        """Bytes of the largest image batch (pixels and token ids): a ring slot's size."""
+        pixels = batch_size * max(w * h for w, h in self.sizes) * 3
+        return _aligned(pixels) + batch_size * self.max_length * 8
 
     def ids(self, captions: list[str]) -> torch.Tensor:
         """Token ids (len(captions), model_max_length), int64."""
@@ -167,8 +186,19 @@ class KilnCollate:
             # vs 34 us per 256-px image); the batch is stacked in the decoders' own layout
             # and handed out as the same (B, 3, H, W) view (channels-last strides). The
             # trainer makes it contiguous on the device, where the transpose is nearly free.
-            hwc = _stack([x.permute(1, 2, 0) for x in images])
-            out["pixel_values"] = hwc.permute(0, 3, 1, 2)
+            hwc = [x.permute(1, 2, 0) for x in images]
+            slot = self._claim(hwc)
+            if slot is not None:  # into a reused buffer (models/ring.py)
+                pixels = self.ring.tensor(slot, 0, torch.uint8, (len(hwc), *hwc[0].shape))
+                torch.stack(hwc, out=pixels)
+                ids = self.ring.tensor(slot, _aligned(pixels.nbytes), torch.int64,
+                                       (len(samples), self.max_length))  # fmt: skip
+                ids.copy_(self.ids([s["caption"] for s in samples]))
+                out["pixel_values"] = InRing(self.ring, slot, 0, pixels, perm=(0, 3, 1, 2))
+                out["input_ids"] = InRing(self.ring, slot, _aligned(pixels.nbytes), ids)
+                out["key"] = [s["key"] for s in samples]
+                return out
+            out["pixel_values"] = _stack(hwc).permute(0, 3, 1, 2)
         if "text_hidden" in first:
             out["drop"] = torch.tensor([s["drop"] for s in samples])
         elif "input_ids" in first:  # precomputed ids; a dropped caption gets the empty one
@@ -183,6 +213,36 @@ class KilnCollate:
             out["input_ids"] = self.ids([s["caption"] for s in samples])
         out["key"] = [s["key"] for s in samples]
         return out
+
+    def _claim(self, hwc: list[torch.Tensor]) -> int | None:
+        """A ring slot for this batch, when in a worker with a ring and the batch fits."""
+        info = torch.utils.data.get_worker_info()
+        if self.ring is None or info is None:
+            return None
+        need = _aligned(len(hwc) * hwc[0].numel()) + len(hwc) * self.max_length * 8
+        return self.ring.claim(info.id) if need <= self.ring.slot_bytes else None
+
+
+def _aligned(nbytes: int, to: int = 64) -> int:
+    return -(-nbytes // to) * to
+
+
+class KilnLoader(StreamingDataLoader):
+    """A `StreamingDataLoader` whose workers stack image batches into reused shared buffers
+    (`models.ring.BatchRing`), one ring per iterator, made before the workers fork."""
+
+    def _get_iterator(self):
+        collate = self.collate_fn
+        if not (self.num_workers and isinstance(collate, KilnCollate) and collate.image_ring):
+            return super()._get_iterator()
+        # Per worker: its prefetched batches, the one being filled and the one in use.
+        self._ring = BatchRing(self.num_workers, (self.prefetch_factor or 2) + 2,
+                               collate.ring_bytes(self.batch_size))  # fmt: skip
+        collate.ring = self._ring
+        try:
+            return super()._get_iterator()  # forks the workers, which keep the ring
+        finally:
+            collate.ring = None
 
 
 def _stack(arrays: list[np.ndarray] | list[torch.Tensor]) -> torch.Tensor:
@@ -308,6 +368,11 @@ def _shard_map(path: str) -> mmap.mmap:
     return m
 
 
+# The columns training reads; the others (original size, crop, metadata) are not decoded.
+_USED = frozenset({"latent_mean", "latent_std", "text_hidden", "input_ids", "image", "caption",
+                   "key"})  # fmt: skip
+
+
 class ImageCaptionDataset(StreamingDataset):
     """A StreamingDataset of Kiln's MDS shards (images or precomputed latents).
 
@@ -374,13 +439,14 @@ class ImageCaptionDataset(StreamingDataset):
         it.on_exit()  # what the thread does when it runs out of samples
         return True
 
-    def _read(self, idx: int) -> dict:
+    def _read(self, idx: int, columns: frozenset[str] | None = None) -> dict:
+        """Sample `idx` as stored: the given columns (default all), arrays and bytes as views."""
         shard_id, rel = self.spanner[idx]
         shard = self.shards[shard_id]
         plan = _plan(shard)
         if plan is None:  # not an uncompressed MDS shard: streaming's own reader
             return self.get_item(idx)
-        path, n_var, columns = plan
+        path, n_var, plan_columns = plan
         try:
             m = _shard_map(path)
         except FileNotFoundError:  # not downloaded (or evicted): streaming fetches it
@@ -389,15 +455,16 @@ class ImageCaptionDataset(StreamingDataset):
         data = memoryview(m)[begin:end]
         var = np.frombuffer(data, np.uint32, n_var).tolist() if n_var else []
         pos, sample = 4 * n_var, {}
-        for name, size, decode in columns:
+        for name, size, decode in plan_columns:
             if size is None:
                 size = var.pop(0)
-            sample[name] = decode(data[pos : pos + size])
+            if columns is None or name in columns:
+                sample[name] = decode(data[pos : pos + size])
             pos += size
         return sample
 
     def __getitem__(self, idx: int) -> dict:
-        sample = self._read(idx)
+        sample = self._read(idx, _USED)
         drop = bool(
             self.caption_dropout
             and np.random.default_rng([self.seed, idx]).random() < self.caption_dropout
@@ -444,7 +511,7 @@ def build_loader(
     shuffle_algo: str = "py1e",
     predownload: int | None = None,
     cache_limit: str | None = None,
-) -> StreamingDataLoader:
+) -> KilnLoader:
     """A per-rank loader of `batch_size` samples; the rank split comes from the environment.
 
     `mix` adds other datasets as streams, each (local folder, proportion), or (local cache,
@@ -498,10 +565,13 @@ def build_loader(
         predownload=predownload,
         cache_limit=cache_limit,
     )
-    return StreamingDataLoader(
+    collate = KilnCollate(tokenizer, sizes if bucketed else resolution)
+    # Image batches are big (6.3 MB for 32 at 256 px): they go through reused buffers.
+    collate.image_ring = "image" in getattr(dataset.shards[0], "column_names", [])
+    return KilnLoader(
         dataset,
         batch_size=batch_size,
-        collate_fn=KilnCollate(tokenizer, sizes if bucketed else resolution),
+        collate_fn=collate,
         num_workers=num_workers,
         drop_last=True,
         persistent_workers=False,

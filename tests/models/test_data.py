@@ -1,5 +1,6 @@
 """The streaming loader: stream mixing by proportion."""
 
+import json
 from collections import Counter
 
 from flows.config import load_config
@@ -124,3 +125,50 @@ def test_shards_of_another_size_fail_clearly(tiny_shards):
     want = r"images of \[\(32, 32\)\].*expected one of \[\(48, 48\)\]"
     with pytest.raises(ValueError, match=want):
         next(iter(loader))
+
+
+_RING_CHECK = """
+import json, sys, torch
+from flows.config import load_config
+from models.data import build_loader
+from models.factory import build_tokenizer
+
+cfg_path, path = sys.argv[1:3]
+tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
+ref = list(build_loader(path, tok, 32, 2, shuffle_seed=5))
+out = {"batches": len(ref)}
+for hold in (False, True):
+    loader = build_loader(path, tok, 32, 2, shuffle_seed=5, num_workers=2)
+    held, same = [], True
+    for i, b in enumerate(loader):
+        same &= b["key"] == ref[i]["key"] and torch.equal(b["input_ids"], ref[i]["input_ids"])
+        same &= torch.equal(b["pixel_values"], ref[i]["pixel_values"])
+        if hold:
+            held.append(b)
+    # Batches kept until the end still hold their own pixels: no slot was reused under them.
+    same &= all(torch.equal(b["pixel_values"], r["pixel_values"]) for b, r in zip(held, ref))
+    out[f"hold={hold}"] = {"same": bool(same), "from_ring": loader._ring.rebuilt,
+                           "slots": len(loader._ring.state)}
+print(json.dumps(out))
+"""
+
+
+def test_worker_batches_reuse_buffers_and_held_ones_stay_intact(tiny_shards):
+    """Two loader workers stack image batches into reused shared buffers (models/ring.py).
+    Run in a child process: this one runs Prefect's threads, which forked workers must not
+    inherit."""
+    import subprocess
+    import sys
+
+    cfg_path, root, version = tiny_shards
+    proc = subprocess.run(
+        [sys.executable, "-c", _RING_CHECK, str(cfg_path), str(root / "shards" / version / "32")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    n, free, held = out["batches"], out["hold=False"], out["hold=True"]
+    assert n > 2 * free["slots"], "more batches than slots: slots must be released and reused"
+    assert free["same"] and free["from_ring"] == 2 * n, "every batch (pixels, ids) in a slot"
+    assert held["same"], "a held batch is never overwritten"
+    assert 0 < held["from_ring"] < 2 * n, "with every batch held, workers fall back to fresh"

@@ -71,13 +71,15 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp
 
 
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards):
+    """The crashed run loads with 2 worker processes (batches through reused shared buffers,
+    models/ring.py), the uninterrupted one in-process: batches, losses and weights match."""
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 6, "batch_size": 4})]
     opts = {"stages": stages, "checkpoint_every": 3, "log_every": 1, "log_sample_keys": True}
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     _launch(_stage(cfg_path, root, version, full, **opts))
-    _launch(_stage(cfg_path, root, version, crashed, **opts))
+    _launch(_stage(cfg_path, root, version, crashed, **opts, num_workers=2))
     # Roll the second run back to the state a crash right after step 3 would have left.
     for name in ("final", "final-raw", "manifest.json", "checkpoints/step-00000006"):
         p = crashed / name
