@@ -5,6 +5,8 @@ naive single-process conversion. All measured in one run on the same 256-px imag
 1. `loader`: MDS through `models.data.build_loader` (read, JPEG decode, to tensor, tokenize,
    collate), `--workers` DataLoader workers; samples/s per worker ("per core"), steady state
    over 3 epochs, with each epoch's worker start-up reported apart (`startup_s`).
+   `loader_in_process` is the same loader with no workers (one core, nothing handed over),
+   and `budget_us_per_sample` times each of its steps in this process on the same shards.
 2. `decode_only`: the loader's decoder (libjpeg-turbo via torchvision) on the same JPEG bytes,
    already in memory, in a warm process pool: the limit. `decode_only_pil` is PIL's decode.
 3. `imagefolder_local` / `imagefolder_s3`: the original files read one by one (local disk or
@@ -151,6 +153,40 @@ def _time_loader(loader, epochs: int = 3) -> dict:
     return {"seconds": steady, "n": n, "startup_s": round(sorted(startups)[len(startups) // 2], 3)}
 
 
+def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
+    """Microseconds per sample of each step of the image loader, in this process, on the
+    same shards: read (mapped shard), decode, tokenize, stack into a batch."""
+    import torch
+
+    from models.data import _USED, ImageCaptionDataset, KilnCollate, decode_uint8
+
+    torch.set_num_threads(1)
+    ds = ImageCaptionDataset(local=str(mds), batch_size=1, shuffle=False)
+    collate = KilnCollate(tok, RES)
+    n = min(n, ds.num_samples) // batch * batch
+    out: dict = {}
+    for _ in range(2):  # the first round warms caches; the second is reported
+        t = time.perf_counter()
+        samples = [ds._read(i, _USED) for i in range(n)]
+        out["read"] = time.perf_counter() - t
+        t = time.perf_counter()
+        images = [decode_uint8(s["image"], None).permute(1, 2, 0) for s in samples]
+        out["decode"] = time.perf_counter() - t
+        t = time.perf_counter()
+        for s in samples:
+            collate.ids([s["caption"]])
+        out["tokenize"] = time.perf_counter() - t
+        dest = torch.empty((batch, *images[0].shape), dtype=torch.uint8)
+        t = time.perf_counter()
+        for i in range(0, n, batch):
+            torch.stack(images[i : i + batch], out=dest)
+        out["stack"] = time.perf_counter() - t
+    us = {k: round(v / n * 1e6, 1) for k, v in out.items()}
+    # The best loader_vs_decode_only that a loader doing these steps per sample can reach.
+    us["decode_share"] = round(us["decode"] / sum(us[k] for k in out), 3)
+    return us
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
@@ -204,6 +240,12 @@ def main() -> None:
     _time_loader(loader, 1)  # warm the page cache and the workers' imports
     t = _time_loader(loader)
     res["loader"] = {**per(t["n"], t["seconds"]), "startup_s": t["startup_s"]}
+    one = build_loader(str(mds), tok, RES, 32, shuffle_seed=0, num_workers=0)
+    t = _time_loader(one)
+    res["loader_in_process"] = {  # num_workers=0: one core, nothing handed over
+        "seconds": round(t["seconds"], 3), "samples_per_s": round(t["n"] / t["seconds"], 1),
+        "samples_per_s_per_core": round(t["n"] / t["seconds"], 1)}  # fmt: skip
+    res["budget_us_per_sample"] = _budget(mds, tok)
 
     from streaming import StreamingDataset
 
@@ -272,7 +314,7 @@ def main() -> None:
     finally:
         server.stop()
 
-    r = {k: v["samples_per_s"] for k, v in res.items()}
+    r = {k: v["samples_per_s"] for k, v in res.items() if "samples_per_s" in v}
     out = {
         "benchmark": "loader",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -282,6 +324,11 @@ def main() -> None:
         **res,
         "loader_vs_decode_only": round(r["loader"] / r["decode_only"], 3),
         "loader_vs_decode_only_pil": round(r["loader"] / r["decode_only_pil"], 3),
+        "loader_in_process_vs_decode_only": round(
+            res["loader_in_process"]["samples_per_s_per_core"]
+            / res["decode_only"]["samples_per_s_per_core"],
+            3,
+        ),  # fmt: skip
         "loader_vs_imagefolder_local": round(r["loader"] / r["imagefolder_local"], 3),
         "loader_vs_imagefolder_s3": round(r["loader_s3_cold"] / r["imagefolder_s3"], 3),
         "latents_samples_per_s_per_core": res["latents"]["samples_per_s_per_core"],

@@ -150,12 +150,25 @@ class KilnCollate:
         self.sizes = {_wh(x) for x in size} if isinstance(size, list) else {_wh(size)}
         self._empty: torch.Tensor | None = None
         self.ring: BatchRing | None = None  # set by KilnLoader around forking its workers
-        self.image_ring = False  # whether KilnLoader should make one (image datasets)
 
-    def ring_bytes(self, batch_size: int) -> int:
-        """Bytes of the largest image batch (pixels and token ids): a ring slot's size."""
-        pixels = batch_size * max(w * h for w, h in self.sizes) * 3
-        return _aligned(pixels) + batch_size * self.max_length * 8
+    def slot_bytes(self, dataset: ImageCaptionDataset, batch_size: int) -> int:
+        """Bytes of the largest batch this collate makes from `dataset`: a ring slot's size.
+
+        Worked out from the expected sizes for images, and from the dataset's first sample
+        for precomputed latents (scaled to the largest bucket's area, where buckets differ).
+        """
+        probe = dataset[0]
+        ids = _aligned(batch_size * self.max_length * 8)
+        if "image" in probe:
+            return _aligned(batch_size * max(w * h for w, h in self.sizes) * 3) + ids
+        areas = [w * h for w, h in self.sizes]
+        scale = max(areas) / min(areas)
+        total = _aligned(batch_size)  # drop flags
+        for col in ("latent_mean", "latent_std", "text_hidden", "input_ids"):
+            if col in probe:
+                each = probe[col].nbytes * (scale if col.startswith("latent") else 1)
+                total += ids if col == "input_ids" else _aligned(batch_size * int(each + 1))
+        return total
 
     def ids(self, captions: list[str]) -> torch.Tensor:
         """Token ids (len(captions), model_max_length), int64."""
@@ -167,11 +180,13 @@ class KilnCollate:
 
     def __call__(self, samples: list[dict]) -> dict:
         first = samples[0]
-        out: dict = {}
+        # name -> arrays to stack, or a finished tensor; and the view each is handed out as.
+        parts: dict[str, list | torch.Tensor] = {}
+        perm: dict[str, tuple] = {}
         if "latent_mean" in first:
             for col in ("latent_mean", "latent_std", "text_hidden"):
                 if col in first:
-                    out[col] = _stack([s[col] for s in samples])
+                    parts[col] = [s[col] for s in samples]
         else:
             images = [decode_uint8(s["image"], None) for s in samples]
             shapes = {(int(x.shape[2]), int(x.shape[1])) for x in images}
@@ -186,21 +201,10 @@ class KilnCollate:
             # vs 34 us per 256-px image); the batch is stacked in the decoders' own layout
             # and handed out as the same (B, 3, H, W) view (channels-last strides). The
             # trainer makes it contiguous on the device, where the transpose is nearly free.
-            hwc = [x.permute(1, 2, 0) for x in images]
-            slot = self._claim(hwc)
-            if slot is not None:  # into a reused buffer (models/ring.py)
-                pixels = self.ring.tensor(slot, 0, torch.uint8, (len(hwc), *hwc[0].shape))
-                torch.stack(hwc, out=pixels)
-                ids = self.ring.tensor(slot, _aligned(pixels.nbytes), torch.int64,
-                                       (len(samples), self.max_length))  # fmt: skip
-                ids.copy_(self.ids([s["caption"] for s in samples]))
-                out["pixel_values"] = InRing(self.ring, slot, 0, pixels, perm=(0, 3, 1, 2))
-                out["input_ids"] = InRing(self.ring, slot, _aligned(pixels.nbytes), ids)
-                out["key"] = [s["key"] for s in samples]
-                return out
-            out["pixel_values"] = _stack(hwc).permute(0, 3, 1, 2)
+            parts["pixel_values"] = [x.permute(1, 2, 0) for x in images]
+            perm["pixel_values"] = (0, 3, 1, 2)
         if "text_hidden" in first:
-            out["drop"] = torch.tensor([s["drop"] for s in samples])
+            parts["drop"] = torch.tensor([s["drop"] for s in samples])
         elif "input_ids" in first:  # precomputed ids; a dropped caption gets the empty one
             if self._empty is None:
                 self._empty = self.ids([""])[0]
@@ -208,19 +212,40 @@ class KilnCollate:
             drop = [s["drop"] for s in samples]
             if any(drop):
                 ids[drop] = self._empty.numpy()
-            out["input_ids"] = torch.from_numpy(ids)
+            parts["input_ids"] = torch.from_numpy(ids)
         else:
-            out["input_ids"] = self.ids([s["caption"] for s in samples])
+            parts["input_ids"] = self.ids([s["caption"] for s in samples])
+        out = self._emit(parts, perm)
         out["key"] = [s["key"] for s in samples]
         return out
 
-    def _claim(self, hwc: list[torch.Tensor]) -> int | None:
-        """A ring slot for this batch, when in a worker with a ring and the batch fits."""
+    def _emit(self, parts: dict, perm: dict) -> dict:
+        """Stack each part into one slot of the ring (in a worker that has one, when the
+        batch fits and a slot is free), else into fresh tensors."""
+        layout, total = {}, 0
+        for name, v in parts.items():
+            shape = (len(v), *v[0].shape) if isinstance(v, list) else tuple(v.shape)
+            dtype = v.dtype if isinstance(v, torch.Tensor) else _dtype(v[0])
+            layout[name] = (total, shape, dtype)
+            total += _aligned(int(np.prod(shape)) * dtype.itemsize)
         info = torch.utils.data.get_worker_info()
-        if self.ring is None or info is None:
-            return None
-        need = _aligned(len(hwc) * hwc[0].numel()) + len(hwc) * self.max_length * 8
-        return self.ring.claim(info.id) if need <= self.ring.slot_bytes else None
+        slot = None
+        if self.ring is not None and info is not None and total <= self.ring.slot_bytes:
+            slot = self.ring.claim(info.id)
+        out = {}
+        for name, v in parts.items():
+            if slot is None:
+                t = _stack(v) if isinstance(v, list) else v
+                out[name] = t.permute(perm[name]) if name in perm else t
+                continue
+            offset, shape, dtype = layout[name]
+            dest = self.ring.tensor(slot, offset, dtype, shape)
+            if isinstance(v, list):
+                _stack(v, out=dest)
+            else:
+                dest.copy_(v)
+            out[name] = InRing(self.ring, slot, offset, dest, perm.get(name))
+        return out
 
 
 def _aligned(nbytes: int, to: int = 64) -> int:
@@ -228,16 +253,20 @@ def _aligned(nbytes: int, to: int = 64) -> int:
 
 
 class KilnLoader(StreamingDataLoader):
-    """A `StreamingDataLoader` whose workers stack image batches into reused shared buffers
+    """A `StreamingDataLoader` whose workers stack batches into reused shared buffers
     (`models.ring.BatchRing`), one ring per iterator, made before the workers fork."""
+
+    _slot_bytes: int | None = None
 
     def _get_iterator(self):
         collate = self.collate_fn
-        if not (self.num_workers and isinstance(collate, KilnCollate) and collate.image_ring):
+        if not (self.num_workers and isinstance(collate, KilnCollate)):
             return super()._get_iterator()
+        if self._slot_bytes is None:
+            self._slot_bytes = collate.slot_bytes(self.dataset, self.batch_size)
         # Per worker: its prefetched batches, the one being filled and the one in use.
-        self._ring = BatchRing(self.num_workers, (self.prefetch_factor or 2) + 2,
-                               collate.ring_bytes(self.batch_size))  # fmt: skip
+        slots = (self.prefetch_factor or 2) + 2
+        self._ring = BatchRing(self.num_workers, slots, self._slot_bytes)
         collate.ring = self._ring
         try:
             return super()._get_iterator()  # forks the workers, which keep the ring
@@ -245,28 +274,32 @@ class KilnLoader(StreamingDataLoader):
             collate.ring = None
 
 
-def _stack(arrays: list[np.ndarray] | list[torch.Tensor]) -> torch.Tensor:
+def _dtype(arr) -> torch.dtype:
+    return arr.dtype if isinstance(arr, torch.Tensor) else torch.from_numpy(arr[:0]).dtype
+
+
+def _stack(arrays: list[np.ndarray] | list[torch.Tensor], out: torch.Tensor | None = None):
     """Stack same-shape arrays (or tensors) into one tensor with a single copy.
 
-    In a DataLoader worker the batch is allocated in shared memory up front, as torch's own
-    `default_collate` does, so handing it to the main process copies nothing more.
+    Into `out` when given; otherwise, in a DataLoader worker, into shared memory allocated up
+    front as torch's own `default_collate` does, so handing it over copies nothing more.
     """
     first = arrays[0]
-    dtype = first.dtype if isinstance(first, torch.Tensor) else torch.from_numpy(first[:0]).dtype
-    shape = (len(arrays), *first.shape)
-    if torch.utils.data.get_worker_info() is not None:
-        elem = torch.empty(0, dtype=dtype)
-        storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
-        out = elem.new(storage).resize_(shape)
-    else:
-        out = torch.empty(shape, dtype=dtype)
+    if out is None:
+        shape, dtype = (len(arrays), *first.shape), _dtype(first)
+        if torch.utils.data.get_worker_info() is not None:
+            elem = torch.empty(0, dtype=dtype)
+            storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
+            out = elem.new(storage).resize_(shape)
+        else:
+            out = torch.empty(shape, dtype=dtype)
+    if isinstance(first, torch.Tensor):
+        torch.stack(arrays, out=out)
+        return out
     # One torch op for the whole batch: it drops the GIL once, where numpy drops it per array
     # and then waits for streaming's download threads to hand it back each time (measured
     # 40x slower). Viewed as bytes: MDS stores arrays at arbitrary offsets, which a uint8 view
     # of any dtype accepts.
-    if isinstance(first, torch.Tensor):
-        torch.stack(arrays, out=out)
-        return out
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         views = [torch.from_numpy(a.view(np.uint8)) for a in arrays]
@@ -565,13 +598,10 @@ def build_loader(
         predownload=predownload,
         cache_limit=cache_limit,
     )
-    collate = KilnCollate(tokenizer, sizes if bucketed else resolution)
-    # Image batches are big (6.3 MB for 32 at 256 px): they go through reused buffers.
-    collate.image_ring = "image" in getattr(dataset.shards[0], "column_names", [])
     return KilnLoader(
         dataset,
         batch_size=batch_size,
-        collate_fn=collate,
+        collate_fn=KilnCollate(tokenizer, sizes if bucketed else resolution),
         num_workers=num_workers,
         drop_last=True,
         persistent_workers=False,

@@ -27,11 +27,12 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from streaming import MDSWriter, StreamingDataset
-from streaming.base.util import clean_stale_shared_memory, merge_index
+from streaming.base.util import merge_index
 
 from models.config import StageRun, load_yaml_model
 from models.data import dataset_buckets, decode_pixels
 from models.factory import build_components
+from models.leftovers import clean_stale_streaming
 
 __all__ = ["LATENT_COLUMNS", "encode_batch", "main"]
 
@@ -98,7 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         log.info("latents already complete: %s", out)
         return
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    clean_stale_shared_memory()
+    if accelerator.is_local_main_process:  # a killed earlier launch's streaming files
+        clean_stale_streaming()
+    accelerator.wait_for_everyone()
     tmp = out.with_name(out.name + ".tmp")
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -31,12 +31,12 @@ from accelerate.utils import DistributedType, set_seed
 from diffusers import StableDiffusionPipeline
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
-from streaming.base.util import clean_stale_shared_memory
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from models.config import StageRun, load_yaml_model
 from models.data import build_loader, normalize_pixels, precomputed_columns
 from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
+from models.leftovers import clean_stale_streaming
 from models.metrics import MetricsSink
 from models.perf import device_peak_flops, device_stats, train_flops_per_sample
 
@@ -428,9 +428,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-    # A killed earlier launch may have left streaming's shared memory behind. Called on every
-    # rank: it synchronises internally (local rank 0 cleans while the others wait).
-    clean_stale_shared_memory()
+    # A killed earlier launch may have left streaming's shared memory and lock files behind
+    # (models/leftovers.py). One process per machine removes those no live process holds.
+    if accelerator.is_local_main_process:
+        clean_stale_streaming()
     accelerator.wait_for_everyone()
     sink = MetricsSink(
         out,
