@@ -7,6 +7,7 @@ naive single-process conversion. All measured in one run on the same 256-px imag
    over 3 epochs, with each epoch's worker start-up reported apart (`startup_s`).
    `loader_in_process` is the same loader with no workers (one core, nothing handed over),
    and `budget_us_per_sample` times each of its steps in this process on the same shards.
+   `loader_512` / `decode_only_512` repeat the loader and its limit at 512 px.
 2. `decode_only`: the loader's decoder (libjpeg-turbo via torchvision) on the same JPEG bytes,
    already in memory, in a warm process pool: the limit. `decode_only_pil` is PIL's decode.
 3. `imagefolder_local` / `imagefolder_s3`: the original files read one by one (local disk or
@@ -94,8 +95,9 @@ def _imagefolder_s3_item(job: tuple[str, str, str]):
     return np.asarray(crop, dtype=np.float32).mean()
 
 
-def _shard_step(src: str, root: str, workers: int) -> tuple[str, float]:
-    """Ingest, validate and shard `src` (in a Prefect test harness); time the shard step."""
+def _shard_step(src: str, root: str, workers: int) -> tuple[str, float, str]:
+    """Ingest, validate and shard `src` (in a Prefect test harness); time the shard step.
+    Also shards a 512 px version (not timed) for the loader at the next stage's size."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -113,7 +115,10 @@ def _shard_step(src: str, root: str, workers: int) -> tuple[str, float]:
         validate_catalog.fn(root, ing.ingest_id, rules)
         t = time.perf_counter()
         shard = write_shards.fn(root, ing.ingest_id, [RES], workers=workers, partition_size=250)
-        return shard.dataset_version, time.perf_counter() - t
+        seconds = time.perf_counter() - t
+        big = write_shards.fn(root, ing.ingest_id, [2 * RES], workers=workers,
+                              partition_size=250)  # fmt: skip
+        return shard.dataset_version, seconds, big.dataset_version
 
 
 def _decode_tv(data: bytes) -> tuple[int, ...]:
@@ -164,23 +169,24 @@ def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
     ds = ImageCaptionDataset(local=str(mds), batch_size=1, shuffle=False)
     collate = KilnCollate(tok, RES)
     n = min(n, ds.num_samples) // batch * batch
-    out: dict = {}
+    dest = torch.empty((batch, RES, RES, 3), dtype=torch.uint8)
     for _ in range(2):  # the first round warms caches; the second is reported
-        t = time.perf_counter()
-        samples = [ds._read(i, _USED) for i in range(n)]
-        out["read"] = time.perf_counter() - t
-        t = time.perf_counter()
-        images = [decode_uint8(s["image"], None).permute(1, 2, 0) for s in samples]
-        out["decode"] = time.perf_counter() - t
-        t = time.perf_counter()
-        for s in samples:
-            collate.ids([s["caption"]])
-        out["tokenize"] = time.perf_counter() - t
-        dest = torch.empty((batch, *images[0].shape), dtype=torch.uint8)
-        t = time.perf_counter()
+        # Batch by batch, as the loader works: decoded images are freed after each batch, so
+        # their memory is reused rather than faulted in fresh.
+        out = dict.fromkeys(("read", "decode", "tokenize", "stack"), 0.0)
         for i in range(0, n, batch):
-            torch.stack(images[i : i + batch], out=dest)
-        out["stack"] = time.perf_counter() - t
+            t0 = time.perf_counter()
+            samples = [ds._read(j, _USED) for j in range(i, i + batch)]
+            t1 = time.perf_counter()
+            images = [decode_uint8(s["image"], None).permute(1, 2, 0) for s in samples]
+            t2 = time.perf_counter()
+            collate.ids([s["caption"] for s in samples])
+            t3 = time.perf_counter()
+            torch.stack(images, out=dest)
+            t4 = time.perf_counter()
+            for k, a, b in (("read", t0, t1), ("decode", t1, t2), ("tokenize", t2, t3),
+                            ("stack", t3, t4)):  # fmt: skip
+                out[k] += b - a
     us = {k: round(v / n * 1e6, 1) for k, v in out.items()}
     # The best loader_vs_decode_only that a loader doing these steps per sample can reach.
     us["decode_share"] = round(us["decode"] / sum(us[k] for k in out), 3)
@@ -221,7 +227,9 @@ def main() -> None:
     # Ingest, validate and shard run in a spawned child: Prefect's background threads must not
     # live in this process, whose DataLoader workers are forked.
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as one:
-        version, shard_s = one.submit(_shard_step, str(src), str(work / "root"), w).result()
+        version, shard_s, version_512 = one.submit(
+            _shard_step, str(src), str(work / "root"), w
+        ).result()
     res["shard_step"] = per(len(files), shard_s)
     # Naive baseline: one process, full decode (no draft), resize, encode.
     sample = files[: max(50, len(files) // 10)]
@@ -254,6 +262,17 @@ def main() -> None:
     blobs = blobs * 3  # a longer run: the limit is measured as steadily as the loader
     res["decode_only"] = per(len(blobs), _time_pool(_decode_tv, blobs, w, 64))
     res["decode_only_pil"] = per(len(blobs), _time_pool(_decode, blobs, w, 64))
+
+    # The next stage's size: decoding costs 4x more per image, the rest of a sample's work
+    # (tokenize, read, hand-over) about the same.
+    mds_512 = work / "root" / "shards" / version_512 / str(2 * RES)
+    loader = build_loader(str(mds_512), tok, 2 * RES, 32, shuffle_seed=0, num_workers=w)
+    _time_loader(loader, 1)
+    t = _time_loader(loader)
+    res["loader_512"] = {**per(t["n"], t["seconds"]), "startup_s": t["startup_s"]}
+    ds = StreamingDataset(local=str(mds_512), batch_size=1, shuffle=False)
+    blobs_512 = [ds.get_item(i)["image"] for i in range(ds.num_samples)] * 2
+    res["decode_only_512"] = per(len(blobs_512), _time_pool(_decode_tv, blobs_512, w, 32))
     res["imagefolder_local"] = per(len(files), _time_pool(_imagefolder_item, files, w, 16))
 
     # Precomputed latents in the two layouts models/precompute.py writes: SD2-shaped latents
@@ -261,7 +280,7 @@ def main() -> None:
     # the text encoder's states (77x1024 fp16, 158 KiB a sample).
     rng = np.random.default_rng(0)
     for name, text, count in (("latents", False, 10 * len(files)),
-                              ("latents_text", True, len(files))):  # fmt: skip
+                              ("latents_text", True, 4 * len(files))):  # fmt: skip
         lat = work / name
         shutil.rmtree(lat, ignore_errors=True)
         cols = {"latent_mean": "ndarray:float16", "latent_std": "ndarray:float16",
@@ -324,6 +343,7 @@ def main() -> None:
         **res,
         "loader_vs_decode_only": round(r["loader"] / r["decode_only"], 3),
         "loader_vs_decode_only_pil": round(r["loader"] / r["decode_only_pil"], 3),
+        "loader_vs_decode_only_512": round(r["loader_512"] / r["decode_only_512"], 3),
         "loader_in_process_vs_decode_only": round(
             res["loader_in_process"]["samples_per_s_per_core"]
             / res["decode_only"]["samples_per_s_per_core"],

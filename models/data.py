@@ -254,19 +254,20 @@ def _aligned(nbytes: int, to: int = 64) -> int:
 
 class KilnLoader(StreamingDataLoader):
     """A `StreamingDataLoader` whose workers stack batches into reused shared buffers
-    (`models.ring.BatchRing`), one ring per iterator, made before the workers fork."""
+    (`models.ring.BatchRing`), made before the first workers fork and inherited by every
+    epoch's workers. A slot still held from an earlier epoch stays taken."""
 
-    _slot_bytes: int | None = None
+    _ring: BatchRing | None = None
 
     def _get_iterator(self):
         collate = self.collate_fn
         if not (self.num_workers and isinstance(collate, KilnCollate)):
             return super()._get_iterator()
-        if self._slot_bytes is None:
-            self._slot_bytes = collate.slot_bytes(self.dataset, self.batch_size)
-        # Per worker: its prefetched batches, the one being filled and the one in use.
-        slots = (self.prefetch_factor or 2) + 2
-        self._ring = BatchRing(self.num_workers, slots, self._slot_bytes)
+        if self._ring is None:  # one per loader: the next epoch's workers inherit it too
+            # Per worker: its prefetched batches, the one being filled and the one in use.
+            slots = (self.prefetch_factor or 2) + 2
+            nbytes = collate.slot_bytes(self.dataset, self.batch_size)
+            self._ring = BatchRing(self.num_workers, slots, nbytes)
         collate.ring = self._ring
         try:
             return super()._get_iterator()  # forks the workers, which keep the ring
@@ -275,7 +276,11 @@ class KilnLoader(StreamingDataLoader):
 
 
 def _dtype(arr) -> torch.dtype:
-    return arr.dtype if isinstance(arr, torch.Tensor) else torch.from_numpy(arr[:0]).dtype
+    return (
+        arr.dtype
+        if isinstance(arr, torch.Tensor)
+        else torch.from_numpy(np.empty(0, arr.dtype)).dtype
+    )
 
 
 def _stack(arrays: list[np.ndarray] | list[torch.Tensor], out: torch.Tensor | None = None):
