@@ -24,6 +24,7 @@ behind (`__getstate__`) and workers use fresh segments.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import multiprocessing as mp
 import secrets
@@ -36,6 +37,7 @@ import torch
 __all__ = ["BatchRing", "InRing"]
 
 _PAGE = mmap.PAGESIZE
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 # Rings of this process by token, for rebuilding tensors as batches arrive. Weak: a ring
 # lives while its loader iterator or any tensor over one of its slots does.
 _RINGS: weakref.WeakValueDictionary[str, BatchRing] = weakref.WeakValueDictionary()
@@ -62,6 +64,7 @@ class BatchRing:
         flags |= getattr(mmap, "MAP_POPULATE", 0)
         self.mm = mmap.mmap(-1, len(self.state) * self.slot_bytes, flags=flags)
         self._next = 0  # worker side: the slot to try first, round robin
+        self._mapped: set[int] = set()  # worker side: slots whose pages this process mapped
         self._live: dict[int, int] = {}  # main side: live tensors per slot
         self._live_lock = threading.Lock()
         self.rebuilt = 0  # main side: tensors rebuilt from slots (for tests and benchmarks)
@@ -80,8 +83,16 @@ class BatchRing:
                 if self.state[slot] == 0:
                     self.state[slot] = 1
                     self._next = (slot - first + 1) % self.per_worker
-                    return slot
-        return None
+                    break
+            else:
+                return None
+        if slot not in self._mapped:
+            # A forked worker has no page-table entries for the shared mapping: its first
+            # write to each page of a slot faults. One madvise maps the whole slot instead.
+            self._mapped.add(slot)
+            with contextlib.suppress(OSError, ValueError):  # before Linux 5.14: fault lazily
+                self.mm.madvise(_MADV_POPULATE_WRITE, slot * self.slot_bytes, self.slot_bytes)
+        return slot
 
     def tensor(self, slot: int, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         """A writable tensor over part of `slot`, from `offset` bytes."""
