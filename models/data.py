@@ -19,6 +19,7 @@ import json
 import mmap
 import os
 import warnings
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -151,6 +152,10 @@ class KilnCollate:
         self._empty: torch.Tensor | None = None
         self.ring: BatchRing | None = None  # set by KilnLoader around forking its workers
 
+    def __getstate__(self) -> dict:
+        # Workers started by spawn or forkserver get no ring: it is shared by fork only.
+        return {**self.__dict__, "ring": None}
+
     def slot_bytes(self, dataset: ImageCaptionDataset, batch_size: int) -> int:
         """Bytes of the largest batch this collate makes from `dataset`: a ring slot's size.
 
@@ -254,25 +259,39 @@ def _aligned(nbytes: int, to: int = 64) -> int:
 
 class KilnLoader(StreamingDataLoader):
     """A `StreamingDataLoader` whose workers stack batches into reused shared buffers
-    (`models.ring.BatchRing`), made before the first workers fork and inherited by every
-    epoch's workers. A slot still held from an earlier epoch stays taken."""
+    (`models.ring.BatchRing`), made before the workers fork.
+
+    The next epoch's workers inherit the same ring once the last epoch's workers are gone;
+    then every slot that no tensor in this process still views is free again, including
+    those of batches that were prefetched and never read (an epoch left early). While an
+    earlier iterator's workers still run, a new iterator gets a ring of its own.
+    """
 
     _ring: BatchRing | None = None
+    _ring_iter: weakref.ref | None = None
+    _slot_bytes: int | None = None
 
     def _get_iterator(self):
         collate = self.collate_fn
         if not (self.num_workers and isinstance(collate, KilnCollate)):
             return super()._get_iterator()
-        if self._ring is None:  # one per loader: the next epoch's workers inherit it too
+        prev = self._ring_iter() if self._ring_iter is not None else None
+        busy = prev is not None and any(w.is_alive() for w in getattr(prev, "_workers", []))
+        if self._ring is None or busy:
             # Per worker: its prefetched batches, the one being filled and the one in use.
             slots = (self.prefetch_factor or 2) + 2
-            nbytes = collate.slot_bytes(self.dataset, self.batch_size)
-            self._ring = BatchRing(self.num_workers, slots, nbytes)
+            if self._slot_bytes is None:
+                self._slot_bytes = collate.slot_bytes(self.dataset, self.batch_size)
+            self._ring = BatchRing(self.num_workers, slots, self._slot_bytes)
+        else:
+            self._ring.reclaim()
         collate.ring = self._ring
         try:
-            return super()._get_iterator()  # forks the workers, which keep the ring
+            it = super()._get_iterator()  # forks the workers, which keep the ring
         finally:
             collate.ring = None
+        self._ring_iter = weakref.ref(it)
+        return it
 
 
 def _dtype(arr) -> torch.dtype:
@@ -353,7 +372,18 @@ def _coder(encoding: str):
         raise ValueError(f"unsupported MDS column encoding: {encoding!r}")
     if encoding.startswith("ndarray"):
         return _NDArrayView(coder)
-    return lambda data: coder.decode(bytes(data))
+    return _Decode(coder)
+
+
+class _Decode:
+    """streaming's decoder for one scalar column (a class, not a lambda: the plan cached on
+    a shard is pickled with the dataset when workers are spawned)."""
+
+    def __init__(self, coder):
+        self.coder = coder
+
+    def __call__(self, data: memoryview):
+        return self.coder.decode(bytes(data))
 
 
 class _NDArrayView:

@@ -18,8 +18,8 @@ test holding every batch, a user's list) keeps its slot. A worker that finds non
 slots free stacks into a fresh segment as before, so a held batch is never overwritten, and
 a worker never waits.
 
-Only the fork start method shares the mapping; under spawn or forkserver the ring is left
-behind (`__getstate__`) and workers use fresh segments.
+Only the fork start method shares the mapping; under spawn or forkserver the collate is
+pickled without it (`KilnCollate.__getstate__`) and workers use fresh segments.
 """
 
 from __future__ import annotations
@@ -102,6 +102,14 @@ class BatchRing:
         return torch.from_numpy(arr).view(dtype).view(shape)
 
     # -- main side -----------------------------------------------------------------------------
+    def reclaim(self) -> None:
+        """Free every slot no tensor in this process views. Only while no worker runs: a slot
+        filled and never read (prefetched by an iterator that was left) is free again."""
+        with self._live_lock, self.lock:
+            for slot in range(len(self.state)):
+                if slot not in self._live:
+                    self.state[slot] = 0
+
     def _rebuild(self, slot: int, offset: int, dtype: torch.dtype, shape: tuple, perm):
         nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
         arr = np.frombuffer(self.mm, np.uint8, nbytes, slot * self.slot_bytes + offset)
@@ -109,7 +117,7 @@ class BatchRing:
             self._live[slot] = self._live.get(slot, 0) + 1
             self.rebuilt += 1
         # The tensor's storage holds `arr`; `arr` dies with the last tensor viewing it.
-        weakref.finalize(arr, self._release, slot)
+        weakref.finalize(arr, self._release, slot).atexit = False
         t = torch.from_numpy(arr).view(dtype).view(shape)
         return t.permute(perm) if perm else t
 

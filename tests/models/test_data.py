@@ -149,6 +149,34 @@ for hold in (False, True):
     same &= all(torch.equal(b["pixel_values"], r["pixel_values"]) for b, r in zip(held, ref))
     out[f"hold={hold}"] = {"same": bool(same), "from_ring": loader._ring.rebuilt,
                            "slots": len(loader._ring.state)}
+
+def left_after_3(loader):
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    del it
+
+
+def epoch(loader, want):
+    # Batch by batch against `want`, holding none; how many tensors came through the ring.
+    before, n, same = loader._ring.rebuilt if loader._ring else 0, 0, True
+    for b, r in zip(loader, want, strict=True):
+        same &= b["key"] == r["key"] and torch.equal(b["pixel_values"], r["pixel_values"])
+        n += 1
+    return {"same": bool(same), "batches": n, "from_ring": loader._ring.rebuilt - before}
+
+# An epoch left after 3 batches: batches it prefetched are never read, yet the next epoch's
+# workers find every slot free again. In-process, the same steps give the reference.
+inproc = build_loader(path, tok, 32, 2, shuffle_seed=5)
+left_after_3(inproc)
+want = list(inproc)
+loader = build_loader(path, tok, 32, 2, shuffle_seed=5, num_workers=2)
+left_after_3(loader)
+out["after_left_epoch"] = epoch(loader, want)
+# Spawned workers get no ring (it is shared by fork only) and take the fresh path.
+loader = build_loader(path, tok, 32, 2, shuffle_seed=5, num_workers=2)
+loader.multiprocessing_context = "spawn"
+out["spawn"] = epoch(loader, ref)
 print(json.dumps(out))
 """
 
@@ -172,3 +200,7 @@ def test_worker_batches_reuse_buffers_and_held_ones_stay_intact(tiny_shards):
     assert free["same"] and free["from_ring"] == 2 * n, "every batch (pixels, ids) in a slot"
     assert held["same"], "a held batch is never overwritten"
     assert 0 < held["from_ring"] < 2 * n, "with every batch held, workers fall back to fresh"
+    left, spawn = out["after_left_epoch"], out["spawn"]
+    assert left["same"] and left["batches"] > 2 * free["slots"], out
+    assert left["from_ring"] == 2 * left["batches"], "slots prefetched and never read are freed"
+    assert spawn == {"same": True, "batches": n, "from_ring": 0}, out
