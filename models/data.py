@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import mmap
+import multiprocessing as mp
 import os
 import warnings
 import weakref
@@ -273,18 +274,16 @@ class KilnLoader(StreamingDataLoader):
 
     def _get_iterator(self):
         collate = self.collate_fn
-        if not (self.num_workers and isinstance(collate, KilnCollate)):
+        if not (self.num_workers and isinstance(collate, KilnCollate) and self._forks()):
             return super()._get_iterator()
         prev = self._ring_iter() if self._ring_iter is not None else None
         busy = prev is not None and any(w.is_alive() for w in getattr(prev, "_workers", []))
-        if self._ring is None or busy:
+        if self._ring is None or busy or not self._ring.reclaim():
             # Per worker: its prefetched batches, the one being filled and the one in use.
             slots = (self.prefetch_factor or 2) + 2
             if self._slot_bytes is None:
                 self._slot_bytes = collate.slot_bytes(self.dataset, self.batch_size)
             self._ring = BatchRing(self.num_workers, slots, self._slot_bytes)
-        else:
-            self._ring.reclaim()
         collate.ring = self._ring
         try:
             it = super()._get_iterator()  # forks the workers, which keep the ring
@@ -292,6 +291,14 @@ class KilnLoader(StreamingDataLoader):
             collate.ring = None
         self._ring_iter = weakref.ref(it)
         return it
+
+    def _forks(self) -> bool:
+        """Whether workers start by fork, the only way they share the ring's mapping."""
+        ctx = self.multiprocessing_context
+        if ctx is not None:
+            return ctx.get_start_method() == "fork"
+        method = mp.get_start_method(allow_none=True)  # None: the platform's default
+        return (method or mp.get_all_start_methods()[0]) == "fork"
 
 
 def _dtype(arr) -> torch.dtype:

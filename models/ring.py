@@ -39,7 +39,7 @@ __all__ = ["BatchRing", "InRing"]
 _PAGE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
 # Rings of this process by token, for rebuilding tensors as batches arrive. Weak: a ring
-# lives while its loader iterator or any tensor over one of its slots does.
+# lives while its loader or any tensor over one of its slots does.
 _RINGS: weakref.WeakValueDictionary[str, BatchRing] = weakref.WeakValueDictionary()
 
 
@@ -102,13 +102,23 @@ class BatchRing:
         return torch.from_numpy(arr).view(dtype).view(shape)
 
     # -- main side -----------------------------------------------------------------------------
-    def reclaim(self) -> None:
+    def reclaim(self) -> bool:
         """Free every slot no tensor in this process views. Only while no worker runs: a slot
-        filled and never read (prefetched by an iterator that was left) is free again."""
-        with self._live_lock, self.lock:
-            for slot in range(len(self.state)):
-                if slot not in self._live:
-                    self.state[slot] = 0
+        filled and never read (prefetched by an iterator that was left) is free again.
+
+        False when the lock cannot be had: a worker was killed holding it, and this ring
+        should be dropped for a new one.
+        """
+        if not self.lock.acquire(timeout=10):
+            return False
+        try:
+            with self._live_lock:
+                for slot in range(len(self.state)):
+                    if slot not in self._live:
+                        self.state[slot] = 0
+        finally:
+            self.lock.release()
+        return True
 
     def _rebuild(self, slot: int, offset: int, dtype: torch.dtype, shape: tuple, perm):
         nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()

@@ -163,7 +163,8 @@ def epoch(loader, want):
     for b, r in zip(loader, want, strict=True):
         same &= b["key"] == r["key"] and torch.equal(b["pixel_values"], r["pixel_values"])
         n += 1
-    return {"same": bool(same), "batches": n, "from_ring": loader._ring.rebuilt - before}
+    after = loader._ring.rebuilt if loader._ring else 0
+    return {"same": bool(same), "batches": n, "from_ring": after - before}
 
 # An epoch left after 3 batches: batches it prefetched are never read, yet the next epoch's
 # workers find every slot free again. In-process, the same steps give the reference.
