@@ -6,10 +6,11 @@ must stay out of `accelerator.prepare`: wrapping it again would silently double-
 
 The per-sample path is kept to reading the stored bytes: `ImageCaptionDataset.__getitem__`
 maps the shard file once per worker and returns views into it. Everything that can run on a
-whole batch does, in `KilnCollate`: image decode (libjpeg-turbo through torchvision, straight
-into a CHW tensor), the Rust tokenizer for the captions, and one copy of each column into
-the shared-memory batch. Batches are dicts whose first value is a tensor, which is
-what `StreamingDataLoader.state_dict()` needs to count samples for mid-epoch resumption.
+whole batch does, in `KilnCollate`: image decode (libjpeg-turbo through torchvision), the
+Rust tokenizer for the captions, and one copy of each column into the batch, which in a
+worker is a reused shared buffer (`KilnLoader`, `models/ring.py`). Batches are dicts whose
+first value is a tensor, which is what `StreamingDataLoader.state_dict()` needs to count
+samples for mid-epoch resumption.
 """
 
 from __future__ import annotations
