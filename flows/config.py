@@ -94,6 +94,11 @@ class ShardsConfig(Strict):
     partition_size: int = Field(2000, gt=0, description="Images per conversion task.")
     size_limit: int = Field(1 << 26, gt=0, description="Bytes per MDS shard before a new one.")
     workers: int = Field(0, ge=0, description="Resize processes; 0 means one per CPU core.")
+    token_ids: bool = Field(
+        True,
+        description="Store each caption's token ids (the model's tokenizer) in the image shards, "
+        "so the loader does not tokenize; the tokenizer becomes part of the dataset version.",
+    )
     precompute: bool = Field(
         False, description="Also write VAE latents and text states per stage (models.precompute)."
     )

@@ -51,6 +51,7 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
         bucket_stages=cfg.bucket_stages(),
         bucket_step=cfg.shards.bucket_step,
         bucket_max_aspect=cfg.shards.bucket_max_aspect,
+        tokenizer=cfg.train.model.tokenizer.model_dump() if cfg.shards.token_ids else None,
     )
     if cfg.shards.precompute:
         check_inputs(cfg, ("train",))

@@ -6,17 +6,20 @@ must stay out of `accelerator.prepare`: wrapping it again would silently double-
 
 The per-sample path is kept to reading the stored bytes: `ImageCaptionDataset.__getitem__`
 maps the shard file once per worker and returns views into it. Everything that can run on a
-whole batch does, in `KilnCollate`: image decode (libjpeg-turbo through torchvision), the
-Rust tokenizer for the captions, and one copy of each column into the batch, which in a
-worker is a reused shared buffer (`KilnLoader`, `models/ring.py`). Batches are dicts whose
+whole batch does, in `KilnCollate`: JPEG decode (libjpeg-turbo, straight into the batch),
+the Rust tokenizer for the captions (unless the shards carry token ids), and one copy of each
+other column into the batch, which in a worker is a reused shared buffer (`KilnLoader`,
+`models/ring.py`). Batches are dicts whose
 first value is a tensor, which is what `StreamingDataLoader.state_dict()` needs to count
 samples for mid-epoch resumption.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import logging
 import mmap
 import multiprocessing as mp
 import os
@@ -26,6 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
+import simplejpeg
 import torch
 from PIL import Image
 from streaming import StreamingDataLoader, StreamingDataset
@@ -35,6 +39,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from models.ring import BatchRing, InRing
 
 __all__ = [
+    "CaptionTokenizer",
     "ImageCaptionDataset",
     "KilnCollate",
     "KilnLoader",
@@ -46,6 +51,8 @@ __all__ = [
     "normalize_pixels",
     "precomputed_columns",
 ]
+
+log = logging.getLogger("kiln.data")
 
 Size = int | tuple[int, int]  # a square side, or (width, height) for an aspect bucket
 
@@ -128,21 +135,16 @@ def fast_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBas
         return AutoTokenizer.from_pretrained(d, use_fast=True)
 
 
-class KilnCollate:
-    """Turns a list of `ImageCaptionDataset` samples into one batch dict of tensors.
+class CaptionTokenizer:
+    """Captions -> token ids, padded and truncated to the model's `model_max_length`, by the
+    tokenizer's Rust backend. The loader and the shard step (which can store the ids in the
+    shards) both tokenize with this, so stored ids are the ones the loader would make."""
 
-    Args:
-        tokenizer: The model's tokenizer; captions are tokenized by its Rust backend, padded
-            and truncated to `model_max_length` as the model expects.
-        size: Expected image size: a square side, or (width, height); or a list of them for
-            aspect buckets, where every batch must hold one of the sizes.
-    """
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, size: Size | list[Size]):
-        fast = fast_tokenizer(tokenizer)
-        self.max_length = int(tokenizer.model_max_length)
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
         from tokenizers import Tokenizer
 
+        fast = fast_tokenizer(tokenizer)
+        self.max_length = int(tokenizer.model_max_length)
         # A private copy of the backend: padding and truncation are set on it once, instead
         # of being re-applied by the Python wrapper on every call.
         backend = Tokenizer.from_str(fast.backend_tokenizer.to_str())
@@ -150,6 +152,29 @@ class KilnCollate:
         backend.enable_padding(length=self.max_length, pad_id=fast.pad_token_id,
                                pad_token=fast.pad_token)  # fmt: skip
         self.backend = backend
+
+    def __call__(self, captions: list[str]) -> torch.Tensor:
+        """Token ids (len(captions), max_length), int64."""
+        # One caption at a time on this thread: `encode_batch` hands the batch to a Rayon
+        # thread pool, whose wake-up costs more than the work here (measured 42 vs 17 us per
+        # caption between decodes) and which oversubscribes the cores loader workers share.
+        enc = self.backend.encode
+        return torch.tensor([enc(c).ids for c in captions], dtype=torch.int64)
+
+
+class KilnCollate:
+    """Turns a list of `ImageCaptionDataset` samples into one batch dict of tensors.
+
+    Args:
+        tokenizer: The model's tokenizer (`CaptionTokenizer`), for captions whose shards carry
+            no token ids, and for the empty caption of a dropped one.
+        size: Expected image size: a square side, or (width, height); or a list of them for
+            aspect buckets, where every batch must hold one of the sizes.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, size: Size | list[Size]):
+        self.ids = CaptionTokenizer(tokenizer)
+        self.max_length = self.ids.max_length
         self.sizes = {_wh(x) for x in size} if isinstance(size, list) else {_wh(size)}
         self._empty: torch.Tensor | None = None
         self.ring: BatchRing | None = None  # set by KilnLoader around forking its workers
@@ -177,41 +202,32 @@ class KilnCollate:
                 total += ids if col == "input_ids" else _aligned(batch_size * int(each + 1))
         return total
 
-    def ids(self, captions: list[str]) -> torch.Tensor:
-        """Token ids (len(captions), model_max_length), int64."""
-        # One caption at a time on this thread: `encode_batch` hands the batch to a Rayon
-        # thread pool, whose wake-up costs more than the work here (measured 42 vs 17 us per
-        # caption between decodes) and which oversubscribes the cores loader workers share.
-        enc = self.backend.encode
-        return torch.tensor([enc(c).ids for c in captions], dtype=torch.int64)
-
     def __call__(self, samples: list[dict]) -> dict:
-        first = samples[0]
-        # name -> arrays to stack, or a finished tensor; and the view each is handed out as.
-        parts: dict[str, list | torch.Tensor] = {}
+        first, n = samples[0], len(samples)
+        # name -> (shape, dtype, fill): `fill(dest)` writes the column into `dest`, or fill is
+        # a finished tensor. And the view each column is handed out as.
+        cols: dict[str, tuple] = {}
         perm: dict[str, tuple] = {}
         if "latent_mean" in first:
             for col in ("latent_mean", "latent_std", "text_hidden"):
                 if col in first:
-                    parts[col] = [s[col] for s in samples]
+                    arrays = [s[col] for s in samples]
+                    cols[col] = ((n, *arrays[0].shape), _dtype(arrays[0]),
+                                 functools.partial(_stack, arrays))  # fmt: skip
         else:
-            images = [decode_uint8(s["image"], None) for s in samples]
-            shapes = {(int(x.shape[2]), int(x.shape[1])) for x in images}
-            if len(shapes) > 1 or not shapes <= self.sizes:
-                raise ValueError(
-                    f"a batch holds images of {sorted(shapes)} (width x height), expected "
-                    f"one of {sorted(self.sizes)}: were these shards written for another "
-                    "stage, or are buckets batched per stream?"
-                )
-            # Decoders write (H, W, 3) and hand out a (3, H, W) view of it. Stacking those
-            # views into a (B, 3, H, W)-contiguous batch is a strided transpose (measured 84
-            # vs 34 us per 256-px image); the batch is stacked in the decoders' own layout
-            # and handed out as the same (B, 3, H, W) view (channels-last strides). The
-            # trainer makes it contiguous on the device, where the transpose is nearly free.
-            parts["pixel_values"] = [x.permute(1, 2, 0) for x in images]
+            images = [s["image"] for s in samples]
+            w, h = self._batch_size(images[0])
+            # Decoders write (H, W, 3); the batch is decoded in that layout straight into its
+            # buffer, and handed out as a (B, 3, H, W) view (channels-last strides). Stacking
+            # (3, H, W) views into a (B, 3, H, W)-contiguous batch instead is a strided
+            # transpose (measured 84 vs 34 us per 256-px image); the trainer makes the batch
+            # contiguous on the device, where the transpose is nearly free.
+            cols["pixel_values"] = ((n, h, w, 3), torch.uint8,
+                                    functools.partial(_decode_into, images))  # fmt: skip
             perm["pixel_values"] = (0, 3, 1, 2)
         if "text_hidden" in first:
-            parts["drop"] = torch.tensor([s["drop"] for s in samples])
+            drop = torch.tensor([s["drop"] for s in samples])
+            cols["drop"] = (tuple(drop.shape), drop.dtype, drop)
         elif "input_ids" in first:  # precomputed ids; a dropped caption gets the empty one
             if self._empty is None:
                 self._empty = self.ids([""])[0]
@@ -219,40 +235,110 @@ class KilnCollate:
             drop = [s["drop"] for s in samples]
             if any(drop):
                 ids[drop] = self._empty.numpy()
-            parts["input_ids"] = torch.from_numpy(ids)
+            cols["input_ids"] = (ids.shape, torch.int64, torch.from_numpy(ids))
         else:
-            parts["input_ids"] = self.ids([s["caption"] for s in samples])
-        out = self._emit(parts, perm)
+            ids = self.ids([s["caption"] for s in samples])
+            cols["input_ids"] = (tuple(ids.shape), ids.dtype, ids)
+        out = self._emit(cols, perm)
         out["key"] = [s["key"] for s in samples]
         return out
 
-    def _emit(self, parts: dict, perm: dict) -> dict:
-        """Stack each part into one slot of the ring (in a worker that has one, when the
+    def _batch_size(self, image: memoryview | bytes) -> tuple[int, int]:
+        """(width, height) of a batch whose first image is `image`: the one expected size, or
+        for aspect buckets the size that image's header gives."""
+        if len(self.sizes) == 1:
+            return next(iter(self.sizes))
+        if image[:2] == b"\xff\xd8":
+            h, w, _, _ = simplejpeg.decode_jpeg_header(image)
+        else:
+            with Image.open(io.BytesIO(bytes(image))) as img:  # reads the header only
+                w, h = img.size
+        if (w, h) not in self.sizes:
+            _wrong_size((w, h), self.sizes)
+        return w, h
+
+    def _emit(self, cols: dict, perm: dict) -> dict:
+        """Write each column into one slot of the ring (in a worker that has one, when the
         batch fits and a slot is free), else into fresh tensors."""
         layout, total = {}, 0
-        for name, v in parts.items():
-            shape = (len(v), *v[0].shape) if isinstance(v, list) else tuple(v.shape)
-            dtype = v.dtype if isinstance(v, torch.Tensor) else _dtype(v[0])
-            layout[name] = (total, shape, dtype)
+        for name, (shape, dtype, _) in cols.items():
+            layout[name] = total
             total += _aligned(int(np.prod(shape)) * dtype.itemsize)
         info = torch.utils.data.get_worker_info()
         slot = None
         if self.ring is not None and info is not None and total <= self.ring.slot_bytes:
             slot = self.ring.claim(info.id)
         out = {}
-        for name, v in parts.items():
+        for name, (shape, dtype, fill) in cols.items():
             if slot is None:
-                t = _stack(v) if isinstance(v, list) else v
+                if isinstance(fill, torch.Tensor):
+                    t = fill
+                else:
+                    t = _new(shape, dtype)
+                    fill(out=t)
                 out[name] = t.permute(perm[name]) if name in perm else t
                 continue
-            offset, shape, dtype = layout[name]
-            dest = self.ring.tensor(slot, offset, dtype, shape)
-            if isinstance(v, list):
-                _stack(v, out=dest)
+            dest = self.ring.tensor(slot, layout[name], dtype, shape)
+            if isinstance(fill, torch.Tensor):
+                dest.copy_(fill)
             else:
-                dest.copy_(v)
-            out[name] = InRing(self.ring, slot, offset, dest, perm.get(name))
+                fill(out=dest)
+            out[name] = InRing(self.ring, slot, layout[name], dest, perm.get(name))
         return out
+
+
+def _wrong_size(got: tuple[int, int], sizes: set[tuple[int, int]]):
+    raise ValueError(
+        f"a batch holds images of {[got]} (width x height), expected one of {sorted(sizes)}: "
+        "were these shards written for another stage, or are buckets batched per stream?"
+    )
+
+
+def _decode_into(images: list, out: torch.Tensor) -> torch.Tensor:
+    """Decode each image into its row of `out` (B, H, W, 3), uint8.
+
+    JPEG goes straight into the row through libjpeg-turbo (simplejpeg): no image-sized
+    allocation per sample, whose page faults and extra copy cost a third as much as decoding
+    a 256-px image. Other formats decode through torchvision (or PIL) and are copied in.
+    """
+    rows = out.numpy()
+    _, h, w, _ = rows.shape
+    sizes = {(w, h)}
+    for row, data in zip(rows, images, strict=True):
+        if data[:2] == b"\xff\xd8":
+            try:
+                got = simplejpeg.decode_jpeg(data, colorspace="RGB", buffer=row).shape
+            except ValueError as e:
+                hdr = _jpeg_header(data)
+                if hdr is None or hdr == (w, h):
+                    raise ValueError(f"cannot decode a shard image: {e}") from e
+                _wrong_size(hdr, sizes)
+            if got != (h, w, 3):
+                _wrong_size((got[1], got[0]), sizes)
+        else:
+            img = decode_uint8(data, None)
+            if tuple(img.shape[1:]) != (h, w):
+                _wrong_size((int(img.shape[2]), int(img.shape[1])), sizes)
+            row[...] = img.permute(1, 2, 0).numpy()
+    return out
+
+
+def _jpeg_header(data) -> tuple[int, int] | None:
+    try:
+        h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    return w, h
+
+
+def _new(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor; in a DataLoader worker in shared memory, allocated up front as torch's
+    own `default_collate` does, so handing it over copies nothing more."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=dtype)
+    elem = torch.empty(0, dtype=dtype)
+    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
+    return elem.new(storage).resize_(shape)
 
 
 def _aligned(nbytes: int, to: int = 64) -> int:
@@ -311,20 +397,11 @@ def _dtype(arr) -> torch.dtype:
 
 
 def _stack(arrays: list[np.ndarray] | list[torch.Tensor], out: torch.Tensor | None = None):
-    """Stack same-shape arrays (or tensors) into one tensor with a single copy.
-
-    Into `out` when given; otherwise, in a DataLoader worker, into shared memory allocated up
-    front as torch's own `default_collate` does, so handing it over copies nothing more.
-    """
+    """Stack same-shape arrays (or tensors) into one tensor with a single copy: into `out`
+    when given, else into a new one (`_new`)."""
     first = arrays[0]
     if out is None:
-        shape, dtype = (len(arrays), *first.shape), _dtype(first)
-        if torch.utils.data.get_worker_info() is not None:
-            elem = torch.empty(0, dtype=dtype)
-            storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
-            out = elem.new(storage).resize_(shape)
-        else:
-            out = torch.empty(shape, dtype=dtype)
+        out = _new((len(arrays), *first.shape), _dtype(first))
     if isinstance(first, torch.Tensor):
         torch.stack(arrays, out=out)
         return out
@@ -477,6 +554,7 @@ class ImageCaptionDataset(StreamingDataset):
             super().__init__(local=local, **kwargs)
         self.caption_dropout = caption_dropout
         self.seed = seed
+        self.columns = _USED  # what __getitem__ reads (build_loader may leave out input_ids)
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         # Streaming's download thread calls this for every sample, and each call takes the
@@ -540,15 +618,49 @@ class ImageCaptionDataset(StreamingDataset):
         return sample
 
     def __getitem__(self, idx: int) -> dict:
-        sample = self._read(idx, _USED)
+        sample = self._read(idx, self.columns)
         drop = bool(
             self.caption_dropout
-            and np.random.default_rng([self.seed, idx]).random() < self.caption_dropout
+            and _uniform(self.seed, idx) < self.caption_dropout
         )
         out = {k: sample[k] for k in ("latent_mean", "latent_std", "text_hidden", "input_ids",
-                                      "image") if k in sample}  # fmt: skip
+                                      "image") if k in sample and k in self.columns}  # fmt: skip
         out.update(caption="" if drop else sample["caption"], drop=drop, key=sample["key"])
         return out
+
+
+_M64 = (1 << 64) - 1
+
+
+def _uniform(seed: int, idx: int) -> float:
+    """A number in [0, 1) fixed by (seed, idx), for per-sample decisions that a resumed run
+    must repeat: splitmix64's mix of the pair (0.3 us a sample, where seeding a numpy
+    Generator per sample costs 8)."""
+    z = ((int(seed) & _M64) * 0x9E3779B97F4A7C15 + int(idx) + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+
+def _stored_ids_match(dataset: ImageCaptionDataset, tokenize: CaptionTokenizer) -> bool:
+    """Whether every shard stores token ids, and they are what `tokenize` makes of the stored
+    captions (each stream's first sample): ids written with another tokenizer or length are
+    not used."""
+    if not all("input_ids" in getattr(sh, "column_names", ()) for sh in dataset.shards):
+        return False
+    for offset, count in zip(dataset.sample_offset_per_stream, dataset.samples_per_stream,
+                             strict=True):  # fmt: skip
+        if not count:
+            continue
+        s = dataset._read(int(offset), frozenset({"caption", "input_ids", "key"}))
+        want = tokenize([s["caption"]])[0].numpy()
+        got = np.asarray(s["input_ids"])
+        if got.shape != want.shape or not np.array_equal(got, want):
+            log.warning("the token ids stored with %s are not this tokenizer's (sample %s): "
+                        "tokenizing captions in the loader instead", dataset.streams[0].local
+                        if len(dataset.streams) == 1 else "a stream", s["key"])  # fmt: skip
+            return False
+    return True
 
 
 def _fetch_top_file(local: str, remote: str) -> None:
@@ -587,6 +699,7 @@ def build_loader(
     shuffle_algo: str = "py1e",
     predownload: int | None = None,
     cache_limit: str | None = None,
+    token_ids: bool = True,
 ) -> KilnLoader:
     """A per-rank loader of `batch_size` samples; the rank split comes from the environment.
 
@@ -600,6 +713,10 @@ def build_loader(
     A bucketed stage (`buckets.json`, see `tasks/shard.py`) becomes one stream per aspect
     bucket, each with its share of the dataset's proportion, batched `per_stream`: every batch
     comes from one bucket, so its images have one shape.
+
+    Token ids stored in the shards (`shards.token_ids`, or precomputed with latents) are used
+    when `token_ids` is on and they are the ids `tokenizer` gives the stored captions (checked
+    on each stream's first sample); otherwise the loader tokenizes the captions itself.
     """
     from streaming import Stream
 
@@ -641,10 +758,13 @@ def build_loader(
         predownload=predownload,
         cache_limit=cache_limit,
     )
+    collate = KilnCollate(tokenizer, sizes if bucketed else resolution)
+    if not (token_ids and _stored_ids_match(dataset, collate.ids)):
+        dataset.columns = _USED - {"input_ids"}
     return KilnLoader(
         dataset,
         batch_size=batch_size,
-        collate_fn=KilnCollate(tokenizer, sizes if bucketed else resolution),
+        collate_fn=collate,
         num_workers=num_workers,
         drop_last=True,
         persistent_workers=False,

@@ -2,8 +2,9 @@
 
 `<root>/shards/<dataset_version>/<resolution>/` holds the images whose short side is at least
 `resolution * shards.min_side_factor`, resized (Lanczos) and centre-cropped to a square, as
-JPEG bytes plus caption. A stage with aspect-ratio buckets (`shards.aspect_buckets`) instead
-holds one MDS dataset per bucket, `<resolution>/<width>x<height>/`, listed in
+JPEG bytes plus caption (and, given the model's tokenizer, the caption's token ids, so that
+the loader does not tokenize). A stage with aspect-ratio buckets (`shards.aspect_buckets`)
+instead holds one MDS dataset per bucket, `<resolution>/<width>x<height>/`, listed in
 `<resolution>/buckets.json`: each image goes to the bucket nearest its aspect ratio and is
 resized to cover it and centre-cropped, and it qualifies when that needs an upscale of at most
 `1 / min_side_factor`. The dataset version hashes the clean catalog and the shard settings:
@@ -21,6 +22,7 @@ partition is done, the parts of a stage are merged into one `index.json` with st
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -43,7 +45,7 @@ from tasks.logs import task_logger
 from tasks.runners import partition_runner
 from tasks.sources import CATALOG_COLUMNS
 
-__all__ = ["MDS_COLUMNS", "ShardResult", "dataset_version", "write_shards"]
+__all__ = ["MDS_COLUMNS", "ShardResult", "dataset_version", "token_ids_column", "write_shards"]
 
 
 # MosaicML's diffusion shards store JPEG bytes too; a plain StreamingDataset reads them back.
@@ -58,6 +60,23 @@ MDS_COLUMNS = {
     "meta": "json",  # pass-through metadata columns of the catalog (license, ...)
 }
 FORMAT_VERSION = 3
+
+
+def token_ids_column(max_length: int) -> dict:
+    """The column of stored token ids: int32 with its length in the encoding, so every sample
+    has the same fixed-size field and no per-sample array header."""
+    return {"input_ids": f"ndarray:int32:{max_length}"}
+
+
+@functools.lru_cache(maxsize=2)
+def _caption_tokenizer(spec: str):
+    """The loader's tokenizer (`models.data.CaptionTokenizer`) for a TokenizerConfig as JSON;
+    built once per process."""
+    from models.config import TokenizerConfig
+    from models.data import CaptionTokenizer
+    from models.factory import build_tokenizer
+
+    return CaptionTokenizer(build_tokenizer(TokenizerConfig.model_validate_json(spec)))
 
 
 @dataclass
@@ -103,22 +122,39 @@ def _stage_of(target) -> int:
     return target if isinstance(target, int) else int(target[0])
 
 
-def _write_part(out: Path, uids: list, rendered: dict, rows: dict, r: int, size_limit: int):
+def _write_part(out: Path, uids: list, rendered: dict, rows: dict, r: int, size_limit: int,
+                tokenizer: str | None = None):  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)  # a part left half-written by a crash
-    with MDSWriter(out=str(out), columns=MDS_COLUMNS, size_limit=size_limit) as w:
-        for uid in uids:
+    columns, ids = dict(MDS_COLUMNS), None
+    if tokenizer is not None and uids:
+        tokenize = _caption_tokenizer(tokenizer)
+        columns.update(token_ids_column(tokenize.max_length))
+        ids = tokenize([rows[u]["caption"] for u in uids]).numpy().astype(np.int32)
+    with MDSWriter(out=str(out), columns=columns, size_limit=size_limit) as w:
+        for i, uid in enumerate(uids):
             img, top, left = rendered[uid][r]
             row = rows[uid]
-            w.write({"image": img, "caption": row["caption"], "key": uid[1],
-                     "orig_width": int(row["width"]), "orig_height": int(row["height"]),
-                     "crop_top": top, "crop_left": left, "meta": row["meta"]})  # fmt: skip
+            sample = {"image": img, "caption": row["caption"], "key": uid[1],
+                      "orig_width": int(row["width"]), "orig_height": int(row["height"]),
+                      "crop_top": top, "crop_left": left, "meta": row["meta"]}  # fmt: skip
+            if ids is not None:
+                sample["input_ids"] = ids[i]
+            w.write(sample)
 
 
 @task(name="shard-partition", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def write_partition(
-    partial: str, index: int, jobs: list[tuple], rows: dict, size_limit: int, pool=None
+    partial: str,
+    index: int,
+    jobs: list[tuple],
+    rows: dict,
+    size_limit: int,
+    pool=None,
+    tokenizer: str | None = None,
 ) -> dict:
     """Render one partition's images and write one MDS part per stage; skip finished parts.
+
+    With `tokenizer` (a TokenizerConfig as JSON), each part also stores the captions' ids.
 
     A job's targets are stage resolutions (square stages) or (resolution, width, height) for
     a bucketed stage, whose part is one MDS part per bucket plus a `part-NNNNN.done` marker.
@@ -148,7 +184,7 @@ def write_partition(
     for r in todo:
         uids = sorted(u for u in rendered if r in rendered[u])
         if r not in bucketed:
-            _write_part(base / str(r) / name, uids, rendered, rows, r, size_limit)
+            _write_part(base / str(r) / name, uids, rendered, rows, r, size_limit, tokenizer)
             continue
         for stale in (base / str(r)).glob(f"*/{name}"):  # buckets of a crashed attempt
             shutil.rmtree(stale)
@@ -157,15 +193,17 @@ def write_partition(
             groups.setdefault(bucket_of[(uid, r)], []).append(uid)
         for (bw, bh), members in sorted(groups.items()):
             _write_part(base / str(r) / f"{bw}x{bh}" / name, members, rendered, rows, r,
-                        size_limit)  # fmt: skip
+                        size_limit, tokenizer)  # fmt: skip
         done[r].parent.mkdir(parents=True, exist_ok=True)
         done[r].write_text(json.dumps({f"{w}x{h}": len(v) for (w, h), v in groups.items()}))
     return {"index": index, "skipped": False}
 
 
-def _check_readback(path: Path, size: tuple[int, int], expected: int, sample: int = 32) -> None:
+def _check_readback(path: Path, size: tuple[int, int], expected: int, ids_len: int | None = None,
+                    sample: int = 32) -> None:  # fmt: skip
     """Open the merged index with streaming's shard readers (what StreamingDataset reads a
-    local dataset with) and check count, decode, size and caption of a spread of samples.
+    local dataset with) and check count, decode, size and caption of a spread of samples,
+    and their token ids when `ids_len` is given.
 
     Not a StreamingDataset itself: each one a process opens keeps shared-memory handles until
     the process exits (streaming registers them with atexit), and the flow process is long-lived.
@@ -188,6 +226,11 @@ def _check_readback(path: Path, size: tuple[int, int], expected: int, sample: in
         if got != tuple(size) or not s["caption"].strip():
             raise RuntimeError(f"{path}: sample {i} ({s['key']}) read back as {got}, expected "
                                f"{size}, caption {s['caption']!r}")  # fmt: skip
+        ids = s.get("input_ids")
+        shape = None if ids is None else ids.shape
+        if ids_len is not None and shape != (ids_len,):
+            raise RuntimeError(f"{path}: sample {i} ({s['key']}) has token ids of shape "
+                               f"{shape}, expected ({ids_len},)")  # fmt: skip
 
 
 @task(name="write-shards", cache_policy=NO_CACHE)
@@ -207,11 +250,14 @@ def write_shards(
     bucket_stages: list[int] | None = None,
     bucket_step: int = 64,
     bucket_max_aspect: float = 2.0,
+    tokenizer: dict | None = None,
 ) -> ShardResult:
     """Write (or reuse, or finish) the MDS datasets for every stage of `ingest_id`'s clean rows.
 
     `bucket_stages` are the stage resolutions written as aspect-ratio buckets
     (`tasks.decode.aspect_buckets(resolution, bucket_step, bucket_max_aspect)`), not squares.
+    With `tokenizer` (the model's `TokenizerConfig` as a dict), every sample also stores its
+    caption's token ids (`shards.token_ids`); the tokenizer is part of the dataset version.
     """
 
     log = task_logger(__name__)
@@ -231,6 +277,8 @@ def write_shards(
     buckets = {r: aspect_buckets(r, bucket_step, bucket_max_aspect) for r in bucket_stages or []}
     if buckets:  # only then: versions written without buckets keep their hash
         settings["buckets"] = {str(r): b for r, b in sorted(buckets.items())}
+    if tokenizer is not None:
+        settings["tokenizer"] = tokenizer
     version = dataset_version(clean, settings)
     result = ShardResult(dataset_version=version, ingest_id=ingest_id)
     base = layout.shards(version)
@@ -317,7 +365,8 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
             part_rows = {(j[0], j[2]): rows[(j[0], j[2])] for j in p}
             futures.append(runner.submit(write_partition, {
                 "partial": str(partial), "index": i, "jobs": p, "rows": part_rows,
-                "size_limit": settings["size_limit"], "pool": pool}))  # fmt: skip
+                "size_limit": settings["size_limit"], "pool": pool,
+                "tokenizer": _spec(settings.get("tokenizer"))}))  # fmt: skip
         errors, skipped = [], 0
         for f in futures:
             try:
@@ -330,22 +379,29 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
         if skipped:
             log.info("%d of %d partitions were already finished by an earlier run", skipped,
                      len(parts))  # fmt: skip
+    spec = _spec(settings.get("tokenizer"))
+    ids_len = _caption_tokenizer(spec).max_length if spec else None
     for r in todo:
-        _publish_stage(base, partial / str(r), r, bucket_of.get(r), len(stage_keys[r]))
+        _publish_stage(base, partial / str(r), r, bucket_of.get(r), len(stage_keys[r]), ids_len)
     shutil.rmtree(partial, ignore_errors=True)
 
 
-def _publish_stage(base: Path, stage_dir: Path, r: int, buckets: dict | None, expected: int):
+def _spec(tokenizer: dict | None) -> str | None:
+    return None if tokenizer is None else json.dumps(tokenizer, sort_keys=True)
+
+
+def _publish_stage(base: Path, stage_dir: Path, r: int, buckets: dict | None, expected: int,
+                   ids_len: int | None):  # fmt: skip
     """Merge a stage's parts (per bucket), check them read back, and rename it into place."""
     if buckets is None:
-        _merge_and_check(stage_dir, (r, r), expected)
+        _merge_and_check(stage_dir, (r, r), expected, ids_len)
     else:
         counts: dict[tuple, int] = {}
         for b in buckets.values():
             counts[tuple(b)] = counts.get(tuple(b), 0) + 1
         listed = []
         for (bw, bh), n in sorted(counts.items(), key=lambda kv: kv[0][0] / kv[0][1]):
-            _merge_and_check(stage_dir / f"{bw}x{bh}", (bw, bh), n)
+            _merge_and_check(stage_dir / f"{bw}x{bh}", (bw, bh), n, ids_len)
             listed.append({"name": f"{bw}x{bh}", "width": bw, "height": bh, "samples": n})
         for marker in stage_dir.glob("part-*.done"):
             marker.unlink()
@@ -357,12 +413,13 @@ def _publish_stage(base: Path, stage_dir: Path, r: int, buckets: dict | None, ex
     stage_dir.rename(dest)  # publish: the folder appears complete, its index included
 
 
-def _merge_and_check(folder: Path, size: tuple[int, int], expected: int) -> None:
+def _merge_and_check(folder: Path, size: tuple[int, int], expected: int,
+                     ids_len: int | None) -> None:  # fmt: skip
     """Merge a folder's finished parts into one index.json, then read it back and check it."""
     indexes = sorted(str(p / "index.json") for p in folder.glob("part-*")
                      if (p / "index.json").is_file())  # fmt: skip
     merge_index(indexes, str(folder), keep_local=True, download_timeout=60)
-    _check_readback(folder, size, expected)
+    _check_readback(folder, size, expected, ids_len)
 
 
 def _isnull(v) -> bool:

@@ -95,6 +95,7 @@ def tiny_shards(tmp_path_factory, demo_src, make_config):
         [s.resolution for s in cfg.train.stages],
         size_limit=cfg.shards.size_limit,
         workers=2,
+        tokenizer=cfg.train.model.tokenizer.model_dump(),  # as the shard flow does by default
     )
     return cfg_path, Path(root), res.dataset_version
 

@@ -83,6 +83,49 @@ def test_collate_tokenizes_like_the_tokenizer(tiny_shards):
     assert np.array_equal(got.numpy(), want)
 
 
+def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog):
+    """Shards written with token ids (the shard flow's default) give exactly the batches the
+    loader makes by tokenizing their captions, caption dropout included; pixels decoded into
+    the batch are torchvision's decode; ids made by another tokenizer are not used."""
+    import torch
+
+    from models.data import ImageCaptionDataset, KilnCollate, decode_uint8
+
+    cfg_path, root, version = tiny_shards
+    cfg = load_config(cfg_path).train
+    tok = build_tokenizer(cfg.model.tokenizer)
+    path = str(root / "shards" / version / "32")
+
+    def batches(tokenizer, **kw):
+        loader = build_loader(path, tokenizer, 32, 4, shuffle_seed=1, seed=2,
+                              caption_dropout=0.3, **kw)  # fmt: skip
+        return loader.dataset.columns, list(loader)
+
+    cols, stored = batches(tok)
+    assert "input_ids" in cols
+    cols, tokenized = batches(tok, token_ids=False)
+    assert "input_ids" not in cols
+    assert len(stored) == len(tokenized) > 3
+    for a, b in zip(stored, tokenized, strict=True):
+        assert a["key"] == b["key"]
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+    empty = KilnCollate(tok, 32).ids([""])[0]
+    dropped = sum(bool(torch.equal(row, empty)) for b in stored for row in b["input_ids"])
+    assert 0 < dropped < 4 * len(stored)
+    ref = ImageCaptionDataset(local=path, batch_size=1, shuffle=False)
+    images = {s["key"]: s["image"] for s in (ref._read(i) for i in range(ref.num_samples))}
+    for b in stored:
+        assert b["pixel_values"].shape == (4, 3, 32, 32)
+        for key, px in zip(b["key"], b["pixel_values"], strict=True):
+            assert torch.equal(px, decode_uint8(images[key], 32))
+    other = build_tokenizer(cfg.model.tokenizer.model_copy(update={"model_max_length": 16}))
+    with caplog.at_level("WARNING", logger="kiln.data"):
+        cols, short = batches(other)
+    assert "input_ids" not in cols and "not this tokenizer's" in caplog.text
+    assert short[0]["input_ids"].shape == (4, 16)
+
+
 def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_endpoint,
                                            upload_dir, monkeypatch):  # fmt: skip
     """A loader over an `s3://` remote (moto's server, with a cache limit that forces

@@ -49,6 +49,41 @@ def test_same_input_same_version_and_reuse(validated):
     assert c.dataset_version != a.dataset_version
 
 
+def test_token_ids_are_the_loaders_and_part_of_the_version(validated):
+    """With the model's tokenizer, every sample stores its caption's ids exactly as the
+    loader's tokenizer makes them (fixed-size int32), and the tokenizer is in the version."""
+    import numpy as np
+
+    from models.config import TokenizerConfig
+    from models.data import CaptionTokenizer
+    from models.factory import build_tokenizer
+
+    root, ingest_id, _ = validated
+    spec = TokenizerConfig(builtin="bytes", model_max_length=24)
+    plain = write_shards.fn(str(root), ingest_id, [32], workers=1)
+    res = write_shards.fn(str(root), ingest_id, [32], workers=1, size_limit=16384,
+                          tokenizer=spec.model_dump())  # fmt: skip
+    assert res.dataset_version != plain.dataset_version and not res.reused
+    tokenize = CaptionTokenizer(build_tokenizer(spec))
+    path = root / "shards" / res.dataset_version / "32"
+    index = json.loads((path / "index.json").read_text())
+    assert len(index["shards"]) > 1
+    assert all(sh["column_encodings"][sh["column_names"].index("input_ids")] ==
+               "ndarray:int32:24" for sh in index["shards"])  # fmt: skip
+    ds = StreamingDataset(local=str(path), batch_size=1)
+    samples = [ds[i] for i in range(len(ds))]
+    want = tokenize([s["caption"] for s in samples]).numpy()
+    got = np.stack([s["input_ids"] for s in samples])
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+    plain_ds = StreamingDataset(local=str(root / "shards" / plain.dataset_version / "32"),
+                                batch_size=1)  # fmt: skip
+    assert "input_ids" not in plain_ds[0]
+    other = TokenizerConfig(builtin="bytes", model_max_length=16).model_dump()
+    again = write_shards.fn(str(root), ingest_id, [32], workers=1, size_limit=16384,
+                            tokenizer=other)  # fmt: skip
+    assert again.dataset_version != res.dataset_version
+
+
 def test_stage_without_images_is_a_clear_error(validated):
     root, ingest_id, _ = validated
     with pytest.raises(ValueError, match="stage 4096px has no images"):
