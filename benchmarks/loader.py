@@ -2,14 +2,20 @@
 ImageFolder-style baseline, and the precomputed-latents path; plus the shard step against a
 naive single-process conversion. All measured in one run on the same 256-px images.
 
-1. `loader`: MDS through `models.data.build_loader` (read, JPEG decode, to tensor, tokenize,
-   collate), `--workers` DataLoader workers; samples/s per worker ("per core"), steady state
-   over 3 epochs, with each epoch's worker start-up reported apart (`startup_s`).
-   `loader_in_process` is the same loader with no workers (one core, nothing handed over),
-   and `budget_us_per_sample` times each of its steps in this process on the same shards.
+1. `loader`: MDS through `models.data.build_loader` (read, JPEG decode into the batch, the
+   token ids the shard step stored, collate), `--workers` DataLoader workers; samples/s per
+   worker ("per core"), steady state over 3 epochs, with each epoch's worker start-up
+   reported apart (`startup_s`). `loader_tokenizing` is the same loader tokenizing the
+   captions itself (`token_ids=False`, as for shards written without ids).
+   `loader_in_process` is the loader with no workers (one core, nothing handed over), and
+   `budget_us_per_sample` times each of its steps in this process on the same shards.
    `loader_512` / `decode_only_512` repeat the loader and its limit at 512 px.
-2. `decode_only`: the loader's decoder (libjpeg-turbo via torchvision) on the same JPEG bytes,
-   already in memory, in a warm process pool: the limit. `decode_only_pil` is PIL's decode.
+2. `decode_only`: the limit. The loader's decoder (libjpeg-turbo through simplejpeg) on the
+   same JPEG bytes, which each of `--workers` warm processes already holds in memory,
+   decoding into one reused batch buffer: nothing is read, sent, tokenized or collated.
+   `decode_only_torchvision` and `decode_only_pil` decode the bytes into fresh images in a
+   process pool (bytes sent with each call), for reference. The loader and the limit are
+   measured in 3 alternating rounds and reported as the median round.
 3. `imagefolder_local` / `imagefolder_s3`: the original files read one by one (local disk or
    one GET each from moto's S3 server), decoded, resized to 256 and centre-cropped: what a
    torchvision ImageFolder pipeline does. The loader from S3 streams the MDS shards from the
@@ -95,7 +101,7 @@ def _imagefolder_s3_item(job: tuple[str, str, str]):
     return np.asarray(crop, dtype=np.float32).mean()
 
 
-def _shard_step(src: str, root: str, workers: int) -> tuple[str, float, str]:
+def _shard_step(src: str, root: str, workers: int, tokenizer: dict) -> tuple[str, float, str]:
     """Ingest, validate and shard `src` (in a Prefect test harness); time the shard step.
     Also shards a 512 px version (not timed) for the loader at the next stage's size."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -114,20 +120,22 @@ def _shard_step(src: str, root: str, workers: int) -> tuple[str, float, str]:
         rules = QualityConfig(min_side=32, max_reject_fraction=1.0)
         validate_catalog.fn(root, ing.ingest_id, rules)
         t = time.perf_counter()
-        shard = write_shards.fn(root, ing.ingest_id, [RES], workers=workers, partition_size=250)
+        shard = write_shards.fn(
+            root, ing.ingest_id, [RES], workers=workers, partition_size=250, tokenizer=tokenizer
+        )  # the shard flow's default: ids stored
         seconds = time.perf_counter() - t
         big = write_shards.fn(root, ing.ingest_id, [2 * RES], workers=workers,
-                              partition_size=250)  # fmt: skip
+                              partition_size=250, tokenizer=tokenizer)  # fmt: skip
         return shard.dataset_version, seconds, big.dataset_version
 
 
 def _decode_tv(data: bytes) -> tuple[int, ...]:
-    """The loader's decoder (libjpeg-turbo through torchvision), bytes already in memory."""
+    """torchvision's JPEG decoder (libjpeg-turbo) into a fresh tensor, bytes in memory."""
     import torch
-    from torchvision.io import ImageReadMode, decode_jpeg
 
-    return tuple(decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8),
-                             mode=ImageReadMode.RGB).shape)  # fmt: skip
+    from models.data import _decode_jpeg
+
+    return tuple(_decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)).shape)
 
 
 def _time_pool(fn, items: list, workers: int, chunksize: int) -> float:
@@ -136,6 +144,39 @@ def _time_pool(fn, items: list, workers: int, chunksize: int) -> float:
         list(pool.map(fn, items[: workers * chunksize], chunksize=chunksize))  # warm
         t = time.perf_counter()
         list(pool.map(fn, items, chunksize=chunksize))
+        return time.perf_counter() - t
+
+
+_BLOBS: list = []
+
+
+def _hold(blobs: list) -> None:
+    _BLOBS[:] = blobs
+
+
+def _decode_span(span: tuple[int, int, int]) -> int:
+    """Decode blobs [start, stop) of this worker's copy, `batch` at a time into one reused
+    batch buffer: the loader's decoder (simplejpeg) at its best, nothing else."""
+    import numpy as np
+    import simplejpeg
+
+    start, stop, batch = span
+    h, w, _, _ = simplejpeg.decode_jpeg_header(_BLOBS[0])
+    buf = np.empty((batch, h, w, 3), np.uint8)
+    for i in range(start, stop):
+        simplejpeg.decode_jpeg(_BLOBS[i], colorspace="RGB", buffer=buf[i % batch])
+    return stop - start
+
+
+def _time_decode_limit(blobs: list, workers: int, rounds: int, batch: int = 32) -> float:
+    """Seconds to decode every blob `rounds` times on `workers` processes that already hold
+    the bytes (nothing is sent but index ranges): the decode-only limit."""
+    spans = [(i, min(i + 8 * batch, len(blobs)), batch) for i in range(0, len(blobs), 8 * batch)]
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_hold,
+                             initargs=(blobs,)) as pool:  # fmt: skip
+        list(pool.map(_decode_span, spans[:workers]))  # warm: workers started, code loaded
+        t = time.perf_counter()
+        assert sum(pool.map(_decode_span, spans * rounds)) == rounds * len(blobs)
         return time.perf_counter() - t
 
 
@@ -160,10 +201,11 @@ def _time_loader(loader, epochs: int = 3) -> dict:
 
 def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
     """Microseconds per sample of each step of the image loader, in this process, on the
-    same shards: read (mapped shard), decode, tokenize, stack into a batch."""
+    same shards: read (mapped shard), decode into the batch, the stored token ids into the
+    batch, or instead tokenizing the captions."""
     import torch
 
-    from models.data import _USED, ImageCaptionDataset, KilnCollate, decode_uint8
+    from models.data import _USED, ImageCaptionDataset, KilnCollate, _decode_into, _stack
 
     torch.set_num_threads(1)
     ds = ImageCaptionDataset(local=str(mds), batch_size=1, shuffle=False)
@@ -171,25 +213,27 @@ def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
     n = min(n, ds.num_samples) // batch * batch
     dest = torch.empty((batch, RES, RES, 3), dtype=torch.uint8)
     for _ in range(2):  # the first round warms caches; the second is reported
-        # Batch by batch, as the loader works: decoded images are freed after each batch, so
-        # their memory is reused rather than faulted in fresh.
-        out = dict.fromkeys(("read", "decode", "tokenize", "stack"), 0.0)
+        out = dict.fromkeys(("read", "decode", "stored_ids", "tokenize"), 0.0)
         for i in range(0, n, batch):
             t0 = time.perf_counter()
             samples = [ds._read(j, _USED) for j in range(i, i + batch)]
             t1 = time.perf_counter()
-            images = [decode_uint8(s["image"], None).permute(1, 2, 0) for s in samples]
+            _decode_into([s["image"] for s in samples], dest)
             t2 = time.perf_counter()
-            collate.ids([s["caption"] for s in samples])
+            _stack([s["input_ids"] for s in samples]).numpy().astype("int64")
             t3 = time.perf_counter()
-            torch.stack(images, out=dest)
+            collate.ids([s["caption"] for s in samples])
             t4 = time.perf_counter()
-            for k, a, b in (("read", t0, t1), ("decode", t1, t2), ("tokenize", t2, t3),
-                            ("stack", t3, t4)):  # fmt: skip
+            for k, a, b in (("read", t0, t1), ("decode", t1, t2), ("stored_ids", t2, t3),
+                            ("tokenize", t3, t4)):  # fmt: skip
                 out[k] += b - a
     us = {k: round(v / n * 1e6, 1) for k, v in out.items()}
-    # The best loader_vs_decode_only that a loader doing these steps per sample can reach.
-    us["decode_share"] = round(us["decode"] / sum(us[k] for k in out), 3)
+    # The best loader_vs_decode_only that a loader doing these steps per sample can reach,
+    # with token ids stored in the shards and with the loader tokenizing.
+    us["decode_share"] = round(us["decode"] / (us["read"] + us["decode"] + us["stored_ids"]), 3)
+    us["decode_share_tokenizing"] = round(
+        us["decode"] / (us["read"] + us["decode"] + us["tokenize"]), 3
+    )
     return us
 
 
@@ -228,7 +272,7 @@ def main() -> None:
     # live in this process, whose DataLoader workers are forked.
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as one:
         version, shard_s, version_512 = one.submit(
-            _shard_step, str(src), str(work / "root"), w
+            _shard_step, str(src), str(work / "root"), w, cfg.train.model.tokenizer.model_dump()
         ).result()
     res["shard_step"] = per(len(files), shard_s)
     # Naive baseline: one process, full decode (no draft), resize, encode.
@@ -244,40 +288,57 @@ def main() -> None:
     }
     mds = work / "root" / "shards" / version / str(RES)
 
+    from streaming import StreamingDataset
+
+    # The loader and its limit, measured in alternating rounds so that a slow spell of the
+    # machine does not fall on one of them only; each is reported as the median round.
+    ds = StreamingDataset(local=str(mds), batch_size=1, shuffle=False)
+    blobs = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
     loader = build_loader(str(mds), tok, RES, 32, shuffle_seed=0, num_workers=w)
-    _time_loader(loader, 1)  # warm the page cache and the workers' imports
-    t = _time_loader(loader)
-    res["loader"] = {**per(t["n"], t["seconds"]), "startup_s": t["startup_s"]}
+    tokenizing = build_loader(str(mds), tok, RES, 32, shuffle_seed=0, num_workers=w,
+                              token_ids=False)  # fmt: skip
+    assert "input_ids" in loader.dataset.columns and "input_ids" not in tokenizing.dataset.columns
+    rounds: dict[str, list] = {"loader": [], "loader_tokenizing": [], "decode_only": []}
+    for ld in (loader, tokenizing):
+        _time_loader(ld, 1)  # warm the page cache and the workers' imports
+    for _ in range(3):
+        for name, ld in (("loader", loader), ("loader_tokenizing", tokenizing)):
+            t = _time_loader(ld)
+            rounds[name].append({**per(t["n"], t["seconds"]), "startup_s": t["startup_s"]})
+        rounds["decode_only"].append(per(3 * len(blobs), _time_decode_limit(blobs, w, 3)))
+    for name, runs in rounds.items():
+        runs.sort(key=lambda r: r["samples_per_s"])
+        res[name] = {**runs[len(runs) // 2], "rounds_samples_per_s_per_core":
+                     [r["samples_per_s_per_core"] for r in runs]}  # fmt: skip
     one = build_loader(str(mds), tok, RES, 32, shuffle_seed=0, num_workers=0)
     t = _time_loader(one)
     res["loader_in_process"] = {  # num_workers=0: one core, nothing handed over
         "seconds": round(t["seconds"], 3), "samples_per_s": round(t["n"] / t["seconds"], 1),
         "samples_per_s_per_core": round(t["n"] / t["seconds"], 1)}  # fmt: skip
     res["budget_us_per_sample"] = _budget(mds, tok)
-
-    from streaming import StreamingDataset
-
-    ds = StreamingDataset(local=str(mds), batch_size=1, shuffle=False)
-    blobs = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
-    blobs = blobs * 3  # a longer run: the limit is measured as steadily as the loader
-    res["decode_only"] = per(len(blobs), _time_pool(_decode_tv, blobs, w, 64))
-    res["decode_only_pil"] = per(len(blobs), _time_pool(_decode, blobs, w, 64))
+    # Other decoders of the same bytes, for reference: each into a fresh image, the bytes
+    # sent to the pool worker with each call.
+    res["decode_only_torchvision"] = per(3 * len(blobs), _time_pool(_decode_tv, blobs * 3, w, 64))
+    res["decode_only_pil"] = per(3 * len(blobs), _time_pool(_decode, blobs * 3, w, 64))
 
     # The next stage's size: decoding costs 4x more per image, the rest of a sample's work
-    # (tokenize, read, hand-over) about the same.
+    # (read, hand-over) about the same.
     mds_512 = work / "root" / "shards" / version_512 / str(2 * RES)
     loader = build_loader(str(mds_512), tok, 2 * RES, 32, shuffle_seed=0, num_workers=w)
     _time_loader(loader, 1)
     t = _time_loader(loader)
     res["loader_512"] = {**per(t["n"], t["seconds"]), "startup_s": t["startup_s"]}
     ds = StreamingDataset(local=str(mds_512), batch_size=1, shuffle=False)
-    blobs_512 = [ds.get_item(i)["image"] for i in range(ds.num_samples)] * 2
-    res["decode_only_512"] = per(len(blobs_512), _time_pool(_decode_tv, blobs_512, w, 32))
+    blobs_512 = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
+    res["decode_only_512"] = per(2 * len(blobs_512), _time_decode_limit(blobs_512, w, 2))
     res["imagefolder_local"] = per(len(files), _time_pool(_imagefolder_item, files, w, 16))
 
     # Precomputed latents in the two layouts models/precompute.py writes: SD2-shaped latents
     # (4x32x32 mean and std, fp16) with token ids (`shards.precompute_text: false`), and with
     # the text encoder's states (77x1024 fp16, 158 KiB a sample).
+    from models.data import CaptionTokenizer
+
+    tokenize = CaptionTokenizer(tok)
     rng = np.random.default_rng(0)
     for name, text, count in (("latents", False, 10 * len(files)),
                               ("latents_text", True, 4 * len(files))):  # fmt: skip
@@ -287,6 +348,8 @@ def main() -> None:
                 "key": "str", "caption": "str",
                 "text_hidden" if text else "input_ids": "ndarray:float16" if text
                 else "ndarray:int32"}  # fmt: skip
+        # The ids precompute stores: what the loader's tokenizer makes of each caption.
+        ids = tokenize([f"caption {i}" for i in range(count)]).numpy().astype(np.int32)
         with MDSWriter(out=str(lat), columns=cols, size_limit=1 << 27) as wr:
             for i in range(count):
                 row = {"latent_mean": rng.standard_normal((4, 32, 32)).astype(np.float16),
@@ -295,7 +358,7 @@ def main() -> None:
                 if text:
                     row["text_hidden"] = rng.standard_normal((77, 1024)).astype(np.float16)
                 else:
-                    row["input_ids"] = rng.integers(0, 49408, 77).astype(np.int32)
+                    row["input_ids"] = ids[i]
                 wr.write(row)
         lat_loader = build_loader(str(lat), tok, RES, 256, shuffle_seed=0, num_workers=w)
         _time_loader(lat_loader, 1)
@@ -342,6 +405,8 @@ def main() -> None:
         "workers": w,
         **res,
         "loader_vs_decode_only": round(r["loader"] / r["decode_only"], 3),
+        "loader_tokenizing_vs_decode_only": round(r["loader_tokenizing"] / r["decode_only"], 3),
+        "loader_vs_decode_only_torchvision": round(r["loader"] / r["decode_only_torchvision"], 3),
         "loader_vs_decode_only_pil": round(r["loader"] / r["decode_only_pil"], 3),
         "loader_vs_decode_only_512": round(r["loader_512"] / r["decode_only_512"], 3),
         "loader_in_process_vs_decode_only": round(
