@@ -619,10 +619,7 @@ class ImageCaptionDataset(StreamingDataset):
 
     def __getitem__(self, idx: int) -> dict:
         sample = self._read(idx, self.columns)
-        drop = bool(
-            self.caption_dropout
-            and _uniform(self.seed, idx) < self.caption_dropout
-        )
+        drop = bool(self.caption_dropout and _uniform(self.seed, idx) < self.caption_dropout)
         out = {k: sample[k] for k in ("latent_mean", "latent_std", "text_hidden", "input_ids",
                                       "image") if k in sample and k in self.columns}  # fmt: skip
         out.update(caption="" if drop else sample["caption"], drop=drop, key=sample["key"])
