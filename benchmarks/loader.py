@@ -3,16 +3,21 @@ ImageFolder-style baseline, and the precomputed-latents path; plus the shard ste
 naive single-process conversion. All measured in one run on the same 256-px images.
 
 1. `loader`: MDS through `models.data.build_loader` (read, JPEG decode into the batch, the
-   token ids the shard step stored, collate), `--workers` DataLoader workers; samples/s per
-   worker ("per core"), steady state over 3 epochs, with each epoch's worker start-up
-   reported apart (`startup_s`). `loader_tokenizing` is the same loader tokenizing the
+   token ids the shard step stored, collate), `--workers` DataLoader workers, at the batch
+   per process that `configs/sd2-base.yaml` trains the stage with; samples/s per worker
+   ("per core"). Steady state over 3 epochs of `--passes` passes over the images (streaming's
+   `epoch_size`), each from its first batch to its last; what each epoch pays once is
+   reported apart: worker start-up (`startup_s`) and shutdown (`teardown_s`). A real epoch
+   is hours long. `loader_tokenizing` is the same loader tokenizing the
    captions itself (`token_ids=False`, as for shards written without ids).
    `loader_in_process` is the loader with no workers (one core, nothing handed over), and
    `budget_us_per_sample` times each of its steps in this process on the same shards.
    `loader_512` / `decode_only_512` repeat the loader and its limit at 512 px.
 2. `decode_only`: the limit. The loader's decoder (libjpeg-turbo through simplejpeg) on the
    same JPEG bytes, which each of `--workers` warm processes already holds in memory,
-   decoding into one reused batch buffer: nothing is read, sent, tokenized or collated.
+   decoding into one reused buffer of the loader's batch size, one batch per task, as
+   often as the loader's epoch holds each image: nothing is read, sent, tokenized or
+   collated.
    `decode_only_torchvision` and `decode_only_pil` decode the bytes into fresh images in a
    process pool (bytes sent with each call), for reference. The loader and the limit are
    measured in 3 alternating rounds and reported as the median round.
@@ -171,7 +176,9 @@ def _decode_span(span: tuple[int, int, int]) -> int:
 def _time_decode_limit(blobs: list, workers: int, rounds: int, batch: int = 32) -> float:
     """Seconds to decode every blob `rounds` times on `workers` processes that already hold
     the bytes (nothing is sent but index ranges): the decode-only limit."""
-    spans = [(i, min(i + 8 * batch, len(blobs)), batch) for i in range(0, len(blobs), 8 * batch)]
+    # One batch per task, as a loader worker makes them: the last task leaves one worker
+    # idle for one batch's decode at most.
+    spans = [(i, min(i + batch, len(blobs)), batch) for i in range(0, len(blobs), batch)]
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_hold,
                              initargs=(blobs,)) as pool:  # fmt: skip
         list(pool.map(_decode_span, spans[:workers]))  # warm: workers started, code loaded
@@ -181,22 +188,27 @@ def _time_decode_limit(blobs: list, workers: int, rounds: int, batch: int = 32) 
 
 
 def _time_loader(loader, epochs: int = 3) -> dict:
-    """Steady-state rate over `epochs` epochs, from each epoch's first batch to its end.
+    """Steady-state rate over `epochs` epochs, each from its first batch to its last.
 
-    Worker start-up (fork, partitioning the epoch) is reported apart as `startup_s`: it is
-    paid once per epoch, which is hours long in a real run and a fraction of a second here.
+    Paid once per epoch and reported apart: worker start-up up to the first batch (fork,
+    partitioning the epoch), `startup_s`, and after the last batch the workers' shutdown,
+    `teardown_s`. An epoch is hours long in a real run and a few seconds here.
     """
-    n, steady, startups = 0, 0.0, []
+    n, steady, startups, teardowns = 0, 0.0, [], []
     for _ in range(epochs):
         t = time.perf_counter()
         it = iter(loader)
         next(it)
-        t1 = time.perf_counter()
-        startups.append(t1 - t)
+        first = last = time.perf_counter()
+        startups.append(first - t)
         for batch in it:
             n += len(batch["key"])
-        steady += time.perf_counter() - t1
-    return {"seconds": steady, "n": n, "startup_s": round(sorted(startups)[len(startups) // 2], 3)}
+            last = time.perf_counter()
+        teardowns.append(time.perf_counter() - last)
+        steady += last - first
+    mid = len(startups) // 2
+    return {"seconds": steady, "n": n, "startup_s": round(sorted(startups)[mid], 3),
+            "teardown_s": round(sorted(teardowns)[mid], 3)}  # fmt: skip
 
 
 def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
@@ -205,13 +217,14 @@ def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
     batch, or instead tokenizing the captions."""
     import torch
 
-    from models.data import _USED, ImageCaptionDataset, KilnCollate, _decode_into, _stack
+    from models.data import _USED, ImageCaptionDataset, KilnCollate, _decode_into, _ids_into
 
     torch.set_num_threads(1)
     ds = ImageCaptionDataset(local=str(mds), batch_size=1, shuffle=False)
     collate = KilnCollate(tok, RES)
     n = min(n, ds.num_samples) // batch * batch
     dest = torch.empty((batch, RES, RES, 3), dtype=torch.uint8)
+    ids = torch.empty((batch, collate.max_length), dtype=torch.int64)
     for _ in range(2):  # the first round warms caches; the second is reported
         out = dict.fromkeys(("read", "decode", "stored_ids", "tokenize"), 0.0)
         for i in range(0, n, batch):
@@ -220,7 +233,7 @@ def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
             t1 = time.perf_counter()
             _decode_into([s["image"] for s in samples], dest)
             t2 = time.perf_counter()
-            _stack([s["input_ids"] for s in samples]).numpy().astype("int64")
+            _ids_into([s["input_ids"] for s in samples], [False] * batch, None, ids)
             t3 = time.perf_counter()
             collate.ids([s["caption"] for s in samples])
             t4 = time.perf_counter()
@@ -243,6 +256,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=2000, help="Source images (1024 px, generated)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "kiln-bench-loader"))
+    p.add_argument("--passes", type=int, default=10, help="Passes over the images per epoch")
     args = p.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     import sys
@@ -265,6 +279,9 @@ def main() -> None:
     files = sorted(str(f) for f in src.rglob("*.jpg"))
     cfg = load_config(PROJECT_DIR / "configs" / "tiny.yaml")
     tok = build_tokenizer(cfg.train.model.tokenizer)
+    # The batch per process that the production preset trains each stage with.
+    prod = load_config(PROJECT_DIR / "configs" / "sd2-base.yaml")
+    batch = {s.resolution: s.batch_size for s in prod.train.stages}
     per = lambda n, s: {"seconds": round(s, 3), "samples_per_s": round(n / s, 1),  # noqa: E731
                         "samples_per_s_per_core": round(n / s / w, 1)}  # fmt: skip
     res: dict = {}
@@ -294,9 +311,10 @@ def main() -> None:
     # machine does not fall on one of them only; each is reported as the median round.
     ds = StreamingDataset(local=str(mds), batch_size=1, shuffle=False)
     blobs = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
-    loader = build_loader(str(mds), tok, RES, 32, shuffle_seed=0, num_workers=w)
-    tokenizing = build_loader(str(mds), tok, RES, 32, shuffle_seed=0, num_workers=w,
-                              token_ids=False)  # fmt: skip
+    b, epoch = batch[RES], args.passes * ds.num_samples
+    loader = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=w, epoch_size=epoch)
+    tokenizing = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=w,
+                              epoch_size=epoch, token_ids=False)  # fmt: skip
     assert "input_ids" in loader.dataset.columns and "input_ids" not in tokenizing.dataset.columns
     rounds: dict[str, list] = {"loader": [], "loader_tokenizing": [], "decode_only": []}
     for ld in (loader, tokenizing):
@@ -304,18 +322,20 @@ def main() -> None:
     for _ in range(3):
         for name, ld in (("loader", loader), ("loader_tokenizing", tokenizing)):
             t = _time_loader(ld)
-            rounds[name].append({**per(t["n"], t["seconds"]), "startup_s": t["startup_s"]})
-        rounds["decode_only"].append(per(3 * len(blobs), _time_decode_limit(blobs, w, 3)))
+            rounds[name].append({**per(t["n"], t["seconds"]), "startup_s": t["startup_s"],
+                                 "teardown_s": t["teardown_s"]})  # fmt: skip
+        lim = _time_decode_limit(blobs, w, args.passes, b)
+        rounds["decode_only"].append(per(args.passes * len(blobs), lim))
     for name, runs in rounds.items():
         runs.sort(key=lambda r: r["samples_per_s"])
         res[name] = {**runs[len(runs) // 2], "rounds_samples_per_s_per_core":
                      [r["samples_per_s_per_core"] for r in runs]}  # fmt: skip
-    one = build_loader(str(mds), tok, RES, 32, shuffle_seed=0, num_workers=0)
+    one = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=0)
     t = _time_loader(one)
     res["loader_in_process"] = {  # num_workers=0: one core, nothing handed over
         "seconds": round(t["seconds"], 3), "samples_per_s": round(t["n"] / t["seconds"], 1),
         "samples_per_s_per_core": round(t["n"] / t["seconds"], 1)}  # fmt: skip
-    res["budget_us_per_sample"] = _budget(mds, tok)
+    res["budget_us_per_sample"] = _budget(mds, tok, batch=b)
     # Other decoders of the same bytes, for reference: each into a fresh image, the bytes
     # sent to the pool worker with each call.
     res["decode_only_torchvision"] = per(3 * len(blobs), _time_pool(_decode_tv, blobs * 3, w, 64))
@@ -324,13 +344,17 @@ def main() -> None:
     # The next stage's size: decoding costs 4x more per image, the rest of a sample's work
     # (read, hand-over) about the same.
     mds_512 = work / "root" / "shards" / version_512 / str(2 * RES)
-    loader = build_loader(str(mds_512), tok, 2 * RES, 32, shuffle_seed=0, num_workers=w)
-    _time_loader(loader, 1)
-    t = _time_loader(loader)
-    res["loader_512"] = {**per(t["n"], t["seconds"]), "startup_s": t["startup_s"]}
     ds = StreamingDataset(local=str(mds_512), batch_size=1, shuffle=False)
     blobs_512 = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
-    res["decode_only_512"] = per(2 * len(blobs_512), _time_decode_limit(blobs_512, w, 2))
+    b512, passes_512 = batch[2 * RES], max(1, args.passes // 2)
+    loader = build_loader(str(mds_512), tok, 2 * RES, b512, shuffle_seed=0, num_workers=w,
+                          epoch_size=passes_512 * ds.num_samples)  # fmt: skip
+    _time_loader(loader, 1)
+    t = _time_loader(loader)
+    res["loader_512"] = {**per(t["n"], t["seconds"]), "startup_s": t["startup_s"],
+                         "teardown_s": t["teardown_s"]}  # fmt: skip
+    lim = _time_decode_limit(blobs_512, w, passes_512, b512)
+    res["decode_only_512"] = per(passes_512 * len(blobs_512), lim)
     res["imagefolder_local"] = per(len(files), _time_pool(_imagefolder_item, files, w, 16))
 
     # Precomputed latents in the two layouts models/precompute.py writes: SD2-shaped latents
@@ -403,6 +427,8 @@ def main() -> None:
         "images": len(files),
         "resolution": RES,
         "workers": w,
+        "batch_size": {str(k): v for k, v in batch.items() if k <= 2 * RES},
+        "epoch_passes": args.passes,
         **res,
         "loader_vs_decode_only": round(r["loader"] / r["decode_only"], 3),
         "loader_tokenizing_vs_decode_only": round(r["loader_tokenizing"] / r["decode_only"], 3),

@@ -16,13 +16,16 @@ samples for mid-epoch resumption.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import io
 import json
 import logging
+import math
 import mmap
 import multiprocessing as mp
 import os
+import struct
 import warnings
 import weakref
 from collections import OrderedDict
@@ -230,12 +233,11 @@ class KilnCollate:
             cols["drop"] = (tuple(drop.shape), drop.dtype, drop)
         elif "input_ids" in first:  # precomputed ids; a dropped caption gets the empty one
             if self._empty is None:
-                self._empty = self.ids([""])[0]
-            ids = _stack([s["input_ids"] for s in samples]).numpy().astype(np.int64)
+                self._empty = self.ids([""])[0].numpy()
+            arrays = [s["input_ids"] for s in samples]
             drop = [s["drop"] for s in samples]
-            if any(drop):
-                ids[drop] = self._empty.numpy()
-            cols["input_ids"] = (ids.shape, torch.int64, torch.from_numpy(ids))
+            fill = functools.partial(_ids_into, arrays, drop, self._empty)
+            cols["input_ids"] = ((n, *arrays[0].shape), torch.int64, fill)
         else:
             ids = self.ids([s["caption"] for s in samples])
             cols["input_ids"] = (tuple(ids.shape), ids.dtype, ids)
@@ -263,7 +265,7 @@ class KilnCollate:
         layout, total = {}, 0
         for name, (shape, dtype, _) in cols.items():
             layout[name] = total
-            total += _aligned(int(np.prod(shape)) * dtype.itemsize)
+            total += _aligned(math.prod(shape) * dtype.itemsize)
         info = torch.utils.data.get_worker_info()
         slot = None
         if self.ring is not None and info is not None and total <= self.ring.slot_bytes:
@@ -320,6 +322,18 @@ def _decode_into(images: list, out: torch.Tensor) -> torch.Tensor:
             if tuple(img.shape[1:]) != (h, w):
                 _wrong_size((int(img.shape[2]), int(img.shape[1])), sizes)
             row[...] = img.permute(1, 2, 0).numpy()
+    return out
+
+
+def _ids_into(arrays: list[np.ndarray], drop: list[bool], empty: np.ndarray,
+              out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Stored token ids (int32 views of the shard) into `out` (B, L) int64, the empty
+    caption's ids in the rows of dropped captions. Gathered by one small numpy copy and cast
+    on the way into `out` (3 us a batch; a shared-memory temporary cost 100 times more)."""
+    rows = out.numpy()
+    rows[...] = np.array(arrays)
+    if any(drop):
+        rows[drop] = empty
     return out
 
 
@@ -417,8 +431,8 @@ def _stack(arrays: list[np.ndarray] | list[torch.Tensor], out: torch.Tensor | No
 
 
 def _plan(shard) -> tuple | None:
-    """(file path, number of variable-size columns, [(name, fixed size, decoder)]) of an
-    uncompressed MDS shard, worked out once per shard instead of once per sample."""
+    """(file path, struct format of the variable-size columns' sizes, [(name, fixed size,
+    decoder)]) of an uncompressed MDS shard, worked out once per shard, not once per sample."""
     plan = getattr(shard, "_kiln_plan", False)
     if plan is False:
         plan = None
@@ -435,7 +449,7 @@ def _plan(shard) -> tuple | None:
                     decode = _coder(enc)
                 columns.append((name, size, decode))
             path = os.path.join(shard.dirname, shard.split or "", raw.basename)
-            plan = (path, sum(size is None for size in shard.column_sizes), columns)
+            plan = (path, f"<{sum(size is None for size in shard.column_sizes)}I", columns)
         shard._kiln_plan = plan
     return plan
 
@@ -500,18 +514,19 @@ class _NDArrayView:
 # slice (no open/seek/read per sample); bounded so a long epoch over many shards does not
 # hold thousands of maps. Keyed by path: a published shard file never changes (a new dataset
 # version is a new folder, and a shard evicted and fetched again has the same bytes).
-_MAPS: OrderedDict[str, mmap.mmap] = OrderedDict()
+_MAPS: OrderedDict[str, memoryview] = OrderedDict()
 _MAX_MAPS = 64
 
 
-def _shard_map(path: str) -> mmap.mmap:
+def _shard_map(path: str) -> memoryview:
+    """A read-only view of the shard file at `path`, mapped once per process."""
     m = _MAPS.get(path)
     if m is None:
         with open(path, "rb") as f:
             # MAP_POPULATE maps the whole (page-cached) shard in one call instead of one page
             # fault per 4 KiB on first touch, which costs more than the copy itself.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+            m = memoryview(mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ))
         _MAPS[path] = m
         if len(_MAPS) > _MAX_MAPS:
             # Dropped, not closed: a batch being collated may still hold views of it.
@@ -555,6 +570,7 @@ class ImageCaptionDataset(StreamingDataset):
         self.caption_dropout = caption_dropout
         self.seed = seed
         self.columns = _USED  # what __getitem__ reads (build_loader may leave out input_ids)
+        self._starts: list[int] | None = None
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
         # Streaming's download thread calls this for every sample, and each call takes the
@@ -595,23 +611,33 @@ class ImageCaptionDataset(StreamingDataset):
 
     def _read(self, idx: int, columns: frozenset[str] | None = None) -> dict:
         """Sample `idx` as stored: the given columns (default all), arrays and bytes as views."""
-        shard_id, rel = self.spanner[idx]
+        starts = self._starts
+        if starts is None:  # each shard's first sample index, as plain ints for bisect
+            starts = self._starts = [0, *np.cumsum(self.samples_per_shard).tolist()]
+        idx = int(idx)
+        if not 0 <= idx < starts[-1]:
+            raise IndexError(f"sample index {idx} is not in [0, {starts[-1]})")
+        shard_id = bisect.bisect_right(starts, idx) - 1
+        rel = idx - starts[shard_id]
         shard = self.shards[shard_id]
         plan = _plan(shard)
         if plan is None:  # not an uncompressed MDS shard: streaming's own reader
             return self.get_item(idx)
-        path, n_var, plan_columns = plan
+        path, var_format, plan_columns = plan
         try:
             m = _shard_map(path)
         except FileNotFoundError:  # not downloaded (or evicted): streaming fetches it
             return self.get_item(idx)
-        begin, end = np.frombuffer(m, np.uint32, 2, 4 + 4 * rel)
-        data = memoryview(m)[begin:end]
-        var = np.frombuffer(data, np.uint32, n_var).tolist() if n_var else []
-        pos, sample = 4 * n_var, {}
+        # The sample's [begin, end) from the shard's offset table, then the sizes of its
+        # variable-size columns from its head: plain ints, through struct (numpy scalars and
+        # views cost microseconds a sample here).
+        begin, end = struct.unpack_from("<2I", m, 4 + 4 * rel)
+        data = m[begin:end]
+        var = iter(struct.unpack_from(var_format, data))
+        pos, sample = struct.calcsize(var_format), {}
         for name, size, decode in plan_columns:
             if size is None:
-                size = var.pop(0)
+                size = next(var)
             if columns is None or name in columns:
                 sample[name] = decode(data[pos : pos + size])
             pos += size
@@ -697,6 +723,7 @@ def build_loader(
     predownload: int | None = None,
     cache_limit: str | None = None,
     token_ids: bool = True,
+    epoch_size: int | None = None,
 ) -> KilnLoader:
     """A per-rank loader of `batch_size` samples; the rank split comes from the environment.
 
@@ -714,6 +741,9 @@ def build_loader(
     Token ids stored in the shards (`shards.token_ids`, or precomputed with latents) are used
     when `token_ids` is on and they are the ids `tokenizer` gives the stored captions (checked
     on each stream's first sample); otherwise the loader tokenizes the captions itself.
+
+    `epoch_size` sets the samples per epoch (streaming's `epoch_size`: the streams are up- or
+    down-sampled to it, in their proportions); by default an epoch is the data once.
     """
     from streaming import Stream
 
@@ -754,6 +784,7 @@ def build_loader(
         shuffle_algo=shuffle_algo,
         predownload=predownload,
         cache_limit=cache_limit,
+        epoch_size=epoch_size,
     )
     collate = KilnCollate(tokenizer, sizes if bucketed else resolution)
     if not (token_ids and _stored_ids_match(dataset, collate.ids)):

@@ -25,6 +25,7 @@ pickled without it (`KilnCollate.__getstate__`) and workers use fresh segments.
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import multiprocessing as mp
 import secrets
@@ -96,7 +97,7 @@ class BatchRing:
 
     def tensor(self, slot: int, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
         """A writable tensor over part of `slot`, from `offset` bytes."""
-        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         assert offset + nbytes <= self.slot_bytes, (offset, nbytes, self.slot_bytes)
         arr = np.frombuffer(self.mm, np.uint8, nbytes, slot * self.slot_bytes + offset)
         return torch.from_numpy(arr).view(dtype).view(shape)
@@ -121,7 +122,7 @@ class BatchRing:
         return True
 
     def _rebuild(self, slot: int, offset: int, dtype: torch.dtype, shape: tuple, perm):
-        nbytes = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         arr = np.frombuffer(self.mm, np.uint8, nbytes, slot * self.slot_bytes + offset)
         with self._live_lock:
             self._live[slot] = self._live.get(slot, 0) + 1
