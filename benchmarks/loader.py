@@ -160,17 +160,23 @@ def _hold(blobs: list) -> None:
 
 
 def _decode_span(span: tuple[int, int, int]) -> int:
-    """Decode blobs [start, stop) of this worker's copy, `batch` at a time into one reused
-    batch buffer: the loader's decoder (simplejpeg) at its best, nothing else."""
+    """Decode blobs [start, stop) of this worker's copy into rows of one batch buffer that the
+    worker keeps (as a loader worker reuses its ring slots): the loader's decoder
+    (simplejpeg) at its best, nothing else."""
     import numpy as np
     import simplejpeg
 
     start, stop, batch = span
     h, w, _, _ = simplejpeg.decode_jpeg_header(_BLOBS[0])
-    buf = np.empty((batch, h, w, 3), np.uint8)
+    buf = _BUF.get((batch, h, w))
+    if buf is None:
+        buf = _BUF[(batch, h, w)] = np.zeros((batch, h, w, 3), np.uint8)  # touched once
     for i in range(start, stop):
         simplejpeg.decode_jpeg(_BLOBS[i], colorspace="RGB", buffer=buf[i % batch])
     return stop - start
+
+
+_BUF: dict = {}
 
 
 def _time_decode_limit(blobs: list, workers: int, rounds: int, batch: int = 32) -> float:
