@@ -9,7 +9,8 @@ naive single-process conversion. All measured in one run on the same 256-px imag
    `epoch_size`), each from its first batch to its last; what each epoch pays once is
    reported apart: worker start-up (`startup_s`) and shutdown (`teardown_s`). A real epoch
    is hours long. `loader_tokenizing` is the same loader tokenizing the
-   captions itself (`token_ids=False`, as for shards written without ids).
+   captions itself (`token_ids=False`, as for shards written without ids); `loader_hflip`
+   also mirrors half the images (`hflip=0.5`, the loader's augmentation).
    `loader_in_process` is the loader with no workers (one core, nothing handed over), and
    `budget_us_per_sample` times each of its steps in this process on the same shards.
    `loader_512` / `decode_only_512` repeat the loader and its limit at 512 px.
@@ -321,12 +322,15 @@ def main() -> None:
     loader = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=w, epoch_size=epoch)
     tokenizing = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=w,
                               epoch_size=epoch, token_ids=False)  # fmt: skip
+    flipping = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=w,
+                            epoch_size=epoch, hflip=0.5)  # fmt: skip
     assert "input_ids" in loader.dataset.columns and "input_ids" not in tokenizing.dataset.columns
-    rounds: dict[str, list] = {"loader": [], "loader_tokenizing": [], "decode_only": []}
-    for ld in (loader, tokenizing):
+    loaders = {"loader": loader, "loader_tokenizing": tokenizing, "loader_hflip": flipping}
+    rounds: dict[str, list] = {name: [] for name in loaders} | {"decode_only": []}
+    for ld in loaders.values():
         _time_loader(ld, 1)  # warm the page cache and the workers' imports
     for _ in range(3):
-        for name, ld in (("loader", loader), ("loader_tokenizing", tokenizing)):
+        for name, ld in loaders.items():
             t = _time_loader(ld)
             rounds[name].append({**per(t["n"], t["seconds"]), "startup_s": t["startup_s"],
                                  "teardown_s": t["teardown_s"]})  # fmt: skip
@@ -438,6 +442,7 @@ def main() -> None:
         **res,
         "loader_vs_decode_only": round(r["loader"] / r["decode_only"], 3),
         "loader_tokenizing_vs_decode_only": round(r["loader_tokenizing"] / r["decode_only"], 3),
+        "loader_hflip_vs_decode_only": round(r["loader_hflip"] / r["decode_only"], 3),
         "loader_vs_decode_only_torchvision": round(r["loader"] / r["decode_only_torchvision"], 3),
         "loader_vs_decode_only_pil": round(r["loader"] / r["decode_only_pil"], 3),
         "loader_vs_decode_only_512": round(r["loader_512"] / r["decode_only_512"], 3),

@@ -122,6 +122,13 @@ class TrainConfig(Strict):
     caption_dropout: float = Field(
         0.1, ge=0, lt=1, description="Empty-caption rate, for classifier-free guidance."
     )
+    hflip: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Chance of mirroring an image left to right (image shards only). Off by "
+        "default: captions that say left or right would then be wrong for the flipped image.",
+    )
     shuffle_seed: int = 1234
     shuffle_algo: Literal["py1e", "py1br", "py1b", "py1s", "py2s", "naive"] = Field(
         "py1e", description="Streaming's shuffle algorithm (py1e: MosaicML's default)."

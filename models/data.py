@@ -219,14 +219,15 @@ class KilnCollate:
                                  functools.partial(_stack, arrays))  # fmt: skip
         else:
             images = [s["image"] for s in samples]
+            flips = [s["flip"] for s in samples]
             w, h = self._batch_size(images[0])
             # Decoders write (H, W, 3); the batch is decoded in that layout straight into its
             # buffer, and handed out as a (B, 3, H, W) view (channels-last strides). Stacking
             # (3, H, W) views into a (B, 3, H, W)-contiguous batch instead is a strided
             # transpose (measured 84 vs 34 us per 256-px image); the trainer makes the batch
             # contiguous on the device, where the transpose is nearly free.
-            cols["pixel_values"] = ((n, h, w, 3), torch.uint8,
-                                    functools.partial(_decode_into, images))  # fmt: skip
+            fill = functools.partial(_decode_into, images, flips=flips)
+            cols["pixel_values"] = ((n, h, w, 3), torch.uint8, fill)
             perm["pixel_values"] = (0, 3, 1, 2)
         if "text_hidden" in first:
             drop = torch.tensor([s["drop"] for s in samples])
@@ -296,8 +297,9 @@ def _wrong_size(got: tuple[int, int], sizes: set[tuple[int, int]]):
     )
 
 
-def _decode_into(images: list, out: torch.Tensor) -> torch.Tensor:
-    """Decode each image into its row of `out` (B, H, W, 3), uint8.
+def _decode_into(images: list, out: torch.Tensor, flips: list[bool] | None = None) -> torch.Tensor:
+    """Decode each image into its row of `out` (B, H, W, 3), uint8, mirrored left to right
+    where `flips` says so.
 
     JPEG goes straight into the row through libjpeg-turbo (simplejpeg): no image-sized
     allocation per sample, whose page faults and extra copy cost a third as much as decoding
@@ -322,6 +324,12 @@ def _decode_into(images: list, out: torch.Tensor) -> torch.Tensor:
             if tuple(img.shape[1:]) != (h, w):
                 _wrong_size((int(img.shape[2]), int(img.shape[1])), sizes)
             row[...] = img.permute(1, 2, 0).numpy()
+    if flips is not None and any(flips):
+        # torch.flip then a copy back: 14 us a 256-px image, where numpy's reversed (W, 3)
+        # view copies byte by byte (213 us).
+        for t, flip in zip(out, flips, strict=True):
+            if flip:
+                t.copy_(torch.flip(t, [1]))
     return out
 
 
@@ -552,6 +560,8 @@ class ImageCaptionDataset(StreamingDataset):
         caption_dropout: Probability of training on the empty caption, which gives the model
             its unconditional branch for classifier-free guidance. Decided per sample index
             from `seed`, so a resumed run drops exactly the same captions.
+        hflip: Probability of mirroring an image left to right (image shards only; stored
+            latents are never flipped). Decided per sample index like `caption_dropout`.
         **kwargs: Passed to `StreamingDataset` (remote, streams, batch_size, shuffle...).
     """
 
@@ -560,6 +570,7 @@ class ImageCaptionDataset(StreamingDataset):
         *,
         local: str | None = None,
         caption_dropout: float = 0.0,
+        hflip: float = 0.0,
         seed: int = 0,
         **kwargs,
     ):
@@ -568,6 +579,7 @@ class ImageCaptionDataset(StreamingDataset):
         else:
             super().__init__(local=local, **kwargs)
         self.caption_dropout = caption_dropout
+        self.hflip = hflip
         self.seed = seed
         self.columns = _USED  # what __getitem__ reads (build_loader may leave out input_ids)
         self._starts: list[int] | None = None
@@ -649,17 +661,21 @@ class ImageCaptionDataset(StreamingDataset):
         out = {k: sample[k] for k in ("latent_mean", "latent_std", "text_hidden", "input_ids",
                                       "image") if k in sample and k in self.columns}  # fmt: skip
         out.update(caption="" if drop else sample["caption"], drop=drop, key=sample["key"])
+        if "image" in out:
+            out["flip"] = bool(self.hflip and _uniform(self.seed, idx, 1) < self.hflip)
         return out
 
 
 _M64 = (1 << 64) - 1
 
 
-def _uniform(seed: int, idx: int) -> float:
+def _uniform(seed: int, idx: int, salt: int = 0) -> float:
     """A number in [0, 1) fixed by (seed, idx), for per-sample decisions that a resumed run
     must repeat: splitmix64's mix of the pair (0.3 us a sample, where seeding a numpy
-    Generator per sample costs 8)."""
+    Generator per sample costs 8). Each kind of decision has its own `salt`, so that they
+    are independent (caption dropout 0, flip 1)."""
     z = ((int(seed) & _M64) * 0x9E3779B97F4A7C15 + int(idx) + 0x9E3779B97F4A7C15) & _M64
+    z = (z + int(salt) * 0xD1B54A32D192ED03) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
     return ((z ^ (z >> 31)) >> 11) * 2.0**-53
@@ -716,6 +732,7 @@ def build_loader(
     shuffle_seed: int,
     seed: int = 0,
     caption_dropout: float = 0.0,
+    hflip: float = 0.0,
     num_workers: int = 0,
     remote: str | None = None,
     mix: list[tuple[str, float]] | list[tuple[str, float, str]] | None = None,
@@ -741,6 +758,9 @@ def build_loader(
     Token ids stored in the shards (`shards.token_ids`, or precomputed with latents) are used
     when `token_ids` is on and they are the ids `tokenizer` gives the stored captions (checked
     on each stream's first sample); otherwise the loader tokenizes the captions itself.
+
+    `hflip` mirrors that share of the images left to right, chosen per sample index from
+    `seed` (so a resumed run flips the same ones). Precomputed latents are not flipped.
 
     `epoch_size` sets the samples per epoch (streaming's `epoch_size`: the streams are up- or
     down-sampled to it, in their proportions); by default an epoch is the data once.
@@ -777,6 +797,7 @@ def build_loader(
         streams=None if single else streams,
         batching_method="per_stream" if bucketed else "random",
         caption_dropout=caption_dropout,
+        hflip=hflip,
         seed=seed,
         batch_size=batch_size,
         shuffle=True,
@@ -786,6 +807,9 @@ def build_loader(
         cache_limit=cache_limit,
         epoch_size=epoch_size,
     )
+    if hflip and "latent_mean" in dataset.shards[0].column_names:
+        log.warning("hflip=%s is not applied: these shards hold precomputed latents, which "
+                    "are never flipped", hflip)  # fmt: skip
     collate = KilnCollate(tokenizer, sizes if bucketed else resolution)
     if not (token_ids and _stored_ids_match(dataset, collate.ids)):
         dataset.columns = _USED - {"input_ids"}

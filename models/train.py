@@ -123,6 +123,7 @@ def build_dataloader(run: StageRun, comps: Components):
         shuffle_seed=cfg.shuffle_seed + run.stage_index,
         seed=cfg.seed,
         caption_dropout=cfg.caption_dropout,
+        hflip=cfg.hflip,
         num_workers=cfg.num_workers,
         remote=remote,
         mix=mix,

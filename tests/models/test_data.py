@@ -126,6 +126,40 @@ def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog)
     assert short[0]["input_ids"].shape == (4, 16)
 
 
+def test_hflip_mirrors_the_images_its_seed_picks_every_run(tiny_shards):
+    import torch
+
+    from models.data import ImageCaptionDataset, _uniform, decode_uint8
+
+    cfg_path, root, version = tiny_shards
+    tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
+    path = str(root / "shards" / version / "32")
+    ref = ImageCaptionDataset(local=path, batch_size=1, shuffle=False)
+    stored = [ref._read(i) for i in range(ref.num_samples)]
+    want = {s["key"] for i, s in enumerate(stored) if _uniform(2, i, 1) < 0.5}
+    images = {s["key"]: decode_uint8(s["image"], 32) for s in stored}
+
+    def flipped_keys() -> tuple[set[str], set[str]]:
+        seen, out = set(), set()
+        loader = build_loader(path, tok, 32, 4, shuffle_seed=1, seed=2, hflip=0.5)
+        for batch in loader:
+            for key, px in zip(batch["key"], batch["pixel_values"], strict=True):
+                seen.add(key)
+                if torch.equal(px, images[key]):
+                    continue
+                assert torch.equal(px, torch.flip(images[key], [2])), key  # left-right only
+                out.add(key)
+        return seen, out
+
+    seen, got = flipped_keys()
+    assert 0 < len(got) < len(seen)
+    assert got == want & seen  # exactly the seed's picks among the samples served
+    assert flipped_keys() == (seen, got)  # and the same every run
+    unflipped = build_loader(path, tok, 32, 4, shuffle_seed=1, seed=2)
+    assert all(torch.equal(px, images[k]) for b in unflipped
+               for k, px in zip(b["key"], b["pixel_values"], strict=True))  # fmt: skip
+
+
 def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_endpoint,
                                            upload_dir, monkeypatch):  # fmt: skip
     """A loader over an `s3://` remote (moto's server, with a cache limit that forces
