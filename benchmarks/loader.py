@@ -10,7 +10,9 @@ naive single-process conversion. All measured in one run on the same 256-px imag
    reported apart: worker start-up (`startup_s`) and shutdown (`teardown_s`). A real epoch
    is hours long. `loader_tokenizing` is the same loader tokenizing the
    captions itself (`token_ids=False`, as for shards written without ids); `loader_hflip`
-   also mirrors half the images (`hflip=0.5`, the loader's augmentation).
+   also flags half the images for mirroring (`hflip=0.5`). The mirror itself is done by the
+   trainer on the device (`device_pixels`); `device_pixels_us_per_image` times it, and the
+   transpose out of the decoder's layout, with this CPU as the device, for reference.
    `loader_in_process` is the loader with no workers (one core, nothing handed over), and
    `budget_us_per_sample` times each of its steps in this process on the same shards.
    `loader_512` / `decode_only_512` repeat the loader and its limit at 512 px.
@@ -218,6 +220,30 @@ def _time_loader(loader, epochs: int = 3) -> dict:
             "teardown_s": round(sorted(teardowns)[mid], 3)}  # fmt: skip
 
 
+def _device_pixels_cost(loader, batches: int = 8) -> dict:
+    """Microseconds per image of `device_pixels` on this CPU (one thread), on the loader's
+    own batches: the transpose to (B, 3, H, W), and with the batch's flips applied too."""
+    import torch
+
+    from models.data import device_pixels
+
+    torch.set_num_threads(1)
+    held = []
+    for batch in loader:
+        held.append(batch)
+        if len(held) == batches:
+            break
+    out = {}
+    for name, keep in (("transpose", ("pixel_values",)), ("transpose_and_flip", None)):
+        views = [{k: v for k, v in b.items() if keep is None or k in keep} for b in held]
+        device_pixels(views[0], "cpu")  # warm
+        t = time.perf_counter()
+        n = sum(len(device_pixels(v, "cpu")) for v in views)
+        out[name] = round((time.perf_counter() - t) / n * 1e6, 1)
+    out["flipped_share"] = round(sum(int(b["flip"].sum()) for b in held) / n, 3)
+    return out
+
+
 def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
     """Microseconds per sample of each step of the image loader, in this process, on the
     same shards: read (mapped shard), decode into the batch, the stored token ids into the
@@ -346,6 +372,7 @@ def main() -> None:
         "seconds": round(t["seconds"], 3), "samples_per_s": round(t["n"] / t["seconds"], 1),
         "samples_per_s_per_core": round(t["n"] / t["seconds"], 1)}  # fmt: skip
     res["budget_us_per_sample"] = _budget(mds, tok, batch=b)
+    res["device_pixels_us_per_image"] = _device_pixels_cost(flipping)
     # Other decoders of the same bytes, for reference: each into a fresh image, the bytes
     # sent to the pool worker with each call.
     res["decode_only_torchvision"] = per(3 * len(blobs), _time_pool(_decode_tv, blobs * 3, w, 64))

@@ -34,7 +34,7 @@ from diffusers.training_utils import EMAModel, compute_snr
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from models.config import StageRun, load_yaml_model
-from models.data import build_loader, normalize_pixels, precomputed_columns
+from models.data import build_loader, device_pixels, normalize_pixels, precomputed_columns
 from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
 from models.leftovers import clean_stale_streaming
 from models.metrics import MetricsSink
@@ -145,8 +145,8 @@ def _loss(
             latents = (mean + std * torch.randn_like(mean)) * scale
         else:
             # The loader's batch has channels-last strides (see KilnCollate); the model
-            # gets the standard layout, transposed here on the device.
-            pixels = batch["pixel_values"].to(device, non_blocking=True).contiguous()
+            # gets the standard layout, transposed here on the device (and flipped, hflip).
+            pixels = device_pixels(batch, device)
             if pixels.dtype == torch.uint8:  # the loader ships uint8; normalise on the device
                 pixels = normalize_pixels(pixels)
             pixels = pixels.to(weight_dtype)
