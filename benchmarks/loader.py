@@ -23,7 +23,7 @@ naive single-process conversion. All measured in one run on the same 256-px imag
    collated.
    `decode_only_torchvision` and `decode_only_pil` decode the bytes into fresh images in a
    process pool (bytes sent with each call), for reference. The loader and the limit are
-   measured in 3 alternating rounds and reported as the median round.
+   measured in 5 alternating rounds and reported as the median round.
 3. `imagefolder_local` / `imagefolder_s3`: the original files read one by one (local disk or
    one GET each from moto's S3 server), decoded, resized to 256 and centre-cropped: what a
    torchvision ImageFolder pipeline does. The loader from S3 streams the MDS shards from the
@@ -355,7 +355,7 @@ def main() -> None:
     rounds: dict[str, list] = {name: [] for name in loaders} | {"decode_only": []}
     for ld in loaders.values():
         _time_loader(ld, 1)  # warm the page cache and the workers' imports
-    for _ in range(3):
+    for _ in range(5):
         for name, ld in loaders.items():
             t = _time_loader(ld)
             rounds[name].append({**per(t["n"], t["seconds"]), "startup_s": t["startup_s"],

@@ -646,13 +646,14 @@ class ImageCaptionDataset(StreamingDataset):
         rel = idx - starts[shard_id]
         shard = self.shards[shard_id]
         plan = _plan(shard)
-        if plan is None:  # not an uncompressed MDS shard: streaming's own reader
-            return self.get_item(idx)
-        path, var_format, plan_columns = plan
         try:
-            m = _shard_map(path)
+            m = None if plan is None else _shard_map(plan[0])
         except FileNotFoundError:  # not downloaded (or evicted): streaming fetches it
-            return self.get_item(idx)
+            m = None
+        if m is None:  # or not an uncompressed MDS shard: streaming's own reader
+            sample = self.get_item(idx)
+            return sample if columns is None else {k: sample[k] for k in columns & sample.keys()}
+        _, var_format, plan_columns = plan
         # The sample's [begin, end) from the shard's offset table, then the sizes of its
         # variable-size columns from its head: plain ints, through struct (numpy scalars and
         # views cost microseconds a sample here).
@@ -671,12 +672,12 @@ class ImageCaptionDataset(StreamingDataset):
     def __getitem__(self, idx: int) -> dict:
         sample = self._read(idx, self.columns)
         drop = bool(self.caption_dropout and _uniform(self.seed, idx) < self.caption_dropout)
-        out = {k: sample[k] for k in ("latent_mean", "latent_std", "text_hidden", "input_ids",
-                                      "image") if k in sample and k in self.columns}  # fmt: skip
-        out.update(caption="" if drop else sample["caption"], drop=drop, key=sample["key"])
-        if self.hflip and "image" in out:
-            out["flip"] = _uniform(self.seed, idx, 1) < self.hflip
-        return out
+        if drop and "caption" in sample:
+            sample["caption"] = ""
+        sample["drop"] = drop
+        if self.hflip and "image" in sample:
+            sample["flip"] = _uniform(self.seed, idx, 1) < self.hflip
+        return sample
 
 
 _M64 = (1 << 64) - 1
@@ -824,7 +825,9 @@ def build_loader(
         log.warning("hflip=%s is not applied: these shards hold precomputed latents, which "
                     "are never flipped", hflip)  # fmt: skip
     collate = KilnCollate(tokenizer, sizes if bucketed else resolution)
-    if not (token_ids and _stored_ids_match(dataset, collate.ids)):
+    if token_ids and _stored_ids_match(dataset, collate.ids):
+        dataset.columns = _USED - {"caption"}  # only tokenizing needs the captions
+    else:
         dataset.columns = _USED - {"input_ids"}
     return KilnLoader(
         dataset,
