@@ -594,7 +594,9 @@ class ImageCaptionDataset(StreamingDataset):
         self.caption_dropout = caption_dropout
         self.hflip = hflip
         self.seed = seed
-        self.columns = _USED  # what __getitem__ reads (build_loader may leave out input_ids)
+        # What __getitem__ reads; build_loader leaves out the captions (stored ids used) or
+        # the ids (captions tokenized).
+        self.columns = _USED
         self._starts: list[int] | None = None
 
     def prepare_shard(self, shard_id: int, blocking: bool = True) -> None:
@@ -821,7 +823,7 @@ def build_loader(
         cache_limit=cache_limit,
         epoch_size=epoch_size,
     )
-    if hflip and "latent_mean" in dataset.shards[0].column_names:
+    if hflip and "latent_mean" in getattr(dataset.shards[0], "column_names", ()):
         log.warning("hflip=%s is not applied: these shards hold precomputed latents, which "
                     "are never flipped", hflip)  # fmt: skip
     collate = KilnCollate(tokenizer, sizes if bucketed else resolution)
