@@ -783,6 +783,9 @@ def build_loader(
     """
     from streaming import Stream
 
+    if not 0 <= hflip <= 1:
+        raise ValueError(f"hflip is a probability in [0, 1], got {hflip!r}")
+
     def parts(path: str, remote: str | None, share: float) -> tuple[list, list]:
         if remote:
             _fetch_top_file(path, remote)

@@ -3,6 +3,8 @@
 import json
 from collections import Counter
 
+import pytest
+
 from flows.config import load_config
 from models.data import build_loader
 from models.factory import build_tokenizer
@@ -161,6 +163,8 @@ def test_hflip_mirrors_the_images_its_seed_picks_every_run(tiny_shards):
     assert flipped_keys() == (seen, got)  # and the same every run
     unflipped = next(iter(build_loader(path, tok, 32, 4, shuffle_seed=1, seed=2)))
     assert "flip" not in unflipped
+    with pytest.raises(ValueError, match=r"hflip is a probability in \[0, 1\], got 1.5"):
+        build_loader(path, tok, 32, 4, shuffle_seed=1, hflip=1.5)
 
 
 def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_endpoint,
