@@ -126,6 +126,7 @@ def main() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from prefect.testing.utilities import prefect_test_harness
 
+    from flows.config import IngestConfig
     from tasks.ingest import ingest_source
 
     work = Path(args.work)
@@ -147,7 +148,8 @@ def main() -> None:
         shutil.rmtree(warm, ignore_errors=True)
         (warm / "src").mkdir(parents=True)
         shutil.copy(files[0], warm / "src" / "a.jpg")
-        ingest_source(str(warm / "src"), str(warm / "root"), workers=1)  # API and imports warm
+        # API and imports warm
+        ingest_source(IngestConfig(source=str(warm / "src"), workers=1), str(warm / "root"))
 
         t = time.perf_counter()
         with ProcessPoolExecutor(w, mp_context=mp.get_context("spawn")) as pool:
@@ -157,7 +159,7 @@ def main() -> None:
         root = work / "root-local"
         shutil.rmtree(root, ignore_errors=True)
         t = time.perf_counter()
-        res = ingest_source(str(src), str(root), workers=w)
+        res = ingest_source(IngestConfig(source=str(src), workers=w), str(root))
         results["ingest_local"] = rate(time.perf_counter() - t)
         assert res.accepted == len(files), res
 
@@ -187,7 +189,11 @@ def main() -> None:
                 root = work / "root-s3"
                 shutil.rmtree(root, ignore_errors=True)
                 t = time.perf_counter()
-                res = ingest_source("s3://bench/raw", str(root), workers=w, endpoint_url=endpoint)
+                res = ingest_source(
+                    IngestConfig(source="s3://bench/raw", workers=w),
+                    str(root),
+                    endpoint_url=endpoint,
+                )
                 results["ingest_s3"] = rate(time.perf_counter() - t)
                 assert res.accepted == len(files), res
             finally:

@@ -2,7 +2,7 @@
 ImageFolder-style baseline, and the precomputed-latents path; plus the shard step against a
 naive single-process conversion. All measured in one run on the same 256-px images.
 
-1. `loader`: MDS through `models.data.build_loader` (read, JPEG decode into the batch, the
+1. `loader`: MDS through `models.loader.build_loader` (read, JPEG decode into the batch, the
    token ids the shard step stored, collate), `--workers` DataLoader workers, at the batch
    per process that `configs/sd2-base.yaml` trains the stage with; samples/s per worker
    ("per core"). Steady state over 3 epochs of `--passes` passes over the images (streaming's
@@ -118,22 +118,32 @@ def _shard_step(src: str, root: str, workers: int, tokenizer: dict) -> tuple[str
     from prefect.testing.utilities import prefect_test_harness
 
     from data_quality.rules import QualityConfig
+    from flows.config import IngestConfig, ShardsConfig
     from tasks.ingest import ingest_source
     from tasks.quality import validate_catalog
     from tasks.shard import write_shards
 
     shutil.rmtree(root, ignore_errors=True)
     with prefect_test_harness(server_startup_timeout=120):
-        ing = ingest_source(src, root, workers=workers)
+        ing = ingest_source(IngestConfig(source=src, workers=workers), root)
         rules = QualityConfig(min_side=32, max_reject_fraction=1.0)
         validate_catalog.fn(root, ing.ingest_id, rules)
         t = time.perf_counter()
         shard = write_shards.fn(
-            root, ing.ingest_id, [RES], workers=workers, partition_size=250, tokenizer=tokenizer
-        )  # the shard flow's default: ids stored
+            ShardsConfig(workers=workers, partition_size=250),
+            root,
+            ing.ingest_id,
+            [RES],
+            tokenizer=tokenizer,
+        )  # ids stored: the shard flow's default
         seconds = time.perf_counter() - t
-        big = write_shards.fn(root, ing.ingest_id, [2 * RES], workers=workers,
-                              partition_size=250, tokenizer=tokenizer)  # fmt: skip
+        big = write_shards.fn(
+            ShardsConfig(workers=workers, partition_size=250),
+            root,
+            ing.ingest_id,
+            [2 * RES],
+            tokenizer=tokenizer,
+        )
         return shard.dataset_version, seconds, big.dataset_version
 
 
@@ -141,7 +151,7 @@ def _decode_tv(data: bytes) -> tuple[int, ...]:
     """torchvision's JPEG decoder (libjpeg-turbo) into a fresh tensor, bytes in memory."""
     import torch
 
-    from models.data import _decode_jpeg
+    from models.decoding import _decode_jpeg
 
     return tuple(_decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)).shape)
 
@@ -225,7 +235,7 @@ def _device_pixels_cost(loader, batches: int = 8) -> dict:
     own batches: the transpose to (B, 3, H, W), and with the batch's flips applied too."""
     import torch
 
-    from models.data import device_pixels
+    from models.collation import device_pixels
 
     torch.set_num_threads(1)
     held = []
@@ -250,7 +260,9 @@ def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
     batch, or instead tokenizing the captions."""
     import torch
 
-    from models.data import _USED, ImageCaptionDataset, KilnCollate, _decode_into, _ids_into
+    from models.collation import KilnCollate, _ids_into
+    from models.decoding import decode_into
+    from models.loader import TRAINING_COLUMNS, ImageCaptionDataset
 
     torch.set_num_threads(1)
     ds = ImageCaptionDataset(local=str(mds), batch_size=1, shuffle=False)
@@ -262,9 +274,9 @@ def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
         out = dict.fromkeys(("read", "decode", "stored_ids", "tokenize"), 0.0)
         for i in range(0, n, batch):
             t0 = time.perf_counter()
-            samples = [ds._read(j, _USED) for j in range(i, i + batch)]
+            samples = [ds.read_sample(j, TRAINING_COLUMNS) for j in range(i, i + batch)]
             t1 = time.perf_counter()
-            _decode_into([s["image"] for s in samples], dest)
+            decode_into([s["image"] for s in samples], dest)
             t2 = time.perf_counter()
             _ids_into([s["input_ids"] for s in samples], [False] * batch, None, ids)
             t3 = time.perf_counter()
@@ -297,8 +309,8 @@ def main() -> None:
     from streaming import MDSWriter
 
     from flows.config import PROJECT_DIR, load_config
-    from models.data import build_loader
     from models.factory import build_tokenizer
+    from models.loader import build_loader
 
     # The ingest benchmark's corpus generator, imported by name so that spawned workers can
     # import it too (they inherit sys.path).
@@ -312,6 +324,9 @@ def main() -> None:
     files = sorted(str(f) for f in src.rglob("*.jpg"))
     cfg = load_config(PROJECT_DIR / "configs" / "tiny.yaml")
     tok = build_tokenizer(cfg.train.model.tokenizer)
+    # The loader's settings: no caption dropout or mirroring unless a measurement says so.
+    train = cfg.train.model_copy(update={"shuffle_seed": 0, "num_workers": w,
+                                         "caption_dropout": 0.0, "hflip": 0.0})  # fmt: skip
     # The batch per process that the production preset trains each stage with.
     prod = load_config(PROJECT_DIR / "configs" / "sd2-base.yaml")
     batch = {s.resolution: s.batch_size for s in prod.train.stages}
@@ -345,11 +360,10 @@ def main() -> None:
     ds = StreamingDataset(local=str(mds), batch_size=1, shuffle=False)
     blobs = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
     b, epoch = batch[RES], args.passes * ds.num_samples
-    loader = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=w, epoch_size=epoch)
-    tokenizing = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=w,
-                              epoch_size=epoch, token_ids=False)  # fmt: skip
-    flipping = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=w,
-                            epoch_size=epoch, hflip=0.5)  # fmt: skip
+    loader = build_loader(train, str(mds), tok, RES, b, epoch_size=epoch)
+    tokenizing = build_loader(train, str(mds), tok, RES, b, epoch_size=epoch, token_ids=False)
+    flipping = build_loader(train.model_copy(update={"hflip": 0.5}), str(mds), tok, RES, b,
+                            epoch_size=epoch)  # fmt: skip
     assert "input_ids" in loader.dataset.columns and "input_ids" not in tokenizing.dataset.columns
     loaders = {"loader": loader, "loader_tokenizing": tokenizing, "loader_hflip": flipping}
     rounds: dict[str, list] = {name: [] for name in loaders} | {"decode_only": []}
@@ -366,7 +380,7 @@ def main() -> None:
         runs.sort(key=lambda r: r["samples_per_s"])
         res[name] = {**runs[len(runs) // 2], "rounds_samples_per_s_per_core":
                      [r["samples_per_s_per_core"] for r in runs]}  # fmt: skip
-    one = build_loader(str(mds), tok, RES, b, shuffle_seed=0, num_workers=0)
+    one = build_loader(train.model_copy(update={"num_workers": 0}), str(mds), tok, RES, b)
     t = _time_loader(one)
     res["loader_in_process"] = {  # num_workers=0: one core, nothing handed over
         "seconds": round(t["seconds"], 3), "samples_per_s": round(t["n"] / t["seconds"], 1),
@@ -384,7 +398,7 @@ def main() -> None:
     ds = StreamingDataset(local=str(mds_512), batch_size=1, shuffle=False)
     blobs_512 = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
     b512, passes_512 = batch[2 * RES], max(1, args.passes // 2)
-    loader = build_loader(str(mds_512), tok, 2 * RES, b512, shuffle_seed=0, num_workers=w,
+    loader = build_loader(train, str(mds_512), tok, 2 * RES, b512,
                           epoch_size=passes_512 * ds.num_samples)  # fmt: skip
     _time_loader(loader, 1)
     t = _time_loader(loader)
@@ -397,7 +411,7 @@ def main() -> None:
     # Precomputed latents in the two layouts models/precompute.py writes: SD2-shaped latents
     # (4x32x32 mean and std, fp16) with token ids (`shards.precompute_text: false`), and with
     # the text encoder's states (77x1024 fp16, 158 KiB a sample).
-    from models.data import CaptionTokenizer
+    from models.tokenization import CaptionTokenizer
 
     tokenize = CaptionTokenizer(tok)
     rng = np.random.default_rng(0)
@@ -421,7 +435,7 @@ def main() -> None:
                 else:
                     row["input_ids"] = ids[i]
                 wr.write(row)
-        lat_loader = build_loader(str(lat), tok, RES, 256, shuffle_seed=0, num_workers=w)
+        lat_loader = build_loader(train, str(lat), tok, RES, 256)
         _time_loader(lat_loader, 1)
         t = _time_loader(lat_loader)
         res[name] = {**per(t["n"], t["seconds"]), "startup_s": t["startup_s"]}
@@ -449,8 +463,7 @@ def main() -> None:
         res["imagefolder_s3"] = per(len(files), _time_pool(_imagefolder_s3_item, jobs, w, 16))
         cache = work / "cache"
         shutil.rmtree(cache, ignore_errors=True)
-        s3_loader = build_loader(str(cache), tok, RES, 32, shuffle_seed=0, num_workers=w,
-                                 remote="s3://bench/mds")  # fmt: skip
+        s3_loader = build_loader(train, str(cache), tok, RES, 32, remote="s3://bench/mds")
         t0 = time.perf_counter()
         n = sum(len(b["key"]) for b in s3_loader)  # cold: shards stream from S3 to the cache
         res["loader_s3_cold"] = per(n, time.perf_counter() - t0)

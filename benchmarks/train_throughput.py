@@ -1,6 +1,6 @@
 """Training throughput of one stage through the real training loop, on this machine.
 
-Runs `models.throughput.measure_stage` (build_models, build_dataloader and train_loop from
+Runs `models.measure_throughput.measure_stage` (build_models, build_dataloader and train_loop from
 `models.train` on a synthetic MDS dataset at the stage's resolution; one device) and writes
 JSON with `img_per_s`, `mfu`, `data_wait_frac` and `peak_mem_gb`. The baseline measured in the
 same run is the same stage with the speed options off (eager attention, no channels_last, no
@@ -48,7 +48,7 @@ def main() -> None:
     args = p.parse_args()
 
     from flows.config import load_config
-    from models.throughput import measure_stage
+    from models.measure_throughput import measure_stage
 
     cfg = load_config(args.config).train
     if args.random_encoders:

@@ -27,6 +27,11 @@ CONFIG = click.option(
 ROOT = click.option(
     "--root", default=None, help="Storage root: a local folder. Overrides storage.root."
 )
+ALLOW_FAILED_GATE = click.option(
+    "--allow-failed-gate",
+    is_flag=True,
+    help="Shard a catalog that failed the quality gate (recorded in its shards.json).",
+)
 SOURCE = click.option(
     "--source",
     default=None,
@@ -34,19 +39,29 @@ SOURCE = click.option(
 )
 
 
-def _call(fn, config_path: str, **kwargs):
-    """Validate the config, then run a flow; expected failures end in one clear error line.
+def _call(fn, config_path: str, steps: tuple[str, ...] = (), **kwargs):
+    """Validate the config once, then run a flow on it; expected failures end in one line.
 
-    The config is checked before any flow run starts, so a typo never reaches Prefect.
+    Before any flow run starts, the schema is validated and the cheap input checks of `steps`
+    run (`flows.config.check_inputs`: the source is set, the topology and prompt files exist),
+    so a typo or a missing file never reaches Prefect. The flow gets the validated config,
+    frozen under `<root>/configs/<hash>.yaml` with `--root`/`--source` applied, not the
+    user's file, which may change while it runs.
+
+    Returns:
+        (the validated config, the flow's result).
     """
-    from flows.config import ConfigError, load_config
+    from flows.config import ConfigError, check_inputs, config_hash, load_config, write_snapshot
     from tasks.health import HealthCheckError
     from tasks.launch import LaunchError
+    from tasks.layout import Layout
     from tasks.quality import QualityGateError
 
     try:
-        load_config(config_path, root=kwargs.get("root"), source=kwargs.get("source"))
-        return fn(config_path, **kwargs)
+        cfg = load_config(config_path, root=kwargs.pop("root"), source=kwargs.pop("source", None))
+        check_inputs(cfg, steps)
+        frozen = write_snapshot(cfg, Layout(Path(cfg.storage.root)).config(config_hash(cfg)))
+        return cfg, fn(str(frozen), **kwargs)
     except (
         ConfigError,
         FileNotFoundError,
@@ -97,13 +112,21 @@ def demo_data(directory: str, n: int, seed: int) -> None:
 @CONFIG
 @SOURCE
 @ROOT
-def run(config_path: str, source: str | None, root: str | None) -> None:
+@ALLOW_FAILED_GATE
+def run(config_path: str, source: str | None, root: str | None, allow_failed_gate: bool) -> None:
     """Run the whole pipeline as one Prefect flow run (a subflow per step)."""
     from flows.pipeline import kiln_pipeline
 
-    result = _call(kiln_pipeline, config_path, root=root, source=source)
+    cfg, result = _call(
+        kiln_pipeline,
+        config_path,
+        ("ingest", "train", "evaluate"),
+        root=root,
+        source=source,
+        allow_failed_gate=allow_failed_gate,
+    )
     _show(result)
-    _where(config_path, root, result)
+    _where(cfg, config_path, result)
 
 
 @main.command()
@@ -114,7 +137,7 @@ def ingest(config_path: str, source: str | None, root: str | None) -> None:
     """List and decode the source; write <root>/catalog/<ingest_id>/."""
     from flows.ingest import ingest_flow
 
-    _show(_call(ingest_flow, config_path, root=root, source=source))
+    _show(_call(ingest_flow, config_path, ("ingest",), root=root, source=source)[1])
 
 
 @main.command()
@@ -125,18 +148,22 @@ def validate(config_path: str, root: str | None, ingest_id: str | None) -> None:
     """Run the Great Expectations quality gate; quarantine failing rows."""
     from flows.validate import validate_flow
 
-    _show(_call(validate_flow, config_path, root=root, ingest_id=ingest_id))
+    _show(_call(validate_flow, config_path, root=root, ingest_id=ingest_id)[1])
 
 
 @main.command()
 @CONFIG
 @ROOT
 @click.option("--ingest-id", default=None, help="Validated catalog to shard (default: newest).")
-def shard(config_path: str, root: str | None, ingest_id: str | None) -> None:
+@ALLOW_FAILED_GATE
+def shard(
+    config_path: str, root: str | None, ingest_id: str | None, allow_failed_gate: bool
+) -> None:
     """Write one MDS dataset per training stage resolution."""
     from flows.shard import shard_flow
 
-    _show(_call(shard_flow, config_path, root=root, ingest_id=ingest_id))
+    _show(_call(shard_flow, config_path, root=root, ingest_id=ingest_id,
+                allow_failed_gate=allow_failed_gate)[1])  # fmt: skip
 
 
 @main.command()
@@ -150,9 +177,10 @@ def train(
     """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
     from flows.train import train_flow
 
-    result = _call(
-        train_flow, config_path, root=root, dataset_version=dataset_version, run_id=run_id
-    )
+    _, result = _call(
+        train_flow, config_path, ("train",), root=root, dataset_version=dataset_version,
+        run_id=run_id,
+    )  # fmt: skip
     _show({k: v for k, v in result.items() if k != "stages"})
 
 
@@ -177,19 +205,20 @@ def plan(
     """
     from pathlib import Path
 
-    from flows.config import ConfigError, load_config
+    from flows.config import ConfigError, check_inputs, load_config
     from tasks.plan import format_plan, make_plan, save_plan, topology_processes
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
     try:
         cfg = load_config(config_path, root=root)
+        check_inputs(cfg, ("train",))
         procs = topology_processes(cfg.launch.accelerate_config, cfg.launch.num_processes)
         result = make_plan(
             cfg.train, procs, cfg.launch.gpu_hour_usd,
             img_per_s=img_per_s, measure_steps=measure_steps,
         )  # fmt: skip
-    except (ConfigError, ValueError) as e:
+    except (ConfigError, ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     save_plan(result, Path(cfg.storage.root) / "runs" / "plan.json")
     click.echo(format_plan(result))
@@ -203,7 +232,7 @@ def evaluate(config_path: str, root: str | None, run_id: str | None) -> None:
     """Generate images for every DrawBench prompt and seed into <root>/eval/<study_id>/."""
     from flows.evaluate import evaluate_flow
 
-    _show(_call(evaluate_flow, config_path, root=root, run_id=run_id))
+    _show(_call(evaluate_flow, config_path, root=root, run_id=run_id)[1])
 
 
 @main.command()
@@ -217,7 +246,7 @@ def register(config_path: str, root: str | None, run_id: str | None, study_id: s
     """Log the final pipeline to MLflow, register a version and set the alias."""
     from flows.register import register_flow
 
-    _show(_call(register_flow, config_path, root=root, run_id=run_id, study_id=study_id))
+    _show(_call(register_flow, config_path, root=root, run_id=run_id, study_id=study_id)[1])
 
 
 @main.command()
@@ -234,27 +263,32 @@ def ui(port: int) -> None:
 @click.option("--port", default=5000, show_default=True, help="Port on 127.0.0.1.")
 def mlflow_ui(config_path: str, root: str | None, port: int) -> None:
     """Serve the MLflow UI (runs, metrics, registry) for the config's tracking URI."""
-    from flows.config import load_config
+    from flows.config import ConfigError, load_config
 
-    cfg = _call(load_config, config_path, root=root)
+    try:
+        cfg = load_config(config_path, root=root)
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+    raise SystemExit(_mlflow_ui(cfg.tracking_uri, port, runner=subprocess.call))
+
+
+def _mlflow_ui(tracking_uri: str, port: int, runner) -> int:
+    """Run `mlflow ui` for `tracking_uri` with `runner(argv, env=...)` (subprocess.call).
+
+    The URI can hold database credentials, and any user sees a process's argv (`ps`): it goes
+    through the environment (`MLFLOW_BACKEND_STORE_URI`, which `mlflow ui` reads), never argv.
+    """
+    from models.config import redact_uri
+
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
-    cmd = [
-        mlflow,
-        "ui",
-        "--backend-store-uri",
-        cfg.tracking_uri,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    raise SystemExit(subprocess.call(cmd))
+    cmd = [mlflow, "ui", "--host", "127.0.0.1", "--port", str(port)]
+    click.echo(f"MLflow UI for {redact_uri(tracking_uri)} at http://127.0.0.1:{port}", err=True)
+    return runner(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": tracking_uri})
 
 
-def _where(config_path: str, root: str | None, result: dict) -> None:
-    from flows.config import load_config
+def _where(cfg, config_path: str, result: dict) -> None:
+    from models.config import redact_uri
 
-    cfg = load_config(config_path, root=root)
     r = Path(cfg.storage.root)
     ing = result["ingest"]["ingest_id"]
     lines = [
@@ -263,10 +297,11 @@ def _where(config_path: str, root: str | None, result: dict) -> None:
         f"  catalog      {r / 'catalog' / ing}/{{accepted,quarantine,clean}}.parquet",
         f"  quality      {r / 'quality' / ing / 'summary.json'}",
         f"  shards       {r / 'shards' / result['shards']['dataset_version']}/",
+        f"  config       {r / 'runs' / result['run']['run_id'] / 'config.yaml'} (as run)",
         f"  model export {result['run']['export']}",
         f"  DrawBench    {result['study']['path']}/ ({result['study']['images']} images)",
         f"  registry     {result['model']['uri_by_alias']} (version {result['model']['version']})",
-        f"  tracking     {cfg.tracking_uri}",
+        f"  tracking     {redact_uri(cfg.tracking_uri)}",
         "",
         "Open the UIs:",
         "  Prefect  kiln ui                          -> http://127.0.0.1:4200",

@@ -1,177 +1,51 @@
 """Pipeline configuration: one YAML file describes one pipeline.
 
-Sections: `storage`, `ingest`, `quality`, `shards`, `train` (schema in `models.config`),
-`evaluate`, `registry`, `launch`. A bad value fails at load with its dotted path and the value
-received. Relative local paths are resolved against the working directory at load time, so
-that subprocesses see the same files.
+The sections' schemas live in `models.config` (and `quality` in `data_quality.rules`), below
+every layer that reads them; this module composes them, loads a file and snapshots it. A bad
+value fails at load with its dotted path and the value received.
+
+Relative local paths in a file resolve against the file's folder, never the working
+directory, so a config behaves the same from anywhere; `--root` and `--source` given on the
+command line resolve against the working directory. A relative input file (a topology, the
+prompts) that is not beside the config is looked up in the project, so bundled names such as
+`configs/accelerate/single.yaml` work from any config. Loading makes every path absolute, so
+subprocesses see the same files and a snapshot of the loaded config loads to the same values.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import yaml
+from pydantic import Field, model_validator
 
 from data_quality.rules import QualityConfig
-from models.config import ConfigError, TrainConfig, load_yaml_model
+from models.config import (
+    ConfigError,
+    EvaluateConfig,
+    ExecutionConfig,
+    IngestConfig,
+    LaunchConfig,
+    RegistryConfig,
+    ShardsConfig,
+    StorageConfig,
+    Strict,
+    TrainConfig,
+    is_remote,
+    load_yaml_model,
+    stable_hash,
+)
+from tasks.prompts import PromptsUnavailable, resolve_prompts
 
 __all__ = [
-    "PipelineConfig", "ConfigError", "check_inputs", "encoder_key", "load_config", "PROJECT_DIR",
+    "PROJECT_DIR", "ConfigError", "PipelineConfig", "check_inputs", "config_hash",
+    "encoder_key", "load_config", "run_config", "write_snapshot",
 ]  # fmt: skip
 
 # Repository root (editable install): used to find bundled configs/accelerate/*.yaml.
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-def _is_remote(uri: str) -> bool:
-    return "://" in uri
-
-
-class StorageConfig(Strict):
-    root: str = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2...).")
-
-    @field_validator("root")
-    @classmethod
-    def _root(cls, v: str) -> str:
-        if _is_remote(v):
-            # Sources may be s3://; the root (catalog, shards, runs) is a local or mounted
-            # folder for now.
-            raise ValueError("storage.root must be a local (or mounted) folder")
-        return v
-
-
-class IngestConfig(Strict):
-    source: str | None = Field(None, description="Local folder or s3://bucket/prefix.")
-    layout: Literal["auto", "imagefolder", "img2dataset", "webdataset"] = Field(
-        "auto", description="Source layout; auto detects it from the listing."
-    )
-    metadata_file: str | None = Field(
-        None, description="imagefolder manifest; default metadata.jsonl, .csv or .parquet."
-    )
-    caption_column: str = "text"
-    metadata_columns: list[str] = Field(
-        default_factory=list,
-        description="Pass-through columns kept in the catalog (license, contributor, ...).",
-    )
-    image_extensions: list[str] = Field(
-        default_factory=lambda: [".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"]
-    )
-    workers: int = Field(0, ge=0, description="Decode processes; 0 means one per CPU core.")
-    max_pixels: int = Field(
-        89_478_485, gt=0, description="Images over this pixel count are quarantined unread."
-    )
-    partition_size: int = Field(1000, gt=0, description="Items per decode task.")
-
-    @field_validator("metadata_columns")
-    @classmethod
-    def _no_clash(cls, v: list[str]) -> list[str]:
-        from tasks.sources import CATALOG_COLUMNS
-
-        clash = sorted(set(v) & set(CATALOG_COLUMNS))
-        if clash:
-            raise ValueError(f"names {clash} are catalog columns; pick other names")
-        return v
-
-
-class ExecutionConfig(Strict):
-    dask_address: str | None = Field(
-        None, description="Dask scheduler (tcp://host:8786) for ingest partitions; else local."
-    )
-
-
-class ShardsConfig(Strict):
-    min_side_factor: float = Field(
-        1.0, gt=0, description="A stage takes images whose short side >= resolution * factor."
-    )
-    jpeg_quality: int = Field(90, ge=1, le=100, description="JPEG or WebP quality.")
-    image_format: Literal["jpeg", "webp", "png"] = Field("jpeg", description="Stored encoding.")
-    partition_size: int = Field(2000, gt=0, description="Images per conversion task.")
-    size_limit: int = Field(1 << 26, gt=0, description="Bytes per MDS shard before a new one.")
-    workers: int = Field(0, ge=0, description="Resize processes; 0 means one per CPU core.")
-    token_ids: bool = Field(
-        True,
-        description="Store each caption's token ids (the model's tokenizer) in the image shards, "
-        "so the loader does not tokenize; the tokenizer becomes part of the dataset version.",
-    )
-    precompute: bool = Field(
-        False, description="Also write VAE latents and text states per stage (models.precompute)."
-    )
-    precompute_text: bool = Field(
-        True, description="With precompute: store text-encoder states (else token ids only)."
-    )
-    aspect_buckets: bool = Field(
-        False,
-        description="SDXL-style aspect-ratio buckets instead of centre crops for bucket_stages; "
-        "each bucket is its own stream, and every batch comes from one bucket.",
-    )
-    bucket_stages: list[int] | None = Field(
-        None, description="Stage resolutions that use buckets; default the largest stage."
-    )
-    bucket_step: int = Field(
-        64, gt=0, description="Bucket sides are multiples of this (64 for SD2: VAE x UNet)."
-    )
-    bucket_max_aspect: float = Field(2.0, ge=1.0, description="Widest aspect ratio either way.")
-    remote: str | None = Field(
-        None,
-        description="s3://bucket/prefix (or a shared folder) to publish dataset versions to; "
-        "training then streams them from there through cache_dir.",
-    )
-    cache_dir: str | None = Field(
-        None,
-        description="Local cache of streamed shards on each training machine (fast local "
-        "disk); default <root>/cache.",
-    )
-
-    @field_validator("remote")
-    @classmethod
-    def _remote(cls, v: str | None) -> str | None:
-        if v is not None and "://" in v and not v.startswith("s3://"):
-            raise ValueError(f"must be s3://bucket/prefix or a folder (received {v!r})")
-        if v is not None and v.startswith("s3://") and not v[5:].split("/")[0]:
-            raise ValueError(f"names no bucket (received {v!r})")
-        return v.rstrip("/") if v else v
-
-
-class EvaluateConfig(Strict):
-    prompts_csv: str = Field(description="CSV with columns Prompts,Category (DrawBench).")
-    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    num_inference_steps: int = Field(25, gt=0)
-    guidance_scale: float = Field(7.5, ge=0)
-    batch_size: int = Field(8, gt=0)
-    limit: int | None = Field(None, gt=0, description="Use only the first N prompts.")
-
-
-class RegistryConfig(Strict):
-    tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
-    experiment: str = "kiln"
-    model_name: str = "kiln-t2i"
-    alias: str = "candidate"
-
-
-class LaunchConfig(Strict):
-    accelerate_config: str = Field(
-        "configs/accelerate/single.yaml", description="Accelerate topology YAML."
-    )
-    num_processes: int | None = Field(None, gt=0, description="Override the topology's count.")
-    max_restarts: int = Field(2, ge=0, description="Relaunches (resuming) after a crash.")
-    hang_timeout_s: float = Field(
-        900, gt=0, description="Kill a launch whose heartbeat is older than this (a hang)."
-    )
-    gpu_hour_usd: float = Field(
-        0.0, ge=0, description="Price of one device-hour; 0 reports GPU-hours without cost."
-    )
-    health_check: bool = Field(
-        True, description="Pre-flight check (GPUs, all-reduce, disk, storage) before launches."
-    )
-    health_timeout_s: float = Field(
-        300, gt=0, description="Longest the pre-flight all-reduce launch may take."
-    )
 
 
 class PipelineConfig(Strict):
@@ -181,9 +55,21 @@ class PipelineConfig(Strict):
     execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     shards: ShardsConfig = Field(default_factory=ShardsConfig)
     train: TrainConfig
-    evaluate: EvaluateConfig
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _metadata_columns_are_not_catalog_columns(self) -> PipelineConfig:
+        from tasks.sources import CATALOG_COLUMNS
+
+        clash = sorted(set(self.ingest.metadata_columns) & set(CATALOG_COLUMNS))
+        if clash:
+            raise ValueError(
+                f"ingest.metadata_columns: names {clash} are catalog columns; pick other names "
+                f"(received {self.ingest.metadata_columns!r})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _buckets_fit_the_stages(self) -> PipelineConfig:
@@ -219,65 +105,113 @@ class PipelineConfig(Strict):
 
 def encoder_key(cfg: PipelineConfig) -> str:
     """Identity of the frozen encoders (and text mode) that precomputed latents depend on."""
-    import hashlib
-    import json
-
     m = cfg.train.model
     parts = [m.vae.model_dump(), m.text_encoder.model_dump(), m.tokenizer.model_dump(),
              cfg.shards.precompute_text]  # fmt: skip
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:8]
+    return stable_hash(parts, 8)
+
+
+def config_hash(cfg: PipelineConfig) -> str:
+    """Identity of a loaded config: the hash of the snapshot `write_snapshot` writes."""
+    return stable_hash(cfg.model_dump(mode="json"), 16)
 
 
 def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
-    """Fail fast on missing files that a later step needs, before hours of earlier steps."""
+    """Fail fast on missing inputs that a later step needs, before hours of earlier steps.
+
+    Raises:
+        ConfigError: naming the field and the value received.
+    """
+    if "ingest" in steps and not cfg.ingest.source:
+        raise ConfigError("ingest.source is not set: pass --source or set ingest.source")
     need = {
         "train": [("launch.accelerate_config", cfg.launch.accelerate_config)],
-        "evaluate": [
-            ("evaluate.prompts_csv", cfg.evaluate.prompts_csv),
-            ("launch.accelerate_config", cfg.launch.accelerate_config),
-        ],
+        "evaluate": [("launch.accelerate_config", cfg.launch.accelerate_config)],
     }
     for step in steps:
         for field, path in need.get(step, []):
             if not Path(path).is_file():
                 raise ConfigError(f"{field}: file not found (received {path!r})")
+    if "evaluate" in steps:
+        # The prompts are readable now, not after training: a configured file, the copy
+        # KILN_DRAWBENCH_CSV names, or DrawBench from the Hub (fetched once, then cached). The
+        # resolved path goes into the run's config snapshot.
+        try:
+            cfg.evaluate.prompts_csv = str(resolve_prompts(cfg.evaluate.prompts_csv))
+        except PromptsUnavailable as e:
+            raise ConfigError(f"evaluate.prompts_csv: {e}") from e
 
 
-def _abs(p: str) -> str:
-    return p if _is_remote(p) else str(Path(p).expanduser().resolve())
+def _abs(p: str, base: Path) -> str:
+    return p if is_remote(p) else str((base / Path(p).expanduser()).resolve())
 
 
-def _find_bundled(p: str) -> str:
+def _find_input(p: str, base: Path) -> str:
+    """An input file beside the config, else the project's bundled file of that name."""
     path = Path(p).expanduser()
-    if not path.is_absolute() and not path.exists() and (PROJECT_DIR / path).exists():
-        path = PROJECT_DIR / path
-    return str(path.resolve())
+    if not path.is_absolute() and not (base / path).exists() and (PROJECT_DIR / path).exists():
+        return str((PROJECT_DIR / path).resolve())
+    return _abs(p, base)
 
 
 def load_config(
     path: str | Path, *, root: str | None = None, source: str | None = None
 ) -> PipelineConfig:
-    """Load and validate a pipeline YAML, applying CLI overrides.
+    """Load and validate a pipeline YAML, applying CLI overrides; every path made absolute.
 
     Args:
-        path: The pipeline YAML.
-        root: Overrides `storage.root`.
-        source: Overrides `ingest.source`.
+        path: The pipeline YAML. Relative paths in it resolve against its folder.
+        root: Overrides `storage.root` (relative: against the working directory).
+        source: Overrides `ingest.source` (relative: against the working directory).
 
     Raises:
         ConfigError: naming each bad field's dotted path and the value received.
     """
     cfg: PipelineConfig = load_yaml_model(PipelineConfig, path)
+    base, cwd = Path(path).expanduser().resolve().parent, Path.cwd()
     if root is not None:
-        cfg.storage = StorageConfig(root=root, endpoint_url=cfg.storage.endpoint_url)
+        cfg.storage = StorageConfig(root=_abs(root, cwd), endpoint_url=cfg.storage.endpoint_url)
     if source is not None:
-        cfg.ingest.source = source
-    cfg.storage.root = _abs(cfg.storage.root)
+        cfg.ingest.source = _abs(source, cwd)
+    cfg.storage.root = _abs(cfg.storage.root, base)
     if cfg.ingest.source:
-        cfg.ingest.source = _abs(cfg.ingest.source)
-    cfg.evaluate.prompts_csv = _abs(cfg.evaluate.prompts_csv)
+        cfg.ingest.source = _abs(cfg.ingest.source, base)
+    if cfg.evaluate.prompts_csv:
+        cfg.evaluate.prompts_csv = _find_input(cfg.evaluate.prompts_csv, base)
     if cfg.shards.remote:
-        cfg.shards.remote = _abs(cfg.shards.remote)
-    cfg.shards.cache_dir = _abs(cfg.shards.cache_dir or str(Path(cfg.storage.root) / "cache"))
-    cfg.launch.accelerate_config = _find_bundled(cfg.launch.accelerate_config)
+        cfg.shards.remote = _abs(cfg.shards.remote, base)
+    cache = cfg.shards.cache_dir
+    cfg.shards.cache_dir = _abs(cache, base) if cache else str(Path(cfg.storage.root) / "cache")
+    cfg.launch.accelerate_config = _find_input(cfg.launch.accelerate_config, base)
     return cfg
+
+
+def write_snapshot(cfg: PipelineConfig, path: Path) -> Path:
+    """Write the loaded config (overrides applied, paths absolute) to `path`, atomically.
+
+    Loading the snapshot gives the same config (and `config_hash`) from any directory, however
+    the user's file changes afterwards.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def run_config(cfg: PipelineConfig, snapshot: Path, log: logging.Logger | None = None):
+    """The config a training run started with: its snapshot, else `cfg` (a run from before
+    snapshots). A step that reads a run (resume, evaluate, register) uses this, so an edit to
+    the user's file after the run started changes nothing; the run's own snapshot is the file
+    to edit (and pass as `--config`) to change it on purpose.
+    """
+    log = log or logging.getLogger(__name__)
+    if not snapshot.is_file():
+        log.warning("no config snapshot at %s (a run from before snapshots): using the given "
+                    "config", snapshot)  # fmt: skip
+        return cfg
+    snap = load_config(snapshot)
+    if config_hash(snap) != config_hash(cfg):
+        log.warning("the given config differs from the run's snapshot; the run keeps its "
+                    "snapshot %s", snapshot)  # fmt: skip
+    return snap

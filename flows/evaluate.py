@@ -1,17 +1,21 @@
-"""Evaluate flow: generate images for every DrawBench prompt and seed with the trained model."""
+"""Evaluate flow: generate images for every DrawBench prompt and seed with the trained model.
+
+The settings come from the training run's config snapshot, not the file passed in: editing
+the file while a run trains does not change how it is evaluated.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import check_inputs, load_config
+from flows.config import check_inputs, load_config, run_config
+from models.config import stable_hash
 from tasks.launch import launch_generate
 from tasks.layout import Layout
+from tasks.reports import study_report
 
 __all__ = ["evaluate_flow"]
 
@@ -21,25 +25,24 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
     """Write `<root>/eval/<study_id>/{images/,study.json}` for a training run's final export.
 
     Args:
-        config_path: Pipeline YAML.
+        config_path: Pipeline YAML: finds the root; the settings come from the run's snapshot.
         root: Overrides `storage.root`.
         run_id: Training run to evaluate; default the newest.
     """
     cfg = load_config(config_path, root=root)
-    check_inputs(cfg, ("evaluate",))
     layout = Layout(Path(cfg.storage.root))
     run_id, record = layout.finished_run(run_id, "evaluate")
+    cfg = run_config(cfg, layout.run_config(run_id), get_run_logger())
+    check_inputs(cfg, ("evaluate",))
     ev = cfg.evaluate
-    settings = json.dumps(
-        [
-            Path(ev.prompts_csv).read_bytes().hex(),
-            ev.seeds,
-            ev.num_inference_steps,
-            ev.guidance_scale,
-            ev.limit,
-        ]
-    )
-    study_id = f"{run_id}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+    settings = [
+        Path(ev.prompts_csv).read_bytes().hex(),
+        ev.seeds,
+        ev.num_inference_steps,
+        ev.guidance_scale,
+        ev.limit,
+    ]
+    study_id = f"{run_id}-{stable_hash(settings, 8)}"
     study = launch_generate(
         record["export"],
         ev.prompts_csv,
@@ -54,18 +57,10 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
         num_processes=cfg.launch.num_processes,
     )
     layout.set_latest("eval", study_id)
-    cats: dict[str, int] = {}
-    for it in study["items"]:
-        cats[it["category"]] = cats.get(it["category"], 0) + 1
     create_markdown_artifact(
         key="drawbench-study",
         description=f"Study {study_id}",
-        markdown=(
-            f"## DrawBench study `{study_id}`\n\n{len(study['items'])} images "
-            f"({len(ev.seeds)} seed(s) per prompt) at `{layout.study(study_id)}`.\n\n"
-            "| category | images |\n|---|---:|\n"
-            + "\n".join(f"| {c} | {n} |" for c, n in sorted(cats.items()))
-        ),
+        markdown=study_report(study_id, study["items"], ev.seeds, str(layout.study(study_id))),
     )
     return {
         "study_id": study_id,

@@ -1,37 +1,57 @@
-"""The whole pipeline as one Prefect flow run, with a subflow per step."""
+"""The whole pipeline as one Prefect flow run, with a subflow per step.
+
+The config is loaded and checked once, and written to the new training run's folder
+(`<root>/runs/<run_id>/config.yaml`, overrides applied); every step reads that snapshot, so
+editing the file during a multi-day run changes nothing in it.
+"""
 
 from __future__ import annotations
 
-from prefect import flow
+from pathlib import Path
 
-from flows.config import check_inputs, load_config
+from prefect import flow
+from prefect.artifacts import create_markdown_artifact
+
+from flows.config import check_inputs, load_config, write_snapshot
 from flows.evaluate import evaluate_flow
 from flows.ingest import ingest_flow
 from flows.register import register_flow
 from flows.shard import shard_flow
 from flows.train import train_flow
 from flows.validate import validate_flow
+from tasks.layout import Layout, new_run_id
+from tasks.reports import pipeline_report
 
 __all__ = ["kiln_pipeline"]
 
 
 @flow(name="kiln-pipeline", log_prints=True)
-def kiln_pipeline(config_path: str, root: str | None = None, source: str | None = None) -> dict:
+def kiln_pipeline(
+    config_path: str,
+    root: str | None = None,
+    source: str | None = None,
+    allow_failed_gate: bool = False,
+) -> dict:
     """ingest -> validate -> shard -> train (all stages) -> evaluate -> register.
 
     Args:
         config_path: Pipeline YAML.
         root: Overrides `storage.root`.
         source: Overrides `ingest.source`.
+        allow_failed_gate: Go on past a failed quality gate (recorded in shards.json).
     """
-    check_inputs(load_config(config_path, root=root, source=source), ("train", "evaluate"))
-    ingest = ingest_flow(config_path, root=root, source=source)
-    quality = validate_flow(config_path, root=root, ingest_id=ingest["ingest_id"])
-    shards = shard_flow(config_path, root=root, ingest_id=ingest["ingest_id"])
-    run = train_flow(config_path, root=root, dataset_version=shards["dataset_version"])
-    study = evaluate_flow(config_path, root=root, run_id=run["run_id"])
-    model = register_flow(config_path, root=root, run_id=run["run_id"], study_id=study["study_id"])
-    return {
+    cfg = load_config(config_path, root=root, source=source)
+    check_inputs(cfg, ("ingest", "train", "evaluate"))
+    run_id = new_run_id()
+    snap = str(write_snapshot(cfg, Layout(Path(cfg.storage.root)).run_config(run_id)))
+    ingest = ingest_flow(snap)
+    gate = {"ingest_id": ingest["ingest_id"], "allow_failed_gate": allow_failed_gate}
+    quality = validate_flow(snap, **gate)
+    shards = shard_flow(snap, **gate)
+    run = train_flow(snap, dataset_version=shards["dataset_version"], run_id=run_id)
+    study = evaluate_flow(snap, run_id=run_id)
+    model = register_flow(snap, run_id=run_id, study_id=study["study_id"])
+    result = {
         "ingest": ingest,
         "quality": quality,
         "shards": shards,
@@ -39,3 +59,8 @@ def kiln_pipeline(config_path: str, root: str | None = None, source: str | None 
         "study": study,
         "model": model,
     }
+    # The parent run's own artifact: one table linking every step's output.
+    create_markdown_artifact(
+        key="kiln-pipeline", description=f"Pipeline {run_id}", markdown=pipeline_report(result, run)
+    )
+    return result

@@ -1,17 +1,21 @@
-"""Register flow: log the trained pipeline to MLflow and point the `candidate` alias at it."""
+"""Register flow: log the trained pipeline to MLflow and point the `candidate` alias at it.
+
+The registry settings and the recorded `config_sha256` come from the training run's config
+snapshot (overrides applied), not from the file passed in, which may have changed since.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import load_config
+from flows.config import config_hash, load_config, run_config
 from tasks.layout import Layout
 from tasks.registry import register_model
+from tasks.reports import registered_report
 
 __all__ = ["register_flow"]
 
@@ -26,7 +30,7 @@ def register_flow(
     """Register the run's final export as a new version of `registry.model_name`.
 
     Args:
-        config_path: Pipeline YAML.
+        config_path: Pipeline YAML: finds the root; the settings come from the run's snapshot.
         root: Overrides `storage.root`.
         run_id: Training run; default the newest.
         study_id: Evaluation study recorded in the lineage; default the newest, if any.
@@ -34,6 +38,7 @@ def register_flow(
     cfg = load_config(config_path, root=root)
     layout = Layout(Path(cfg.storage.root))
     run_id, record = layout.finished_run(run_id, "register")
+    cfg = run_config(cfg, layout.run_config(run_id), get_run_logger())
     if study_id is None and (layout.root / "eval" / "LATEST").is_file():
         study_id = layout.latest("eval", "register")
     ingest = json.loads((layout.catalog(record["ingest_id"]) / "summary.json").read_text())
@@ -44,7 +49,7 @@ def register_flow(
         "ingest_id": record["ingest_id"],
         "source": ingest["source"],
         "study_id": study_id or "",
-        "config_sha256": hashlib.sha256(Path(config_path).read_bytes()).hexdigest()[:16],
+        "config_sha256": config_hash(cfg),
     }
     info = register_model(
         cfg.tracking_uri,
@@ -57,13 +62,6 @@ def register_flow(
     create_markdown_artifact(
         key="registered-model",
         description=f"{info['name']} v{info['version']}",
-        markdown=(
-            f"## `{info['name']}` version {info['version']} → alias `{info['alias']}`\n\n"
-            "```python\nimport mlflow, pandas as pd\n"
-            f"mlflow.set_tracking_uri({cfg.tracking_uri!r})\n"
-            f"model = mlflow.pyfunc.load_model({info['uri_by_alias']!r})\n"
-            "out = model.predict(pd.DataFrame({'prompt': ['a red circle']}))\n```\n\n"
-            + "\n".join(f"- {k}: `{v}`" for k, v in lineage.items())
-        ),
+        markdown=registered_report(info, lineage, cfg.tracking_uri),
     )
     return {**info, "lineage": lineage}

@@ -12,13 +12,19 @@ from models.config import StageRun
 from tasks.launch import launch_precompute
 from tasks.layout import Layout
 from tasks.publish import publish_shards
+from tasks.reports import shards_report
 from tasks.shard import write_shards
 
 __all__ = ["shard_flow"]
 
 
 @flow(name="kiln-shard", log_prints=True)
-def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None = None) -> dict:
+def shard_flow(
+    config_path: str,
+    root: str | None = None,
+    ingest_id: str | None = None,
+    allow_failed_gate: bool = False,
+) -> dict:
     """Write `<root>/shards/<dataset_version>/<resolution>/` for every stage resolution, and
     publish the version to `shards.remote` when it is set.
 
@@ -26,32 +32,22 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
         config_path: Pipeline YAML.
         root: Overrides `storage.root`.
         ingest_id: Validated catalog to shard; default the newest ingest.
+        allow_failed_gate: Shard a catalog that failed the quality gate (or has no verdict);
+            the override is recorded in the dataset's shards.json.
     """
     cfg = load_config(config_path, root=root)
     layout = Layout(Path(cfg.storage.root))
     ingest_id = ingest_id or layout.latest("catalog", "shard")
-    cat = layout.catalog(ingest_id)
-    if not (cat / "clean.parquet").is_file():
-        raise FileNotFoundError(
-            f"catalog {ingest_id} has not been validated ({cat / 'clean.parquet'} missing): "
-            "run `kiln validate` first"
-        )
     result = write_shards(
+        cfg.shards,
         cfg.storage.root,
         ingest_id,
         [s.resolution for s in cfg.train.stages],
-        min_side_factor=cfg.shards.min_side_factor,
-        jpeg_quality=cfg.shards.jpeg_quality,
-        image_format=cfg.shards.image_format,
-        size_limit=cfg.shards.size_limit,
-        workers=cfg.shards.workers,
-        partition_size=cfg.shards.partition_size,
         endpoint_url=cfg.storage.endpoint_url,
         dask_address=cfg.execution.dask_address,
         bucket_stages=cfg.bucket_stages(),
-        bucket_step=cfg.shards.bucket_step,
-        bucket_max_aspect=cfg.shards.bucket_max_aspect,
         tokenizer=cfg.train.model.tokenizer.model_dump() if cfg.shards.token_ids else None,
+        allow_failed_gate=allow_failed_gate,
     )
     if cfg.shards.precompute:
         check_inputs(cfg, ("train",))
@@ -65,28 +61,15 @@ def shard_flow(config_path: str, root: str | None = None, ingest_id: str | None 
                 text=cfg.shards.precompute_text, num_processes=cfg.launch.num_processes,
             )  # fmt: skip
             result.stages[stage.resolution]["latents"] = str(out)
-    published = ""
+    pub = None
     if cfg.shards.remote:
         pub = publish_shards(
             cfg.storage.root, result.dataset_version, cfg.shards.remote, cfg.storage.endpoint_url
         )
-        published = (f"Published to `{pub['remote']}`: {pub['uploaded']} objects "
-                     f"({pub['bytes'] / 1e6:.2f} MB) sent; {pub['already_there']} were there "
-                     "already.\n\n")  # fmt: skip
-    rows = "\n".join(
-        f"| {r}px | {s['samples']} | {s['shards']} | {s['bytes'] / 1e6:.2f} MB | "
-        f"{', '.join(f'{b}: {n}' for b, n in s.get('buckets', {}).items()) or 'square'} |"
-        for r, s in result.stages.items()
-    )
     create_markdown_artifact(
         key="shards",
         description=f"Dataset {result.dataset_version}",
-        markdown=(
-            f"## Dataset `{result.dataset_version}`{' (reused)' if result.reused else ''}\n\n"
-            f"From catalog `{ingest_id}`, at `{layout.shards(result.dataset_version)}`.\n\n"
-            f"{published}"
-            f"| stage | samples | shards | bytes | buckets |\n|---|---:|---:|---:|---|\n{rows}\n"
-        ),
+        markdown=shards_report(result, ingest_id, str(layout.shards(result.dataset_version)), pub),
     )
     out = result.to_dict()
     if cfg.shards.remote:

@@ -3,24 +3,36 @@
 Stage k+1 starts from stage k's EMA (or raw) weights. Each stage task is retried
 `launch.max_restarts` times; a retry resumes from the stage's newest complete checkpoint.
 Passing an existing `run_id` resumes a whole interrupted run: finished stages are skipped.
+
+The config is loaded once and written to `<root>/runs/<run_id>/config.yaml`; a resumed run,
+evaluation and registration read that snapshot, so edits to the user's file never change a
+run that has started. The run's MLflow run ends FINISHED when every stage is trained, and
+FAILED (KILLED on cancellation) when the flow fails; registration logs into it later.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, check_inputs, encoder_key, load_config
+from flows.config import (
+    PipelineConfig,
+    check_inputs,
+    encoder_key,
+    load_config,
+    run_config,
+    write_snapshot,
+)
 from models.config import StageRun
 from tasks.health import preflight
 from tasks.launch import launch_stage
-from tasks.layout import Layout, is_published
+from tasks.layout import Layout, is_published, new_run_id
 from tasks.publish import publish_shards
-from tasks.registry import create_training_run
+from tasks.registry import create_training_run, mark_training_run
+from tasks.reports import stage_report
 
 __all__ = ["train_flow"]
 
@@ -89,30 +101,6 @@ def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str])
             "mix_caches": caches[1:], "s3_endpoint_url": cfg.storage.endpoint_url}  # fmt: skip
 
 
-def _stage_summary(run_id: str, i: int, res: int, manifest: dict, plan: dict | None) -> str:
-    m = manifest["metrics"]
-    loss = manifest["losses"][-1] if manifest["losses"] else float("nan")
-    lines = [
-        f"## Stage {res}px of `{run_id}`\n",
-        f"{manifest['final_step']} steps on {manifest['num_processes']} process(es). "
-        f"Final loss {loss:.4f}. Export: `{manifest['export']}`\n",
-        "| metric | last window |",
-        "|---|---:|",
-        *(f"| {k} | {v:.4g} |" for k, v in m.items()),
-    ]
-    if plan and i < len(plan["stages"]) and plan["stages"][i]["resolution"] == res:
-        p = plan["stages"][i]
-        lines += [
-            "\n### Plan vs actual (`kiln plan`)\n",
-            "| | planned | actual |",
-            "|---|---:|---:|",
-            f"| img/s | {p['img_per_s']:.4g} | {m.get('samples_per_s', float('nan')):.4g} |",
-            f"| GPU-hours | {p['gpu_hours']:.4g} | {m.get('gpu_hours', float('nan')):.4g} |",
-            f"| cost $ | {p['cost_usd']:.4g} | {m.get('cost_usd', float('nan')):.4g} |",
-        ]
-    return "\n".join(lines)
-
-
 @flow(name="kiln-train", log_prints=True)
 def train_flow(
     config_path: str,
@@ -123,24 +111,44 @@ def train_flow(
     """Train every stage and export a StableDiffusionPipeline per stage.
 
     Args:
-        config_path: Pipeline YAML.
+        config_path: Pipeline YAML; a resumed run uses its own snapshot instead.
         root: Overrides `storage.root`.
         dataset_version: Shards to train on; default the newest.
         run_id: Resume this run; default a new `run-<UTC timestamp>`.
     """
     cfg = load_config(config_path, root=root)
-    check_inputs(cfg, ("train",))
     layout = Layout(Path(cfg.storage.root))
+    run_id = run_id or new_run_id()
+    snapshot = layout.run_config(run_id)
+    if snapshot.is_file():  # a resumed run (or the pipeline's) keeps the config it started with
+        cfg = run_config(cfg, snapshot, get_run_logger())
+    check_inputs(cfg, ("train",))
     version = dataset_version or layout.latest("shards", "train")
-    run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+    if not snapshot.is_file():
+        write_snapshot(cfg, snapshot)
     record = _run_record(cfg, layout, run_id, version)
     if record["dataset_version"] != version and dataset_version is not None:
         raise ValueError(
             f"run {run_id} trains on {record['dataset_version']}, not {dataset_version}: "
             "start a new run to train on other data"
         )
-    version = record["dataset_version"]  # a resumed run keeps its own data
     layout.set_latest("runs", run_id)
+    mark_training_run(cfg.tracking_uri, record["mlflow_run_id"], "RUNNING")  # also a resume
+    try:
+        _train_stages(cfg, layout, record)
+    except BaseException as e:  # cancellation and interrupts too: never leave it RUNNING
+        status = "FAILED" if isinstance(e, Exception) else "KILLED"
+        # Plain call: a cancelled flow run may no longer start task runs.
+        mark_training_run.fn(cfg.tracking_uri, record["mlflow_run_id"], status)
+        raise
+    mark_training_run(cfg.tracking_uri, record["mlflow_run_id"], "FINISHED")
+    return record
+
+
+def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
+    """Pre-flight check, publish, then each stage in order; fills `record` and run.json."""
+    run_id = record["run_id"]
+    version = record["dataset_version"]  # a resumed run keeps its own data
     init_from: str | None = None
     manifest: dict = {}
     plan_path = layout.root / "runs" / "plan.json"  # written by `kiln plan`
@@ -165,6 +173,7 @@ def train_flow(
     if cfg.shards.remote:  # idempotent: makes sure every version trained on is published
         for v in dict.fromkeys([version, *(m.dataset_version for m in cfg.train.mix)]):
             publish_shards(cfg.storage.root, v, cfg.shards.remote, cfg.storage.endpoint_url)
+    previous = None  # the last stage's future: each stage waits on it, so the graph shows the order
     for i, stage in enumerate(cfg.train.stages):
         out = layout.stage(run_id, stage.resolution)
         # Precomputed latents for these encoders, when the shard step wrote them.
@@ -185,19 +194,25 @@ def train_flow(
             mlflow_run_id=record["mlflow_run_id"],
             gpu_hour_usd=cfg.launch.gpu_hour_usd,
         )
-        manifest = launch_stage.with_options(
+        previous = launch_stage.with_options(
             name=f"train-{stage.resolution}px",
             retries=cfg.launch.max_restarts,
             retry_delay_seconds=2,
-        )(run, cfg.launch.accelerate_config, cfg.launch.num_processes, cfg.launch.hang_timeout_s)
+        ).submit(
+            run,
+            cfg.launch.accelerate_config,
+            cfg.launch.num_processes,
+            cfg.launch.hang_timeout_s,
+            wait_for=[previous] if previous is not None else None,
+        )
+        manifest = previous.result()
         raw = out / "final-raw"
         init_from = str(raw if cfg.train.init_from == "raw" and raw.is_dir() else out / "final")
         record["stages"][str(stage.resolution)] = manifest
         create_markdown_artifact(
             key=f"stage-{stage.resolution}",
             description=f"{run_id} stage {stage.resolution}px",
-            markdown=_stage_summary(run_id, i, stage.resolution, manifest, plan),
+            markdown=stage_report(run_id, i, stage.resolution, manifest, plan),
         )
     record["export"] = manifest["export"]
     (layout.run(run_id) / "run.json").write_text(json.dumps(record, indent=2))
-    return record

@@ -1,9 +1,11 @@
 """Atomic, resumable checkpoints on top of `accelerator.save_state`.
 
 A checkpoint is `checkpoints/step-NNNNNNNN/`: Accelerate's state (model, optimizer, LR
-scheduler, registered objects such as EMA, per-rank RNG) plus `kiln_state.json` (step and the
-streaming loader state). It is written under a temporary name and renamed only when complete,
-and `kiln_state.json` is the last file written, so a folder without it is never resumed from.
+scheduler, registered objects such as EMA, per-rank RNG) plus `kiln_state.json` (step, the
+streaming loader state, and the training script's own extras: the loss history and the last
+logged metrics, which the manifest needs even when a launch resumes at the last step). It is
+written under a temporary name and renamed only when complete, and `kiln_state.json` is the
+last file written, so a folder without it is never resumed from.
 """
 
 from __future__ import annotations
@@ -59,6 +61,6 @@ def save_checkpoint(
 
 
 def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
-    """Restore Accelerate's state from `path` and return the Kiln state (step, loader)."""
+    """Restore Accelerate's state from `path` and return the Kiln state (step, loader, extras)."""
     accelerator.load_state(str(path))
     return json.loads((path / STATE_FILE).read_text())

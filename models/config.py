@@ -1,30 +1,53 @@
-"""Typed schema for the `train` section and for the resolved per-stage file.
+"""The config schema: every pipeline section, and the resolved per-stage file.
 
-The training script reads one `stage.yaml` (a :class:`StageRun`) and nothing else. It lives
-here, below `flows/`, so that `models.train` never imports the orchestrator.
+One home for the schema, below every layer that reads it: `flows/` composes the sections into
+the pipeline config (with `quality`, whose schema is `data_quality.rules.QualityConfig`),
+`tasks/` reads sections, and the training script reads one `stage.yaml` (a :class:`StageRun`)
+and nothing else, so `models.train` never imports the orchestrator.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "Component",
     "ConfigError",
     "EMAConfig",
+    "EvaluateConfig",
+    "ExecutionConfig",
     "FaultInjection",
+    "IngestConfig",
+    "LaunchConfig",
     "ModelConfig",
+    "RegistryConfig",
+    "ShardsConfig",
     "StageConfig",
     "StageRun",
+    "StorageConfig",
     "StreamMix",
+    "Strict",
     "TokenizerConfig",
     "TrainConfig",
     "format_validation_error",
+    "is_remote",
     "load_yaml_model",
+    "redact_uri",
+    "stable_hash",
 ]
 
 
@@ -33,7 +56,39 @@ class ConfigError(ValueError):
 
 
 class Strict(BaseModel):
+    """Base of every config section: an unknown key is an error, never silently ignored."""
+
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+def stable_hash(obj: Any, n: int = 16) -> str:
+    """The first `n` hex digits of the SHA-256 of `obj` as canonical JSON (sorted keys).
+
+    The identity of settings, configs and encoders: equal values give equal hashes in any
+    process and on any machine.
+    """
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:n]
+
+
+def is_remote(uri: str) -> bool:
+    """Whether `uri` names a scheme (s3://, http://...) rather than a local path."""
+    return "://" in uri
+
+
+def redact_uri(uri: str) -> str:
+    """`uri` with the password of its userinfo masked, for anything shown or logged.
+
+    Tracking URIs can hold database credentials (`postgresql://user:secret@host/db`).
+    """
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 class Component(Strict):
@@ -176,13 +231,23 @@ class TrainConfig(Strict):
 
 
 class FaultInjection(Strict):
-    """Test seam for crash and hang handling. Each fault fires once per stage folder (a marker
-    file remembers it), so the relaunch that follows runs through."""
+    """Test seams for crash, hang, divergence and desync handling. A kill or stall fires once
+    per stage folder (a marker file remembers it), so the relaunch that follows runs through;
+    `nan_at_step` and `desync_rank` act on every launch, as a real divergence or desync would."""
 
     kill_at_steps: list[int] = Field(
         default_factory=list, description="SIGKILL the process right after these steps."
     )
     stall_at_step: int | None = Field(None, description="Hang (stop heartbeating) at this step.")
+    nan_at_step: int | None = Field(
+        None, ge=1, description="Make the loss NaN at this optimizer step (a divergence)."
+    )
+    kill_in_export: list[
+        Literal["after_raw", "after_final_tmp", "after_final", "after_manifest_tmp"]
+    ] = Field(default_factory=list, description="SIGKILL the main process at these export points.")
+    desync_rank: int | None = Field(
+        None, ge=0, description="Perturb this rank's UNet weights right before the export."
+    )
 
 
 class StageRun(Strict):
@@ -236,6 +301,145 @@ class StageRun(Strict):
                 f"stage_index {self.stage_index} out of range for {len(self.train.stages)} stages"
             )
         return self
+
+
+# -- pipeline sections (composed into the pipeline config by `flows.config`) ----------------
+
+
+class StorageConfig(Strict):
+    root: str = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2...).")
+
+    @field_validator("root")
+    @classmethod
+    def _root(cls, v: str) -> str:
+        if is_remote(v):
+            # Sources may be s3://; the root (catalog, shards, runs) is a local or mounted
+            # folder for now.
+            raise ValueError("storage.root must be a local (or mounted) folder")
+        return v
+
+
+class IngestConfig(Strict):
+    source: str | None = Field(None, description="Local folder or s3://bucket/prefix.")
+    layout: Literal["auto", "imagefolder", "img2dataset", "webdataset"] = Field(
+        "auto", description="Source layout; auto detects it from the listing."
+    )
+    metadata_file: str | None = Field(
+        None, description="imagefolder manifest; default metadata.jsonl, .csv or .parquet."
+    )
+    caption_column: str = "text"
+    metadata_columns: list[str] = Field(
+        default_factory=list,
+        description="Pass-through columns kept in the catalog (license, contributor, ...).",
+    )
+    image_extensions: list[str] = Field(
+        default_factory=lambda: [".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"]
+    )
+    workers: int = Field(0, ge=0, description="Decode processes; 0 means one per CPU core.")
+    max_pixels: int = Field(
+        89_478_485, gt=0, description="Images over this pixel count are quarantined unread."
+    )
+    partition_size: int = Field(1000, gt=0, description="Items per decode task.")
+
+
+class ExecutionConfig(Strict):
+    dask_address: str | None = Field(
+        None, description="Dask scheduler (tcp://host:8786) for ingest partitions; else local."
+    )
+
+
+class ShardsConfig(Strict):
+    min_side_factor: float = Field(
+        1.0, gt=0, description="A stage takes images whose short side >= resolution * factor."
+    )
+    jpeg_quality: int = Field(90, ge=1, le=100, description="JPEG or WebP quality.")
+    image_format: Literal["jpeg", "webp", "png"] = Field("jpeg", description="Stored encoding.")
+    partition_size: int = Field(2000, gt=0, description="Images per conversion task.")
+    size_limit: int = Field(1 << 26, gt=0, description="Bytes per MDS shard before a new one.")
+    workers: int = Field(0, ge=0, description="Resize processes; 0 means one per CPU core.")
+    token_ids: bool = Field(
+        True,
+        description="Store each caption's token ids (the model's tokenizer) in the image shards, "
+        "so the loader does not tokenize; the tokenizer becomes part of the dataset version.",
+    )
+    precompute: bool = Field(
+        False, description="Also write VAE latents and text states per stage (models.precompute)."
+    )
+    precompute_text: bool = Field(
+        True, description="With precompute: store text-encoder states (else token ids only)."
+    )
+    aspect_buckets: bool = Field(
+        False,
+        description="SDXL-style aspect-ratio buckets instead of centre crops for bucket_stages; "
+        "each bucket is its own stream, and every batch comes from one bucket.",
+    )
+    bucket_stages: list[int] | None = Field(
+        None, description="Stage resolutions that use buckets; default the largest stage."
+    )
+    bucket_step: int = Field(
+        64, gt=0, description="Bucket sides are multiples of this (64 for SD2: VAE x UNet)."
+    )
+    bucket_max_aspect: float = Field(2.0, ge=1.0, description="Widest aspect ratio either way.")
+    remote: str | None = Field(
+        None,
+        description="s3://bucket/prefix (or a shared folder) to publish dataset versions to; "
+        "training then streams them from there through cache_dir.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Local cache of streamed shards on each training machine (fast local "
+        "disk); default <root>/cache.",
+    )
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v and not v.startswith("s3://"):
+            raise ValueError(f"must be s3://bucket/prefix or a folder (received {v!r})")
+        if v is not None and v.startswith("s3://") and not v[5:].split("/")[0]:
+            raise ValueError(f"names no bucket (received {v!r})")
+        return v.rstrip("/") if v else v
+
+
+class EvaluateConfig(Strict):
+    prompts_csv: str | None = Field(
+        None,
+        description="CSV with columns Prompts,Category. Unset: KILN_DRAWBENCH_CSV, else the 200 "
+        "DrawBench prompts fetched once from the Hugging Face Hub (tasks/prompts.py).",
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    num_inference_steps: int = Field(25, gt=0)
+    guidance_scale: float = Field(7.5, ge=0)
+    batch_size: int = Field(8, gt=0)
+    limit: int | None = Field(None, gt=0, description="Use only the first N prompts.")
+
+
+class RegistryConfig(Strict):
+    tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
+    experiment: str = "kiln"
+    model_name: str = "kiln-t2i"
+    alias: str = "candidate"
+
+
+class LaunchConfig(Strict):
+    accelerate_config: str = Field(
+        "configs/accelerate/single.yaml", description="Accelerate topology YAML."
+    )
+    num_processes: int | None = Field(None, gt=0, description="Override the topology's count.")
+    max_restarts: int = Field(2, ge=0, description="Relaunches (resuming) after a crash.")
+    hang_timeout_s: float = Field(
+        900, gt=0, description="Kill a launch whose heartbeat is older than this (a hang)."
+    )
+    gpu_hour_usd: float = Field(
+        0.0, ge=0, description="Price of one device-hour; 0 reports GPU-hours without cost."
+    )
+    health_check: bool = Field(
+        True, description="Pre-flight check (GPUs, all-reduce, disk, storage) before launches."
+    )
+    health_timeout_s: float = Field(
+        300, gt=0, description="Longest the pre-flight all-reduce launch may take."
+    )
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

@@ -30,9 +30,10 @@ from streaming import MDSWriter, StreamingDataset
 from streaming.base.util import merge_index
 
 from models.config import StageRun, load_yaml_model
-from models.data import dataset_buckets, decode_pixels
+from models.decoding import decode_pixels
 from models.factory import build_components
-from models.leftovers import clean_stale_streaming
+from models.loader import dataset_buckets
+from models.stale_streaming_files import clean_stale_streaming
 
 __all__ = ["LATENT_COLUMNS", "encode_batch", "main"]
 

@@ -7,7 +7,16 @@ The stage file (a resolved :class:`models.config.StageRun`) is the only input. T
 resumes from the newest complete checkpoint in `<output_dir>/checkpoints/` by itself, so a
 crashed launch is restarted with the same command. When done it exports a diffusers
 `StableDiffusionPipeline` to `<output_dir>/final/` (EMA weights when EMA is on) and writes
-`<output_dir>/manifest.json`. If `final/` already exists the stage is complete and it exits.
+`<output_dir>/manifest.json` last. `manifest.json` is the only completion marker: if it
+exists the stage is complete and the script exits; a launch killed anywhere in the export
+(a stale `final/` or temporary folders) redoes the export on relaunch.
+
+A diverged stage fails and stays failed. When a logged (rank-averaged) window loss or an
+optimizer step's gradient norm is non-finite, the script writes `<output_dir>/DIVERGED.json`
+(the step, the last finite loss and the message), exits non-zero, and exports nothing and
+checkpoints nothing of the diverged state. Every relaunch (a Prefect retry) then fails at once
+with the same message, before it resumes anything. To train the stage again, fix the cause
+(a lower learning rate, say) and delete `DIVERGED.json` (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -17,12 +26,11 @@ import copy
 import json
 import logging
 import math
-import os
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -33,23 +41,44 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel, compute_snr
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from models.collation import device_pixels
 from models.config import StageRun, load_yaml_model
-from models.data import build_loader, device_pixels, normalize_pixels, precomputed_columns
+from models.decoding import normalize_pixels
 from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
-from models.leftovers import clean_stale_streaming
+from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
+from models.flops import device_peak_flops, device_stats, train_flops_per_sample
+from models.loader import build_loader, precomputed_columns
 from models.metrics import MetricsSink
-from models.perf import device_peak_flops, device_stats, train_flops_per_sample
+from models.stale_streaming_files import clean_stale_streaming
 
-__all__ = ["build_dataloader", "build_models", "main", "save_and_export", "train_loop"]
+__all__ = [
+    "DIVERGED",
+    "TrainingDiverged",
+    "build_dataloader",
+    "build_models",
+    "check_identical_weights",
+    "diffusion_target",
+    "main",
+    "min_snr_weight",
+    "save_and_export",
+    "train_loop",
+]
 
 log = logging.getLogger("kiln.train")
+DIVERGED = "DIVERGED.json"  # in the stage folder: the stage diverged and stays failed
+
+
+class TrainingDiverged(FloatingPointError):
+    """The loss or the gradient norm went non-finite. The message names the step and the last
+    finite loss; `<output_dir>/DIVERGED.json` keeps it for every relaunch."""
 
 
 @dataclass
 class TrainState:
     step: int = 0
     loader_state: dict | None = None
-    losses: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # logged window means, over all launches
+    last_log_step: int = 0  # the step of losses[-1]
     elapsed_s: float = 0.0  # training wall time over every launch of the stage (logged windows)
 
 
@@ -115,27 +144,14 @@ def build_dataloader(run: StageRun, comps: Components):
         local, remote = run.shards_cache, run.shards_remote
         mix = [(cache, p, rem) for (_, p), cache, rem
                in zip(mix, run.mix_caches, run.mix_remotes, strict=True)]  # fmt: skip
-    return build_loader(
-        local,
-        comps.tokenizer,
-        run.stage.resolution,
-        run.stage.batch_size,
-        shuffle_seed=cfg.shuffle_seed + run.stage_index,
-        seed=cfg.seed,
-        caption_dropout=cfg.caption_dropout,
-        hflip=cfg.hflip,
-        num_workers=cfg.num_workers,
-        remote=remote,
-        mix=mix,
-        shuffle_algo=cfg.shuffle_algo,
-        predownload=cfg.predownload,
-        cache_limit=cfg.cache_limit,
-    )
+    return build_loader(cfg, local, comps.tokenizer, run.stage.resolution, run.stage.batch_size,
+                        stage_index=run.stage_index, remote=remote, mix=mix)  # fmt: skip
 
 
-def _loss(
-    comps: Components, batch: dict, weight_dtype: torch.dtype, device, cfg=None
-) -> torch.Tensor:
+def _encode(
+    comps: Components, batch: dict, weight_dtype: torch.dtype, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch's scaled VAE latents and text-encoder states (frozen encoders, no gradients)."""
     scale = comps.vae.config.scaling_factor
     with torch.no_grad():
         if "latent_mean" in batch:
@@ -159,27 +175,57 @@ def _loss(
                     "", padding="max_length", max_length=comps.tokenizer.model_max_length,
                     return_tensors="pt",
                 ).input_ids.to(device)  # fmt: skip
-                encoder_hidden[drop] = comps.text_encoder(empty)[0].to(weight_dtype)
+                empty_hidden = comps.text_encoder(empty)[0].to(weight_dtype)
+                # Not an in-place write: `.to` may return the batch's own tensor.
+                encoder_hidden = torch.where(drop[:, None, None], empty_hidden, encoder_hidden)
         else:
             ids = batch["input_ids"].to(device, non_blocking=True)
             encoder_hidden = comps.text_encoder(ids)[0]
+    return latents, encoder_hidden
+
+
+def diffusion_target(sched, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
+    """What the UNet learns to predict: the noise (epsilon) or the velocity (v-prediction).
+
+    Raises:
+        ValueError: for another `prediction_type` of the noise scheduler.
+    """
+    kind = sched.config.prediction_type
+    if kind == "v_prediction":  # v = sqrt(alpha_bar) * noise - sqrt(1 - alpha_bar) * x0
+        return sched.get_velocity(latents, noise, t)
+    if kind == "epsilon":
+        return noise
+    raise ValueError(
+        f"train.model.noise_scheduler.prediction_type {kind!r} is not supported: "
+        "use 'epsilon' or 'v_prediction'"
+    )
+
+
+def min_snr_weight(sched, t: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Min-SNR-gamma weights (Hang et al. 2023), one per sample: min(SNR, gamma) / SNR for
+    epsilon, / (SNR + 1) for v-prediction, so that easy low-noise steps stop dominating."""
+    snr = compute_snr(sched, t)
+    v_pred = sched.config.prediction_type == "v_prediction"
+    return torch.clamp(snr, max=gamma) / (snr + 1 if v_pred else snr)
+
+
+def _loss(
+    comps: Components, batch: dict, weight_dtype: torch.dtype, device, cfg=None
+) -> torch.Tensor:
+    """The denoising loss of one micro-batch: fresh noise and timesteps from the global RNG."""
+    latents, encoder_hidden = _encode(comps, batch, weight_dtype, device)
     noise = torch.randn_like(latents)
     sched = comps.noise_scheduler
     t = torch.randint(0, sched.config.num_train_timesteps, (latents.shape[0],), device=device)
     noisy = sched.add_noise(latents, noise, t)
-    v_pred = sched.config.prediction_type == "v_prediction"
-    target = sched.get_velocity(latents, noise, t) if v_pred else noise
+    target = diffusion_target(sched, latents, noise, t)
     if cfg is not None and cfg.channels_last:
         noisy = noisy.contiguous(memory_format=torch.channels_last)
     pred = comps.unet(noisy, t, encoder_hidden).sample
     if cfg is None or cfg.snr_gamma is None:
         return F.mse_loss(pred.float(), target.float())
-    # Min-SNR-gamma (Hang et al. 2023): weight each timestep by min(SNR, gamma) / SNR (eps) or
-    # / (SNR + 1) (v), so that easy low-noise steps stop dominating the gradient.
-    snr = compute_snr(sched, t)
-    weight = torch.clamp(snr, max=cfg.snr_gamma) / (snr + 1 if v_pred else snr)
     per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-    return (per_sample * weight).mean()
+    return (per_sample * min_snr_weight(sched, t, cfg.snr_gamma)).mean()
 
 
 def train_loop(
@@ -200,6 +246,11 @@ def train_loop(
         saved = load_checkpoint(accelerator, resume)
         state.step, state.loader_state = saved["step"], saved["loader"]
         state.elapsed_s = saved.get("elapsed_s", 0.0)
+        # The loss history and the last window's metrics feed the manifest (final loss, plan
+        # vs actual); a launch that resumes at max_steps logs nothing new.
+        state.losses = list(saved.get("losses", []))
+        state.last_log_step = saved.get("last_log_step", 0)
+        sink.last = dict(saved.get("metrics", {}))
         loader.load_state_dict(state.loader_state)
         log.info("resumed from %s at step %d", resume, state.step)
         sink.event("resumed", step=state.step, checkpoint=str(resume))
@@ -211,7 +262,7 @@ def train_loop(
     samples_per_step = (
         stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
     )
-    grad_norm = float("nan")
+    grad_norm, norm_known = float("nan"), False
     # Per logging window: wall time, data wait, loss sum, micro-batches, optimizer steps.
     t_last, wait_s, loss_sum, loss_n, window_steps = time.perf_counter(), 0.0, 0.0, 0, 0
     empty_epochs = 0
@@ -223,10 +274,12 @@ def train_loop(
             wait_s += time.perf_counter() - t_fetch
             with accelerator.accumulate(comps.unet):
                 loss = _loss(comps, batch, weight_dtype, accelerator.device, cfg)
+                loss = nan_loss(run.faults, state.step + 1, loss)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     norm = accelerator.clip_grad_norm_(comps.unet.parameters(), cfg.max_grad_norm)
-                    grad_norm = float(norm) if norm is not None else float("nan")
+                    norm_known = norm is not None
+                    grad_norm = float(norm) if norm_known else float("nan")
                 optimizer.step()
                 lr_scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -240,7 +293,16 @@ def train_loop(
                 state.step += 1
                 window_steps += 1
                 sink.heartbeat(state.step)
-                if state.step % cfg.log_every == 0 or state.step == stage.max_steps:
+                # The norm is of the all-reduced gradients (FSDP: a global norm), so every rank
+                # agrees, and float(norm) above already waited for it: a check per step at no
+                # extra sync. A NaN loss on any rank makes it NaN, and the weights with it.
+                # fp16's loss scaler skips an overflowing step by itself: not a divergence.
+                diverged = None
+                skipped = accelerator.optimizer_step_was_skipped
+                if norm_known and not math.isfinite(grad_norm) and not skipped:
+                    diverged = f"gradient norm {grad_norm}"
+                log_now = state.step % cfg.log_every == 0 or state.step == stage.max_steps
+                if log_now:
                     mean_loss = accelerator.reduce(
                         torch.tensor(loss_sum / loss_n, device=accelerator.device), "mean"
                     ).item()
@@ -264,19 +326,27 @@ def train_loop(
                         cost_usd=dev_hours * run.gpu_hour_usd,
                         **device_stats(accelerator.device),
                     )
-                    state.losses.append(mean_loss)
                     t_last, wait_s, loss_sum, loss_n, window_steps = now, 0.0, 0.0, 0, 0
+                    # Reduced across ranks: every rank takes the same branch.
+                    if not math.isfinite(mean_loss):
+                        diverged = f"window loss {mean_loss}"
+                    else:
+                        state.losses.append(mean_loss)
+                        state.last_log_step = state.step
+                if diverged is not None:  # before the checkpoint: the NaN state is never saved
+                    _diverge(accelerator, out, sink, state, diverged)
                 if checkpoints and (
                     state.step % cfg.checkpoint_every == 0 or state.step == stage.max_steps
                 ):
-                    save_checkpoint(
-                        accelerator,
-                        ckpt_root,
-                        state.step,
-                        {"loader": loader.state_dict(), "elapsed_s": state.elapsed_s},
-                        cfg.keep_checkpoints,
-                    )
-                _inject_faults(run, state.step, out)
+                    extra = {
+                        "loader": loader.state_dict(),
+                        "elapsed_s": state.elapsed_s,
+                        "losses": state.losses,
+                        "last_log_step": state.last_log_step,
+                        "metrics": sink.last,
+                    }
+                    save_checkpoint(accelerator, ckpt_root, state.step, extra, cfg.keep_checkpoints)
+                step_fault(run.faults, state.step, out)
                 if state.step >= stage.max_steps:
                     break
             t_fetch = time.perf_counter()
@@ -328,36 +398,86 @@ def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, si
     return perf
 
 
-def _inject_faults(run: StageRun, step: int, out: Path) -> None:
-    """Fire a configured fault once: a SIGKILL (crash) or an endless stall (hang)."""
-    f = run.faults
-    if step not in f.kill_at_steps and step != f.stall_at_step:
-        return
-    marker = out / f".fault-fired-{step}"
-    if marker.exists():
-        return
-    marker.touch()
-    log.warning("fault injection at step %d", step)
-    if step == f.stall_at_step:
-        while True:  # a hang: no more heartbeats until the watchdog kills us
-            time.sleep(3600)
-    os.kill(os.getpid(), signal.SIGKILL)
+def _diverge(accelerator: Accelerator, out: Path, sink, state: TrainState, what: str) -> NoReturn:
+    """Mark the stage failed (DIVERGED.json, written atomically) and raise on every rank."""
+    if state.losses:
+        last = f"last finite loss {state.losses[-1]!r} (step {state.last_log_step})"
+    else:
+        last = "no finite loss was logged before it"
+    msg = (
+        f"training diverged at step {state.step}: {what}; {last}. Nothing was exported and "
+        f"the diverged state was not checkpointed. Every relaunch fails with this message "
+        f"until {out / DIVERGED} is deleted: fix the cause (a lower learning rate, say) first."
+    )
+    if accelerator.is_main_process:
+        record = {
+            "step": state.step,
+            "cause": what,
+            "last_finite_loss": state.losses[-1] if state.losses else None,
+            "last_finite_step": state.last_log_step if state.losses else None,
+            "message": msg,
+        }
+        tmp = out / f".{DIVERGED}.tmp"
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(out / DIVERGED)
+        sink.event("diverged", step=state.step, message=msg)
+    log.error(msg)
+    # Every rank got here at the same step (see train_loop): wait for the marker, so that a
+    # rank raising first cannot have the launcher tear the main process down before it.
+    accelerator.wait_for_everyone()
+    raise TrainingDiverged(msg)
 
 
 def _param_checksum(module: torch.nn.Module) -> float:
     return float(sum(p.detach().double().sum().item() for p in module.parameters()))
 
 
+def check_identical_weights(checksums: list[float]) -> None:
+    """Raise unless every DDP rank's weight checksum is the same, bit for bit.
+
+    Exact, not within a tolerance: DDP starts every rank from rank 0's weights and all-reduces
+    the gradients, so each rank applies the same update to the same values and the same
+    float64 sum over them gives the same bits. Any difference means a rank trained apart.
+
+    Raises:
+        RuntimeError: naming each rank's checksum.
+    """
+    if any(c != checksums[0] for c in checksums):  # NaN != NaN: NaN weights fail too
+        ranks = ", ".join(f"rank {i}: {c!r}" for i, c in enumerate(checksums))
+        raise RuntimeError(
+            f"the {len(checksums)} ranks hold different UNet weights at export ({ranks}); "
+            "DDP keeps them identical, so a rank trained apart from the others. Nothing was "
+            "exported."
+        )
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    # A kill between the two leaves `src` only; the relaunch rewrites it and comes back here.
+    shutil.rmtree(dst, ignore_errors=True)
+    src.rename(dst)
+
+
 def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
-    """Export the pipeline (EMA weights when enabled) to final/, and the raw UNet beside it."""
+    """Export the pipeline (EMA weights when enabled) to final/, the raw UNet beside it, and
+    manifest.json last. Crash-safe at every point: folders are written under a temporary name
+    and replace any stale copy; the manifest is renamed into place, and is the only marker of
+    a complete stage, so a launch killed mid-export just exports again.
+
+    Raises:
+        RuntimeError: when DDP ranks hold different weights (nothing is exported).
+    """
     out = Path(run.output_dir)
     accelerator.wait_for_everyone()
     unet = accelerator.unwrap_model(comps.unet)
+    perturb_weights(run.faults, unet, accelerator.process_index)
     # Every rank reports a checksum of its weights: DDP must have kept them identical.
     sums = accelerator.gather(
         torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64)
     )
+    checksums = [float(x) for x in sums.cpu().tolist()]
     fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if not fsdp:  # FSDP ranks hold different shards; every rank checks, so all raise together
+        check_identical_weights(checksums)
     # Under FSDP each rank holds shards: gather the full state dict (a collective, so every
     # rank calls it) and rebuild a plain UNet from it on the main process.
     full_state = accelerator.get_state_dict(comps.unet) if fsdp else None
@@ -374,8 +494,8 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
         raw_tmp = out / ".final-raw.tmp"
         shutil.rmtree(raw_tmp, ignore_errors=True)
         unet.save_pretrained(raw_tmp / "unet")
-        shutil.rmtree(out / "final-raw", ignore_errors=True)
-        raw_tmp.rename(out / "final-raw")
+        _replace_dir(raw_tmp, out / "final-raw")
+        kill_in_export(run.faults, "after_raw", out)
     pipe = StableDiffusionPipeline(
         vae=comps.vae.to(torch.float32),
         text_encoder=comps.text_encoder.to(torch.float32),
@@ -389,7 +509,9 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
     tmp = out / ".final.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp)
-    tmp.rename(out / "final")
+    kill_in_export(run.faults, "after_final_tmp", out)
+    _replace_dir(tmp, out / "final")
+    kill_in_export(run.faults, "after_final", out)
     manifest = {
         "resolution": run.stage.resolution,
         "final_step": state.step,
@@ -399,11 +521,14 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
         else str(out / "final" / "unet"),
         "ema": ema is not None,
         "num_processes": accelerator.num_processes,
-        "param_checksums": [float(x) for x in sums.cpu().tolist()],
+        "param_checksums": checksums,
         "losses": state.losses,
         "metrics": sink.last,
     }
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    manifest_tmp = out / ".manifest.json.tmp"
+    manifest_tmp.write_text(json.dumps(manifest, indent=2))
+    kill_in_export(run.faults, "after_manifest_tmp", out)
+    manifest_tmp.replace(out / "manifest.json")
     log.info("exported %s", out / "final")
 
 
@@ -416,6 +541,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run: StageRun = load_yaml_model(StageRun, args.config)
     out = Path(run.output_dir)
+    if (out / DIVERGED).is_file():  # checked first: a diverged stage never becomes a success
+        raise TrainingDiverged(json.loads((out / DIVERGED).read_text())["message"])
     if (out / "manifest.json").is_file():
         log.info("stage %dpx already complete: %s", run.stage.resolution, out / "final")
         return
@@ -430,7 +557,8 @@ def main(argv: list[str] | None = None) -> None:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     # A killed earlier launch may have left streaming's shared memory and lock files behind
-    # (models/leftovers.py). One process per machine removes those no live process holds.
+    # (models/stale_streaming_files.py). One process per machine removes those no live
+    # process holds.
     if accelerator.is_local_main_process:
         clean_stale_streaming()
     accelerator.wait_for_everyone()
@@ -452,8 +580,6 @@ def main(argv: list[str] | None = None) -> None:
     save_and_export(run, accelerator, comps, ema, state, sink)
     accelerator.wait_for_everyone()
     accelerator.end_training()
-    if not math.isfinite(state.losses[-1] if state.losses else 0.0):
-        raise FloatingPointError(f"training diverged: final loss {state.losses[-1]}")
 
 
 if __name__ == "__main__":

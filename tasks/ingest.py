@@ -17,6 +17,11 @@ nothing and adds no rows.
 Listing and decoding run as Prefect tasks over partitions: the top-level folders of the
 source, and then chunks of `partition_size` items. Locally the decode tasks share a process
 pool; with `dask_address` they run on a Dask cluster through prefect-dask's DaskTaskRunner.
+
+`ingest_source` runs the phases in order: list the source and compare it with the view
+(`_plan_run`), decode the new and changed items (`_decode`), merge this run's rows into the
+view (`_run_rows`, `_merge_view`), count them (`_summarize`), and write the catalog folder
+(`write_catalog_dir`).
 """
 
 from __future__ import annotations
@@ -25,32 +30,43 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import shutil
 from collections import Counter
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.catalog_view import (
+    ACCEPTED_COLUMNS,
+    QUARANTINE_COLUMNS,
+    frame_rows,
+    merge_view,
+    read_view,
+    write_catalog_dir,
+)
 from tasks.inspect import InspectOptions, inspect_item
 from tasks.layout import Layout
 from tasks.logs import task_logger
 from tasks.runners import partition_runner
 from tasks.sources import (
-    CATALOG_COLUMNS,
     LAYOUTS,
     MANIFEST_NAMES,
     Item,
+    Manifest,
     detect_layout,
     plan_items,
     read_manifest,
 )
 from tasks.storage import ObjectInfo, Storage
+
+if TYPE_CHECKING:  # the schema's home; annotations only, nothing imported at run time
+    from models.config import IngestConfig
 
 __all__ = [
     "ACCEPTED_COLUMNS",
@@ -61,11 +77,6 @@ __all__ = [
     "list_partition",
     "read_view",
 ]
-
-ACCEPTED_COLUMNS = CATALOG_COLUMNS
-QUARANTINE_COLUMNS = [
-    "key", "source", "reason", "detail", "step", "unit", "unit_version", "ingest_id",
-]  # fmt: skip
 
 
 @dataclass
@@ -112,21 +123,105 @@ def decode_partition(
     return [r for recs in results for r in recs]
 
 
-def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.DataFrame, int]:
-    """(accepted, quarantine, ingest_seq) of the view after `ingest_id`; empty when None."""
-    if ingest_id is None:
-        return (
-            pd.DataFrame(columns=ACCEPTED_COLUMNS),
-            pd.DataFrame(columns=QUARANTINE_COLUMNS),
-            0,
-        )
-    cat = layout.catalog(ingest_id)
-    summary = json.loads((cat / "summary.json").read_text())
-    return (
-        pd.read_parquet(cat / "view_accepted.parquet"),
-        pd.read_parquet(cat / "view_quarantine.parquet"),
-        int(summary.get("ingest_seq", 0)),
-    )
+def ingest_source(
+    cfg: IngestConfig,
+    root: str,
+    *,
+    endpoint_url: str | None = None,
+    dask_address: str | None = None,
+) -> IngestResult:
+    """Catalog what is new or changed under `cfg.source` and update the current view.
+
+    Must run where Prefect tasks can run (inside a flow, or standalone). Returns the run's
+    counts; `reused` is true when nothing changed, and then no ingest id is created.
+
+    Args:
+        cfg: The `ingest` config section (source, layout, manifest, extensions, limits).
+        root: The storage root; the catalog goes to `<root>/catalog/<ingest_id>/`.
+        endpoint_url: S3-compatible endpoint for an s3:// source.
+        dask_address: Run the listing and decode tasks on this Dask scheduler.
+    """
+    log = task_logger(__name__)
+    store = _open_source(cfg, endpoint_url)
+    cat_layout = Layout(Path(root))
+    n_workers = cfg.workers or os.cpu_count() or 1
+    with ExitStack() as stack:
+        runner = stack.enter_context(partition_runner(n_workers, dask_address))
+        listing = _list_source(store, runner, endpoint_url)
+        plan = _plan_run(store, listing, cfg, cat_layout)
+        if plan.ingest_id is None:
+            log.info("source %s unchanged since %s: nothing to decode", plan.src, plan.previous)
+            return _result_for(plan.previous, plan.src, plan.layout, plan.view_acc, plan.view_q,
+                               plan.prev_summary, reused=True)  # fmt: skip
+        log.info(
+            "ingest %s (%s layout): %d items listed, %d new or changed, %d removed; decoding "
+            "in partitions of %d on %s",
+            plan.ingest_id, plan.layout, plan.listed, len(plan.todo), len(plan.removed),
+            cfg.partition_size,
+            "Dask " + dask_address if dask_address else f"{n_workers} processes",
+        )  # fmt: skip
+        opts = InspectOptions(plan.src, endpoint_url, cfg.max_pixels,
+                              tuple(cfg.metadata_columns), tuple(cfg.image_extensions))  # fmt: skip
+        pool = None
+        if not dask_address and plan.todo:
+            # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
+            pool = stack.enter_context(ProcessPoolExecutor(
+                min(n_workers, len(plan.todo)), mp_context=mp.get_context("spawn")))  # fmt: skip
+        records = _decode(plan.todo, opts, runner, pool, cfg.partition_size)
+    acc_df, q_df = _run_rows(plan, records, list(cfg.metadata_columns))
+    new_acc, new_q = _merge_view(plan, acc_df, q_df)
+    result, summary = _summarize(plan, acc_df, q_df, new_acc, new_q)
+    seen = pd.DataFrame(
+        [(o.key, o.size, o.version) for o in plan.listing], columns=["key", "size", "version"]
+    ).assign(source=plan.src)
+    write_catalog_dir(
+        cat_layout.catalog(plan.ingest_id),
+        {"accepted": acc_df, "quarantine": q_df, "view_accepted": new_acc,
+         "view_quarantine": new_q, "listing": seen},
+        summary,
+    )  # fmt: skip
+    cat_layout.set_latest("catalog", plan.ingest_id)
+    return result
+
+
+# -- phase 1: the source and its listing, compared with the current view ----------------------
+
+
+@dataclass
+class _Plan:
+    """One run's work: what the source holds now, against the view of the previous ingest."""
+
+    src: str
+    layout: str
+    listing: list[ObjectInfo]
+    manifest: Manifest
+    items: list[Item]  # every item of the source now
+    listing_rejects: list[dict]  # files quarantined from the listing alone
+    settings: dict  # the ingest settings this source's rows were built with
+    previous: str | None  # the ingest whose view this run starts from
+    prev_summary: dict
+    view_acc: pd.DataFrame
+    view_q: pd.DataFrame
+    seq: int
+    todo: list[Item]  # new or changed items: decoded this run
+    rejects: list[dict]  # new or changed listing rejects
+    removed: list[str]  # units gone from the source
+    ingest_id: str | None  # None: nothing changed, the previous ingest stays current
+
+    @property
+    def listed(self) -> int:
+        return len(self.items) + len(self.listing_rejects)
+
+
+def _open_source(cfg: IngestConfig, endpoint_url: str | None) -> Storage:
+    if not cfg.source:
+        raise ValueError("ingest.source is not set: give a local folder or s3://bucket/prefix")
+    if cfg.layout not in ("auto", *LAYOUTS):
+        raise ValueError(f"ingest.layout must be auto or one of {LAYOUTS}, got {cfg.layout!r}")
+    store = Storage(cfg.source, endpoint_url)
+    if not store.is_s3 and not store.path.is_dir():
+        raise FileNotFoundError(f"ingest source {cfg.source!r} does not exist")
+    return store
 
 
 def _list_source(store: Storage, runner, endpoint_url: str | None) -> list[ObjectInfo]:
@@ -141,6 +236,71 @@ def _list_source(store: Storage, runner, endpoint_url: str | None) -> list[Objec
     return sorted(listing, key=lambda o: o.key)
 
 
+def _read_layout(
+    store: Storage, listing: list[ObjectInfo], cfg: IngestConfig
+) -> tuple[str, Manifest, list[Item], list[dict]]:
+    """(layout, manifest, items, listing rejects) of the source as listed."""
+    exts = {e.lower() for e in cfg.image_extensions}
+    chosen = cfg.layout if cfg.layout != "auto" else detect_layout(listing, exts)
+    manifest_obj = None
+    if chosen == "imagefolder":
+        names = [cfg.metadata_file] if cfg.metadata_file else list(MANIFEST_NAMES)
+        manifest_obj = next((o for o in listing if o.key in names), None)
+        if manifest_obj is None:
+            task_logger(__name__).warning(
+                "no manifest (%s) in %s: images will lack captions", names, store.url()
+            )
+    manifest = read_manifest(store, manifest_obj, cfg.caption_column, list(cfg.metadata_columns))
+    items, listing_rejects = plan_items(listing, chosen, manifest, exts)
+    return chosen, manifest, items, listing_rejects
+
+
+def _plan_run(
+    store: Storage, listing: list[ObjectInfo], cfg: IngestConfig, cat_layout: Layout
+) -> _Plan:
+    """Compare the listing with the view, item by item: what to decode, what is gone."""
+    src = store.url()
+    chosen, manifest, items, listing_rejects = _read_layout(store, listing, cfg)
+    previous = cat_layout.latest_or_none("catalog")
+    view_acc, view_q, seq = read_view(cat_layout, previous)
+    prev_summary = (
+        json.loads((cat_layout.catalog(previous) / "summary.json").read_text()) if previous else {}
+    )
+    mine_acc = view_acc[view_acc["source"] == src]
+    mine_q = view_q[(view_q["source"] == src) & (view_q["step"] == "ingest")]
+    known = dict(zip(mine_acc["unit"], mine_acc["unit_version"], strict=True))
+    known.update(zip(mine_q["unit"], mine_q["unit_version"], strict=True))
+    settings = {
+        "layout": chosen,
+        "caption_column": cfg.caption_column,
+        "metadata_columns": list(cfg.metadata_columns),
+        "max_pixels": cfg.max_pixels,
+        # They decide which tar members are images.
+        "image_extensions": sorted({e.lower() for e in cfg.image_extensions}),
+    }
+    if prev_summary.get("source_settings", {}).get(src, settings) != settings:
+        # New caption or metadata columns, another pixel limit or other extensions: every row
+        # of this source must be rebuilt, not only the changed files.
+        task_logger(__name__).info("ingest settings for %s changed: re-reading every item", src)
+        known = {}
+    todo = [it for it in items if known.get(it.key) != it.version]
+    rejects = [r for r in listing_rejects if known.get(r["key"]) != r["version"]]
+    present = {it.key for it in items} | {r["key"] for r in listing_rejects}
+    removed = sorted((set(mine_acc["unit"]) | set(mine_q["unit"])) - present)
+    manifest_changed = prev_summary.get("manifests", {}).get(src) != manifest.version
+    delta = [(it.key, it.version) for it in todo] + [(r["key"], r["version"]) for r in rejects]
+    ingest_id = None
+    if delta or removed or manifest_changed or previous is None:
+        state = {**settings, "previous": previous, "manifest": manifest.version}
+        ingest_id = _ingest_id(src, state, delta, removed)
+    return _Plan(
+        src=src, layout=chosen, listing=listing, manifest=manifest, items=items,
+        listing_rejects=listing_rejects, settings=settings, previous=previous,
+        prev_summary=prev_summary, view_acc=view_acc, view_q=view_q, seq=seq, todo=todo,
+        rejects=rejects, removed=removed, ingest_id=ingest_id,
+    )  # fmt: skip
+
+
 def _ingest_id(source: str, state: dict, delta: list[tuple[str, str]], removed: list) -> str:
     # `state` holds the previous ingest id, the manifest version and the settings, so that
     # every change of the view gets its own id and an id is never reused for other content.
@@ -148,186 +308,86 @@ def _ingest_id(source: str, state: dict, delta: list[tuple[str, str]], removed: 
     return "ing-" + h.hexdigest()[:12]
 
 
-def _frame(rows: list[dict], columns: list[str]) -> pd.DataFrame:
-    df = pd.DataFrame(rows)
-    for c in columns:
-        if c not in df.columns:
-            df[c] = None
-    extra = [c for c in df.columns if c not in columns]
-    df = df[columns + extra]
-    return df.sort_values("key", kind="stable").reset_index(drop=True) if len(df) else df
+# -- phase 2: decode the new and changed items in partitions ----------------------------------
 
 
-def _write_dir(out: Path, tables: dict[str, pd.DataFrame], summary: dict) -> None:
-    # Write into a temporary folder and rename it into place: a crash leaves no half catalog.
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, df in tables.items():
-        df.to_parquet(tmp / f"{name}.parquet", index=False)
-    (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+def _decode(
+    todo: list[Item], opts: InspectOptions, runner, pool: Executor | None, partition_size: int
+) -> list[dict]:
+    """One decode task per partition of `partition_size` items; their records, in order."""
+    parts = [todo[i : i + partition_size] for i in range(0, len(todo), partition_size)]
+    futures = [
+        runner.submit(decode_partition, {"opts": opts, "items": p, "pool": pool}) for p in parts
+    ]
+    return [r for f in futures for r in f.result()]
 
 
-def ingest_source(
-    source: str,
-    root: str,
-    *,
-    layout: str = "auto",
-    metadata_file: str | None = None,
-    caption_column: str = "text",
-    metadata_columns: tuple[str, ...] = (),
-    image_extensions: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".webp"),
-    max_pixels: int = 89_478_485,
-    workers: int = 0,
-    partition_size: int = 1000,
-    endpoint_url: str | None = None,
-    dask_address: str | None = None,
-) -> IngestResult:
-    """Catalog what is new or changed under `source` and update the current view.
+# -- phase 3: the run's rows, merged into the view ---------------------------------------------
 
-    Must run where Prefect tasks can run (inside a flow, or standalone). Returns the run's
-    counts; `reused` is true when nothing changed, and then no ingest id is created.
-    """
-    log = task_logger(__name__)
-    if layout not in ("auto", *LAYOUTS):
-        raise ValueError(f"ingest.layout must be auto or one of {LAYOUTS}, got {layout!r}")
-    store = Storage(source, endpoint_url)
-    if not store.is_s3 and not store.path.is_dir():
-        raise FileNotFoundError(f"ingest source {source!r} does not exist")
-    cat_layout = Layout(Path(root))
-    exts = {e.lower() for e in image_extensions}
-    n_workers = workers or os.cpu_count() or 1
-    src = store.url()
 
-    with ExitStack() as stack:
-        runner = stack.enter_context(partition_runner(n_workers, dask_address))
-        listing = _list_source(store, runner, endpoint_url)
-        chosen = layout if layout != "auto" else detect_layout(listing, exts)
-        manifest_obj = None
-        if chosen == "imagefolder":
-            names = [metadata_file] if metadata_file else list(MANIFEST_NAMES)
-            manifest_obj = next((o for o in listing if o.key in names), None)
-            if manifest_obj is None:
-                log.warning("no manifest (%s) in %s: images will lack captions", names, src)
-        manifest = read_manifest(store, manifest_obj, caption_column, list(metadata_columns))
-        items, listing_rejects = plan_items(listing, chosen, manifest, exts)
-
-        previous = cat_layout.latest_or_none("catalog")
-        view_acc, view_q, seq = read_view(cat_layout, previous)
-        mine_acc = view_acc[view_acc["source"] == src]
-        mine_q = view_q[(view_q["source"] == src) & (view_q["step"] == "ingest")]
-        known = dict(zip(mine_acc["unit"], mine_acc["unit_version"], strict=True))
-        known.update(zip(mine_q["unit"], mine_q["unit_version"], strict=True))
-        prev_summary = (
-            json.loads((cat_layout.catalog(previous) / "summary.json").read_text())
-            if previous
-            else {}
-        )
-        settings = {
-            "layout": chosen,
-            "caption_column": caption_column,
-            "metadata_columns": list(metadata_columns),
-            "max_pixels": max_pixels,
-        }
-        source_settings = {**prev_summary.get("source_settings", {}), src: settings}
-        if prev_summary.get("source_settings", {}).get(src, settings) != settings:
-            # New caption or metadata columns, or another pixel limit: every row of this
-            # source must be rebuilt, not only the changed files.
-            log.info("ingest settings for %s changed: re-reading every item", src)
-            known = {}
-        todo = [it for it in items if known.get(it.key) != it.version]
-        rejects = [r for r in listing_rejects if known.get(r["key"]) != r["version"]]
-        present = {it.key for it in items} | {r["key"] for r in listing_rejects}
-        removed = sorted((set(mine_acc["unit"]) | set(mine_q["unit"])) - present)
-        manifests = {**prev_summary.get("manifests", {}), src: manifest.version}
-        manifest_changed = prev_summary.get("manifests", {}).get(src) != manifest.version
-        delta = [(it.key, it.version) for it in todo] + [(r["key"], r["version"]) for r in rejects]
-        if not delta and not removed and not manifest_changed and previous is not None:
-            log.info("source %s unchanged since %s: nothing to decode", src, previous)
-            return _result_for(previous, src, chosen, view_acc, view_q, prev_summary, reused=True)
-
-        state = {**settings, "previous": previous, "manifest": manifest.version}
-        ingest_id = _ingest_id(src, state, delta, removed)
-        opts = InspectOptions(src, endpoint_url, max_pixels, tuple(metadata_columns))
-        log.info(
-            "ingest %s (%s layout): %d items listed, %d new or changed, %d removed; decoding "
-            "in partitions of %d on %s",
-            ingest_id, chosen, len(items) + len(listing_rejects), len(todo), len(removed),
-            partition_size, "Dask " + dask_address if dask_address else f"{n_workers} processes",
-        )  # fmt: skip
-        pool = None
-        if not dask_address and todo:
-            # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
-            pool = stack.enter_context(
-                ProcessPoolExecutor(min(n_workers, len(todo)), mp_context=mp.get_context("spawn"))
-            )
-        parts = [todo[i : i + partition_size] for i in range(0, len(todo), partition_size)]
-        futures = [
-            runner.submit(decode_partition, {"opts": opts, "items": p, "pool": pool}) for p in parts
-        ]
-        records = [r for f in futures for r in f.result()]
-
-    seq += 1
-    stamp = {"source": src, "ingest_id": ingest_id}
-    accepted = [{**r, **stamp, "ingest_seq": seq} for r in records if "reason" not in r]
+def _run_rows(
+    plan: _Plan, records: list[dict], metadata_columns: list[str]
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(accepted, quarantine) rows of this run: decoded records, listing rejects and
+    manifest problems, stamped with the source and the ingest id."""
+    stamp = {"source": plan.src, "ingest_id": plan.ingest_id}
+    accepted = [{**r, **stamp, "ingest_seq": plan.seq + 1} for r in records if "reason" not in r]
     quarantine = [
         {**{k: r.get(k) for k in QUARANTINE_COLUMNS}, **stamp, "step": "ingest"}
         for r in records if "reason" in r
     ] + [
-        {**r, **stamp, "step": "ingest", "unit": r["key"], "unit_version": r.pop("version")}
-        for r in rejects
+        {**{k: v for k, v in r.items() if k != "version"}, **stamp, "step": "ingest",
+         "unit": r["key"], "unit_version": r["version"]}
+        for r in plan.rejects
     ]  # fmt: skip
     problems = [
-        {**p, **stamp, "step": "ingest-manifest", "unit": manifest.name or "-",
-         "unit_version": manifest.version}
-        for p in manifest.problems
+        {**p, **stamp, "step": "ingest-manifest", "unit": plan.manifest.name or "-",
+         "unit_version": plan.manifest.version}
+        for p in plan.manifest.problems
     ]  # fmt: skip
-    acc_df = _frame(accepted, ACCEPTED_COLUMNS + list(metadata_columns))
-    q_df = _frame(quarantine + problems, QUARANTINE_COLUMNS)
+    return (
+        frame_rows(accepted, ACCEPTED_COLUMNS + metadata_columns),
+        frame_rows(quarantine + problems, QUARANTINE_COLUMNS),
+    )
 
-    # The new view: other sources untouched; this source's changed and removed units replaced.
-    stale = {it.key for it in todo} | {r["key"] for r in rejects} | set(removed)
-    keep_acc = view_acc[~((view_acc["source"] == src) & view_acc["unit"].isin(stale))]
-    keep_q = view_q[
-        ~(
-            (view_q["source"] == src)
-            & (view_q["unit"].isin(stale) | view_q["step"].eq("ingest-manifest"))
-        )
-    ]
-    new_acc = _concat(keep_acc, acc_df)
-    new_q = _concat(keep_q, q_df)
-    result = _result_for(ingest_id, src, chosen, new_acc, new_q, {}, reused=False)
-    result.new_items, result.removed_items = len(todo) + len(rejects), len(removed)
-    result.unchanged_items = len(items) + len(listing_rejects) - result.new_items
+
+def _merge_view(
+    plan: _Plan, acc_df: pd.DataFrame, q_df: pd.DataFrame
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The new view: this source's changed and removed units replaced by this run's rows."""
+    stale = {it.key for it in plan.todo} | {r["key"] for r in plan.rejects} | set(plan.removed)
+    return merge_view(plan.view_acc, plan.view_q, plan.src, stale, acc_df, q_df)
+
+
+# -- phase 4: the run's counts and summary.json -----------------------------------------------
+
+
+def _summarize(
+    plan: _Plan,
+    acc_df: pd.DataFrame,
+    q_df: pd.DataFrame,
+    new_acc: pd.DataFrame,
+    new_q: pd.DataFrame,
+) -> tuple[IngestResult, dict]:
+    """(result, summary.json): this source's counts in the new view, and the run's delta."""
+    result = _result_for(plan.ingest_id, plan.src, plan.layout, new_acc, new_q, {}, reused=False)
+    result.new_items, result.removed_items = len(plan.todo) + len(plan.rejects), len(plan.removed)
+    result.unchanged_items = plan.listed - result.new_items
     result.decoded_accepted = len(acc_df)
     result.decoded_quarantined = int((q_df["step"] == "ingest").sum()) if len(q_df) else 0
-    mine = new_acc[new_acc["source"] == src]
+    mine = new_acc[new_acc["source"] == plan.src]
     assert result.listed == len(mine) + result.quarantined, "accepted + quarantined = listed"
-    summary = {**result.to_dict(), "ingest_seq": seq, "previous": previous,
-               "settings": settings, "manifests": manifests,
-               "source_settings": source_settings,
-               "removed": removed[:1000]}  # fmt: skip
-    seen = pd.DataFrame(
-        [(o.key, o.size, o.version) for o in listing], columns=["key", "size", "version"]
-    ).assign(source=src)
-    _write_dir(
-        cat_layout.catalog(ingest_id),
-        {"accepted": acc_df, "quarantine": q_df, "view_accepted": new_acc,
-         "view_quarantine": new_q, "listing": seen},
-        summary,
-    )  # fmt: skip
-    cat_layout.set_latest("catalog", ingest_id)
-    return result
-
-
-def _concat(a: pd.DataFrame, b: pd.DataFrame) -> pd.DataFrame:
-    frames = [f for f in (a, b) if len(f)]
-    if not frames:
-        return b if len(b.columns) >= len(a.columns) else a
-    out = pd.concat(frames, ignore_index=True)
-    return out.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
+    before = plan.prev_summary
+    summary = {
+        **result.to_dict(),
+        "ingest_seq": plan.seq + 1,
+        "previous": plan.previous,
+        "settings": plan.settings,
+        "manifests": {**before.get("manifests", {}), plan.src: plan.manifest.version},
+        "source_settings": {**before.get("source_settings", {}), plan.src: plan.settings},
+        "removed": plan.removed[:1000],
+    }
+    return result, summary
 
 
 def _result_for(

@@ -18,15 +18,21 @@ from tasks.sources import Item, is_unsafe_key
 
 __all__ = ["InspectOptions", "inspect_item"]
 
-WDS_IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
-
 
 @dataclass(frozen=True)
 class InspectOptions:
+    """What a decode worker needs from `ingest` settings (picklable, imports nothing)."""
+
     source: str
     endpoint_url: str | None
     max_pixels: int
-    metadata_columns: tuple[str, ...] = ()
+    metadata_columns: tuple[str, ...]
+    image_extensions: tuple[str, ...]  # `ingest.image_extensions`, e.g. (".jpg", ".png")
+
+    @property
+    def member_extensions(self) -> tuple[str, ...]:
+        """The image extensions as WebDataset member suffixes ("jpg"), in preference order."""
+        return tuple(e.lower().lstrip(".") for e in self.image_extensions)
 
 
 def _caption(raw: bytes | None) -> tuple[str | None, dict | None]:
@@ -101,7 +107,7 @@ def _finish_sample(
     if key in seen:
         return {**base, "reason": "duplicate_key", "detail": f"sample key repeated in {tar_key}"}
     seen.add(key)
-    img_ext = next((e for e in WDS_IMAGE_EXTS if e in members), None)
+    img_ext = next((e for e in opts.member_extensions if e in members), None)
     if img_ext is None:
         return {**base, "reason": "no_image", "detail": f"sample has no image member: {names}"}
     img = members[img_ext]

@@ -7,10 +7,11 @@ step, run on its own, finds its input without being told.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Layout", "is_published"]
+__all__ = ["Layout", "is_published", "new_run_id"]
 
 KINDS = ("catalog", "shards", "runs", "eval")
 
@@ -19,6 +20,11 @@ def is_published(dataset: Path) -> bool:
     """Whether an MDS dataset folder is complete: its index.json, or for a stage written as
     aspect-ratio buckets, its buckets.json (written after every bucket's index)."""
     return (dataset / "index.json").is_file() or (dataset / "buckets.json").is_file()
+
+
+def new_run_id() -> str:
+    """A new training run's id: `run-<UTC timestamp>`."""
+    return time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,14 @@ class Layout:
 
     def run(self, run_id: str) -> Path:
         return self.root / "runs" / run_id
+
+    def run_config(self, run_id: str) -> Path:
+        """The run's config snapshot: what every step of the run reads after it starts."""
+        return self.run(run_id) / "config.yaml"
+
+    def config(self, config_hash: str) -> Path:
+        """A validated config the CLI hands to a flow run (content-addressed, never edited)."""
+        return self.root / "configs" / f"{config_hash}.yaml"
 
     def stage(self, run_id: str, resolution: int) -> Path:
         return self.run(run_id) / f"stage-{resolution}"

@@ -1,7 +1,7 @@
 """Plan a training run before it starts: steps, samples, wall time, GPU-hours and cost.
 
-The rate per device comes from a measurement on this machine (`models.throughput`, the real
-training loop on synthetic data) or from a given img/s for the first stage, scaled to the
+The rate per device comes from a measurement on this machine (`models.measure_throughput`,
+the real training loop on synthetic data) or from a given img/s for the first stage, scaled to the
 other stages by their FLOPs per sample. The global rate assumes linear scaling over the
 topology's processes, which DDP gets close to within a node; treat multi-node plans as a
 lower bound on time.
@@ -37,6 +37,9 @@ def topology_processes(accelerate_config: str, override: int | None) -> int:
     """Processes an `accelerate launch` with this config starts (all machines)."""
     if override:
         return override
+    if not Path(accelerate_config).is_file():
+        raise FileNotFoundError(f"launch.accelerate_config: file not found "
+                                f"(received {accelerate_config!r})")  # fmt: skip
     cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
     return int(cfg.get("num_processes") or 1)
 
@@ -50,7 +53,7 @@ def make_plan(
     measure_steps: int | None = None,
 ) -> dict:
     """Per-stage plan and totals; exactly one of `img_per_s` and `measure_steps`."""
-    from models.perf import train_flops_per_sample
+    from models.flops import train_flops_per_sample
 
     if (img_per_s is None) == (measure_steps is None):
         raise ValueError("give exactly one of --img-per-s and --measure-steps")
@@ -58,7 +61,7 @@ def make_plan(
         raise ValueError(f"--img-per-s must be positive, got {img_per_s}")
     rates: list[tuple[float, str]] = []
     if measure_steps is not None:
-        from models.throughput import measure_stage
+        from models.measure_throughput import measure_stage
 
         for i in range(len(train.stages)):
             m = measure_stage(train, i, steps=measure_steps)

@@ -1,9 +1,11 @@
 """MLflow calls: the training run's record and the model registry.
 
 The train flow opens one MLflow run per training run (`create_training_run`); the training
-script logs metrics into it by id, and `register_model` logs the exported pipeline into the
-same run as a pyfunc model, registers a version, tags it with its lineage and points an alias
-(`candidate` by default) at it. Aliases, never the deprecated registry stages.
+script logs metrics into it by id, and the train flow ends it (`mark_training_run`): FINISHED
+when every stage is trained, FAILED or KILLED otherwise, so no run stays RUNNING. Later,
+`register_model` logs the exported pipeline into that finished run as a pyfunc model
+(MLflow logs to a finished run by id), registers a version, tags it with its lineage and
+points an alias (`candidate` by default) at it. Aliases, never the deprecated registry stages.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-__all__ = ["create_training_run", "ensure_experiment", "register_model"]
+__all__ = ["create_training_run", "mark_training_run", "ensure_experiment", "register_model"]
 
 # What a serving environment needs to load the pyfunc model (pinned to what trained it).
 SERVING_PACKAGES = [
@@ -56,6 +58,21 @@ def create_training_run(
     return run.info.run_id
 
 
+@task(name="mark-training-run", cache_policy=NO_CACHE)
+def mark_training_run(tracking_uri: str, mlflow_run_id: str, status: str) -> None:
+    """Set the training run's MLflow status: RUNNING (a resume), or end it FINISHED, FAILED
+    or KILLED."""
+    client = MlflowClient(tracking_uri)
+    if status == "RUNNING":
+        client.update_run(mlflow_run_id, status="RUNNING")
+    elif status in ("FINISHED", "FAILED", "KILLED"):
+        client.set_terminated(mlflow_run_id, status=status)
+    else:
+        raise ValueError(
+            f"status must be RUNNING, FINISHED, FAILED or KILLED (received {status!r})"
+        )
+
+
 @task(name="register-model", cache_policy=NO_CACHE)
 def register_model(
     tracking_uri: str,
@@ -81,20 +98,35 @@ def register_model(
     mlflow.set_registry_uri(tracking_uri)
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     reqs = [f"{p}=={importlib.metadata.version(p)}" for p in SERVING_PACKAGES]
-    with mlflow.start_run(run_id=mlflow_run_id):
-        info = mlflow.pyfunc.log_model(
-            name="model",
-            python_model=KilnDiffusionModel(),
-            artifacts={"pipeline": export_dir},
-            code_paths=[str(Path(models.__file__).parent)],
-            pip_requirements=reqs,
-            signature=signature(),
-        )
+    ended = client.get_run(mlflow_run_id).info
+    try:
+        # Resuming a run sets it RUNNING (and FAILED if logging raises); the training run's
+        # own end state and time are put back below, whatever happens here.
+        with mlflow.start_run(run_id=mlflow_run_id):
+            info = mlflow.pyfunc.log_model(
+                name="model",
+                python_model=KilnDiffusionModel(),
+                artifacts={"pipeline": export_dir},
+                code_paths=[str(Path(models.__file__).parent)],
+                pip_requirements=reqs,
+                signature=signature(),
+            )
+    finally:
+        if ended.status != "RUNNING":
+            client.set_terminated(mlflow_run_id, status=ended.status, end_time=ended.end_time)
     version = mlflow.register_model(info.model_uri, model_name, tags=lineage)
     client.set_registered_model_alias(model_name, alias, version.version)
     client.update_model_version(
         model_name, version.version, description=f"Kiln training run {lineage.get('run_id', '')}"
     )
+    tags = {
+        "kiln.model_name": model_name,
+        "kiln.model_version": str(version.version),
+        "kiln.model_alias": alias,
+        **{f"kiln.{k}": str(v) for k, v in lineage.items()},
+    }
+    for k, v in tags.items():
+        client.set_tag(mlflow_run_id, k, v)
     return {
         "name": model_name,
         "version": str(version.version),

@@ -31,6 +31,7 @@ import shutil
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -42,8 +43,12 @@ from streaming.base.util import merge_index
 from tasks.decode import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
+from tasks.quality import gate_for_sharding
 from tasks.runners import partition_runner
 from tasks.sources import CATALOG_COLUMNS
+
+if TYPE_CHECKING:  # the schema's home; annotations only, nothing imported at run time
+    from models.config import ShardsConfig
 
 __all__ = ["MDS_COLUMNS", "ShardResult", "dataset_version", "token_ids_column", "write_shards"]
 
@@ -70,11 +75,11 @@ def token_ids_column(max_length: int) -> dict:
 
 @functools.lru_cache(maxsize=2)
 def _caption_tokenizer(spec: str):
-    """The loader's tokenizer (`models.data.CaptionTokenizer`) for a TokenizerConfig as JSON;
-    built once per process."""
+    """The loader's tokenizer (`models.tokenization.CaptionTokenizer`) for a TokenizerConfig
+    as JSON; built once per process."""
     from models.config import TokenizerConfig
-    from models.data import CaptionTokenizer
     from models.factory import build_tokenizer
+    from models.tokenization import CaptionTokenizer
 
     return CaptionTokenizer(build_tokenizer(TokenizerConfig.model_validate_json(spec)))
 
@@ -85,17 +90,34 @@ class ShardResult:
     ingest_id: str
     stages: dict[int, dict] = field(default_factory=dict)  # resolution -> samples, bytes, shards
     reused: bool = False
+    quality_gate: dict = field(default_factory=dict)  # the catalog's verdict, and any override
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def _meta_columns(clean: pd.DataFrame) -> list[str]:
+    """The catalog's pass-through metadata columns, stored in each sample's `meta`."""
+    derived = ("short_side", "near_duplicate_of")  # added by validate and shard, not stored
+    return [c for c in clean.columns if c not in CATALOG_COLUMNS and c not in derived]
+
+
+def _row_meta(rec: dict, meta_cols: list[str]) -> dict:
+    """A row's `meta` as stored: plain Python values, absent (null) values left out."""
+    return {c: getattr(rec[c], "item", lambda v=rec[c]: v)() for c in meta_cols
+            if not _isnull(rec[c])}  # fmt: skip
+
+
 def dataset_version(clean: pd.DataFrame, settings: dict) -> str:
-    """Content hash of the clean catalog (keys, bytes, captions) and the shard settings."""
+    """Content hash of the clean catalog (keys, bytes, captions, stored metadata) and the
+    shard settings: anything a sample stores changes the version."""
     h = hashlib.sha256(json.dumps({**settings, "format": FORMAT_VERSION}, sort_keys=True).encode())
-    rows = clean.sort_values(["source", "key"])[["source", "key", "sha256", "caption"]]
-    for src, key, sha, cap in rows.itertuples(index=False):
-        h.update(f"\0{src}\0{key}\0{sha}\0{cap}".encode())
+    meta_cols = _meta_columns(clean)
+    for rec in clean.sort_values(["source", "key"]).to_dict("records"):
+        h.update(f"\0{rec['source']}\0{rec['key']}\0{rec['sha256']}\0{rec['caption']}".encode())
+        meta = _row_meta(rec, meta_cols)
+        if meta:  # only then: rows without metadata keep the hash they had before
+            h.update(b"\0" + json.dumps(meta, sort_keys=True, default=str).encode())
     return "ds-" + h.hexdigest()[:12]
 
 
@@ -235,52 +257,71 @@ def _check_readback(path: Path, size: tuple[int, int], expected: int, ids_len: i
 
 @task(name="write-shards", cache_policy=NO_CACHE)
 def write_shards(
+    cfg: ShardsConfig,
     root: str,
     ingest_id: str,
     resolutions: list[int],
     *,
-    min_side_factor: float = 1.0,
-    jpeg_quality: int = 90,
-    image_format: str = "jpeg",
-    size_limit: int = 1 << 26,
-    workers: int = 0,
-    partition_size: int = 2000,
     endpoint_url: str | None = None,
     dask_address: str | None = None,
     bucket_stages: list[int] | None = None,
-    bucket_step: int = 64,
-    bucket_max_aspect: float = 2.0,
     tokenizer: dict | None = None,
+    allow_failed_gate: bool = False,
 ) -> ShardResult:
     """Write (or reuse, or finish) the MDS datasets for every stage of `ingest_id`'s clean rows.
 
-    `bucket_stages` are the stage resolutions written as aspect-ratio buckets
-    (`tasks.decode.aspect_buckets(resolution, bucket_step, bucket_max_aspect)`), not squares.
-    With `tokenizer` (the model's `TokenizerConfig` as a dict), every sample also stores its
-    caption's token ids (`shards.token_ids`); the tokenizer is part of the dataset version.
+    The catalog must have passed the quality gate (its `verdict.json`); `allow_failed_gate`
+    shards a failed or unvalidated one anyway, and `shards.json` records the override.
+
+    Args:
+        cfg: The `shards` config section (encoding, size limits, partitions, bucket shape).
+        root: The storage root.
+        ingest_id: The validated catalog to shard.
+        resolutions: The stage resolutions, one dataset each.
+        endpoint_url: S3-compatible endpoint for an s3:// source.
+        dask_address: Run the conversion partitions on this Dask scheduler.
+        bucket_stages: Stage resolutions written as aspect-ratio buckets
+            (`tasks.decode.aspect_buckets(resolution, cfg.bucket_step, cfg.bucket_max_aspect)`)
+            instead of squares.
+        tokenizer: The model's `TokenizerConfig` as a dict: every sample also stores its
+            caption's token ids (`shards.token_ids`); the tokenizer is part of the version.
+        allow_failed_gate: Shard a catalog whose verdict failed or is missing.
+
+    Raises:
+        FileNotFoundError: the catalog has not been validated.
+        QualityGateError: its verdict failed or is missing, without `allow_failed_gate`.
     """
 
     log = task_logger(__name__)
     layout = Layout(Path(root))
-    clean = pd.read_parquet(layout.catalog(ingest_id) / "clean.parquet")
+    clean_path = layout.catalog(ingest_id) / "clean.parquet"
+    if not clean_path.is_file():
+        raise FileNotFoundError(
+            f"catalog {ingest_id} has not been validated ({clean_path} missing): "
+            "run `kiln validate` first"
+        )
+    gate = gate_for_sharding(root, ingest_id, allow_failed_gate=allow_failed_gate)
+    clean = pd.read_parquet(clean_path)
+    min_side_factor = cfg.min_side_factor
     settings = {
         "resolutions": sorted(resolutions),
         "min_side_factor": min_side_factor,
-        "jpeg_quality": jpeg_quality,
-        "image_format": image_format,
-        "size_limit": size_limit,
-        "partition_size": partition_size,
+        "jpeg_quality": cfg.jpeg_quality,
+        "image_format": cfg.image_format,
+        "size_limit": cfg.size_limit,
+        "partition_size": cfg.partition_size,
     }
     unknown = sorted(set(bucket_stages or []) - set(resolutions))
     if unknown:
         raise ValueError(f"bucket stages {unknown} are not stage resolutions {sorted(resolutions)}")
-    buckets = {r: aspect_buckets(r, bucket_step, bucket_max_aspect) for r in bucket_stages or []}
+    buckets = {r: aspect_buckets(r, cfg.bucket_step, cfg.bucket_max_aspect)
+               for r in bucket_stages or []}  # fmt: skip
     if buckets:  # only then: versions written without buckets keep their hash
         settings["buckets"] = {str(r): b for r, b in sorted(buckets.items())}
     if tokenizer is not None:
         settings["tokenizer"] = tokenizer
     version = dataset_version(clean, settings)
-    result = ShardResult(dataset_version=version, ingest_id=ingest_id)
+    result = ShardResult(dataset_version=version, ingest_id=ingest_id, quality_gate=gate)
     base = layout.shards(version)
     todo = [r for r in sorted(resolutions) if not is_published(base / str(r))]
     clean = clean.assign(short_side=clean[["width", "height"]].min(axis=1))
@@ -305,7 +346,7 @@ def write_shards(
         result.reused = True
         log.info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
     else:
-        _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_address)
+        _convert(base, todo, eligible, clean, settings, cfg.workers, endpoint_url, dask_address)
     for r in sorted(resolutions):
         result.stages[r] = _stage_stats(base / str(r))
     (base / "shards.json").write_text(
@@ -321,16 +362,13 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
     log = task_logger(__name__)
     stage_keys = {r: set(zip(eligible[r]["source"], eligible[r]["key"], strict=True)) for r in todo}
     keys = sorted(set().union(*stage_keys.values()))
-    meta_cols = [c for c in clean.columns if c not in CATALOG_COLUMNS
-                 and c not in ("short_side", "near_duplicate_of")]  # fmt: skip
+    meta_cols = _meta_columns(clean)
     rows = {}
     for rec in clean.to_dict("records"):
         uid = (rec["source"], rec["key"])
-        meta = {c: getattr(rec[c], "item", lambda v=rec[c]: v)() for c in meta_cols
-                if not _isnull(rec[c])}  # fmt: skip
         rows[uid] = {"caption": rec["caption"], "width": rec["width"], "height": rec["height"],
-                     "meta": meta, "object": rec["object"], "offset": rec["offset"],
-                     "length": rec["length"]}  # fmt: skip
+                     "meta": _row_meta(rec, meta_cols), "object": rec["object"],
+                     "offset": rec["offset"], "length": rec["length"]}  # fmt: skip
     bucket_of = {
         r: dict(zip(zip(eligible[r]["source"], eligible[r]["key"], strict=True),
                     eligible[r]["bucket"], strict=True))

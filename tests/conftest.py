@@ -10,17 +10,17 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-DRAWBENCH = REPO.parent / "shared" / "data" / "drawbench.csv"
+PROMPTS = REPO / "tests" / "data" / "prompts.csv"  # 12 prompts of our own, DrawBench's columns
 
 
 @pytest.fixture(scope="session")
 def drawbench_csv() -> Path:
-    assert DRAWBENCH.is_file(), f"DrawBench prompts expected beside the repo at {DRAWBENCH}"
-    return DRAWBENCH
+    """A small prompts file inside tests/: no test needs a copy of DrawBench beside the repo."""
+    return PROMPTS
 
 
-@pytest.fixture(scope="session", autouse=True)
-def prefect_harness(tmp_path_factory):
+@pytest.fixture(scope="session")
+def _prefect_api():
     """One temporary Prefect API (SQLite) for every in-process flow run of the session."""
     from prefect.testing.utilities import prefect_test_harness
 
@@ -29,6 +29,16 @@ def prefect_harness(tmp_path_factory):
     os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(autouse=True)
+def prefect_harness(request):
+    """Start the session's Prefect API on first use by a test that is not a unit test.
+
+    Unit tests (`make test-fast`: neither `integration` nor `e2e`) never pay its start-up.
+    """
+    if request.node.get_closest_marker("integration") or request.node.get_closest_marker("e2e"):
+        request.getfixturevalue("_prefect_api")
 
 
 @pytest.fixture(scope="session")
@@ -87,14 +97,13 @@ def tiny_shards(tmp_path_factory, demo_src, make_config):
     cfg_path = make_config(base / "tiny.yaml", base / "root", demo_src)
     cfg = load_config(cfg_path)
     root = cfg.storage.root
-    ing = ingest_source(str(demo_src), root, workers=2)
+    ing = ingest_source(cfg.ingest, root)  # source: demo_src; workers: 2
     validate_catalog.fn(root, ing.ingest_id, cfg.quality)
     res = write_shards.fn(
+        cfg.shards,
         root,
         ing.ingest_id,
         [s.resolution for s in cfg.train.stages],
-        size_limit=cfg.shards.size_limit,
-        workers=2,
         tokenizer=cfg.train.model.tokenizer.model_dump(),  # as the shard flow does by default
     )
     return cfg_path, Path(root), res.dataset_version

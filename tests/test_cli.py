@@ -75,6 +75,7 @@ def test_run_fails_before_any_work_when_prompts_are_missing(tmp_path, demo_src, 
     assert not (tmp_path / "root" / "catalog").exists(), "nothing ran"
 
 
+@pytest.mark.integration
 def test_plan_for_tiny_from_a_given_rate_and_from_a_measurement(tmp_path, tiny_config):
     import json
 
@@ -106,6 +107,7 @@ def test_plan_for_tiny_from_a_given_rate_and_from_a_measurement(tmp_path, tiny_c
     assert both.exit_code != 0 and "exactly one of" in both.output
 
 
+@pytest.mark.integration
 def test_train_throughput_benchmark_writes_its_fields(tmp_path):
     from pathlib import Path
 
@@ -123,3 +125,61 @@ def test_train_throughput_benchmark_writes_its_fields(tmp_path):
     for k in ("img_per_s", "mfu", "data_wait_frac", "peak_mem_gb"):
         assert res[k] > 0 or k == "data_wait_frac", k
     assert res["baseline"]["img_per_s"] > 0 and res["speedup_vs_baseline"] > 0
+
+
+def test_plan_with_a_missing_topology_names_the_field(tmp_path, demo_src, make_config):
+    missing = tmp_path / "no-such-topology.yaml"
+    cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
+                      **{"launch.accelerate_config": str(missing)})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "plan", "--config", str(cfg), "--img-per-s", "10"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert f"launch.accelerate_config: file not found (received '{missing}')" in proc.stderr
+
+
+SECRET_URI = "postgresql://kiln:s3cret-pw@db.internal:5432/mlflow"
+
+
+def test_mlflow_ui_gets_the_tracking_uri_through_the_environment(
+    tmp_path, demo_src, make_config, monkeypatch
+):
+    cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
+                      **{"registry.tracking_uri": SECRET_URI})  # fmt: skip
+    calls = []
+
+    def fake_call(argv, env):  # stands in for the `mlflow ui` process
+        calls.append((argv, env))
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", fake_call)
+    result = CliRunner().invoke(main, ["mlflow-ui", "--config", str(cfg), "--port", "5055"])
+    assert result.exit_code == 0, result.output
+    ((argv, env),) = calls
+    assert "s3cret-pw" not in " ".join(argv) and "--backend-store-uri" not in argv
+    assert argv[1:] == ["ui", "--host", "127.0.0.1", "--port", "5055"]
+    assert env["MLFLOW_BACKEND_STORE_URI"] == SECRET_URI
+    assert "s3cret-pw" not in result.output and "kiln:***@db.internal" in result.output
+
+
+def test_run_summary_and_register_artifact_redact_the_tracking_uri(
+    tmp_path, demo_src, make_config, capsys
+):
+    from flows.cli import _where
+    from flows.config import load_config
+    from tasks.reports import registered_report
+
+    cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
+                                  **{"registry.tracking_uri": SECRET_URI}))  # fmt: skip
+    model = {"name": "kiln-t2i", "version": "1", "alias": "candidate",
+             "uri_by_alias": "models:/kiln-t2i@candidate"}  # fmt: skip
+    result = {"ingest": {"ingest_id": "i"}, "shards": {"dataset_version": "d"},
+              "run": {"run_id": "r", "export": "e"}, "study": {"path": "s", "images": 1},
+              "model": model}  # fmt: skip
+    _where(cfg, "c.yaml", result)
+    out = capsys.readouterr()
+    assert "s3cret-pw" not in out.out + out.err and "kiln:***@db.internal" in out.out
+    markdown = registered_report(model, {"run_id": "r"}, cfg.tracking_uri)
+    assert "s3cret-pw" not in markdown and "kiln:***@db.internal" in markdown

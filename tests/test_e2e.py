@@ -1,5 +1,7 @@
 """`kiln run` on the demo set, then checks from a consumer's side, each in a fresh process."""
 
+import csv
+import io
 import json
 import os
 import subprocess
@@ -146,4 +148,72 @@ def test_study_has_one_image_per_prompt_and_seed(pipeline_run, drawbench_csv):
         env,
     )
     n, cats = map(int, out.split())
-    assert n == 400 and cats > 5
+    with open(drawbench_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert n == 2 * len(rows) and cats == len({r["Category"] for r in rows})
+
+
+def test_served_model_answers_a_rest_request_with_a_png(pipeline_run, tmp_path):
+    """`mlflow models serve` of the registered alias, as the README shows, on loopback."""
+    import base64
+    import signal
+    import socket
+    import time
+
+    import httpx
+    from PIL import Image
+
+    root, _, env, _ = pipeline_run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bindir = Path(sys.executable).parent
+    env = {
+        **env,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
+        # --env-manager local runs a bare `uvicorn`: the venv's bin must be on PATH.
+        "PATH": f"{bindir}{os.pathsep}{env.get('PATH', '')}",
+        "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT": "300",
+    }
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
+    server = subprocess.Popen(
+        [str(bindir / "mlflow"), "models", "serve", "-m", "models:/kiln-t2i@candidate",
+         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/ping", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the scoring server did not come up in 180 s"
+            time.sleep(1)  # poll interval of a bounded wait
+        t0 = time.monotonic()
+        r = httpx.post(
+            f"{base}/invocations",
+            json={
+                "dataframe_split": {"columns": ["prompt"], "data": [["a red circle"]]},
+                "params": {"num_inference_steps": 2, "seed": 0},
+            },
+            timeout=300,
+        )
+        latency = time.monotonic() - t0
+        assert r.status_code == 200, r.text[:2000]
+        row = r.json()["predictions"][0]
+        assert row["prompt"] == "a red circle"
+        # The reply base64-encodes bytes with a newline every 76 characters; b64decode skips them.
+        img = Image.open(io.BytesIO(base64.b64decode(row["image"])))
+        assert img.format == "PNG" and img.size == (row["width"], row["height"]) == (64, 64)
+        print(f"served model: one prompt, 2 steps, {latency:.2f}s")
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+        log.close()

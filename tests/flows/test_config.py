@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config import PipelineConfig, load_config
-from models.config import ConfigError
+from flows.config import PROJECT_DIR, PipelineConfig, config_hash, load_config, write_snapshot
+from models.config import ConfigError, redact_uri, stable_hash
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def test_defaults_from_minimal_config(tmp_path):
     minimal = {"train": cfg["train"], "evaluate": {"prompts_csv": "p.csv"}}
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(minimal))
     loaded = load_config(tmp_path / "c.yaml")
-    assert loaded.storage.root == str(Path("./kiln-data").resolve())
+    assert loaded.storage.root == str(tmp_path / "kiln-data"), "beside the config, not the cwd"
     assert loaded.registry.model_name == "kiln-t2i"
     assert isinstance(loaded, PipelineConfig)
 
@@ -109,3 +109,47 @@ def test_mix_proportions_must_leave_a_share(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError, match="proportions sum to 1.1"):
         load_config(tmp_path / "bad.yaml")
+
+
+def test_relative_paths_resolve_against_the_config_folder_from_any_cwd(tmp_path, monkeypatch):
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg["storage"]["root"] = "data"
+    cfg["ingest"]["source"] = "../images"
+    cfg["evaluate"]["prompts_csv"] = "prompts.csv"
+    cfg["launch"]["accelerate_config"] = "configs/accelerate/single.yaml"  # bundled
+    (tmp_path / "elsewhere").mkdir()
+    path = tmp_path / "elsewhere" / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    (tmp_path / "elsewhere" / "prompts.csv").write_text("Prompts,Category\na,b\n")
+    loaded = []
+    for cwd in (tmp_path, REPO, tmp_path / "elsewhere"):
+        monkeypatch.chdir(cwd)
+        loaded.append(load_config(path))
+    assert loaded[0] == loaded[1] == loaded[2]
+    c = loaded[0]
+    assert c.storage.root == str(tmp_path / "elsewhere" / "data")
+    assert c.shards.cache_dir == str(tmp_path / "elsewhere" / "data" / "cache")
+    assert c.ingest.source == str(tmp_path / "images")
+    assert c.evaluate.prompts_csv == str(tmp_path / "elsewhere" / "prompts.csv")
+    assert c.launch.accelerate_config == str(PROJECT_DIR / "configs/accelerate/single.yaml")
+    # A command-line override is the user's own path: relative to the working directory.
+    monkeypatch.chdir(tmp_path)
+    assert load_config(path, root="r").storage.root == str(tmp_path / "r")
+
+
+def test_a_snapshot_loads_to_the_same_config_from_anywhere(tmp_path, monkeypatch):
+    cfg = load_config(REPO / "configs" / "tiny.yaml", root=str(tmp_path / "r"), source="s3://b/p")
+    snap = write_snapshot(cfg, tmp_path / "run" / "config.yaml")
+    monkeypatch.chdir(tmp_path)
+    again = load_config(snap)
+    assert again == cfg and config_hash(again) == config_hash(cfg)
+    assert yaml.safe_load(snap.read_text())["storage"]["root"] == str(tmp_path / "r")
+    assert config_hash(cfg) == stable_hash(yaml.safe_load(snap.read_text()), 16)
+
+
+def test_redact_uri_masks_only_the_password():
+    assert redact_uri("postgresql://kiln:s3cret@db:5432/mlflow") == (
+        "postgresql://kiln:***@db:5432/mlflow"
+    )
+    assert redact_uri("sqlite:////tmp/kiln/mlflow.db") == "sqlite:////tmp/kiln/mlflow.db"
+    assert redact_uri("http://tracking:5000") == "http://tracking:5000"

@@ -13,18 +13,33 @@ from flows.shard import shard_flow
 from flows.validate import validate_flow
 from tasks.quality import QualityGateError
 
+pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
 
-def _artifact(key: str):
+
+def _artifact(key: str, state):
+    """The artifacts `key` of the flow run that ended in `state`, never another test's."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    run_id = state.state_details.flow_run_id
+    assert run_id is not None
 
     async def read():
         async with get_client() as client:
             return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+                artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=[key]),
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]),
+                )
             )
 
-    return asyncio.run(read())
+    found = asyncio.run(read())
+    assert found, f"no {key} artifact in flow run {run_id}"
+    return found
 
 
 def test_steps_run_alone_from_an_s3_source(
@@ -38,18 +53,20 @@ def test_steps_run_alone_from_an_s3_source(
         f"s3://{bucket}/raw",
         **{"storage.endpoint_url": s3_endpoint},
     )
-    ing = ingest_flow(str(cfg))
+    ing_state = ingest_flow(str(cfg), return_state=True)
+    ing = ing_state.result()
     assert ing["listed"] == 60 and ing["source"] == f"s3://{bucket}/raw"
-    q = validate_flow(str(cfg))  # finds the catalog through LATEST
+    q_state = validate_flow(str(cfg), return_state=True)  # finds the catalog through LATEST
+    q = q_state.result()
     assert q["ingest_id"] == ing["ingest_id"] and q["passed"]
     shards = shard_flow(str(cfg))  # re-reads the images from S3
     assert shards["stages"][32]["samples"] == q["clean"], "every clean image is >= 32 px"
     assert (
         tmp_path / "root" / "shards" / shards["dataset_version"] / "64" / "index.json"
     ).is_file()
-    assert any("60** items listed" in a.data for a in _artifact("ingest-summary"))
+    assert all("60** items listed" in a.data for a in _artifact("ingest-summary", ing_state))
     docs = tmp_path / "root" / "quality" / ing["ingest_id"] / "index.html"
-    assert any(f"file://{docs}" in a.data for a in _artifact("quality-gate")), "Data Docs link"
+    assert all(str(docs) in a.data for a in _artifact("quality-gate", q_state)), "Data Docs"
 
 
 def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_src, make_config):
@@ -58,11 +75,13 @@ def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_sr
         **{"quality.min_side": 90, "quality.max_reject_fraction": 0.05},
     )  # fmt: skip
     ingest_flow(str(cfg))
+    state = validate_flow(str(cfg), return_state=True)
     with pytest.raises(QualityGateError, match="quality gate failed"):
-        validate_flow(str(cfg))
+        state.result()
     summary = json.loads(next((tmp_path / "root" / "quality").glob("*/summary.json")).read_text())
     assert not summary["passed"] and summary["reasons"]["too_small"] > 0
-    assert any("FAILED" in a.data and "too_small" in a.data for a in _artifact("quality-gate"))
+    gate = _artifact("quality-gate", state)
+    assert all("FAILED" in a.data and "too_small" in a.data for a in gate)
 
 
 def test_shard_before_validate_says_so(tmp_path, demo_src, make_config):
@@ -107,7 +126,8 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
         ds = StreamingDataset(local=str(latents_64 / b["name"]), batch_size=1)
         assert len(ds) == b["samples"]
         assert ds[0]["latent_mean"].shape[1:] == (b["height"] // 4, b["width"] // 4)
-    record = train_flow(str(cfg))
+    train_state = train_flow(str(cfg), return_state=True)
+    record = train_state.result()
     assert record["health"]["world_size"] == 1
     for res in ("32", "48", "64"):
         stage_yaml = tmp_path / "root" / "runs" / record["run_id"] / f"stage-{res}" / "stage.yaml"
@@ -116,4 +136,5 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
         assert run["shards_remote"].startswith(f"s3://{bucket}/datasets/{version}/{res}-latents-")
         assert any(Path(run["shards_cache"]).rglob("*.mds")), "streamed from S3 into the cache"
         assert run["shards_cache"].startswith(str(tmp_path / "root" / "cache"))
-    assert any("Plan vs actual" not in a.data and "mfu" in a.data for a in _artifact("stage-64"))
+    stage_64 = _artifact("stage-64", train_state)
+    assert all("Plan vs actual" not in a.data and "mfu" in a.data for a in stage_64)

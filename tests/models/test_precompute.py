@@ -6,14 +6,17 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import yaml
 from streaming import StreamingDataset
 
 from flows.config import load_config
 from models.config import StageRun
-from models.data import decode_pixels
+from models.decoding import decode_pixels
 from models.factory import build_components
+
+pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -69,7 +72,7 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
     _launch("models.train", ["--config", str(tmp_path / "train" / "stage.yaml")])
     lines = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     perf = next(x for x in lines if x.get("event") == "perf")
-    from models.perf import train_flops_per_sample
+    from models.flops import train_flops_per_sample
 
     unet_only = train_flops_per_sample(cfg.model.unet, resolution=32, vae_scale=4, seq_len=77)
     assert perf["flops_per_sample"] == unet_only

@@ -58,6 +58,7 @@ def test_disk_estimate_against_free_space(tmp_path):
         check_disk(tmp_path, huge.model_copy(update={"keep_checkpoints": 50}))
 
 
+@pytest.mark.integration
 def test_collective_that_cannot_form_fails_fast(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from data_quality.rules import QualityConfig
+from flows.config import IngestConfig
 from tasks.ingest import ingest_source
 from tasks.quality import validate_catalog
 
@@ -17,7 +18,7 @@ def _cat(root, ingest_id, name="view_accepted"):
 def test_hostile_files_are_accepted_or_quarantined_with_a_reason(tmp_path, hostile_src):
     src, expected = hostile_src
     root = tmp_path / "root"
-    ing = ingest_source(str(src), str(root), workers=2)
+    ing = ingest_source(IngestConfig(source=str(src), workers=2), str(root))
     rules = QualityConfig(min_side=32, max_caption_chars=500, max_reject_fraction=1.0)
     val = validate_catalog.fn(str(root), ing.ingest_id, rules)
 
@@ -65,7 +66,9 @@ def test_sidecar_tar_and_key_hazards(tmp_path, s3_bucket, s3_endpoint):
     whole = _tar_bytes([("x1.jpg", jpg), ("x1.txt", b"one"), ("x2.jpg", jpg * 20)])
     put("00001.tar", whole[:5000])  # cut inside x2's image
     put("sub/../../sneaky.tar", whole)
-    res = ingest_source(f"s3://{bucket}/raw", str(tmp_path / "root"), endpoint_url=s3_endpoint)
+    res = ingest_source(
+        IngestConfig(source=f"s3://{bucket}/raw"), str(tmp_path / "root"), endpoint_url=s3_endpoint
+    )
     assert res.layout == "webdataset"
     acc = _cat(tmp_path / "root", res.ingest_id)
     q = _cat(tmp_path / "root", res.ingest_id, "view_quarantine")
@@ -84,6 +87,36 @@ def test_sidecar_tar_and_key_hazards(tmp_path, s3_bucket, s3_endpoint):
     assert res.accepted + res.quarantined == res.listed == 8
 
 
+def test_webdataset_members_in_every_configured_image_format_are_images(tmp_path):
+    """`ingest.image_extensions` (the config's list) decides which tar members are images."""
+    from PIL import Image
+
+    def encoded(fmt: str) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (40, 40), (200, 60, 10)).save(buf, format=fmt)
+        return buf.getvalue()
+
+    src = tmp_path / "src"
+    src.mkdir()
+    members = []
+    for stem, ext, fmt in (("a", "bmp", "BMP"), ("b", "gif", "GIF"), ("c", "tif", "TIFF")):
+        members += [(f"{stem}.{ext}", encoded(fmt)), (f"{stem}.txt", f"a {fmt} image".encode())]
+    (src / "00000.tar").write_bytes(_tar_bytes(members))
+    res = ingest_source(IngestConfig(source=str(src), workers=1), str(tmp_path / "root"))
+    q = _cat(tmp_path / "root", res.ingest_id, "view_quarantine")
+    assert dict(zip(q["key"], q["reason"], strict=True)) == {}
+    acc = _cat(tmp_path / "root", res.ingest_id).set_index("key")
+    assert dict(acc["format"]) == {
+        "00000.tar/a": "BMP", "00000.tar/b": "GIF", "00000.tar/c": "TIFF",
+    }  # fmt: skip
+    assert acc.loc["00000.tar/c", "caption"] == "a TIFF image"
+    # The list is the config's: without .gif, the GIF sample has no image.
+    narrow = IngestConfig(source=str(src), workers=1, image_extensions=[".bmp", ".tif"])
+    res = ingest_source(narrow, str(tmp_path / "narrow"))
+    q = _cat(tmp_path / "narrow", res.ingest_id, "view_quarantine")
+    assert dict(zip(q["key"], q["reason"], strict=True)) == {"00000.tar/b": "no_image"}
+
+
 def test_img2dataset_caption_not_utf8(tmp_path):
     src = tmp_path / "src" / "00000"
     src.mkdir(parents=True)
@@ -95,7 +128,7 @@ def test_img2dataset_caption_not_utf8(tmp_path):
     (src / "b.txt").write_bytes(b"caf\xe9 latin-1")
     (src / "c.txt").write_text("fine too")
     (src / "c.json").write_text("[not, an, object")
-    res = ingest_source(str(tmp_path / "src"), str(tmp_path / "root"))
+    res = ingest_source(IngestConfig(source=str(tmp_path / "src")), str(tmp_path / "root"))
     q = _cat(tmp_path / "root", res.ingest_id, "view_quarantine")
     assert res.layout == "img2dataset"
     assert dict(zip(q["key"], q["reason"], strict=True)) == {
@@ -113,11 +146,14 @@ def test_layouts_local_and_s3_give_the_same_catalog(
     bucket, client = s3_bucket
     upload_dir(client, bucket, "raw", src)
     cols = ["key", "caption", "sha256", "phash", "width", "height", "license"]
-    local = ingest_source(str(src), str(tmp_path / "a"), workers=2, metadata_columns=("license",))
+    local = ingest_source(
+        IngestConfig(source=str(src), workers=2, metadata_columns=("license",)), str(tmp_path / "a")
+    )
     remote = ingest_source(
-        f"s3://{bucket}/raw", str(tmp_path / "b"), workers=2, endpoint_url=s3_endpoint,
-        metadata_columns=("license",),
-    )  # fmt: skip
+        IngestConfig(source=f"s3://{bucket}/raw", workers=2, metadata_columns=("license",)),
+        str(tmp_path / "b"),
+        endpoint_url=s3_endpoint,
+    )
     assert local.layout == remote.layout == kind
     a, b = _cat(tmp_path / "a", local.ingest_id), _cat(tmp_path / "b", remote.ingest_id)
     assert dict(zip(a["key"], a["caption"], strict=True)) == keys
@@ -126,18 +162,20 @@ def test_layouts_local_and_s3_give_the_same_catalog(
     assert local.accepted == remote.accepted == 6 and remote.quarantined == 0
 
 
+@pytest.mark.integration
 def test_dask_cluster_gives_the_same_catalog_as_a_local_run(tmp_path, hostile_src):
     from distributed import LocalCluster
 
     src, _ = hostile_src
-    local = ingest_source(str(src), str(tmp_path / "a"), workers=2, partition_size=3)
+    local = ingest_source(
+        IngestConfig(source=str(src), workers=2, partition_size=3), str(tmp_path / "a")
+    )
     with LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
     ) as cluster:
         remote = ingest_source(
-            str(src),
+            IngestConfig(source=str(src), partition_size=3),
             str(tmp_path / "b"),
-            partition_size=3,
             dask_address=cluster.scheduler_address,
         )
         assert "decode_partition" in cluster.scheduler.task_prefixes, "decoding ran on Dask"
@@ -152,11 +190,11 @@ def test_dask_cluster_gives_the_same_catalog_as_a_local_run(tmp_path, hostile_sr
 def test_changed_ingest_settings_rebuild_every_row(tmp_path, layouts):
     src, root = tmp_path / "src", tmp_path / "root"
     layouts("img2dataset", src)
-    first = ingest_source(str(src), str(root))
+    first = ingest_source(IngestConfig(source=str(src)), str(root))
     assert "license" not in _cat(root, first.ingest_id).columns
-    again = ingest_source(str(src), str(root))
+    again = ingest_source(IngestConfig(source=str(src)), str(root))
     assert again.reused and again.new_items == 0
-    more = ingest_source(str(src), str(root), metadata_columns=("license",))
+    more = ingest_source(IngestConfig(source=str(src), metadata_columns=("license",)), str(root))
     assert more.new_items == 6 and more.removed_items == 0
     view = _cat(root, more.ingest_id)
     assert len(view) == 6 and (view["license"] == "cc0").all(), "old rows backfilled"

@@ -8,6 +8,8 @@ import pytest
 
 from tasks.launch import LaunchError, accelerate_command, run_launch
 
+pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
+
 
 def test_output_streams_and_failure_carries_the_tail(caplog):
     cmd = [sys.executable, "-c", "print('hello from child'); import sys; sys.exit(3)"]
@@ -101,19 +103,29 @@ def _launch_in_flow(run, retries, hang_timeout_s=None, topology=None):
         task = launch_stage.with_options(retries=retries, retry_delay_seconds=0)
         return task(run, topology or SINGLE, hang_timeout_s=hang_timeout_s)
 
-    return one_stage()
+    return one_stage(return_state=True)
 
 
-def _progress(key):
+def _progress(key, state):
+    """Progress values of artifact `key` in the flow run that ended in `state` only."""
     import asyncio
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    flow_run_id = state.state_details.flow_run_id
 
     async def read():
         async with get_client() as client:
             return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+                artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=[key]),
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+                )
             )
 
     return [a.data for a in asyncio.run(read())]
@@ -127,7 +139,9 @@ def test_sigkill_at_two_steps_resumes_bit_exactly_through_task_retries(tmp_path,
 
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     launch_stage.fn(_stage_run(tiny_shards, clean), SINGLE)
-    manifest = _launch_in_flow(_stage_run(tiny_shards, crashed, kill_at_steps=[3, 5]), retries=2)
+    manifest = _launch_in_flow(
+        _stage_run(tiny_shards, crashed, kill_at_steps=[3, 5]), retries=2
+    ).result()
     assert manifest["final_step"] == 6
     events = (crashed / "metrics.jsonl").read_text()
     assert events.count('"event": "resumed"') == 2, "killed twice, resumed twice"
@@ -143,9 +157,10 @@ def test_sigkill_at_two_steps_resumes_bit_exactly_through_task_retries(tmp_path,
 
 def test_stalled_launch_is_killed_by_the_watchdog_and_resumed(tmp_path, tiny_shards):
     out = tmp_path / "stall"
-    manifest = _launch_in_flow(
+    state = _launch_in_flow(
         _stage_run(tiny_shards, out, stall_at_step=4), retries=1, hang_timeout_s=20
     )
+    manifest = state.result()
     assert manifest["final_step"] == 6
     resumed = [
         r
@@ -156,7 +171,8 @@ def test_stalled_launch_is_killed_by_the_watchdog_and_resumed(tmp_path, tiny_sha
     assert [r["step"] for r in resumed] == [4], (
         "killed while stalled at step 4, resumed from its checkpoint"
     )
-    assert 100.0 in _progress("train-32px-progress"), "the progress artifact reached 100%"
+    # One progress artifact per attempt of this flow run's task; the retry's reached 100%.
+    assert 100.0 in _progress("train-32px-progress", state), "this run's progress hit 100%"
 
 
 def test_sigkill_of_a_ddp_rank_resumes_bit_exactly(tmp_path, tiny_shards):
@@ -169,7 +185,7 @@ def test_sigkill_of_a_ddp_rank_resumes_bit_exactly(tmp_path, tiny_shards):
     launch_stage.fn(_stage_run(tiny_shards, clean), ddp)
     manifest = _launch_in_flow(
         _stage_run(tiny_shards, crashed, kill_at_steps=[3]), retries=1, topology=ddp
-    )
+    ).result()
     assert manifest["final_step"] == 6 and manifest["num_processes"] == 2
     assert (crashed / "metrics.jsonl").read_text().count('"event": "resumed"') == 1
     assert _per_step(crashed / "metrics.jsonl", "loss") == _per_step(

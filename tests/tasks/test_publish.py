@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from data_quality.rules import QualityConfig
+from flows.config import IngestConfig, ShardsConfig
 from tasks.ingest import ingest_source
 from tasks.publish import publish_dataset
 from tasks.quality import validate_catalog
@@ -32,11 +33,16 @@ class RecordingStorage(Storage):
 def version(tmp_path, demo_src):
     """A finished version: a square 32 px stage and a 64 px stage in aspect buckets."""
     root = tmp_path / "root"
-    ing = ingest_source(str(demo_src), str(root), workers=1)
+    ing = ingest_source(IngestConfig(source=str(demo_src), workers=1), str(root))
     rules = QualityConfig(min_side=32, max_reject_fraction=0.25)
     validate_catalog.fn(str(root), ing.ingest_id, rules)
-    res = write_shards.fn(str(root), ing.ingest_id, [32, 64], bucket_stages=[64], bucket_step=8,
-                          size_limit=16384, workers=2)  # fmt: skip
+    res = write_shards.fn(
+        ShardsConfig(bucket_step=8, size_limit=16384, workers=2),
+        str(root),
+        ing.ingest_id,
+        [32, 64],
+        bucket_stages=[64],
+    )
     return root / "shards" / res.dataset_version
 
 
@@ -49,8 +55,8 @@ def test_publish_is_atomic_resumes_and_streams_back_like_local(
     version, tmp_path, s3_bucket, s3_endpoint, monkeypatch
 ):
     from flows.config import PROJECT_DIR, load_config
-    from models.data import build_loader
     from models.factory import build_tokenizer
+    from models.loader import build_loader
 
     bucket, _ = s3_bucket
     remote = f"s3://{bucket}/datasets"
@@ -90,19 +96,19 @@ def test_publish_is_atomic_resumes_and_streams_back_like_local(
     # Streamed from S3 through a cache, each stage (square, and bucketed) gives the same
     # batches as the local copy.
     monkeypatch.setenv("S3_ENDPOINT_URL", s3_endpoint)  # streaming's S3 endpoint setting
-    tok = build_tokenizer(load_config(PROJECT_DIR / "configs" / "tiny.yaml").train.model.tokenizer)
+    train = load_config(PROJECT_DIR / "configs" / "tiny.yaml").train
+    tok = build_tokenizer(train.model.tokenizer)
     for stage in ("32", "64"):
         res_px = int(stage)
-        want = [b["key"] for b in build_loader(str(version / stage), tok, res_px, 2,
-                                               shuffle_seed=1)]  # fmt: skip
+        want = [b["key"] for b in build_loader(train, str(version / stage), tok, res_px, 2)]
         cache = tmp_path / "cache" / v / stage
-        got = [b["key"] for b in build_loader(str(cache), tok, res_px, 2, shuffle_seed=1,
+        got = [b["key"] for b in build_loader(train, str(cache), tok, res_px, 2,
                                               remote=f"{remote}/{v}/{stage}")]  # fmt: skip
         assert got == want and len(got) >= 5
         assert any(cache.rglob("*.mds")), "shards were streamed into the cache"
 
     with pytest.raises(FileNotFoundError, match="neither index.json nor buckets.json"):
-        build_loader(str(tmp_path / "c2"), tok, 32, 2, shuffle_seed=1, remote=f"{remote}/nope")
+        build_loader(train, str(tmp_path / "c2"), tok, 32, 2, remote=f"{remote}/nope")
 
 
 def test_publishing_an_unfinished_version_says_so(tmp_path):

@@ -4,6 +4,7 @@ import pandas as pd
 import pytest
 
 from data_quality.rules import QualityConfig
+from flows.config import IngestConfig
 from tasks.ingest import ingest_source
 from tasks.quality import QualityGateError, validate_catalog
 
@@ -16,7 +17,7 @@ def _quarantine(root, ingest_id):
 
 def test_validate_quarantines_planted_items_and_builds_data_docs(tmp_path, demo_src):
     root = tmp_path / "root"
-    ing = ingest_source(str(demo_src), str(root), workers=1)
+    ing = ingest_source(IngestConfig(source=str(demo_src), workers=1), str(root))
     res = validate_catalog.fn(str(root), ing.ingest_id, RULES)
     q = _quarantine(root, ing.ingest_id)
     reasons = dict(zip(q["key"], q["reason"], strict=True))
@@ -35,7 +36,7 @@ def test_validate_quarantines_planted_items_and_builds_data_docs(tmp_path, demo_
 
 def test_gate_fails_with_a_reason_table_and_keeps_the_quarantine(tmp_path, demo_src):
     root = tmp_path / "root"
-    ing = ingest_source(str(demo_src), str(root), workers=1)
+    ing = ingest_source(IngestConfig(source=str(demo_src), workers=1), str(root))
     with pytest.raises(QualityGateError) as e:
         validate_catalog.fn(
             str(root), ing.ingest_id, QualityConfig(min_side=100, max_reject_fraction=0.1)
@@ -44,6 +45,14 @@ def test_gate_fails_with_a_reason_table_and_keeps_the_quarantine(tmp_path, demo_
     assert "quality.max_reject_fraction" in msg and "| `too_small` |" in msg
     assert (root / "quality" / ing.ingest_id / "summary.json").is_file()
     assert (_quarantine(root, ing.ingest_id)["reason"] == "too_small").sum() > 10
+    verdict = json.loads((root / "catalog" / ing.ingest_id / "verdict.json").read_text())
+    assert verdict["passed"] is False and verdict["reasons"]["too_small"] > 10
+    # The pipeline's override: the failure is logged and recorded, not raised.
+    res = validate_catalog.fn(
+        str(root), ing.ingest_id, QualityConfig(min_side=100, max_reject_fraction=0.1),
+        allow_failed_gate=True,
+    )  # fmt: skip
+    assert not res.passed and res.reasons == verdict["reasons"]
 
 
 def _add_images(src, names, caption="a new photo", size=(64, 64), color=(10, 120, 240)):
@@ -64,15 +73,15 @@ def test_incremental_runs_decode_only_what_is_new(tmp_path):
 
     src, root = tmp_path / "src", tmp_path / "root"
     write_demo_dataset(src, n=20, seed=1)
-    first = ingest_source(str(src), str(root), workers=2)
+    first = ingest_source(IngestConfig(source=str(src), workers=2), str(root))
     assert first.new_items == 20 and not first.reused
 
-    again = ingest_source(str(src), str(root), workers=2)
+    again = ingest_source(IngestConfig(source=str(src), workers=2), str(root))
     assert again.reused and again.new_items == 0 and again.ingest_id == first.ingest_id
     assert {p.name for p in (root / "catalog").iterdir()} == {first.ingest_id, "LATEST"}
 
     _add_images(src, [f"new-{i:02d}.jpg" for i in range(10)])
-    third = ingest_source(str(src), str(root), workers=2)
+    third = ingest_source(IngestConfig(source=str(src), workers=2), str(root))
     assert (third.new_items, third.unchanged_items, third.removed_items) == (10, 20, 0)
     delta = pd.read_parquet(root / "catalog" / third.ingest_id / "accepted.parquet")
     assert sorted(delta["key"]) == [f"new-{i:02d}.jpg" for i in range(10)]
@@ -83,7 +92,7 @@ def test_incremental_runs_decode_only_what_is_new(tmp_path):
     assert len(seen) == 31 and seen["version"].str.len().gt(0).all(), "30 images + manifest"
 
     (src / "new-03.jpg").unlink()
-    fourth = ingest_source(str(src), str(root), workers=1)
+    fourth = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
     assert (fourth.new_items, fourth.removed_items) == (0, 1)
     gone = pd.read_parquet(root / "catalog" / fourth.ingest_id / "view_accepted.parquet")
     assert "new-03.jpg" not in set(gone["key"]) and len(gone) == len(view) - 1
@@ -99,7 +108,7 @@ def test_exact_and_near_duplicates_are_caught_across_runs(tmp_path):
     src.mkdir()
     _add_images(src, ["orig.jpg"], color=(200, 40, 40))
     _add_images(src, ["other.jpg"], size=(90, 64), color=(20, 20, 20))
-    first = ingest_source(str(src), str(root))
+    first = ingest_source(IngestConfig(source=str(src)), str(root))
     validate_catalog.fn(str(root), first.ingest_id, RULES)
 
     (src / "copy.jpg").write_bytes((src / "orig.jpg").read_bytes())
@@ -107,7 +116,7 @@ def test_exact_and_near_duplicates_are_caught_across_runs(tmp_path):
     with open(src / "metadata.jsonl", "a") as f:
         f.write(json.dumps({"file_name": "copy.jpg", "text": "same bytes, new name"}) + "\n")
         f.write(json.dumps({"file_name": "resized.jpg", "text": "smaller, recompressed"}) + "\n")
-    second = ingest_source(str(src), str(root))
+    second = ingest_source(IngestConfig(source=str(src)), str(root))
     assert second.new_items == 2
 
     flagged = validate_catalog.fn(str(root), second.ingest_id, RULES)

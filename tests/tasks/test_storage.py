@@ -92,7 +92,9 @@ def flaky_s3(s3_endpoint):
     server.shutdown()
 
 
+@pytest.mark.integration
 def test_reads_retry_throttling_and_5xx_with_backoff(tmp_path, flaky_s3, s3_bucket, layouts):
+    from flows.config import IngestConfig
     from tasks.ingest import ingest_source
 
     endpoint, failures = flaky_s3
@@ -105,6 +107,8 @@ def test_reads_retry_throttling_and_5xx_with_backoff(tmp_path, flaky_s3, s3_buck
     st = Storage(f"s3://{bucket}/raw", endpoint)
     assert st.read_bytes("00000/a.txt") == b"a red field with a blue disc"
     assert failures == [503, 500], "one object read survived a 503 and a 500"
-    res = ingest_source(f"s3://{bucket}/raw", str(tmp_path / "root"), endpoint_url=endpoint)
+    res = ingest_source(
+        IngestConfig(source=f"s3://{bucket}/raw"), str(tmp_path / "root"), endpoint_url=endpoint
+    )
     assert res.accepted == len(keys) and res.quarantined == 0
     assert failures.count(503) == 18, "every image and sidecar was throttled once, then read"

@@ -1,4 +1,5 @@
-"""The streaming loader: stream mixing by proportion."""
+"""The training loader (`models.loader`): streams mixed by proportion, stored token ids,
+hflip, S3 remotes, and batches through shared buffers in worker processes."""
 
 import json
 from collections import Counter
@@ -6,9 +7,9 @@ from collections import Counter
 import pytest
 
 from flows.config import load_config
-from models.data import build_loader
 from models.factory import build_tokenizer
-from models.throughput import write_synthetic_shards
+from models.loader import build_loader
+from models.measure_throughput import write_synthetic_shards
 
 
 def test_streams_mix_by_proportion(tmp_path, tiny_shards):
@@ -20,69 +21,13 @@ def test_streams_mix_by_proportion(tmp_path, tiny_shards):
     main = str(root / "shards" / version / "32")
     counts: Counter = Counter()
     for seed in range(3):
-        loader = build_loader(main, tok, 32, 4, shuffle_seed=seed, mix=[(str(other), 0.2)],
-                              shuffle_algo="py1s")  # fmt: skip
+        train = cfg.model_copy(update={"shuffle_seed": seed, "shuffle_algo": "py1s"})
+        loader = build_loader(train, main, tok, 32, 4, mix=[(str(other), 0.2)])
         for batch in loader:
             counts.update("other" if k.startswith("s") and k[1:].isdigit() else "main"
                           for k in batch["key"])  # fmt: skip
     share = counts["other"] / sum(counts.values())
     assert abs(share - 0.2) < 0.05, counts
-
-
-def test_mapped_reads_match_streamings_reader(tmp_path, tiny_shards):
-    """The loader's mapped-shard reader returns exactly what StreamingDataset.get_item does,
-    for image shards and for ndarray columns whose shape changes from sample to sample."""
-    import numpy as np
-    from streaming import MDSWriter, StreamingDataset
-
-    from models.data import ImageCaptionDataset
-
-    _, root, version = tiny_shards
-    arrays = tmp_path / "arrays"
-    cols = {"key": "str", "caption": "str", "a": "ndarray:float16", "b": "ndarray",
-            "c": "ndarray:int32:3", "n": "int32", "meta": "json"}  # fmt: skip
-    rng = np.random.default_rng(0)
-    with MDSWriter(out=str(arrays), columns=cols, size_limit=1 << 12) as w:
-        for i in range(40):
-            shape = (4, 2, 2) if i % 7 else (2, 3)  # a shape change breaks the header cache
-            w.write({"key": f"k{i}", "caption": f"é {i}", "n": i, "meta": {"i": i},
-                     "a": rng.standard_normal(shape).astype(np.float16),
-                     "b": rng.standard_normal(5) if i % 2 else rng.integers(0, 9, (2, 2)),
-                     "c": np.arange(3, dtype=np.int32) + i})  # fmt: skip
-    for local in (str(root / "shards" / version / "32"), str(arrays)):
-        ours = ImageCaptionDataset(local=local, batch_size=1, shuffle=False)
-        ref = StreamingDataset(local=local, batch_size=1, shuffle=False)
-        assert ours.num_samples == ref.num_samples > 0
-        assert len(ref.shards) > 1  # several shards, so the shard lookup is exercised
-        for i in range(ref.num_samples):
-            got, want = ours._read(i), ref.get_item(i)
-            assert got.keys() == want.keys()
-            for k, v in want.items():
-                if isinstance(v, np.ndarray):
-                    assert got[k].dtype == v.dtype and np.array_equal(got[k], v), (i, k)
-                elif isinstance(v, bytes):
-                    assert bytes(got[k]) == v, (i, k)
-                else:
-                    assert got[k] == v, (i, k)
-
-
-def test_collate_tokenizes_like_the_tokenizer(tiny_shards):
-    """Batch tokenization in the collate gives the ids the model's tokenizer gives."""
-    import numpy as np
-    import torch
-
-    from models.data import KilnCollate
-
-    cfg_path, _, _ = tiny_shards
-    tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
-    assert tok.is_fast
-    captions = ["a photo of a cat", "", "  spaced   out  ", "Crème brûlée, 日本の写真!",
-                "long " * 200, "UPPER and lower"]  # fmt: skip
-    want = tok(captions, padding="max_length", truncation=True,
-               max_length=tok.model_max_length, return_tensors="np").input_ids  # fmt: skip
-    got = KilnCollate(tok, 32).ids(captions)
-    assert got.dtype == torch.int64 and tuple(got.shape) == want.shape
-    assert np.array_equal(got.numpy(), want)
 
 
 def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog):
@@ -91,7 +36,9 @@ def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog)
     the batch are torchvision's decode; ids made by another tokenizer are not used."""
     import torch
 
-    from models.data import ImageCaptionDataset, KilnCollate, decode_uint8
+    from models.collation import KilnCollate
+    from models.decoding import decode_uint8
+    from models.loader import ImageCaptionDataset
 
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path).train
@@ -99,8 +46,8 @@ def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog)
     path = str(root / "shards" / version / "32")
 
     def batches(tokenizer, **kw):
-        loader = build_loader(path, tokenizer, 32, 4, shuffle_seed=1, seed=2,
-                              caption_dropout=0.3, **kw)  # fmt: skip
+        train = cfg.model_copy(update={"shuffle_seed": 1, "seed": 2, "caption_dropout": 0.3})
+        loader = build_loader(train, path, tokenizer, 32, 4, **kw)
         return loader.dataset.columns, list(loader)
 
     cols, stored = batches(tok)
@@ -116,7 +63,7 @@ def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog)
     dropped = sum(bool(torch.equal(row, empty)) for b in stored for row in b["input_ids"])
     assert 0 < dropped < 4 * len(stored)
     ref = ImageCaptionDataset(local=path, batch_size=1, shuffle=False)
-    images = {s["key"]: s["image"] for s in (ref._read(i) for i in range(ref.num_samples))}
+    images = {s["key"]: s["image"] for s in map(ref.read_sample, range(ref.num_samples))}
     for b in stored:
         assert b["pixel_values"].shape == (4, 3, 32, 32)
         for key, px in zip(b["key"], b["pixel_values"], strict=True):
@@ -131,19 +78,22 @@ def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog)
 def test_hflip_mirrors_the_images_its_seed_picks_every_run(tiny_shards):
     import torch
 
-    from models.data import ImageCaptionDataset, _uniform, decode_uint8, device_pixels
+    from models.collation import device_pixels
+    from models.decoding import decode_uint8
+    from models.loader import ImageCaptionDataset, _uniform
 
     cfg_path, root, version = tiny_shards
-    tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
+    cfg = load_config(cfg_path).train.model_copy(update={"shuffle_seed": 1, "seed": 2})
+    tok = build_tokenizer(cfg.model.tokenizer)
     path = str(root / "shards" / version / "32")
     ref = ImageCaptionDataset(local=path, batch_size=1, shuffle=False)
-    stored = [ref._read(i) for i in range(ref.num_samples)]
+    stored = [ref.read_sample(i) for i in range(ref.num_samples)]
     want = {s["key"] for i, s in enumerate(stored) if _uniform(2, i, 1) < 0.5}
     images = {s["key"]: decode_uint8(s["image"], 32) for s in stored}
 
     def flipped_keys() -> tuple[set[str], set[str]]:
         seen, out = set(), set()
-        loader = build_loader(path, tok, 32, 4, shuffle_seed=1, seed=2, hflip=0.5)
+        loader = build_loader(cfg.model_copy(update={"hflip": 0.5}), path, tok, 32, 4)
         for batch in loader:
             assert batch["flip"].dtype == torch.bool and batch["flip"].shape == (4,)
             pixels = device_pixels(batch, "cpu")  # the trainer's view: mirrored where flagged
@@ -161,10 +111,10 @@ def test_hflip_mirrors_the_images_its_seed_picks_every_run(tiny_shards):
     assert 0 < len(got) < len(seen)
     assert got == want & seen  # exactly the seed's picks among the samples served
     assert flipped_keys() == (seen, got)  # and the same every run
-    unflipped = next(iter(build_loader(path, tok, 32, 4, shuffle_seed=1, seed=2)))
+    unflipped = next(iter(build_loader(cfg.model_copy(update={"hflip": 0.0}), path, tok, 32, 4)))
     assert "flip" not in unflipped
     with pytest.raises(ValueError, match=r"hflip is a probability in \[0, 1\], got 1.5"):
-        build_loader(path, tok, 32, 4, shuffle_seed=1, hflip=1.5)
+        build_loader(cfg.model_copy(update={"hflip": 1.5}), path, tok, 32, 4)
 
 
 def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_endpoint,
@@ -176,7 +126,8 @@ def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_
     import torch
 
     cfg_path, _, _ = tiny_shards
-    tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
+    cfg = load_config(cfg_path).train.model_copy(update={"shuffle_seed": 3})
+    tok = build_tokenizer(cfg.model.tokenizer)
     local = tmp_path / "mds"
     write_synthetic_shards(local, 32, 48, size_limit=1 << 13)
     bucket, client = s3_bucket
@@ -186,43 +137,33 @@ def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_
     assert len(shards) > 6
     biggest = max(s["raw_data"]["bytes"] for s in shards)
 
-    def batches(**kw):
-        loader = build_loader(tokenizer=tok, resolution=32, batch_size=4, shuffle_seed=3, **kw)
+    def batches(train=cfg, **kw):
+        loader = build_loader(train, tokenizer=tok, resolution=32, batch_size=4, **kw)
         return [(b["key"], b["pixel_values"], b["input_ids"]) for b in loader]
 
     want = batches(local=str(local))
-    got = batches(local=str(tmp_path / "cache"), remote=f"s3://{bucket}/mds",
-                  cache_limit=str(4 * biggest))  # fmt: skip
+    limited = cfg.model_copy(update={"cache_limit": str(4 * biggest)})
+    got = batches(limited, local=str(tmp_path / "cache"), remote=f"s3://{bucket}/mds")
     assert len(list((tmp_path / "cache").glob("*.mds"))) < len(shards)  # some were evicted
     assert [k for k, _, _ in got] == [k for k, _, _ in want]
     for (_, p1, i1), (_, p2, i2) in zip(got, want, strict=True):
         assert torch.equal(p1, p2) and torch.equal(i1, i2)
 
 
-def test_shards_of_another_size_fail_clearly(tiny_shards):
-    """A stage's loader pointed at shards written for another resolution names both sizes."""
-    import pytest
-
-    cfg_path, root, version = tiny_shards
-    tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
-    loader = build_loader(str(root / "shards" / version / "32"), tok, 48, 4, shuffle_seed=0)
-    want = r"images of \[\(32, 32\)\].*expected one of \[\(48, 48\)\]"
-    with pytest.raises(ValueError, match=want):
-        next(iter(loader))
-
-
 _RING_CHECK = """
 import json, sys, torch
 from flows.config import load_config
-from models.data import build_loader
 from models.factory import build_tokenizer
+from models.loader import build_loader
 
 cfg_path, path = sys.argv[1:3]
-tok = build_tokenizer(load_config(cfg_path).train.model.tokenizer)
-ref = list(build_loader(path, tok, 32, 2, shuffle_seed=5))
+one = load_config(cfg_path).train.model_copy(update={"shuffle_seed": 5, "num_workers": 0})
+two = one.model_copy(update={"num_workers": 2})
+tok = build_tokenizer(one.model.tokenizer)
+ref = list(build_loader(one, path, tok, 32, 2))
 out = {"batches": len(ref)}
 for hold in (False, True):
-    loader = build_loader(path, tok, 32, 2, shuffle_seed=5, num_workers=2)
+    loader = build_loader(two, path, tok, 32, 2)
     held, same = [], True
     for i, b in enumerate(loader):
         same &= b["key"] == ref[i]["key"] and torch.equal(b["input_ids"], ref[i]["input_ids"])
@@ -252,22 +193,24 @@ def epoch(loader, want):
 
 # An epoch left after 3 batches: batches it prefetched are never read, yet the next epoch's
 # workers find every slot free again. In-process, the same steps give the reference.
-inproc = build_loader(path, tok, 32, 2, shuffle_seed=5)
+inproc = build_loader(one, path, tok, 32, 2)
 left_after_3(inproc)
 want = list(inproc)
-loader = build_loader(path, tok, 32, 2, shuffle_seed=5, num_workers=2)
+loader = build_loader(two, path, tok, 32, 2)
 left_after_3(loader)
 out["after_left_epoch"] = epoch(loader, want)
 # Spawned workers get no ring (it is shared by fork only) and take the fresh path.
-loader = build_loader(path, tok, 32, 2, shuffle_seed=5, num_workers=2)
+loader = build_loader(two, path, tok, 32, 2)
 loader.multiprocessing_context = "spawn"
 out["spawn"] = epoch(loader, ref)
 print(json.dumps(out))
 """
 
 
+@pytest.mark.integration
 def test_worker_batches_reuse_buffers_and_held_ones_stay_intact(tiny_shards):
-    """Two loader workers stack image batches into reused shared buffers (models/ring.py).
+    """Two loader workers stack image batches into reused shared buffers
+    (models/shared_batch_buffers.py).
     Run in a child process: this one runs Prefect's threads, which forked workers must not
     inherit."""
     import subprocess

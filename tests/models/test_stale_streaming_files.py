@@ -7,7 +7,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from models.leftovers import clean_stale_streaming
+import pytest
+
+from models.stale_streaming_files import clean_stale_streaming
 
 _DATASET = """
 import os, signal, sys, time
@@ -27,6 +29,7 @@ def _files(prefix: int) -> list[Path]:
             for f in d.iterdir() if f.name.startswith(p)]  # fmt: skip
 
 
+@pytest.mark.integration
 def test_a_killed_runs_leftovers_go_and_a_live_runs_stay(tiny_shards):
     _, root, version = tiny_shards
     local = str(next((root / "shards" / version).glob("32")))
