@@ -11,13 +11,22 @@ points an alias (`candidate` by default) at it. Aliases, never the deprecated re
 from __future__ import annotations
 
 import importlib.metadata
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-__all__ = ["create_training_run", "mark_training_run", "ensure_experiment", "register_model"]
+__all__ = [
+    "create_training_run",
+    "mark_training_run",
+    "ensure_experiment",
+    "register_model",
+    "mlflow_uris",
+]
 
 # What a serving environment needs to load the pyfunc model (pinned to what trained it).
 SERVING_PACKAGES = [
@@ -29,6 +38,35 @@ SERVING_PACKAGES = [
     "pandas",
     "pillow",
 ]
+
+
+@contextmanager
+def mlflow_uris(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API (`start_run`, `log_model`) at `uri`, then put back what was.
+
+    `mlflow.set_tracking_uri` and `set_registry_uri` also write `MLFLOW_TRACKING_URI` and
+    `MLFLOW_REGISTRY_URI` into `os.environ`, so every later subprocess of this process (a
+    worker's next flow run, an `accelerate launch`, `mlflow models serve`) would inherit this
+    run's tracking store. Both the module state and the variables are restored on exit.
+    """
+    import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    names = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+    env = {k: os.environ.get(k) for k in names}
+    saved = (tracking_utils._tracking_uri, registry_utils._registry_uri)
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        yield
+    finally:
+        tracking_utils._tracking_uri, registry_utils._registry_uri = saved
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
@@ -94,27 +132,28 @@ def register_model(
 
     if not (Path(export_dir) / "model_index.json").is_file():
         raise FileNotFoundError(f"no exported pipeline at {export_dir} (model_index.json missing)")
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     reqs = [f"{p}=={importlib.metadata.version(p)}" for p in SERVING_PACKAGES]
     ended = client.get_run(mlflow_run_id).info
-    try:
-        # Resuming a run sets it RUNNING (and FAILED if logging raises); the training run's
-        # own end state and time are put back below, whatever happens here.
-        with mlflow.start_run(run_id=mlflow_run_id):
-            info = mlflow.pyfunc.log_model(
-                name="model",
-                python_model=KilnDiffusionModel(),
-                artifacts={"pipeline": export_dir},
-                code_paths=[str(Path(models.__file__).parent)],
-                pip_requirements=reqs,
-                signature=signature(),
-            )
-    finally:
-        if ended.status != "RUNNING":
-            client.set_terminated(mlflow_run_id, status=ended.status, end_time=ended.end_time)
-    version = mlflow.register_model(info.model_uri, model_name, tags=lineage)
+    with mlflow_uris(tracking_uri):
+        try:
+            # Resuming a run sets it RUNNING (and FAILED if logging raises); the training
+            # run's own end state and time are put back below, whatever happens here.
+            with mlflow.start_run(run_id=mlflow_run_id):
+                info = mlflow.pyfunc.log_model(
+                    name="model",
+                    python_model=KilnDiffusionModel(),
+                    artifacts={"pipeline": export_dir},
+                    code_paths=[str(Path(models.__file__).parent)],
+                    pip_requirements=reqs,
+                    signature=signature(),
+                )
+        finally:
+            if ended.status != "RUNNING":
+                client.set_terminated(
+                    mlflow_run_id, status=ended.status, end_time=ended.end_time
+                )
+        version = mlflow.register_model(info.model_uri, model_name, tags=lineage)
     client.set_registered_model_alias(model_name, alias, version.version)
     client.update_model_version(
         model_name, version.version, description=f"Kiln training run {lineage.get('run_id', '')}"

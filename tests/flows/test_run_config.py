@@ -1,6 +1,7 @@
 """A run's config is loaded once and snapshotted; its MLflow run ends with the training."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,9 @@ def test_editing_the_file_after_training_changes_neither_evaluate_nor_register(
     assert run.data.tags["kiln.config_sha256"] == stable_hash(snap, 16)
     version = client.get_model_version(info["name"], info["version"])
     assert version.run_id == record["mlflow_run_id"], "the model was logged into the run"
+    leaked = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+              if os.environ.get(k) == uri}  # fmt: skip
+    assert not leaked, "registering must not point this process's later subprocesses at it"
 
 
 def test_a_failed_stage_ends_the_mlflow_run_failed(tmp_path, tiny_shards, demo_src, make_config):
