@@ -1,4 +1,8 @@
-"""Validate flow: the Great Expectations quality gate over the newest (or a given) catalog."""
+"""Validate flow: the Great Expectations quality gate over the newest (or a given) catalog.
+
+Pass or fail, the step's Data Docs go to an MLflow run of their own, so that the quality-gate
+artifact links them over http; when that fails, the artifact shows their path on disk.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.config import load_config
 from tasks.layout import Layout
 from tasks.quality import validate_catalog
+from tasks.registry import log_data_docs
 from tasks.reports import quality_report
 
 __all__ = ["validate_flow"]
@@ -41,10 +46,19 @@ def validate_flow(
         )
         return result.to_dict()
     finally:
-        summary = layout.quality(ingest_id) / "summary.json"
-        if summary.is_file():
+        qdir = layout.quality(ingest_id)
+        if (qdir / "summary.json").is_file():
+            summary = json.loads((qdir / "summary.json").read_text())
+            docs_url = log_data_docs(
+                cfg.tracking_uri,
+                cfg.registry.experiment,
+                ingest_id,
+                str(qdir),
+                summary,
+                artifact_root=str(Path(cfg.storage.root) / "mlartifacts"),
+            )
             create_markdown_artifact(
                 key="quality-gate",
                 description=f"Quality gate for {ingest_id}",
-                markdown=quality_report(json.loads(summary.read_text())),
+                markdown=quality_report(summary, docs_url=docs_url),
             )

@@ -20,6 +20,8 @@ import torch
 from accelerate import PartialState
 from diffusers import StableDiffusionPipeline
 
+from models.tokenization import truncate_prompts
+
 __all__ = ["main", "read_prompts"]
 
 log = logging.getLogger("kiln.generate")
@@ -74,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
     pipe = StableDiffusionPipeline.from_pretrained(args.pipeline)
     pipe.set_progress_bar_config(disable=True)
     pipe.to(state.device)
+    # What the text encoder reads of each prompt; study.json keeps the prompts as written.
+    texts = [row["prompt"] for row in prompts]
+    fed = dict(zip(texts, truncate_prompts(pipe.tokenizer, texts), strict=True))
     t0 = time.perf_counter()
     with state.split_between_processes(items) as mine:
         todo = [it for it in mine if not (out / it["path"]).is_file()]
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
             batch = todo[start : start + args.batch_size]
             gens = [torch.Generator(device="cpu").manual_seed(it["seed"]) for it in batch]
             result = pipe(
-                [it["prompt"] for it in batch],
+                [fed[it["prompt"]] for it in batch],
                 num_inference_steps=args.steps,
                 guidance_scale=args.guidance,
                 generator=gens,

@@ -3,6 +3,10 @@
 The script logs into the MLflow run that the orchestrator opened (its id is in stage.yaml);
 it never opens a run of its own. A tracking-server hiccup is logged and training goes on:
 `metrics.jsonl` keeps every value regardless.
+
+While a stage trains, `system_metrics` also logs the machine's CPU, memory, disk and network
+use (and each GPU's utilisation, memory and power when `nvidia-ml-py` is installed) into the
+same run as MLflow's `system/...` metrics, from the main process.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["MetricsSink"]
+__all__ = ["MetricsSink", "system_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -66,3 +72,58 @@ class MetricsSink:
             self._client.log_batch(self._run_id, metrics=batch)
         except Exception as e:  # noqa: BLE001 - metrics.jsonl still has them
             log.warning("MLflow logging failed at step %d (kept in metrics.jsonl): %s", step, e)
+
+
+@contextmanager
+def system_metrics(
+    tracking_uri: str | None, run_id: str | None, is_main: bool, sampling_interval: float = 10.0
+) -> Iterator[object | None]:
+    """Log system metrics into run `run_id` while the block runs (on the main process only).
+
+    MLflow's `SystemMetricsMonitor` samples on a thread every `sampling_interval` seconds
+    (`MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL` overrides it), continuing the step count of
+    earlier stages of the same run. It is stopped when the block ends, on an error too, and
+    one closing sample is logged then: the monitor drops samples it has not yet logged, so
+    a stage shorter than the interval would otherwise log none. Only global rank 0 logs, so a
+    multi-node run shows the first machine. A monitor that cannot start or stop is a warning,
+    never a training failure. Yields the monitor, or None when nothing is logged.
+    """
+    monitor = None
+    if is_main and tracking_uri and run_id:
+        monitor = _start_monitor(tracking_uri, run_id, sampling_interval)
+    try:
+        yield monitor
+    finally:
+        if monitor is not None:
+            _stop_monitor(monitor)
+
+
+def _start_monitor(tracking_uri: str, run_id: str, sampling_interval: float):
+    try:
+        import psutil
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        # psutil's first CPU reading in a process is 0.0 by definition (it measures since the
+        # previous call): start its clock now, or each stage's first sample reads as idle.
+        psutil.cpu_percent()
+        monitor = SystemMetricsMonitor(
+            run_id,
+            sampling_interval=sampling_interval,
+            resume_logging=True,
+            tracking_uri=tracking_uri,
+        )
+        monitor.start()
+        return monitor
+    except Exception as e:  # noqa: BLE001 - training goes on without system metrics
+        log.warning("system metrics not logged (%s: %s)", type(e).__name__, e)
+        return None
+
+
+def _stop_monitor(monitor) -> None:
+    try:
+        monitor.finish()  # stops and joins the thread, flushes what it logged
+        monitor.collect_metrics()
+        monitor.publish_metrics(monitor.aggregate_metrics())
+        monitor.mlflow_logger.flush()
+    except Exception as e:  # noqa: BLE001 - the stage's own outcome stands
+        log.warning("system metrics: closing sample not logged (%s: %s)", type(e).__name__, e)

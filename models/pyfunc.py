@@ -2,7 +2,9 @@
 
 `predict` takes a DataFrame with a `prompt` column and returns one row per prompt with the
 PNG bytes of the generated image, its width and height. Optional params:
-`num_inference_steps`, `guidance_scale`, `seed`, `height`, `width`.
+`num_inference_steps`, `guidance_scale`, `seed`, `height`, `width`. A prompt longer than the
+text encoder reads is cut first (`models.tokenization.truncate_prompts`); the output keeps it
+as given.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
     ) -> pd.DataFrame:
         import torch
 
+        from models.tokenization import truncate_prompts
+
         if not isinstance(model_input, pd.DataFrame) or "prompt" not in model_input.columns:
             got = (
                 list(model_input.columns)
@@ -79,7 +83,7 @@ class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
         size = {k: int(p[k]) for k in ("height", "width") if int(p[k]) > 0}
         gens = [torch.Generator("cpu").manual_seed(int(p["seed"]) + i) for i in range(len(prompts))]
         images = self.pipe(
-            prompts,
+            truncate_prompts(self.pipe.tokenizer, prompts),
             num_inference_steps=int(p["num_inference_steps"]),
             guidance_scale=float(p["guidance_scale"]),
             generator=gens,

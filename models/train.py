@@ -48,7 +48,7 @@ from models.factory import Components, build_components, sampling_scheduler, vae
 from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
 from models.flops import device_peak_flops, device_stats, train_flops_per_sample
 from models.loader import build_loader, precomputed_columns
-from models.metrics import MetricsSink
+from models.metrics import MetricsSink, system_metrics
 from models.stale_streaming_files import clean_stale_streaming
 
 __all__ = [
@@ -569,16 +569,18 @@ def main(argv: list[str] | None = None) -> None:
         f"stage{run.stage.resolution}",
         accelerator.is_main_process,
     )
-    comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
-    # After the (identically seeded) model build: each rank now draws its own noise and
-    # timesteps. A resumed run restores these RNG states from the checkpoint instead.
-    set_seed(run.train.seed + run.stage_index, device_specific=True)
-    loader = build_dataloader(run, comps)
-    state = train_loop(
-        run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink
-    )
-    save_and_export(run, accelerator, comps, ema, state, sink)
-    accelerator.wait_for_everyone()
+    # CPU, memory (and GPU) use into the stage's MLflow run, stopped however the stage ends.
+    with system_metrics(run.tracking_uri, run.mlflow_run_id, accelerator.is_main_process):
+        comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
+        # After the (identically seeded) model build: each rank now draws its own noise and
+        # timesteps. A resumed run restores these RNG states from the checkpoint instead.
+        set_seed(run.train.seed + run.stage_index, device_specific=True)
+        loader = build_dataloader(run, comps)
+        state = train_loop(
+            run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink
+        )
+        save_and_export(run, accelerator, comps, ema, state, sink)
+        accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

@@ -5,28 +5,54 @@ script logs metrics into it by id, and the train flow ends it (`mark_training_ru
 when every stage is trained, FAILED or KILLED otherwise, so no run stays RUNNING. Later,
 `register_model` logs the exported pipeline into that finished run as a pyfunc model
 (MLflow logs to a finished run by id), registers a version, tags it with its lineage and
-points an alias (`candidate` by default) at it. Aliases, never the deprecated registry stages.
+points an alias (`candidate` by default) at it, and describes the model and the version
+(what it is, its data and run, how to load it). Aliases, never the deprecated registry stages.
+
+The quality step gets a run of its own (`log_data_docs`): its Great Expectations Data Docs
+site as artifacts, so the quality-gate artifact can link them over http (a browser refuses a
+file:// link from the Prefect UI).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import quote, urlsplit
 
 from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.logs import task_logger
+
 __all__ = [
+    "EXPERIMENT_KIND",
+    "LOCAL_MLFLOW_UI",
     "create_training_run",
-    "mark_training_run",
     "ensure_experiment",
-    "register_model",
+    "log_data_docs",
+    "mark_training_run",
+    "mlflow_ui_url",
     "mlflow_uris",
+    "model_description",
+    "register_model",
+    "version_description",
 ]
+
+# MLflow 3's UI opens an experiment without this tag on its GenAI (traces) page; tagged as
+# model development it opens on the runs table, where Kiln's runs are.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# Where `kiln mlflow-ui` serves a local tracking store by default (flows/cli.py, --port).
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
+# The quality summary's counts, logged as metrics of the quality run.
+QUALITY_METRICS = (
+    "listed", "clean", "rejected_ingest", "rejected_validate", "reject_fraction",
+    "max_reject_fraction", "near_duplicates", "manifest_problems",
+)  # fmt: skip
 
 # What a serving environment needs to load the pyfunc model (pinned to what trained it).
 SERVING_PACKAGES = [
@@ -70,12 +96,40 @@ def mlflow_uris(uri: str) -> Iterator[None]:
 
 
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The experiment's id, creating it with artifacts under `artifact_root` if missing."""
+    """The experiment's id, creating it with artifacts under `artifact_root` if missing.
+
+    Either way it is tagged as model development (`EXPERIMENT_KIND`), so the MLflow UI opens
+    on its runs. An experiment made before Kiln tagged it gets the tag now; a kind that a
+    person chose in the UI is left alone (only a missing or UI-inferred kind is replaced).
+    """
+    key, kind = EXPERIMENT_KIND
     exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    location = Path(artifact_root).resolve().as_uri() if artifact_root else None
-    return client.create_experiment(name, artifact_location=location)
+    if exp is None:
+        location = Path(artifact_root).resolve().as_uri() if artifact_root else None
+        return client.create_experiment(name, artifact_location=location, tags={key: kind})
+    current = exp.tags.get(key)
+    if current is None or current.endswith("inferred") or current.endswith("inferred_type"):
+        client.set_experiment_tag(exp.experiment_id, key, kind)
+    return exp.experiment_id
+
+
+def mlflow_ui_url(tracking_uri: str) -> str:
+    """The MLflow UI's base URL for `tracking_uri`: the tracking server itself when it is one
+    (http or https, without any credentials), else the local `kiln mlflow-ui`."""
+    parts = urlsplit(tracking_uri)
+    if parts.scheme not in ("http", "https"):
+        return LOCAL_MLFLOW_UI
+    host = parts.hostname or ""
+    if ":" in host:  # IPv6 literal
+        host = f"[{host}]"
+    port = f":{parts.port}" if parts.port is not None else ""
+    return f"{parts.scheme}://{host}{port}{parts.path.rstrip('/')}"
+
+
+def _artifacts_url(tracking_uri: str, experiment_id: str, run_id: str, path: str) -> str:
+    """The UI page of a run's artifact `path` (the artifacts tab, that file open)."""
+    page = f"#/experiments/{experiment_id}/runs/{run_id}/artifacts"
+    return f"{mlflow_ui_url(tracking_uri)}/{page}" + (f"/{quote(path)}" if path else "")
 
 
 @task(name="create-training-run", cache_policy=NO_CACHE)
@@ -109,6 +163,118 @@ def mark_training_run(tracking_uri: str, mlflow_run_id: str, status: str) -> Non
         raise ValueError(
             f"status must be RUNNING, FINISHED, FAILED or KILLED (received {status!r})"
         )
+
+
+@task(name="log-data-docs", cache_policy=NO_CACHE)
+def log_data_docs(
+    tracking_uri: str,
+    experiment: str,
+    ingest_id: str,
+    docs_dir: str,
+    summary: dict,
+    artifact_root: str | None = None,
+) -> str | None:
+    """Log one quality step's folder (the Data Docs site, summary.json, quarantine.parquet) as
+    artifacts of an MLflow run `quality-<ingest_id>`, with the summary's counts as metrics.
+
+    Returns:
+        The MLflow UI link to the Data Docs' validation results page (see `_docs_page`),
+        or None when logging failed: a warning says why, the docs stay on
+        disk, and the gate's verdict stands either way.
+    """
+    try:
+        return _log_quality_run(tracking_uri, experiment, ingest_id, Path(docs_dir), summary,
+                                artifact_root)  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the gate's verdict never depends on MLflow
+        task_logger(__name__).warning(
+            "Data Docs of %s not logged to MLflow (%s: %s); they stay at %s. Check "
+            "registry.tracking_uri and that its server is reachable.",
+            ingest_id, type(e).__name__, e, docs_dir,
+        )  # fmt: skip
+        return None
+
+
+def _log_quality_run(
+    tracking_uri: str,
+    experiment: str,
+    ingest_id: str,
+    docs_dir: Path,
+    summary: dict,
+    artifact_root: str | None,
+) -> str:
+    from mlflow.entities import Metric, Param
+
+    if not docs_dir.is_dir():
+        raise FileNotFoundError(f"no quality folder at {docs_dir}")
+    client = MlflowClient(tracking_uri)
+    exp_id = ensure_experiment(client, experiment, artifact_root)
+    passed = summary["reject_fraction"] <= summary["max_reject_fraction"]
+    tags = {
+        "kiln.step": "quality",
+        "kiln.ingest_id": ingest_id,
+        "kiln.quality_gate": "passed" if passed else "failed",
+    }
+    run_id = client.create_run(exp_id, run_name=f"quality-{ingest_id}", tags=tags).info.run_id
+    ts = int(time.time() * 1000)
+    counts = {k: float(summary[k]) for k in QUALITY_METRICS if k in summary}
+    counts.update({f"quarantined.{k}": float(v) for k, v in summary.get("reasons", {}).items()})
+    try:
+        client.log_batch(
+            run_id,
+            metrics=[Metric(k, v, ts, 0) for k, v in counts.items()],
+            params=[Param("ingest_id", ingest_id)],
+        )
+        client.log_artifacts(run_id, str(docs_dir))
+    except BaseException:
+        client.set_terminated(run_id, status="FAILED")
+        raise
+    client.set_terminated(run_id, status="FINISHED")
+    task_logger(__name__).info("Data Docs of %s logged to MLflow run %s", ingest_id, run_id)
+    return _artifacts_url(tracking_uri, exp_id, run_id, _docs_page(docs_dir))
+
+
+def _docs_page(docs_dir: Path) -> str:
+    """The Data Docs page the link opens: the validation results when there is one, since
+    MLflow's viewer shows one HTML artifact at a time and the links between the site's pages
+    lead nowhere there (the other pages are in the run's artifact tree); else `index.html`;
+    else the run's artifacts."""
+    pages = sorted(docs_dir.glob("validations/**/*.html"))
+    if len(pages) == 1:
+        return pages[0].relative_to(docs_dir).as_posix()
+    return "index.html" if (docs_dir / "index.html").is_file() else ""
+
+
+def model_description(model_name: str) -> str:
+    """The registered model's description (markdown): what it is and how to load it."""
+    return (
+        "Text-to-image latent diffusion model (Stable Diffusion 2 class: UNet, VAE, CLIP text "
+        "encoder) trained from scratch by Kiln on the team's own licensed images. Each version "
+        "is one training run's exported diffusers pipeline, wrapped as an MLflow pyfunc model; "
+        "its description names its dataset version and run, its tags hold the whole lineage.\n\n"
+        "```python\nimport mlflow, pandas as pd\n"
+        f'model = mlflow.pyfunc.load_model("models:/{model_name}@candidate")\n'
+        'out = model.predict(pd.DataFrame({"prompt": ["a red circle"]}),\n'
+        '                    params={"num_inference_steps": 25, "seed": 0})\n'
+        "# one row per prompt: prompt, image (PNG bytes), width, height\n```\n\n"
+        "Aliases, not stages: `candidate` is the newest registered version; point `champion` "
+        "at the one that serves."
+    )
+
+
+def version_description(model_name: str, version: str, lineage: dict[str, str]) -> str:
+    """One version's description (markdown): its data, its run, how to load exactly it."""
+    get = lineage.get
+    study = f" Evaluated in study `{get('study_id')}`." if get("study_id") else ""
+    return (
+        f"Trained by Kiln run `{get('run_id', '?')}` (MLflow run `{get('mlflow_run_id', '?')}`) "
+        f"on dataset version `{get('dataset_version', '?')}`, built from catalog "
+        f"`{get('ingest_id', '?')}` of `{get('source', '?')}`.{study} "
+        f"Config sha256 `{get('config_sha256', '?')}`.\n\n"
+        f'Load this version: `mlflow.pyfunc.load_model("models:/{model_name}/{version}")`, '
+        "then `predict` a DataFrame with a `prompt` column (PNG bytes come back). The diffusers "
+        "pipeline inside (artifact `pipeline`) also loads with "
+        "`StableDiffusionPipeline.from_pretrained`."
+    )
 
 
 @task(name="register-model", cache_policy=NO_CACHE)
@@ -155,8 +321,12 @@ def register_model(
                 )
         version = mlflow.register_model(info.model_uri, model_name, tags=lineage)
     client.set_registered_model_alias(model_name, alias, version.version)
+    if not client.get_registered_model(model_name).description:  # keep one a person wrote
+        client.update_registered_model(model_name, description=model_description(model_name))
     client.update_model_version(
-        model_name, version.version, description=f"Kiln training run {lineage.get('run_id', '')}"
+        model_name,
+        version.version,
+        description=version_description(model_name, str(version.version), lineage),
     )
     tags = {
         "kiln.model_name": model_name,

@@ -68,7 +68,12 @@ def quality_report(summary: dict, docs_url: str | None = None) -> str:
         f"of {result.max_reject_fraction:.1%}.** Quarantined rows are kept with their reason; an "
         "expectation marked FAIL below counts the rows it sent to quarantine."
     )
-    docs = f"Data Docs: [open]({docs_url})\n\n" if docs_url else ""
+    docs = (
+        f"Data Docs: [open in the MLflow UI]({docs_url}) (a local tracking store needs "
+        "`kiln mlflow-ui` running)\n\n"
+        if docs_url
+        else ""
+    )
     if result.data_docs:
         docs += f"Data Docs on disk: `{result.data_docs}`\n\n"
     return (

@@ -2,10 +2,12 @@
 
 import asyncio
 import json
+import re
 from pathlib import Path
 
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
 from streaming import StreamingDataset
 
 from flows.ingest import ingest_flow
@@ -42,6 +44,24 @@ def _artifact(key: str, state):
     return found
 
 
+def _data_docs_run(root: Path, markdown: str, ingest_id: str):
+    """The MLflow run that the quality-gate artifact's http link points at; asserts the link
+    is one, and that the run holds the Data Docs site."""
+    m = re.search(r"\(http://127\.0\.0\.1:5000/#/experiments/(\w+)/runs/(\w+)/artifacts/"
+                  r"(validations/\S+\.html)\)", markdown)  # fmt: skip
+    assert m, f"no http link to the Data Docs' validation results in:\n{markdown}"
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    run = client.get_run(m.group(2))
+    assert run.info.experiment_id == m.group(1) and run.info.run_name == f"quality-{ingest_id}"
+    names = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"index.html", "static", "summary.json", "quarantine.parquet"} <= names, names
+    folder = m.group(3).rsplit("/", 1)[0]
+    assert m.group(3) in {a.path for a in client.list_artifacts(run.info.run_id, folder)}
+    exp = client.get_experiment(run.info.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    return run
+
+
 def test_steps_run_alone_from_an_s3_source(
     tmp_path, demo_src, make_config, s3_bucket, s3_endpoint, upload_dir
 ):
@@ -66,7 +86,11 @@ def test_steps_run_alone_from_an_s3_source(
     ).is_file()
     assert all("60** items listed" in a.data for a in _artifact("ingest-summary", ing_state))
     docs = tmp_path / "root" / "quality" / ing["ingest_id"] / "index.html"
-    assert all(str(docs) in a.data for a in _artifact("quality-gate", q_state)), "Data Docs"
+    (gate,) = _artifact("quality-gate", q_state)
+    assert str(docs) in gate.data, "Data Docs on disk"
+    run = _data_docs_run(tmp_path / "root", gate.data, ing["ingest_id"])
+    assert run.data.metrics["clean"] == q["clean"]
+    assert run.data.tags["kiln.quality_gate"] == "passed"
 
 
 def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_src, make_config):
@@ -80,8 +104,11 @@ def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_sr
         state.result()
     summary = json.loads(next((tmp_path / "root" / "quality").glob("*/summary.json")).read_text())
     assert not summary["passed"] and summary["reasons"]["too_small"] > 0
-    gate = _artifact("quality-gate", state)
-    assert all("FAILED" in a.data and "too_small" in a.data for a in gate)
+    (gate,) = _artifact("quality-gate", state)
+    assert "FAILED" in gate.data and "too_small" in gate.data
+    run = _data_docs_run(tmp_path / "root", gate.data, summary["ingest_id"])
+    assert run.data.tags["kiln.quality_gate"] == "failed", "a failed gate's docs are linked too"
+    assert run.data.metrics["quarantined.too_small"] == summary["reasons"]["too_small"]
 
 
 def test_shard_before_validate_says_so(tmp_path, demo_src, make_config):

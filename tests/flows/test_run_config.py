@@ -50,17 +50,23 @@ def _edit(path: Path, **dotted) -> None:
 def test_editing_the_file_after_training_changes_neither_evaluate_nor_register(
     tmp_path, tiny_shards, demo_src, make_config
 ):
-    root, version = _root_with_shards(tmp_path, tiny_shards)
+    root, dataset_version = _root_with_shards(tmp_path, tiny_shards)
     # The file's root is not the one used: --root overrides it, and the snapshot records that.
     user = make_config(tmp_path / "user.yaml", tmp_path / "not-this-root", demo_src, **ONE_STAGE)
-    record = train_flow(str(user), root=str(root), dataset_version=version)
+    record = train_flow(str(user), root=str(root), dataset_version=dataset_version)
     snapshot = root / "runs" / record["run_id"] / "config.yaml"
     snap = yaml.safe_load(snapshot.read_text())
     assert snap["storage"]["root"] == str(root), "overrides applied in the snapshot"
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
-    trained = client.get_run(record["mlflow_run_id"]).info
+    trained_run = client.get_run(record["mlflow_run_id"])
+    trained = trained_run.info
     assert trained.status == "FINISHED", "ended when training ended, before register"
+    # System metrics while the stage trained (one closing sample at least, however short).
+    assert trained_run.data.metrics["system/cpu_utilization_percentage"] >= 0
+    assert trained_run.data.metrics["system/system_memory_usage_megabytes"] > 0
+    exp = client.get_experiment(trained.experiment_id)
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development", "UI opens on runs"
 
     _edit(user, **{"evaluate.seeds": [7, 8], "registry.alias": "edited",
                    "registry.model_name": "edited-name"})  # fmt: skip
@@ -82,6 +88,11 @@ def test_editing_the_file_after_training_changes_neither_evaluate_nor_register(
     leaked = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
               if os.environ.get(k) == uri}  # fmt: skip
     assert not leaked, "registering must not point this process's later subprocesses at it"
+    for part in (record["run_id"], record["mlflow_run_id"], dataset_version, study["study_id"],
+                 f"models:/kiln-t2i/{info['version']}"):  # fmt: skip
+        assert part in version.description, part
+    described = client.get_registered_model("kiln-t2i").description
+    assert 'mlflow.pyfunc.load_model("models:/kiln-t2i@candidate")' in described
 
 
 def test_a_failed_stage_ends_the_mlflow_run_failed(tmp_path, tiny_shards, demo_src, make_config):

@@ -23,7 +23,7 @@ def test_quality_verdict_and_quarantine_are_one_sentence():
         "**Quality gate passed: 50 of 60 files are clean; 10 were quarantined (4 at ingest, 6 by "
         "the suite), 16.7% against a limit of 25.0%.**" in md
     )
-    assert "[open](http://127.0.0.1:5000/#/x)" in md and "file://" not in md
+    assert "[open in the MLflow UI](http://127.0.0.1:5000/#/x)" in md and "file://" not in md
     assert "| FAIL | 6 |" in md  # the failing expectation, explained by the sentence above
     failed = quality_report(_summary(clean=30, rejected_validate=26, reject_fraction=0.5))
     assert "Quality gate FAILED: 30 of 60" in failed

@@ -1,0 +1,99 @@
+"""Registry helpers against a real SQLite tracking store in tmp_path (no server, no flow run)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from tasks.registry import (
+    EXPERIMENT_KIND,
+    ensure_experiment,
+    log_data_docs,
+    mlflow_ui_url,
+    version_description,
+)
+
+KEY, KIND = EXPERIMENT_KIND
+SUMMARY = {
+    "ingest_id": "ing-1", "listed": 60, "clean": 50, "rejected_ingest": 4,
+    "rejected_validate": 6, "reject_fraction": 10 / 60, "max_reject_fraction": 0.05,
+    "near_duplicates": 1, "manifest_problems": 0, "reasons": {"too_small": 6},
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory) -> str:
+    """One SQLite store for the module: creating one takes MLflow seconds of migrations."""
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+
+
+def test_experiment_is_tagged_for_model_training_new_or_old(tmp_path, tracking_uri):
+    assert (KEY, KIND) == ("mlflow.experimentKind", "custom_model_development")
+    client = MlflowClient(tracking_uri)
+    new = ensure_experiment(client, "kiln", str(tmp_path / "art"))
+    assert client.get_experiment(new).tags[KEY] == KIND
+    old = client.create_experiment("made-before-kiln-tagged-it", (tmp_path / "o").as_uri())
+    assert ensure_experiment(client, "made-before-kiln-tagged-it", None) == old
+    assert client.get_experiment(old).tags[KEY] == KIND
+    chosen = client.create_experiment(
+        "chosen", (tmp_path / "c").as_uri(), tags={KEY: "genai_development"}
+    )
+    ensure_experiment(client, "chosen", None)
+    assert client.get_experiment(chosen).tags[KEY] == "genai_development", "a choice is kept"
+
+
+def test_ui_url_is_the_tracking_server_without_credentials_or_the_local_ui():
+    assert mlflow_ui_url("sqlite:////r/mlflow.db") == "http://127.0.0.1:5000"
+    assert mlflow_ui_url("postgresql://u:pw@db/mlflow") == "http://127.0.0.1:5000"
+    assert mlflow_ui_url("https://u:pw@mlflow.example.com:8443/team/") == (
+        "https://mlflow.example.com:8443/team"
+    )
+
+
+def test_data_docs_become_run_artifacts_behind_an_http_link(tmp_path, tracking_uri):
+    docs = tmp_path / "quality" / "ing-1"
+    (docs / "static").mkdir(parents=True)
+    (docs / "index.html").write_text("<html>Data Docs</html>")
+    (docs / "static" / "style.css").write_text("body {}")
+    (docs / "validations" / "suite").mkdir(parents=True)
+    (docs / "validations" / "suite" / "batch.html").write_text("<html>results</html>")
+    uri = tracking_uri
+    url = log_data_docs.fn(uri, "docs", "ing-1", str(docs), SUMMARY, str(tmp_path / "art"))
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([ensure_experiment(client, "docs", None)])
+    exp_id, run_id = run.info.experiment_id, run.info.run_id
+    page = f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{run_id}/artifacts"
+    assert url == f"{page}/validations/suite/batch.html", "the results, not the index"
+    assert run.info.run_name == "quality-ing-1" and run.info.status == "FINISHED"
+    assert run.data.tags["kiln.quality_gate"] == "failed", "10/60 rejected > 5%"
+    assert run.data.metrics["clean"] == 50 and run.data.metrics["quarantined.too_small"] == 6
+    assert run.data.params["ingest_id"] == "ing-1"
+    assert {a.path for a in client.list_artifacts(run_id)} == {
+        "index.html",
+        "static",
+        "validations",
+    }
+    assert [a.path for a in client.list_artifacts(run_id, "static")] == ["static/style.css"]
+
+
+def test_a_tracking_store_that_fails_gives_no_link_and_a_warning(tmp_path, caplog):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "a-file").write_text("not a folder")
+    broken = f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}"
+    with caplog.at_level(logging.WARNING, logger="tasks.registry"):
+        url = log_data_docs.fn(broken, "kiln", "ing-1", str(tmp_path / "docs"), SUMMARY)
+    assert url is None
+    assert any("not logged to MLflow" in r.getMessage() for r in caplog.records)
+
+
+def test_version_description_names_data_run_and_how_to_load():
+    text = version_description(
+        "kiln-t2i", "3",
+        {"run_id": "run-1", "mlflow_run_id": "abc", "dataset_version": "ds-9",
+         "ingest_id": "ing-1", "source": "s3://b/raw", "study_id": "", "config_sha256": "f00"},
+    )  # fmt: skip
+    for part in ("`run-1`", "`abc`", "`ds-9`", "`ing-1`", "models:/kiln-t2i/3", "f00"):
+        assert part in text, part
+    assert "study" not in text, "no study was recorded"
