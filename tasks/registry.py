@@ -316,9 +316,7 @@ def register_model(
                 )
         finally:
             if ended.status != "RUNNING":
-                client.set_terminated(
-                    mlflow_run_id, status=ended.status, end_time=ended.end_time
-                )
+                client.set_terminated(mlflow_run_id, status=ended.status, end_time=ended.end_time)
         version = mlflow.register_model(info.model_uri, model_name, tags=lineage)
     client.set_registered_model_alias(model_name, alias, version.version)
     if not client.get_registered_model(model_name).description:  # keep one a person wrote
