@@ -215,8 +215,8 @@ def train(
 ) -> None:
     """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
     _, result = _call(
-        "flows.train:train_flow", config_path, ("train",), root=root, dataset_version=dataset_version,
-        run_id=run_id,
+        "flows.train:train_flow", config_path, ("train",), root=root,
+        dataset_version=dataset_version, run_id=run_id,
     )  # fmt: skip
     _show({k: v for k, v in result.items() if k != "stages"})
 

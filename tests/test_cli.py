@@ -191,8 +191,10 @@ def _kiln(*args, env=None, timeout=120):
     import time
 
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+        timeout=timeout, env={**os.environ, **(env or {})},
+    )  # fmt: skip
     return proc, time.monotonic() - t0
 
 
@@ -202,8 +204,9 @@ def test_missing_source_fails_fast_without_prefect(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     home = tmp_path / "prefect-home"
     proc, took = _kiln(
-        "run", "--source", str(tmp_path / "nonexistent"), "--config", str(repo / "configs/tiny.yaml"),
-        "--root", str(tmp_path / "root"), env={"PREFECT_HOME": str(home)},
+        "run", "--source", str(tmp_path / "nonexistent"),
+        "--config", str(repo / "configs/tiny.yaml"), "--root", str(tmp_path / "root"),
+        env={"PREFECT_HOME": str(home)},
     )  # fmt: skip
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
@@ -233,8 +236,9 @@ def test_unexpected_error_is_one_line_with_the_debug_hint():
 
 def test_run_checks_the_tracking_folder_before_any_work(tmp_path, demo_src, make_config):
     (tmp_path / "afile").write_text("")
+    uri = f"sqlite:///{tmp_path}/afile/mlflow.db"
     cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
-                      **{"registry.tracking_uri": f"sqlite:///{tmp_path}/afile/mlflow.db"})  # fmt: skip
+                      **{"registry.tracking_uri": uri})  # fmt: skip
     result = CliRunner().invoke(main, ["run", "--config", str(cfg)])
     assert result.exit_code == 1
     assert result.stderr.startswith("kiln: error: registry.tracking_uri: ")

@@ -35,8 +35,8 @@ def clone(tmp_path_factory) -> Path:
 @pytest.fixture
 def kiln(clone, tmp_path):
     """kiln(*args): the clone's `python -m flows.cli`, offline, with empty caches."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KILN_DRAWBENCH_CSV", "PYTHONPATH") and not k.startswith("PREFECT_")}  # fmt: skip
+    drop = ("KILN_DRAWBENCH_CSV", "PYTHONPATH")
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PREFECT_")}
     env |= {
         "PYTHONPATH": str(clone),
         "PREFECT_HOME": str(tmp_path / "prefect-home"),
@@ -71,12 +71,14 @@ def _config(clone: Path, tmp_path: Path, **sections) -> Path:
     return path
 
 
-def test_the_clone_runs_its_own_code(clone, kiln):
+def test_the_clone_runs_its_own_code(clone, kiln, tmp_path):
     proc = kiln("--help")
     assert proc.returncode == 0, proc.stderr
+    # From a folder that is neither checkout: PYTHONPATH, not the editable install, wins.
     where = subprocess.run(
         [sys.executable, "-c", "import flows.cli, flows.config; print(flows.config.PROJECT_DIR)"],
-        env={**os.environ, "PYTHONPATH": str(clone)}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(clone)}, cwd=tmp_path, capture_output=True,
+        text=True, timeout=60,
     )  # fmt: skip
     assert where.stdout.strip() == str(clone)
 
