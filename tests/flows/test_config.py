@@ -285,3 +285,13 @@ def test_missing_prompts_file_is_a_config_error(tmp_path, make_config, demo_src)
     (line,) = _checked(tmp_path, make_config, demo_src, ("evaluate",),
                        **{"evaluate.prompts_csv": str(tmp_path / "p.csv")})  # fmt: skip
     assert line == f"evaluate.prompts_csv: file not found: {tmp_path / 'p.csv'}"
+
+
+def test_unset_source_says_how_to_set_it(tmp_path, make_config, demo_src):
+    from flows.config import check_inputs
+
+    cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
+    cfg.ingest.source = None
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg, ("ingest",))
+    assert str(e.value) == "ingest.source: not set (pass --source or set ingest.source)"
