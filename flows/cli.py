@@ -6,11 +6,13 @@ Heavy modules are imported inside the commands: ingest and shard start worker pr
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import click
@@ -39,51 +41,96 @@ SOURCE = click.option(
 )
 
 
-def _call(fn, config_path: str, steps: tuple[str, ...] = (), **kwargs):
+class KilnError(click.ClickException):
+    """An expected failure: shown as `kiln: error: ...` lines on stderr, exit code 1."""
+
+    def show(self, file=None) -> None:
+        for line in self.format_message().splitlines() or [""]:
+            click.echo(f"kiln: error: {line}", err=True, file=file)
+
+
+def _call(flow: str, config_path: str, steps: tuple[str, ...] = (), **kwargs):
     """Validate the config once, then run a flow on it; expected failures end in one line.
 
-    Before any flow run starts, the schema is validated and the cheap input checks of `steps`
-    run (`flows.config.check_inputs`: the source is set, the topology and prompt files exist),
-    so a typo or a missing file never reaches Prefect. The flow gets the validated config,
-    frozen under `<root>/configs/<hash>.yaml` with `--root`/`--source` applied, not the
+    Before any flow run starts (and before Prefect is even imported), the schema is validated
+    and the input checks of `steps` run (`flows.config.check_inputs`: the source is listable,
+    the topology exists, the tracking folder is writable, the prompts are readable), so a typo
+    or a missing file never reaches Prefect. The flow (`"module:name"`) is imported after
+    them: importing the flows (torch, Prefect) takes seconds. The flow gets the validated
+    config, frozen under `<root>/configs/<hash>.yaml` with `--root`/`--source` applied, not the
     user's file, which may change while it runs.
 
     Returns:
         (the validated config, the flow's result).
     """
-    from flows.config import ConfigError, check_inputs, config_hash, load_config, write_snapshot
-    from tasks.health import HealthCheckError
-    from tasks.launch import LaunchError
+    from flows.config import check_inputs, config_hash, load_config, write_snapshot
     from tasks.layout import Layout
-    from tasks.quality import QualityGateError
 
     try:
         cfg = load_config(config_path, root=kwargs.pop("root"), source=kwargs.pop("source", None))
         check_inputs(cfg, steps)
         frozen = write_snapshot(cfg, Layout(Path(cfg.storage.root)).config(config_hash(cfg)))
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        raise KilnError(str(e)) from e
+    module, name = flow.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    from tasks.health import HealthCheckError
+    from tasks.launch import LaunchError
+    from tasks.quality import QualityGateError
+
+    try:
         return cfg, fn(str(frozen), **kwargs)
     except (
-        ConfigError,
         FileNotFoundError,
         QualityGateError,
         LaunchError,
         HealthCheckError,
         ValueError,
     ) as e:
-        raise click.ClickException(str(e)) from e
+        raise KilnError(str(e)) from e
 
 
 def _show(result: dict) -> None:
     click.echo(json.dumps(result, indent=2, default=str))
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-def main() -> None:
+class _KilnGroup(click.Group):
+    """Ends an unexpected exception in one line plus a hint, unless `kiln --debug` was given.
+
+    A flow's own failure logs (Prefect's, with the traceback) are still printed while it runs
+    and kept in the UI; what this removes is the second, longer traceback of the same
+    exception that Python prints on the way out.
+    """
+
+    def invoke(self, ctx: click.Context):
+        debug = ctx.params.get("debug", False)
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.Abort, click.UsageError):
+            raise
+        except click.ClickException as e:
+            if debug:
+                traceback.print_exception(e)  # the chain shows the cause's traceback
+            raise
+        except Exception as e:
+            if debug:
+                raise
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise KilnError(
+                f"{type(e).__name__}: {first} (run `kiln --debug {ctx.invoked_subcommand} ...` "
+                "for the traceback)"
+            ) from e
+
+
+@click.group(cls=_KilnGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show the traceback of an error, not one line.")
+def main(debug: bool) -> None:
     """Kiln: train a text-to-image diffusion model from scratch on your own images.
 
     Steps: ingest -> validate -> shard -> train -> evaluate -> register. `kiln run` chains
     them as one Prefect flow run. Without PREFECT_API_URL, flows run against Prefect's local
-    embedded server; `kiln ui` shows them.
+    embedded server; `kiln ui` shows them. Before any flow starts, the inputs it needs are
+    checked (source, topology, tracking folder, prompts): a missing one is one line.
     """
     # Prefect's server telemetry cannot reach the network here and contends for the local
     # SQLite database; off unless the user has set it.
@@ -105,7 +152,7 @@ def demo_data(directory: str, n: int, seed: int) -> None:
     try:
         _show(write_demo_dataset(directory, n=n, seed=seed))
     except ValueError as e:
-        raise click.ClickException(str(e)) from e
+        raise KilnError(str(e)) from e
 
 
 @main.command()
@@ -115,12 +162,10 @@ def demo_data(directory: str, n: int, seed: int) -> None:
 @ALLOW_FAILED_GATE
 def run(config_path: str, source: str | None, root: str | None, allow_failed_gate: bool) -> None:
     """Run the whole pipeline as one Prefect flow run (a subflow per step)."""
-    from flows.pipeline import kiln_pipeline
-
     cfg, result = _call(
-        kiln_pipeline,
+        "flows.pipeline:kiln_pipeline",
         config_path,
-        ("ingest", "train", "evaluate"),
+        ("ingest", "train", "evaluate", "register"),
         root=root,
         source=source,
         allow_failed_gate=allow_failed_gate,
@@ -135,9 +180,7 @@ def run(config_path: str, source: str | None, root: str | None, allow_failed_gat
 @ROOT
 def ingest(config_path: str, source: str | None, root: str | None) -> None:
     """List and decode the source; write <root>/catalog/<ingest_id>/."""
-    from flows.ingest import ingest_flow
-
-    _show(_call(ingest_flow, config_path, ("ingest",), root=root, source=source)[1])
+    _show(_call("flows.ingest:ingest_flow", config_path, ("ingest",), root=root, source=source)[1])
 
 
 @main.command()
@@ -146,9 +189,7 @@ def ingest(config_path: str, source: str | None, root: str | None) -> None:
 @click.option("--ingest-id", default=None, help="Catalog to validate (default: newest).")
 def validate(config_path: str, root: str | None, ingest_id: str | None) -> None:
     """Run the Great Expectations quality gate; quarantine failing rows."""
-    from flows.validate import validate_flow
-
-    _show(_call(validate_flow, config_path, root=root, ingest_id=ingest_id)[1])
+    _show(_call("flows.validate:validate_flow", config_path, root=root, ingest_id=ingest_id)[1])
 
 
 @main.command()
@@ -160,9 +201,7 @@ def shard(
     config_path: str, root: str | None, ingest_id: str | None, allow_failed_gate: bool
 ) -> None:
     """Write one MDS dataset per training stage resolution."""
-    from flows.shard import shard_flow
-
-    _show(_call(shard_flow, config_path, root=root, ingest_id=ingest_id,
+    _show(_call("flows.shard:shard_flow", config_path, root=root, ingest_id=ingest_id,
                 allow_failed_gate=allow_failed_gate)[1])  # fmt: skip
 
 
@@ -175,11 +214,9 @@ def train(
     config_path: str, root: str | None, dataset_version: str | None, run_id: str | None
 ) -> None:
     """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
-    from flows.train import train_flow
-
     _, result = _call(
-        train_flow, config_path, ("train",), root=root, dataset_version=dataset_version,
-        run_id=run_id,
+        "flows.train:train_flow", config_path, ("train",), root=root,
+        dataset_version=dataset_version, run_id=run_id,
     )  # fmt: skip
     _show({k: v for k, v in result.items() if k != "stages"})
 
@@ -219,7 +256,7 @@ def plan(
             img_per_s=img_per_s, measure_steps=measure_steps,
         )  # fmt: skip
     except (ConfigError, ValueError, OSError) as e:
-        raise click.ClickException(str(e)) from None
+        raise KilnError(str(e)) from e
     save_plan(result, Path(cfg.storage.root) / "runs" / "plan.json")
     click.echo(format_plan(result))
 
@@ -230,9 +267,8 @@ def plan(
 @click.option("--run-id", default=None, help="Training run to evaluate (default: newest).")
 def evaluate(config_path: str, root: str | None, run_id: str | None) -> None:
     """Generate images for every DrawBench prompt and seed into <root>/eval/<study_id>/."""
-    from flows.evaluate import evaluate_flow
-
-    _show(_call(evaluate_flow, config_path, root=root, run_id=run_id)[1])
+    _show(_call("flows.evaluate:evaluate_flow", config_path, ("evaluate",), root=root,
+                run_id=run_id)[1])  # fmt: skip
 
 
 @main.command()
@@ -244,17 +280,29 @@ def evaluate(config_path: str, root: str | None, run_id: str | None) -> None:
 )
 def register(config_path: str, root: str | None, run_id: str | None, study_id: str | None) -> None:
     """Log the final pipeline to MLflow, register a version and set the alias."""
-    from flows.register import register_flow
-
-    _show(_call(register_flow, config_path, root=root, run_id=run_id, study_id=study_id)[1])
+    _show(_call("flows.register:register_flow", config_path, ("register",), root=root,
+                run_id=run_id, study_id=study_id)[1])  # fmt: skip
 
 
 @main.command()
 @click.option("--port", default=4200, show_default=True, help="Port on 127.0.0.1.")
 def ui(port: int) -> None:
     """Serve the Prefect UI (flow runs, logs, artifacts) at http://127.0.0.1:PORT."""
+    os.environ.update(_ui_env(port, os.environ))
     prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
     os.execv(prefect, [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)])
+
+
+def _ui_env(port: int, env) -> dict[str, str]:
+    """The settings that make the UI served on `port` call the API on the same port.
+
+    The UI asks the server (`/ui-settings`) where its API is, and Prefect answers from
+    PREFECT_API_URL or PREFECT_SERVER_API_PORT, never from `--port`: without this, a UI on
+    4301 calls the API on 4200. A UI API URL the user has set (a reverse proxy) is kept.
+    """
+    if env.get("PREFECT_SERVER_UI_API_URL") or env.get("PREFECT_UI_API_URL"):
+        return {}
+    return {"PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api"}
 
 
 @main.command("mlflow-ui")
@@ -268,7 +316,7 @@ def mlflow_ui(config_path: str, root: str | None, port: int) -> None:
     try:
         cfg = load_config(config_path, root=root)
     except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+        raise KilnError(str(e)) from e
     raise SystemExit(_mlflow_ui(cfg.tracking_uri, port, runner=subprocess.call))
 
 

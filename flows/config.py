@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from pathlib import Path
+from urllib.parse import urlparse
 
 import yaml
 from pydantic import Field, model_validator
@@ -35,13 +37,15 @@ from models.config import (
     TrainConfig,
     is_remote,
     load_yaml_model,
+    redact_uri,
     stable_hash,
 )
 from tasks.prompts import PromptsUnavailable, resolve_prompts
+from tasks.storage import ProbeError, Storage
 
 __all__ = [
     "PROJECT_DIR", "ConfigError", "PipelineConfig", "check_inputs", "config_hash",
-    "encoder_key", "load_config", "run_config", "write_snapshot",
+    "encoder_key", "load_config", "run_config", "tracking_folder", "write_snapshot",
 ]  # fmt: skip
 
 # Repository root (editable install): used to find bundled configs/accelerate/*.yaml.
@@ -116,30 +120,162 @@ def config_hash(cfg: PipelineConfig) -> str:
     return stable_hash(cfg.model_dump(mode="json"), 16)
 
 
+# The inputs each step needs before it starts; `check_inputs` checks them for the given steps.
+STEP_INPUTS = {
+    "ingest": ("source",),
+    "train": ("topology", "tracking"),
+    "evaluate": ("topology", "prompts"),
+    "register": ("tracking",),
+}
+
+
 def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
     """Fail fast on missing inputs that a later step needs, before hours of earlier steps.
 
+    Runs before any flow starts, so a typo costs a second, not a Prefect server start and a
+    failed run. The local checks (the source folder, the topology file, the tracking folder)
+    run first and report every failure at once; the ones that may reach the network (an S3
+    source listed with a fast probe, an http(s) tracking server, the DrawBench prompts, which
+    may come from the Hub) run after, so an offline machine reports a local typo quickly.
+
     Raises:
-        ConfigError: naming the field and the value received.
+        ConfigError: one line per failing input, naming the field, the value and the fix.
     """
-    if "ingest" in steps and not cfg.ingest.source:
-        raise ConfigError("ingest.source is not set: pass --source or set ingest.source")
-    need = {
-        "train": [("launch.accelerate_config", cfg.launch.accelerate_config)],
-        "evaluate": [("launch.accelerate_config", cfg.launch.accelerate_config)],
-    }
-    for step in steps:
-        for field, path in need.get(step, []):
-            if not Path(path).is_file():
-                raise ConfigError(f"{field}: file not found (received {path!r})")
-    if "evaluate" in steps:
+    need = {check for step in steps for check in STEP_INPUTS.get(step, ())}
+    errors = []
+    if "source" in need:
+        errors += _check_source_local(cfg)
+    if "topology" in need:
+        errors += _check_topology(cfg)
+    if "tracking" in need:
+        errors += _check_tracking_local(cfg.tracking_uri)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    if "source" in need:
+        _check_source_remote(cfg)
+    if "tracking" in need:
+        _check_tracking_server(cfg.tracking_uri)
+    if "prompts" in need:
         # The prompts are readable now, not after training: a configured file, the copy
         # KILN_DRAWBENCH_CSV names, or DrawBench from the Hub (fetched once, then cached). The
         # resolved path goes into the run's config snapshot.
         try:
             cfg.evaluate.prompts_csv = str(resolve_prompts(cfg.evaluate.prompts_csv))
-        except PromptsUnavailable as e:
-            raise ConfigError(f"evaluate.prompts_csv: {e}") from e
+        except (PromptsUnavailable, FileNotFoundError) as e:
+            msg = str(e).removeprefix("evaluate.prompts_csv: ")
+            raise ConfigError(f"evaluate.prompts_csv: {msg}") from e
+
+
+SOURCE_FIX = "pass --source or set ingest.source"
+
+
+def _check_source_local(cfg: PipelineConfig) -> list[str]:
+    """A local source is a folder that holds files (ingest reads folders, tars inside them)."""
+    src = cfg.ingest.source
+    if not src:
+        return [f"ingest.source: not set ({SOURCE_FIX})"]
+    if is_remote(src) and not src.startswith("file://"):
+        return []  # s3://: probed after the local checks; other schemes fail in Storage
+    return _probe_source(cfg)
+
+
+def _check_source_remote(cfg: PipelineConfig) -> None:
+    src = cfg.ingest.source
+    if src and is_remote(src) and not src.startswith("file://"):
+        errors = _probe_source(cfg)
+        if errors:
+            raise ConfigError(errors[0])
+
+
+def _probe_source(cfg: PipelineConfig) -> list[str]:
+    src = cfg.ingest.source
+    try:
+        store = Storage(src, cfg.storage.endpoint_url)
+        if not store.probe():
+            return [f"ingest.source: {src} holds no files ({SOURCE_FIX})"]
+    except ProbeError as e:
+        if store.is_s3:
+            hint = ("check the bucket and prefix, the AWS credentials, and storage.endpoint_url "
+                    "or S3_ENDPOINT_URL for MinIO, Ceph or R2")  # fmt: skip
+        elif "is a file" in str(e):
+            hint = "ingest reads a folder: images with a manifest or .txt captions, or .tar shards"
+        else:
+            hint = SOURCE_FIX
+        return [f"ingest.source: {e} ({hint})"]
+    except ValueError as e:  # an unsupported scheme, an S3 URI without a bucket
+        return [f"ingest.source: {e} ({SOURCE_FIX})"]
+    return []
+
+
+def _check_topology(cfg: PipelineConfig) -> list[str]:
+    path = cfg.launch.accelerate_config
+    if Path(path).is_file():
+        return []
+    return [
+        f"launch.accelerate_config: file not found (received {path!r}); set it to a topology "
+        f"such as configs/accelerate/single.yaml"
+    ]
+
+
+def tracking_folder(uri: str) -> Path | None:
+    """The local folder MLflow writes for `uri`, or None for a server or database URI.
+
+    `sqlite:///path/mlflow.db` writes beside the database file; a `file:` URI or a plain path
+    is a file store, a folder of its own. Relative paths are MLflow's: against the working
+    directory.
+    """
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///")).expanduser().parent
+    if uri.startswith("file:"):
+        return Path(urlparse(uri).path).expanduser()
+    if "://" in uri or uri == "databricks" or uri.startswith("databricks:"):
+        return None  # http(s), postgresql, mysql, sqlite:// in memory, databricks
+    return Path(uri).expanduser()
+
+
+def _check_tracking_local(uri: str) -> list[str]:
+    """The tracking folder exists and is writable, or can be created (nothing is created)."""
+    folder = tracking_folder(uri)
+    if folder is None:
+        return []
+    shown = redact_uri(uri)
+    fix = "set registry.tracking_uri or --root to a writable place"
+    folder = folder.absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        return [f"registry.tracking_uri: {existing} is a file, not a folder (received "
+                f"{shown!r}); {fix}"]  # fmt: skip
+    try:  # os.access says yes to root even on a read-only mount: write, then remove
+        with tempfile.TemporaryFile(dir=existing, prefix=".kiln-write-check-"):
+            pass
+    except OSError as e:
+        return [f"registry.tracking_uri: {existing} is not writable ({e.strerror or e}; received "
+                f"{shown!r}); {fix}"]  # fmt: skip
+    return []
+
+
+def _check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
+    """An http(s) tracking server answers at all (any HTTP status: auth is MLflow's concern).
+
+    Only reachability is checked: a refused connection, an unknown host or a timeout fails
+    here, in seconds, instead of when training starts hours later. Database URIs are not
+    probed (their drivers and credentials belong to MLflow).
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(
+            f"registry.tracking_uri: the MLflow server at {redact_uri(uri)} does not answer "
+            f"({reason}); start it or set registry.tracking_uri"
+        ) from e
 
 
 def _abs(p: str, base: Path) -> str:

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
-__all__ = ["ObjectInfo", "Storage"]
+__all__ = ["ObjectInfo", "ProbeError", "Storage"]
+
+
+class ProbeError(OSError):
+    """A storage root cannot be listed; the message names the URI and the cause."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,54 @@ class Storage:
         return str(self._local(key)) if key else str(self.path)
 
     # -- operations ----------------------------------------------------------------------------
+    def probe(self) -> bool:
+        """Whether the root holds at least one object, listing at most one key.
+
+        Meant for checks before any work starts: on S3 it uses its own client with one retry
+        and short timeouts, so a wrong endpoint, bucket or credential fails in seconds, not
+        after the minutes of backoff the I/O client (10 adaptive attempts) would spend.
+
+        Raises:
+            ProbeError: the root does not exist, is not a folder, or cannot be listed; the
+                message names the URI and the cause.
+        """
+        if self.is_s3:
+            return self._probe_s3()
+        if not self.path.exists():
+            raise ProbeError(f"{self.uri} does not exist")
+        if not self.path.is_dir():
+            raise ProbeError(f"{self.uri} is a file, not a folder")
+        try:
+            for _, _, files in os.walk(self.path, onerror=_raise):
+                if files:
+                    return True
+        except OSError as e:
+            raise ProbeError(f"{self.uri} cannot be listed ({e.strerror or e})") from e
+        return False
+
+    def _probe_s3(self) -> bool:
+        import boto3
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            config=Config(
+                retries={"max_attempts": 2, "mode": "standard"}, connect_timeout=3, read_timeout=5
+            ),
+        )
+        prefix = f"{self.prefix}/" if self.prefix else ""
+        try:
+            page = client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
+        except ClientError as e:
+            err = e.response.get("Error", {})
+            cause = f"{err.get('Code', 'error')}: {err.get('Message') or e}"
+            raise ProbeError(f"cannot list {self.uri} ({cause})") from e
+        except BotoCoreError as e:  # endpoint unreachable, no credentials, timeouts
+            raise ProbeError(f"cannot list {self.uri} ({type(e).__name__}: {e})") from e
+        return bool(page.get("KeyCount") or page.get("Contents"))
+
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object below `prefix`, sorted by key. S3 listing paginates."""
         out: list[ObjectInfo] = []
@@ -207,3 +259,8 @@ class Storage:
 
     def write_text(self, key: str, text: str) -> None:
         self.write_bytes(key, text.encode("utf-8"))
+
+
+def _raise(e: OSError) -> None:
+    # os.walk skips unreadable folders silently by default; a probe must report them.
+    raise e

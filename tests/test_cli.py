@@ -183,3 +183,132 @@ def test_run_summary_and_register_artifact_redact_the_tracking_uri(
     assert "s3cret-pw" not in out.out + out.err and "kiln:***@db.internal" in out.out
     markdown = registered_report(model, {"run_id": "r"}, cfg.tracking_uri)
     assert "s3cret-pw" not in markdown and "kiln:***@db.internal" in markdown
+
+
+def _kiln(*args, env=None, timeout=120):
+    """`python -m flows.cli ARGS` as a user runs it: (process, seconds it took)."""
+    import os
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+        timeout=timeout, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    return proc, time.monotonic() - t0
+
+
+def test_missing_source_fails_fast_without_prefect(tmp_path):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    home = tmp_path / "prefect-home"
+    proc, took = _kiln(
+        "run", "--source", str(tmp_path / "nonexistent"),
+        "--config", str(repo / "configs/tiny.yaml"), "--root", str(tmp_path / "root"),
+        env={"PREFECT_HOME": str(home)},
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"kiln: error: ingest.source: {tmp_path / 'nonexistent'} does not exist "
+        "(pass --source or set ingest.source)"
+    ]
+    assert "Starting temporary server" not in proc.stdout + proc.stderr
+    assert not home.exists(), "no Prefect server, database or flow run was made"
+    assert not (tmp_path / "root").exists()
+    assert took < 10, f"took {took:.1f} s"
+
+
+def test_debug_flag_shows_the_traceback(tmp_path):
+    proc, _ = _kiln("--debug", "demo-data", "/sys/kiln-demo")
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert "PermissionError" in proc.stderr
+
+
+def test_unexpected_error_is_one_line_with_the_debug_hint():
+    proc, _ = _kiln("demo-data", "/sys/kiln-demo")  # read-only: an OSError nobody expects
+    assert proc.returncode == 1
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("kiln: error: PermissionError: ")
+    assert line.endswith("(run `kiln --debug demo-data ...` for the traceback)")
+
+
+def test_run_checks_the_tracking_folder_before_any_work(tmp_path, demo_src, make_config):
+    (tmp_path / "afile").write_text("")
+    uri = f"sqlite:///{tmp_path}/afile/mlflow.db"
+    cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
+                      **{"registry.tracking_uri": uri})  # fmt: skip
+    result = CliRunner().invoke(main, ["run", "--config", str(cfg)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("kiln: error: registry.tracking_uri: ")
+    assert "is a file, not a folder" in result.stderr
+    assert not (tmp_path / "root").exists(), "nothing ran"
+
+
+def test_offline_without_cached_prompts_names_both_fixes(tmp_path, demo_src):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
+           "HF_HUB_OFFLINE": "1", "KILN_DRAWBENCH_CSV": ""}  # fmt: skip
+    proc, _ = _kiln("evaluate", "--config", str(repo / "configs/tiny.yaml"), "--root",
+                    str(tmp_path / "root"), env=env)  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("kiln: error: evaluate.prompts_csv: the DrawBench prompts could not")
+    assert "evaluate.prompts_csv (or KILN_DRAWBENCH_CSV) to a local CSV" in line
+    assert "run once with network access" in line
+
+
+def test_ui_env_points_the_ui_at_its_own_port():
+    from flows.cli import _ui_env
+
+    assert _ui_env(4301, {}) == {"PREFECT_SERVER_UI_API_URL": "http://127.0.0.1:4301/api"}
+    assert _ui_env(4301, {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}) == {
+        "PREFECT_SERVER_UI_API_URL": "http://127.0.0.1:4301/api"
+    }, "a client API URL for another server does not steer this UI"
+    assert _ui_env(4301, {"PREFECT_UI_API_URL": "https://proxy/api"}) == {}, "explicit kept"
+
+
+@pytest.mark.integration
+def test_kiln_ui_on_another_port_calls_its_own_api(tmp_path):
+    import json
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    log = open(tmp_path / "ui.log", "w")  # noqa: SIM115 - closed in finally
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port)],
+                            env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "ui.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "no /api/health within 180 s"
+            try:
+                with urllib.request.urlopen(f"{base}/api/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        with urllib.request.urlopen(f"{base}/ui-settings", timeout=10) as r:
+            settings = json.load(r)
+        assert settings["api_url"] == f"{base}/api"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()

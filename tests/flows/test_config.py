@@ -1,3 +1,5 @@
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,143 @@ def test_redact_uri_masks_only_the_password():
     )
     assert redact_uri("sqlite:////tmp/kiln/mlflow.db") == "sqlite:////tmp/kiln/mlflow.db"
     assert redact_uri("http://tracking:5000") == "http://tracking:5000"
+
+
+# -- check_inputs: every input a step needs, checked before any flow starts -------------------
+
+
+def _checked(tmp_path, make_config, demo_src, steps, source=None, **overrides):
+    """check_inputs on a tiny config: returns the ConfigError's lines ([] when it passes)."""
+    from flows.config import check_inputs
+
+    path = make_config(tmp_path / "c.yaml", tmp_path / "root", source or demo_src, **overrides)
+    try:
+        check_inputs(load_config(path), steps)
+    except ConfigError as e:
+        return str(e).splitlines()
+    return []
+
+
+def test_check_inputs_passes_for_the_tiny_config(tmp_path, make_config, demo_src):
+    steps = ("ingest", "train", "evaluate", "register")
+    assert _checked(tmp_path, make_config, demo_src, steps) == []
+    assert not (tmp_path / "root").exists(), "the checks create nothing"
+
+
+@pytest.mark.parametrize(
+    ("make_source", "expect"),
+    [
+        (lambda t: t / "nope", "nope does not exist (pass --source or set ingest.source)"),
+        (lambda t: (t / "empty").mkdir() or t / "empty", "empty holds no files"),
+        (
+            lambda t: (t / "a.tar").write_bytes(b"x") and t / "a.tar",
+            "a.tar is a file, not a folder",
+        ),
+        (lambda t: "gs://bucket/images", "unsupported storage URI scheme 'gs'"),
+    ],
+)
+def test_source_must_be_a_folder_with_files(tmp_path, make_config, demo_src, make_source, expect):
+    lines = _checked(tmp_path, make_config, demo_src, ("ingest",), source=make_source(tmp_path))
+    assert len(lines) == 1 and lines[0].startswith("ingest.source: ") and expect in lines[0]
+
+
+def test_s3_source_is_probed_through_moto(tmp_path, make_config, demo_src, s3_bucket, s3_endpoint):
+    bucket, client = s3_bucket
+    client.put_object(Bucket=bucket, Key="images/a.jpg", Body=b"x")
+    ok = {"storage.endpoint_url": s3_endpoint}
+
+    def check(uri, **over):
+        return _checked(tmp_path, make_config, demo_src, ("ingest",), source=uri, **over)
+
+    assert check(f"s3://{bucket}/images", **ok) == []
+    (empty,) = check(f"s3://{bucket}/imgs", **ok)  # a typo in the prefix lists nothing
+    assert f"s3://{bucket}/imgs holds no files" in empty
+    (missing,) = check("s3://no-such-bucket-kiln/images", **ok)
+    assert "cannot list s3://no-such-bucket-kiln/images (NoSuchBucket" in missing
+    assert "storage.endpoint_url" in missing
+    with socket.socket() as s:  # a port nothing listens on: refused at once
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    t0 = time.monotonic()
+    (refused,) = check(f"s3://{bucket}/images", **{"storage.endpoint_url": dead})
+    assert "EndpointConnectionError" in refused and time.monotonic() - t0 < 10
+
+
+def test_missing_topology_names_the_field(tmp_path, make_config, demo_src):
+    missing = tmp_path / "no-topology.yaml"
+    (line,) = _checked(tmp_path, make_config, demo_src, ("train",),
+                       **{"launch.accelerate_config": str(missing)})  # fmt: skip
+    assert line.startswith(f"launch.accelerate_config: file not found (received '{missing}')")
+
+
+def test_tracking_folder_of_each_uri_kind(tmp_path, monkeypatch):
+    from flows.config import tracking_folder
+
+    monkeypatch.chdir(tmp_path)
+    assert tracking_folder("sqlite:////srv/kiln/mlflow.db") == Path("/srv/kiln")
+    assert tracking_folder("sqlite:///rel/mlflow.db") == Path("rel")
+    assert tracking_folder("file:///srv/mlruns") == Path("/srv/mlruns")
+    assert tracking_folder("./mlruns") == Path("mlruns")
+    for server in ("http://mlflow:5000", "https://x", "postgresql://u:p@db/m", "databricks"):
+        assert tracking_folder(server) is None
+
+
+def test_tracking_folder_must_be_writable(tmp_path, make_config, demo_src):
+    (tmp_path / "afile").write_text("not a folder")
+
+    def check(uri):
+        return _checked(tmp_path, make_config, demo_src, ("register",),
+                        **{"registry.tracking_uri": uri})  # fmt: skip
+
+    assert check(f"sqlite:///{tmp_path}/new/deeper/mlflow.db") == [], "can be created"
+    assert not (tmp_path / "new").exists(), "nothing is created by the check"
+    (under_file,) = check(f"sqlite:///{tmp_path}/afile/sub/mlflow.db")
+    assert f"registry.tracking_uri: {tmp_path / 'afile'} is a file, not a folder" in under_file
+    (read_only,) = check("sqlite:////sys/kiln/mlflow.db")  # read-only even for root
+    assert "registry.tracking_uri: /sys is not writable" in read_only
+    assert not list(tmp_path.glob(".kiln-write-check-*")), "the write check cleans up"
+
+
+def test_tracking_server_must_answer(tmp_path, make_config, demo_src):
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:  # any HTTP answer, even 501, means the server is there
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        assert _checked(tmp_path, make_config, demo_src, ("train",),
+                        **{"registry.tracking_uri": uri}) == []  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    (line,) = _checked(tmp_path, make_config, demo_src, ("train",),
+                       **{"registry.tracking_uri": uri})  # fmt: skip
+    assert line.startswith(f"registry.tracking_uri: the MLflow server at {uri} does not answer")
+
+
+def test_every_local_failure_is_reported_at_once(tmp_path, make_config, demo_src):
+    lines = _checked(
+        tmp_path, make_config, demo_src, ("ingest", "train", "evaluate"), source=tmp_path / "x",
+        **{"launch.accelerate_config": str(tmp_path / "t.yaml"),
+           "registry.tracking_uri": "sqlite:////sys/kiln/mlflow.db",
+           "evaluate.prompts_csv": str(tmp_path / "p.csv")},
+    )  # fmt: skip
+    fields = [ln.split(":")[0] for ln in lines]
+    assert fields == ["ingest.source", "launch.accelerate_config", "registry.tracking_uri"]
+
+
+def test_missing_prompts_file_is_a_config_error(tmp_path, make_config, demo_src):
+    (line,) = _checked(tmp_path, make_config, demo_src, ("evaluate",),
+                       **{"evaluate.prompts_csv": str(tmp_path / "p.csv")})  # fmt: skip
+    assert line == f"evaluate.prompts_csv: file not found: {tmp_path / 'p.csv'}"
+
+
+def test_unset_source_says_how_to_set_it(tmp_path, make_config, demo_src):
+    from flows.config import check_inputs
+
+    cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
+    cfg.ingest.source = None
+    with pytest.raises(ConfigError) as e:
+        check_inputs(cfg, ("ingest",))
+    assert str(e.value) == "ingest.source: not set (pass --source or set ingest.source)"
