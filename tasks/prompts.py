@@ -15,8 +15,10 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import socket
 from collections import Counter
 from pathlib import Path
+from urllib.parse import urlsplit
 
 __all__ = [
     "DRAWBENCH_CATEGORIES",
@@ -60,6 +62,27 @@ def _cache_dir() -> Path:
     return Path(base) / "kiln"
 
 
+def _reachable(endpoint: str | None, timeout: float = 5.0) -> None:
+    """One TCP connect to the Hub before huggingface_hub's download, which retries a dead
+    network five times with backoff (about 23 s) before it gives up.
+
+    Skipped behind a proxy (the Hub is reached through it) and in huggingface_hub's offline
+    mode (which fails at once by itself).
+
+    Raises:
+        OSError: The Hub's host does not resolve or does not accept a connection.
+    """
+    from huggingface_hub import constants
+
+    proxies = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+    proxied = any(os.environ.get(k) for k in proxies)
+    if proxied or constants.HF_HUB_OFFLINE:
+        return
+    url = urlsplit(endpoint or constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    socket.create_connection((url.hostname, port), timeout=timeout).close()
+
+
 def fetch_drawbench(
     cache_dir: str | Path | None = None, *, endpoint: str | None = None, hf_cache: str | None = None
 ) -> Path:
@@ -81,6 +104,7 @@ def fetch_drawbench(
     from huggingface_hub import hf_hub_download
 
     try:
+        _reachable(endpoint)
         parquet = hf_hub_download(
             DRAWBENCH_REPO,
             DRAWBENCH_FILE,

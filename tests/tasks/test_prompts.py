@@ -10,6 +10,7 @@ import hashlib
 import http.server
 import io
 import threading
+import time
 
 import pandas as pd
 import pytest
@@ -116,10 +117,16 @@ def test_offline_with_no_cache_is_one_clear_error(tmp_path, monkeypatch):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)
+    t0 = time.monotonic()
     with pytest.raises(PromptsUnavailable) as e:
         fetch_drawbench(tmp_path / "kiln", endpoint=dead, hf_cache=str(tmp_path / "hf"))
     msg = str(e.value)
     assert "evaluate.prompts_csv" in msg and "network access" in msg
+    # One refused connect, not huggingface_hub's five retries with backoff (about 23 s): a
+    # fail-fast check before any flow runs must not stall an offline machine.
+    assert time.monotonic() - t0 < 10
 
 
 def test_a_copy_that_is_not_drawbench_is_refused(tmp_path, fake_hub):
