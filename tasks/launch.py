@@ -34,6 +34,7 @@ from tasks.logs import task_logger
 
 __all__ = [
     "LaunchError",
+    "StageDiverged",
     "accelerate_command",
     "launch_generate",
     "launch_precompute",
@@ -44,6 +45,24 @@ __all__ = [
 
 class LaunchError(RuntimeError):
     """An `accelerate launch` exited non-zero or hung; the message holds its last output lines."""
+
+
+class StageDiverged(LaunchError):
+    """The stage's `DIVERGED.json` says its loss went non-finite: every relaunch would fail the
+    same way, so `launch_stage` is not retried (its `retry_condition_fn`)."""
+
+
+def _raise_if_diverged(out: Path) -> None:
+    from models.train import DIVERGED
+
+    marker = out / DIVERGED
+    if marker.is_file():
+        raise StageDiverged(json.loads(marker.read_text())["message"])
+
+
+def _retry_unless_diverged(task, task_run, state) -> bool:
+    """Prefect's retry condition: retry a crash or a hang, never a diverged stage."""
+    return not isinstance(getattr(state, "data", None), StageDiverged)
 
 
 def accelerate_command(
@@ -141,7 +160,7 @@ def run_launch(
         raise LaunchError(f"accelerate launch failed: {why}\n" + "\n".join(tail))
 
 
-@task(name="launch-stage", cache_policy=NO_CACHE)
+@task(name="launch-stage", cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_diverged)
 def launch_stage(
     stage: StageRun,
     accelerate_config: str,
@@ -152,9 +171,15 @@ def launch_stage(
 
     Idempotent: a relaunch resumes from the newest complete checkpoint, and a finished stage
     returns its manifest without training again.
+
+    Raises:
+        StageDiverged: The stage diverged, in this launch or an earlier one (not retried; no
+            process is launched for a stage already marked).
+        LaunchError: The launch crashed or hung (retried with `retries`).
     """
     out = Path(stage.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _raise_if_diverged(out)
     stage_yaml = out / "stage.yaml"
     stage_yaml.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
     cmd = accelerate_command(
@@ -172,14 +197,18 @@ def launch_stage(
     def report(step: int) -> None:
         update_progress_artifact(progress_id, progress=100.0 * min(step, total) / total)
 
-    run_launch(
-        cmd,
-        heartbeat=out / "heartbeat",
-        hang_timeout_s=hang_timeout_s,
-        on_progress=report if progress_id else None,
-        # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
-        env={"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
-    )
+    try:
+        run_launch(
+            cmd,
+            heartbeat=out / "heartbeat",
+            hang_timeout_s=hang_timeout_s,
+            on_progress=report if progress_id else None,
+            # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
+            env={"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
+        )
+    except LaunchError:
+        _raise_if_diverged(out)
+        raise
     if progress_id:
         update_progress_artifact(progress_id, progress=100.0)
     return json.loads((out / "manifest.json").read_text())

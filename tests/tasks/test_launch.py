@@ -195,3 +195,37 @@ def test_sigkill_of_a_ddp_rank_resumes_bit_exactly(tmp_path, tiny_shards):
         name = f"samples-rank{rank}.jsonl"
         assert _per_step(crashed / name, "keys") == _per_step(clean / name, "keys")
     _same_weights(clean, crashed)
+
+
+def test_a_diverged_stage_is_not_retried_and_not_relaunched(tmp_path, tiny_shards):
+    """NaN loss at step 3 with 2 retries allowed: one launch, StageDiverged naming the step,
+    no retry (a relaunch would fail the same way, 15 s a launch); calling the task again for
+    the marked stage fails at once without launching anything."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from tasks.launch import StageDiverged, launch_stage
+
+    out = tmp_path / "nan"
+    run = _stage_run(tiny_shards, out, nan_at_step=3)
+    state = _launch_in_flow(run, retries=2)
+    with pytest.raises(StageDiverged, match="training diverged at step 3"):
+        state.result()
+
+    async def task_runs():
+        async with get_client() as client:
+            return await client.read_task_runs(
+                flow_run_filter=FlowRunFilter(
+                    id=FlowRunFilterId(any_=[state.state_details.flow_run_id])
+                )
+            )
+
+    (task_run,) = asyncio.run(task_runs())
+    assert task_run.run_count == 1, "a diverged stage was retried"
+    assert '"event": "resumed"' not in (out / "metrics.jsonl").read_text()
+    (out / "stage.yaml").unlink()  # written before every launch
+    with pytest.raises(StageDiverged, match="training diverged at step 3"):
+        launch_stage.fn(run, SINGLE)
+    assert not (out / "stage.yaml").exists(), "a marked stage was prepared for a launch again"
