@@ -33,21 +33,19 @@ from pathlib import Path
 from typing import NoReturn
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from diffusers import StableDiffusionPipeline
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel, compute_snr
+from diffusers.training_utils import EMAModel
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from models.collation import device_pixels
 from models.config import StageRun, load_yaml_model
-from models.decoding import normalize_pixels
 from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
 from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
 from models.flops import device_peak_flops, device_stats, train_flops_per_sample
 from models.loader import build_loader, precomputed_columns
+from models.loss import denoising_loss
 from models.metrics import MetricsSink, system_metrics
 from models.stale_streaming_files import clean_stale_streaming
 
@@ -57,9 +55,7 @@ __all__ = [
     "build_dataloader",
     "build_models",
     "check_identical_weights",
-    "diffusion_target",
     "main",
-    "min_snr_weight",
     "save_and_export",
     "train_loop",
 ]
@@ -148,86 +144,6 @@ def build_dataloader(run: StageRun, comps: Components):
                         stage_index=run.stage_index, remote=remote, mix=mix)  # fmt: skip
 
 
-def _encode(
-    comps: Components, batch: dict, weight_dtype: torch.dtype, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch's scaled VAE latents and text-encoder states (frozen encoders, no gradients)."""
-    scale = comps.vae.config.scaling_factor
-    with torch.no_grad():
-        if "latent_mean" in batch:
-            # Precomputed: sample the VAE's diagonal Gaussian as latent_dist.sample() does.
-            mean = batch["latent_mean"].to(device, dtype=weight_dtype, non_blocking=True)
-            std = batch["latent_std"].to(device, dtype=weight_dtype, non_blocking=True)
-            latents = (mean + std * torch.randn_like(mean)) * scale
-        else:
-            # The loader's batch has channels-last strides (see KilnCollate); the model
-            # gets the standard layout, transposed here on the device (and flipped, hflip).
-            pixels = device_pixels(batch, device)
-            if pixels.dtype == torch.uint8:  # the loader ships uint8; normalise on the device
-                pixels = normalize_pixels(pixels)
-            pixels = pixels.to(weight_dtype)
-            latents = comps.vae.encode(pixels).latent_dist.sample() * scale
-        if "text_hidden" in batch:
-            encoder_hidden = batch["text_hidden"].to(device, dtype=weight_dtype)
-            drop = batch["drop"].to(device)
-            if drop.any():  # caption dropout: the empty caption's states
-                empty = comps.tokenizer(
-                    "", padding="max_length", max_length=comps.tokenizer.model_max_length,
-                    return_tensors="pt",
-                ).input_ids.to(device)  # fmt: skip
-                empty_hidden = comps.text_encoder(empty)[0].to(weight_dtype)
-                # Not an in-place write: `.to` may return the batch's own tensor.
-                encoder_hidden = torch.where(drop[:, None, None], empty_hidden, encoder_hidden)
-        else:
-            ids = batch["input_ids"].to(device, non_blocking=True)
-            encoder_hidden = comps.text_encoder(ids)[0]
-    return latents, encoder_hidden
-
-
-def diffusion_target(sched, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):
-    """What the UNet learns to predict: the noise (epsilon) or the velocity (v-prediction).
-
-    Raises:
-        ValueError: for another `prediction_type` of the noise scheduler.
-    """
-    kind = sched.config.prediction_type
-    if kind == "v_prediction":  # v = sqrt(alpha_bar) * noise - sqrt(1 - alpha_bar) * x0
-        return sched.get_velocity(latents, noise, t)
-    if kind == "epsilon":
-        return noise
-    raise ValueError(
-        f"train.model.noise_scheduler.prediction_type {kind!r} is not supported: "
-        "use 'epsilon' or 'v_prediction'"
-    )
-
-
-def min_snr_weight(sched, t: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Min-SNR-gamma weights (Hang et al. 2023), one per sample: min(SNR, gamma) / SNR for
-    epsilon, / (SNR + 1) for v-prediction, so that easy low-noise steps stop dominating."""
-    snr = compute_snr(sched, t)
-    v_pred = sched.config.prediction_type == "v_prediction"
-    return torch.clamp(snr, max=gamma) / (snr + 1 if v_pred else snr)
-
-
-def _loss(
-    comps: Components, batch: dict, weight_dtype: torch.dtype, device, cfg=None
-) -> torch.Tensor:
-    """The denoising loss of one micro-batch: fresh noise and timesteps from the global RNG."""
-    latents, encoder_hidden = _encode(comps, batch, weight_dtype, device)
-    noise = torch.randn_like(latents)
-    sched = comps.noise_scheduler
-    t = torch.randint(0, sched.config.num_train_timesteps, (latents.shape[0],), device=device)
-    noisy = sched.add_noise(latents, noise, t)
-    target = diffusion_target(sched, latents, noise, t)
-    if cfg is not None and cfg.channels_last:
-        noisy = noisy.contiguous(memory_format=torch.channels_last)
-    pred = comps.unet(noisy, t, encoder_hidden).sample
-    if cfg is None or cfg.snr_gamma is None:
-        return F.mse_loss(pred.float(), target.float())
-    per_sample = F.mse_loss(pred.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
-    return (per_sample * min_snr_weight(sched, t, cfg.snr_gamma)).mean()
-
-
 def train_loop(
     run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink,
     checkpoints: bool = True,
@@ -273,7 +189,7 @@ def train_loop(
             got_batch = True
             wait_s += time.perf_counter() - t_fetch
             with accelerator.accumulate(comps.unet):
-                loss = _loss(comps, batch, weight_dtype, accelerator.device, cfg)
+                loss = denoising_loss(comps, batch, weight_dtype, accelerator.device, cfg)
                 loss = nan_loss(run.faults, state.step + 1, loss)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:

@@ -8,7 +8,7 @@ from diffusers import DDPMScheduler
 
 from flows.config import load_config
 from models.factory import build_components
-from models.train import _encode, _loss, diffusion_target, min_snr_weight
+from models.loss import denoising_loss, diffusion_target, encode_batch, min_snr_weight
 
 REPO = Path(__file__).resolve().parents[2]
 B = 8
@@ -34,7 +34,7 @@ def _pixel_batch():
 
 
 def _direct(comps, batch, gamma=None):
-    """The loss written out from the schedule's alpha_bar, drawing the RNG in _loss's order:
+    """The loss written out from the schedule's alpha_bar, drawing the RNG in the same order:
     the VAE sample, then the noise, then the timesteps."""
     with torch.no_grad():
         pixels = batch["pixel_values"].float() / 127.5 - 1.0
@@ -58,7 +58,7 @@ def _direct(comps, batch, gamma=None):
 def _seeded_loss(comps, batch, cfg=None):
     torch.manual_seed(0)
     with torch.no_grad():
-        return _loss(comps, batch, torch.float32, "cpu", cfg)
+        return denoising_loss(comps, batch, torch.float32, "cpu", cfg)
 
 
 @pytest.mark.parametrize("kind", ["epsilon", "v_prediction"])
@@ -104,7 +104,7 @@ def test_caption_dropout_uses_the_empty_caption_states(tiny):
         "text_hidden": hidden.clone(),
         "drop": torch.tensor([True, False, True, False]),
     }
-    latents, enc = _encode(comps, batch, torch.float32, "cpu")
+    latents, enc = encode_batch(comps, batch, torch.float32, "cpu")
     empty_ids = comps.tokenizer("", padding="max_length", max_length=77, return_tensors="pt")
     with torch.no_grad():
         empty = comps.text_encoder(empty_ids.input_ids)[0][0]
