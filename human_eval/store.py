@@ -16,8 +16,9 @@ from __future__ import annotations
 import datetime as dt
 import random
 import secrets
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,6 +191,9 @@ class RatingStore:
         self.engine = _sqlite_engine(url) if url.startswith("sqlite") else create_engine(url)
         Base.metadata.create_all(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._totals: dict[str, int] = {}
+        self._raters: dict[str, Rater] = {}
+        self._lock = threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
 
     @classmethod
     def open(cls, root: str | Path, url: str | None = None) -> RatingStore:
@@ -201,8 +205,13 @@ class RatingStore:
 
     @contextmanager
     def session(self) -> Iterator[Session]:
-        """One transaction: committed on success, rolled back on any error."""
-        with self._sessions() as s, s.begin():
+        """One transaction: committed on success, rolled back on any error.
+
+        On SQLite the transactions of this process also take a lock: they queue here in
+        order, instead of in SQLite's busy handler, which sleeps in growing steps (a long
+        tail of vote latency under load). Other processes still wait on `busy_timeout`.
+        """
+        with self._lock, self._sessions() as s, s.begin():
             yield s
 
     # --- comparisons -------------------------------------------------------------------
@@ -273,8 +282,15 @@ class RatingStore:
         return out
 
     def rater(self, token: str) -> Rater | None:
-        with self.session() as s:
-            return s.scalar(select(Rater).where(Rater.token == token))
+        """The rater of a token. Found raters are memoised (a token never changes hands), so
+        a request does not queue for the write lock just to check its link."""
+        if token not in self._raters:
+            with self.session() as s:
+                rater = s.scalar(select(Rater).where(Rater.token == token))
+            if rater is None:
+                return None
+            self._raters[token] = rater
+        return self._raters[token]
 
     def admin_token(self) -> str:
         """The admin token: created once, kept across restarts, never a rater token."""
@@ -317,22 +333,27 @@ class RatingStore:
             return ServedTask(task.id, pair.prompt, pair.category, left, right, done, total)
 
     def _total(self, s: Session, cmp: Comparison) -> int:
-        n = s.scalar(select(func.count()).where(Pair.comparison_id == cmp.id, ~Pair.gold))
-        n_gold = s.scalar(select(func.count()).where(Pair.comparison_id == cmp.id, Pair.gold))
-        return n + min(cmp.gold_per_rater, n_gold)
+        """Tasks a rater can get at most: the pairs plus their gold checks (memoised: a
+        comparison's pairs never change)."""
+        if cmp.id not in self._totals:
+            n = s.scalar(select(func.count()).where(Pair.comparison_id == cmp.id, ~Pair.gold))
+            n_gold = s.scalar(select(func.count()).where(Pair.comparison_id == cmp.id, Pair.gold))
+            self._totals[cmp.id] = n + min(cmp.gold_per_rater, n_gold)
+        return self._totals[cmp.id]
 
     def _pick_pair(
         self, s: Session, cmp: Comparison, rater: Rater, done: int, rng: random.Random
     ) -> Pair | None:
         seen = select(Task.pair_id).where(Task.rater_id == rater.id)
         mine = (Pair.comparison_id == cmp.id) & Pair.id.not_in(seen)
-        golds = list(s.scalars(select(Pair).where(mine, Pair.gold).order_by(Pair.id)))
+        golds = list(s.scalars(select(Pair.id).where(mine, Pair.gold).order_by(Pair.id)))
         total = self._total(s, cmp)
         # The rater's gold positions: spread at random, the same at every visit.
         k = min(cmp.gold_per_rater, total)
         positions = set(random.Random(rater.id).sample(range(total), k))
         if golds and done in positions:
-            return rng.choice(golds)
+            return s.get(Pair, rng.choice(golds))
+        # A pair's load: its answered tasks plus those served recently and still open.
         live = Task.answered | (Task.served_at > _now() - TASK_LEASE)
         load = (
             select(Task.pair_id, func.count().label("n"))
@@ -341,16 +362,16 @@ class RatingStore:
             .subquery()
         )
         n = func.coalesce(load.c.n, 0)
-        rows = s.execute(
-            select(Pair, n)
+        pick = s.scalar(
+            select(Pair.id)
             .outerjoin(load, load.c.pair_id == Pair.id)
-            .where(Pair.comparison_id == cmp.id, ~Pair.gold, Pair.id.not_in(seen))
-            .where(n < cmp.raters_per_pair)
-        ).all()
-        if not rows:
-            return rng.choice(golds) if golds else None
-        fewest = min(c for _, c in rows)
-        return rng.choice([p for p, c in rows if c == fewest])
+            .where(mine, ~Pair.gold, n < cmp.raters_per_pair)
+            .order_by(n, func.random())  # fewest first, ties at random
+            .limit(1)
+        )
+        if pick is None:
+            return s.get(Pair, rng.choice(golds)) if golds else None
+        return s.get(Pair, pick)
 
     def record_vote(self, rater: Rater, task_id: int, answers: dict[str, str]) -> bool:
         """Store one task's answers, given in screen sides (left/right/tie), in one transaction.

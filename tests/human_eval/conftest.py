@@ -64,3 +64,60 @@ def two_studies(tmp_path) -> tuple[Path, Path, Path]:
     a = write_study(root, "run-a-1111", seeds=(0, 1), model="run-a")
     b = write_study(root, "run-b-2222", seeds=(0, 1), colour=(40, 40, 200), model="run-b")
     return root, a, b
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_up(url: str, proc, timeout: float = 60.0) -> None:
+    """Poll /healthz until the server answers; fail (with its output) after `timeout`."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise TimeoutError(f"server at {url} not up after {timeout}s")
+
+
+def start_server(argv: list[str], port: int):
+    """A real server process on 127.0.0.1:port (argv after `python -m`)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *argv], cwd=REPO, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    wait_until_up(url, proc)
+    return proc, url
+
+
+def stop(proc) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except Exception:
+            proc.kill()
+            proc.wait(timeout=15)
