@@ -211,8 +211,9 @@ def build_report(
         n: str(out_dir / n) for n in ("report.json", "votes.csv", "preference.png")
     }
     report["build_s"] = round(time.perf_counter() - t0, 3)
+    report = _clean(report)
     tmp = out_dir / "report.json.tmp"
-    tmp.write_text(json.dumps(_clean(report), indent=2, allow_nan=False))
+    tmp.write_text(json.dumps(report, indent=2, allow_nan=False))
     tmp.replace(out_dir / "report.json")
     return report
 
