@@ -20,7 +20,13 @@ from pathlib import Path
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, RedirectResponse
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
 from fastapi.templating import Jinja2Templates
 
 from human_eval.report import gold_accuracy
@@ -175,6 +181,10 @@ def create_app(store: RatingStore) -> FastAPI:
     @app.get("/static/rate.js")
     def script() -> FileResponse:
         return FileResponse(HERE / "static" / "rate.js", media_type="text/javascript")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:
+        return Response(status_code=204)
 
     @app.get("/healthz", response_class=PlainTextResponse)
     def healthz() -> str:

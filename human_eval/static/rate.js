@@ -31,7 +31,7 @@
       e.preventDefault();
       var missing = sets.findIndex(function (s) { return !answered(s); });
       if (missing >= 0) { highlight(missing); return; }
-      if (!sent) { sent = true; form.submit(); }
+      if (!sent) { sent = true; HTMLFormElement.prototype.submit.call(form); }
     } else if (e.key === "ArrowUp" || e.key === "ArrowDown") {
       highlight(focused + (e.key === "ArrowDown" ? 1 : -1));
       e.preventDefault();
