@@ -447,6 +447,22 @@ class RatingStore:
         with self.session() as s:
             return list(s.scalars(select(Rater).where(Rater.comparison_id == comparison_id)))
 
+    def progress(self, comparison_id: str) -> tuple[int, int]:
+        """(tasks answered on regular pairs, the target: pairs x K) of a comparison."""
+        with self.session() as s:
+            cmp = s.get(Comparison, comparison_id)
+            if cmp is None:
+                raise KeyError(f"no comparison {comparison_id!r}")
+            regular = (Pair.comparison_id == comparison_id) & ~Pair.gold
+            pairs = s.scalar(select(func.count()).where(regular))
+            done = s.scalar(
+                select(func.count())
+                .select_from(Vote)
+                .join(Pair, Pair.id == Vote.pair_id)
+                .where(regular, Vote.question == QUESTIONS[0])
+            )
+            return done, pairs * cmp.raters_per_pair
+
     def count_votes(self, comparison_id: str | None = None) -> int:
         with self.session() as s:
             q = select(func.count()).select_from(Vote)
