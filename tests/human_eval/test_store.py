@@ -103,14 +103,18 @@ def test_assignment_gives_every_pair_k_votes_fewest_first(two_studies):
     raters = [store.rater(t) for _, t in store.add_raters(cid, 5)]
     rng = random.Random(0)
     counts = {p.id: 0 for p in store.pairs(cid)}
+    seen: dict[int, set] = {r.id: set() for r in raters}
     for _ in range(8):  # round-robin, as raters arrive
         for r in raters:
+            eligible = [c for p, c in counts.items() if p not in seen[r.id] and c < 3]
             got = _answer(store, r, rng)
+            assert (got is None) == (not eligible)
             if got is not None:
                 pair = store.votes(cid)[-1]["pair_id"]
+                # fewest first: among the pairs this rater has not rated
+                assert counts[pair] == min(eligible)
                 counts[pair] += 1
-                # fewest first: no pair is ever more than one vote ahead of another
-                assert max(counts.values()) - min(counts.values()) <= 1
+                seen[r.id].add(pair)
     assert set(counts.values()) == {3}  # every pair has K votes, none more
     assert all(store.next_task(r) is None for r in raters)
     assert store.count_votes(cid) == 8 * 3 * 2
