@@ -29,12 +29,94 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import load_config
+from flows.config import PipelineConfig, check_inputs, load_config
 from human_eval.report import build_report
 from human_eval.store import QUESTIONS, RatingStore
 from human_eval.studies import create_comparison, load_study
 
-__all__ = ["human_eval_flow", "mlflow_metrics"]
+__all__ = ["human_eval_flow", "is_model_ref", "mlflow_metrics", "study_for_model"]
+
+
+def is_model_ref(ref: str) -> bool:
+    """A registered model URI (models:/name@alias, models:/name/3) or an exported pipeline
+    folder (model_index.json), rather than a study."""
+    return ref.startswith("models:/") or (Path(ref) / "model_index.json").is_file()
+
+
+def study_for_model(cfg: PipelineConfig, ref: str) -> str:
+    """The study id of a model: found when it exists, else generated with `evaluate`'s
+    prompts, seeds and settings (content-addressed, so asking twice reuses the images).
+
+    A registered version that names its training run (the `run_id` tag `kiln register`
+    writes) and whose run is under the root gets that run's study id, the one
+    `kiln evaluate --run-id` writes; another version is downloaded from the registry; a
+    pipeline folder is named by a hash of its path.
+
+    Raises:
+        ValueError: a URI that is not models:/NAME@ALIAS or models:/NAME/VERSION.
+    """
+    from models.config import stable_hash
+    from tasks.launch import launch_generate
+    from tasks.layout import Layout
+
+    check_inputs(cfg, ("evaluate",))  # resolves the prompts file
+    ev, layout = cfg.evaluate, Layout(Path(cfg.storage.root))
+    settings = [
+        Path(ev.prompts_csv).read_bytes().hex(),
+        ev.seeds,
+        ev.num_inference_steps,
+        ev.guidance_scale,
+        ev.limit,
+    ]  # fmt: skip (the same key as flows/evaluate.py)
+    if ref.startswith("models:/"):
+        ident, pipeline = _registered_pipeline(cfg, layout, ref)
+    else:
+        ident = f"pipeline-{stable_hash(str(Path(ref).resolve()), 8)}"
+        pipeline = lambda: ref  # noqa: E731
+    study_id = f"{ident}-{stable_hash(settings, 8)}"
+    out = layout.study(study_id)
+    if not (out / "study.json").is_file():
+        launch_generate.fn(
+            str(pipeline()), ev.prompts_csv, str(out),
+            accelerate_config=cfg.launch.accelerate_config, seeds=ev.seeds,
+            num_inference_steps=ev.num_inference_steps, guidance_scale=ev.guidance_scale,
+            batch_size=ev.batch_size, limit=ev.limit, model_ref=ident,
+            num_processes=cfg.launch.num_processes,
+        )  # fmt: skip
+    return study_id
+
+
+def _registered_pipeline(cfg: PipelineConfig, layout, uri: str):
+    """(identity, a callable giving the local pipeline folder) of a registered version."""
+    import re
+
+    from mlflow.tracking import MlflowClient
+
+    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", uri)
+    if m is None:
+        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    name, alias, number = m.groups()
+    client = MlflowClient(cfg.tracking_uri, registry_uri=cfg.tracking_uri)
+    mv = (client.get_model_version_by_alias(name, alias) if alias
+          else client.get_model_version(name, number))  # fmt: skip
+    run_id = mv.tags.get("run_id", "")
+    run_json = layout.run(run_id) / "run.json" if run_id else None
+    if run_json is not None and run_json.is_file():
+        export = json.loads(run_json.read_text()).get("export")
+        if export and Path(export).is_dir():
+            return run_id, lambda: export
+
+    def download() -> Path:
+        import mlflow.artifacts
+
+        dst = layout.root / "human_eval" / "models" / f"{name}-v{mv.version}"
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(dst),
+            tracking_uri=cfg.tracking_uri, registry_uri=cfg.tracking_uri,
+        )  # fmt: skip
+        return Path(local) / "artifacts" / "pipeline"
+
+    return f"{name}-v{mv.version}", download
 
 
 @task(name="create-comparison", cache_policy=NO_CACHE)

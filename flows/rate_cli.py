@@ -48,8 +48,14 @@ def _load(config_path: str, root: str | None):
 @click.command()
 @CONFIG
 @ROOT
-@click.option("--a", "study_a", required=True, help="Study A (e.g. the candidate): id or folder.")
-@click.option("--b", "study_b", required=True, help="Study B (e.g. the champion): id or folder.")
+@click.option(
+    "--a", "study_a", required=True,
+    help="A (e.g. the candidate): a study id or folder, models:/NAME@ALIAS or a pipeline folder.",
+)  # fmt: skip
+@click.option(
+    "--b", "study_b", required=True,
+    help="B (e.g. the champion): a study id or folder, models:/NAME@ALIAS or a pipeline folder.",
+)  # fmt: skip
 @click.option(
     "--raters-per-pair", type=int, default=None, help="Votes per pair, K (default: config)."
 )
@@ -66,18 +72,22 @@ def compare(
     gold: int | None,
     name: str | None,
 ) -> None:
-    """Create the blind A/B comparison of two studies with the same prompts and seeds."""
+    """Create the blind A/B comparison of two studies with the same prompts and seeds.
+
+    A side may also be a model (models:/NAME@ALIAS, models:/NAME/VERSION or an exported
+    pipeline folder): its study is generated first with `evaluate`'s settings, unless it
+    exists.
+    """
+    from flows.human_eval import is_model_ref, study_for_model
     from human_eval.studies import create_comparison, load_study
 
     cfg, store = _load(config_path, root)
     he = cfg.human_eval
-    for ref in (study_a, study_b):
-        if ref.startswith("models:/"):
-            raise click.ClickException(
-                f"{ref}: generate its study first with `kiln evaluate` (comparing a registry "
-                "model URI directly is not available yet), then pass the study id"
-            )
     try:
+        if is_model_ref(study_a):
+            study_a = study_for_model(cfg, study_a)
+        if is_model_ref(study_b):
+            study_b = study_for_model(cfg, study_b)
         a = load_study(study_a, cfg.storage.root)
         b = load_study(study_b, cfg.storage.root)
         cid, created = create_comparison(
@@ -86,8 +96,12 @@ def compare(
             gold=he.gold_per_rater if gold is None else gold,
             name=name, seed=he.seed,
         )  # fmt: skip
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, LookupError) as e:
         raise click.ClickException(str(e)) from None
+    except Exception as e:  # the registry's own errors (MlflowException): one clear line
+        if type(e).__name__ != "MlflowException":
+            raise
+        raise click.ClickException(f"registry: {e}") from None
     click.echo(f"{'created' if created else 'exists:'} {a.study_id} (A) vs {b.study_id} (B)",
                err=True)  # fmt: skip
     click.echo(cid)

@@ -68,24 +68,34 @@ def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_sr
     root = tmp_path / "root"
     shutil.copytree(shared_root, root)  # the shared fixture is never modified
     studies = {}
-    for side, seed in (("a", 1), ("b", 2)):
-        cfg = make_config(tmp_path / f"{side}.yaml", root, demo_src,
-                          **{"train.seed": seed, "evaluate.limit": 10})  # fmt: skip
+    configs, runs = {}, {}
+    for side, seed, alias in (("b", 2, "champion"), ("a", 1, "candidate")):
+        cfg = make_config(tmp_path / f"{side}.yaml", root, demo_src, **{
+            "train.seed": seed, "evaluate.limit": 10, "registry.alias": alias})  # fmt: skip
         data = yaml.safe_load(cfg.read_text())
         data["train"]["stages"] = data["train"]["stages"][:1]  # one 32 px stage: fast
         data["human_eval"] = {"raters_per_pair": RATERS, "gold_per_rater": 2,
                               "port": free_port(), "bootstrap_resamples": 2000}  # fmt: skip
         cfg.write_text(yaml.safe_dump(data))
-        run = train_flow(str(cfg), dataset_version=version, run_id=f"run-e2e-{side}")
-        studies[side] = evaluate_flow(str(cfg), run_id=run["run_id"])["study_id"]
-        if side == "a":
-            model = register_flow(str(cfg), run_id=run["run_id"], study_id=studies["a"])
-            config_a = cfg
+        runs[side] = train_flow(str(cfg), dataset_version=version, run_id=f"run-e2e-{side}")
+        if side == "a":  # B's study is left to `kiln compare` to generate
+            studies[side] = evaluate_flow(str(cfg), run_id=runs[side]["run_id"])["study_id"]
+        model = register_flow(str(cfg), run_id=runs[side]["run_id"], study_id=studies.get(side))
+        configs[side] = cfg
+    config_a = configs["a"]
     common = ["--config", str(config_a), "--root", str(root)]
     runner = CliRunner()
-    made = runner.invoke(cli, ["compare", *common, "--a", studies["a"], "--b", studies["b"]])
+    # Registered models by alias: A's study exists and is reused (the id `kiln evaluate`
+    # gave it); B's is generated first, with the same prompts, seeds and settings.
+    made = runner.invoke(cli, ["compare", *common, "--a", "models:/kiln-t2i@candidate",
+                               "--b", "models:/kiln-t2i@champion"])  # fmt: skip
     assert made.exit_code == 0, made.output
     cid = made.stdout.strip().splitlines()[-1]
+    studies["b"] = re.search(r"vs (run-e2e-b-\w+) \(B\)", made.stderr).group(1)
+    assert f"{studies['a']} (A) vs" in made.stderr
+    assert (root / "eval" / studies["b"] / "study.json").is_file()
+    again = runner.invoke(cli, ["compare", *common, "--a", studies["a"], "--b", studies["b"]])
+    assert again.stdout.strip().splitlines()[-1] == cid  # the same comparison
     links = runner.invoke(cli, ["rate", "invite", *common, "--comparison", cid,
                                 "--raters", str(RATERS)]).stdout  # fmt: skip
     tokens = re.findall(r"/rate/(\S+)$", links, re.M)
