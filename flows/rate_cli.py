@@ -14,11 +14,12 @@ default `<root>/human_eval/ratings.db`. Heavy modules are imported inside the co
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
 
-__all__ = ["compare", "rate"]
+__all__ = ["compare", "evaluate_model", "rate"]
 
 CONFIG = click.option(
     "--config",
@@ -31,6 +32,19 @@ ROOT = click.option(
     "--root", default=None, help="Storage root: a local folder. Overrides storage.root."
 )
 COMPARISON = click.option("--comparison", required=True, help="Comparison id (kiln compare).")
+
+
+@contextmanager
+def _one_line():
+    """Expected failures (a missing study, a mismatch, the registry's errors) as one line."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError, LookupError) as e:
+        raise click.ClickException(str(e)) from None
+    except Exception as e:  # MlflowException, without importing mlflow for every command
+        if type(e).__name__ != "MlflowException":
+            raise
+        raise click.ClickException(f"registry: {e}") from None
 
 
 def _load(config_path: str, root: str | None):
@@ -83,7 +97,7 @@ def compare(
 
     cfg, store = _load(config_path, root)
     he = cfg.human_eval
-    try:
+    with _one_line():
         if is_model_ref(study_a):
             study_a = study_for_model(cfg, study_a)
         if is_model_ref(study_b):
@@ -96,15 +110,24 @@ def compare(
             gold=he.gold_per_rater if gold is None else gold,
             name=name, seed=he.seed,
         )  # fmt: skip
-    except (FileNotFoundError, ValueError, LookupError) as e:
-        raise click.ClickException(str(e)) from None
-    except Exception as e:  # the registry's own errors (MlflowException): one clear line
-        if type(e).__name__ != "MlflowException":
-            raise
-        raise click.ClickException(f"registry: {e}") from None
     click.echo(f"{'created' if created else 'exists:'} {a.study_id} (A) vs {b.study_id} (B)",
                err=True)  # fmt: skip
     click.echo(cid)
+
+
+def evaluate_model(config_path: str, root: str | None, model: str) -> None:
+    """`kiln evaluate --model URI`: the study of any registered model or pipeline folder.
+
+    Generated with the config's `evaluate` settings unless it exists (content-addressed);
+    prints {"study_id", "path"} as JSON, or one clear line on error.
+    """
+    from flows.human_eval import study_for_model
+
+    cfg, _ = _load(config_path, root)
+    with _one_line():
+        study_id = study_for_model(cfg, model)
+    path = Path(cfg.storage.root) / "eval" / study_id
+    click.echo(json.dumps({"study_id": study_id, "path": str(path)}, indent=2))
 
 
 @click.group()

@@ -98,3 +98,14 @@ def test_clear_errors(setup):
     assert unknown.exit_code == 1 and "no comparison 'nope'" in unknown.output
     unknown = _run("rate", "invite", *common, "--comparison", "nope", "--raters", "2")
     assert unknown.exit_code == 1 and "kiln compare" in unknown.output
+
+
+def test_evaluate_model_errors_are_one_line(setup):
+    from flows.rate_cli import evaluate_model
+
+    config, root = setup
+    cmd = click.Command(
+        "evaluate", callback=lambda: evaluate_model(config, str(root), "models:/kiln-t2i/x")
+    )
+    result = CliRunner().invoke(cmd, [])
+    assert result.exit_code == 1 and "models:/NAME/VERSION" in result.output
