@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import secrets
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -64,9 +65,7 @@ def rater_from_token(token: str, store: RatingStore = Depends(_store)) -> Rater:
 
 
 def admin_from_token(token: str, store: RatingStore = Depends(_store)) -> None:
-    """The admin token only: a rater token is 403 here."""
-    import secrets
-
+    """The admin token only: a rater token is 403 here (compared in constant time)."""
     if not secrets.compare_digest(token.encode(), store.admin_token().encode()):
         raise HTTPException(status_code=403, detail="admin token required")
 
@@ -136,7 +135,8 @@ def _admin_router(templates: Jinja2Templates) -> APIRouter:
 def _progress(store: RatingStore, cmp) -> dict:
     """A comparison's progress per category and per rater, for the admin page."""
     pairs = [p for p in store.pairs(cmp.id) if not p.gold]
-    votes = [v for v in store.votes(cmp.id) if v["question"] == "quality"]
+    all_votes = store.votes(cmp.id)
+    votes = [v for v in all_votes if v["question"] == "quality"]
     cats: dict[str, dict] = {}
     for p in pairs:
         cats.setdefault(p.category or "-", {"pairs": 0, "votes": 0})["pairs"] += 1
@@ -145,7 +145,7 @@ def _progress(store: RatingStore, cmp) -> dict:
             cats[v["category"] or "-"]["votes"] += 1
     for c in cats.values():
         c["target"] = c["pairs"] * cmp.raters_per_pair
-    gold = gold_accuracy(store.votes(cmp.id))
+    gold = gold_accuracy(all_votes)
     raters = []
     for r in store.raters(cmp.id):
         done = sum(v["rater"] == r.pseudonym for v in votes)
