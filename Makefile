@@ -10,7 +10,7 @@ CONFIG ?= configs/tiny.yaml
 KILN_DRAWBENCH_CSV ?= $(wildcard $(abspath ../shared/data/drawbench.csv))
 export KILN_DRAWBENCH_CSV
 
-.PHONY: install demo test test-fast lint format benchmark clean
+.PHONY: install chromium demo test test-fast lint format benchmark clean
 
 # Create the venv if missing and install the project with the pinned constraints.
 $(STAMP): pyproject.toml constraints.txt
@@ -25,7 +25,22 @@ demo: $(STAMP)
 	$(BIN)/kiln demo-data $(DEMO_DATA) --n 60
 	$(BIN)/kiln run --config $(CONFIG) --source $(DEMO_DATA)
 
-test: $(STAMP)
+# The rating app's browser test drives Debian's Chromium through Playwright (Playwright's own
+# browser download needs the network). Installed here when missing, where apt-get exists.
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		echo "Installing Debian's chromium (for tests/human_eval/test_browser.py)"; \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; \
+	else \
+		echo "make test needs Chromium at $(CHROMIUM) for tests/human_eval/test_browser.py;" \
+			"no apt-get here: install Chromium with your package manager" >&2; \
+		exit 1; \
+	fi
+
+test: $(STAMP) chromium
 	$(BIN)/python -m pytest
 
 test-fast: $(STAMP)

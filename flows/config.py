@@ -52,6 +52,25 @@ __all__ = [
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 
+class HumanEvalConfig(Strict):
+    """The blind A/B rating app and its report (`kiln compare`, `kiln rate ...`)."""
+
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL of the ratings store (e.g. postgresql://... for a shared "
+        "server). Default: sqlite:///<root>/human_eval/ratings.db (WAL).",
+    )
+    host: str = Field("127.0.0.1", description="Address `kiln rate serve` listens on.")
+    port: int = Field(8765, gt=0, lt=65536, description="Port of `kiln rate serve`.")
+    raters_per_pair: int = Field(5, ge=1, description="Votes collected per pair (K).")
+    gold_per_rater: int = Field(10, ge=0, description="Attention checks shown to each rater.")
+    min_gold_accuracy: float = Field(
+        0.8, ge=0, le=1, description="Raters below this gold accuracy are left out of results."
+    )
+    bootstrap_resamples: int = Field(2000, ge=100, description="Prompt-level bootstrap draws.")
+    seed: int = Field(0, description="Seed of the bootstrap and of the gold pairs' choice.")
+
+
 class PipelineConfig(Strict):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     ingest: IngestConfig = Field(default_factory=IngestConfig)
@@ -62,6 +81,7 @@ class PipelineConfig(Strict):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    human_eval: HumanEvalConfig = Field(default_factory=HumanEvalConfig)
 
     @model_validator(mode="after")
     def _metadata_columns_are_not_catalog_columns(self) -> PipelineConfig:

@@ -1,0 +1,213 @@
+"""The blind A/B rating app: FastAPI with server-rendered Jinja2 pages, no front-end build.
+
+    python -m human_eval.app --database-url sqlite:///<root>/human_eval/ratings.db
+
+(`kiln rate serve` runs the same app.) Routers per concern: rating pages, images, admin;
+access checks are dependencies (`rater_from_token`, `admin_from_token`), so no handler can
+forget one. A rater sees the prompt, its category and two images labelled A (left) and B
+(right); which study made which image is never on the page, and left/right is drawn per task
+and stored with the vote. Images are served by an unguessable id looked up in the database,
+so no URL part ever reaches the file system. The form posts as
+application/x-www-form-urlencoded, parsed here (no python-multipart needed); a page works
+without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+from pathlib import Path
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
+from fastapi.responses import (
+    FileResponse,
+    HTMLResponse,
+    PlainTextResponse,
+    RedirectResponse,
+    Response,
+)
+from fastapi.templating import Jinja2Templates
+
+from human_eval.report import gold_accuracy
+from human_eval.store import QUESTIONS, Rater, RatingStore
+
+__all__ = ["create_app", "main"]
+
+log = logging.getLogger("kiln.human_eval")
+HERE = Path(__file__).resolve().parent
+QUESTION_TEXT = {
+    "quality": "Which image is of higher quality?",
+    "alignment": "Which image better represents the text caption?",
+}
+# Defence in depth beside autoescaping: no inline script runs, no page frames ours, and the
+# token in the URL is never sent to another site as a referrer.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; img-src 'self'; script-src 'self'; "
+    "style-src 'self' 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+
+
+def _store(request: Request) -> RatingStore:
+    return request.app.state.store
+
+
+def rater_from_token(token: str, store: RatingStore = Depends(_store)) -> Rater:
+    """The rater a link belongs to; an unknown token is 403 (never says whether it exists)."""
+    rater = store.rater(token)
+    if rater is None:
+        raise HTTPException(status_code=403, detail="unknown rating link")
+    return rater
+
+
+def admin_from_token(token: str, store: RatingStore = Depends(_store)) -> None:
+    """The admin token only: a rater token is 403 here (compared in constant time)."""
+    if not secrets.compare_digest(token.encode(), store.admin_token().encode()):
+        raise HTTPException(status_code=403, detail="admin token required")
+
+
+async def form_fields(request: Request) -> dict[str, str]:
+    """An urlencoded form body as {field: last value}."""
+    body = (await request.body()).decode("utf-8", errors="replace")
+    return {k: v[-1] for k, v in parse_qs(body, keep_blank_values=True).items()}
+
+
+def _rating_router(templates: Jinja2Templates) -> APIRouter:
+    router = APIRouter(prefix="/rate/{token}")
+
+    @router.get("", response_class=HTMLResponse)
+    def task_page(
+        request: Request,
+        token: str,
+        rater: Rater = Depends(rater_from_token),
+        store: RatingStore = Depends(_store),
+    ):
+        task = store.next_task(rater)
+        if task is None:
+            return templates.TemplateResponse(request, "done.html", {})
+        ctx = {"token": token, "task": task, "questions": QUESTION_TEXT}
+        return templates.TemplateResponse(request, "task.html", ctx)
+
+    @router.post("/vote")
+    def vote(
+        token: str,
+        rater: Rater = Depends(rater_from_token),
+        store: RatingStore = Depends(_store),
+        form: dict = Depends(form_fields),
+    ):
+        try:
+            task_id = int(form.get("task_id", ""))
+            store.record_vote(rater, task_id, {q: form.get(q, "") for q in QUESTIONS})
+        except ValueError as e:
+            raise HTTPException(status_code=400, detail=f"answer both questions: {e}") from e
+        except KeyError as e:
+            raise HTTPException(status_code=404, detail="no such task") from e
+        # Post/redirect/get: a reload never re-posts, and the next page is the next task.
+        return RedirectResponse(f"/rate/{token}", status_code=303)
+
+    @router.get("/image/{image_id}")
+    def image(
+        image_id: str, rater: Rater = Depends(rater_from_token), store=Depends(_store)
+    ) -> FileResponse:
+        path = store.image_path(rater.comparison_id, image_id)
+        if path is None:
+            raise HTTPException(status_code=404, detail="no such image")
+        return FileResponse(path, media_type="image/png", headers={"Cache-Control": "private"})
+
+    return router
+
+
+def _admin_router(templates: Jinja2Templates) -> APIRouter:
+    router = APIRouter(prefix="/admin/{token}", dependencies=[Depends(admin_from_token)])
+
+    @router.get("", response_class=HTMLResponse)
+    def admin_page(request: Request, store: RatingStore = Depends(_store)):
+        rows = [_progress(store, c) for c in store.comparisons()]
+        return templates.TemplateResponse(request, "admin.html", {"comparisons": rows})
+
+    return router
+
+
+def _progress(store: RatingStore, cmp) -> dict:
+    """A comparison's progress per category and per rater, for the admin page."""
+    pairs = [p for p in store.pairs(cmp.id) if not p.gold]
+    all_votes = store.votes(cmp.id)
+    votes = [v for v in all_votes if v["question"] == "quality"]
+    cats: dict[str, dict] = {}
+    for p in pairs:
+        cats.setdefault(p.category or "-", {"pairs": 0, "votes": 0})["pairs"] += 1
+    for v in votes:
+        if not v["gold"]:
+            cats[v["category"] or "-"]["votes"] += 1
+    for c in cats.values():
+        c["target"] = c["pairs"] * cmp.raters_per_pair
+    gold = gold_accuracy(all_votes)
+    raters = []
+    for r in store.raters(cmp.id):
+        done = sum(v["rater"] == r.pseudonym for v in votes)
+        correct, n = gold.get(r.pseudonym, (0, 0))
+        raters.append({"rater": r.pseudonym, "done": done, "gold": f"{correct}/{n}"})
+    return {"comparison": cmp, "categories": dict(sorted(cats.items())), "raters": raters,
+            "votes": sum(c["votes"] for c in cats.values()),
+            "target": sum(c["target"] for c in cats.values())}  # fmt: skip
+
+
+def create_app(store: RatingStore) -> FastAPI:
+    """The rating app over `store` (every route reads it from `app.state`)."""
+    templates = Jinja2Templates(directory=str(HERE / "templates"))  # autoescape on for .html
+    app = FastAPI(title="Kiln human evaluation", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.store = store
+    app.include_router(_rating_router(templates))
+    app.include_router(_admin_router(templates))
+
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next):
+        response = await call_next(request)
+        for k, v in SECURITY_HEADERS.items():
+            response.headers.setdefault(k, v)
+        return response
+
+    @app.api_route("/rate", methods=["GET", "POST"], include_in_schema=False)
+    @app.api_route("/rate/", methods=["GET", "POST"], include_in_schema=False)
+    @app.api_route("/admin", methods=["GET"], include_in_schema=False)
+    @app.api_route("/admin/", methods=["GET"], include_in_schema=False)
+    def missing_token():
+        raise HTTPException(status_code=403, detail="a token is required")
+
+    @app.get("/static/rate.js")
+    def script() -> FileResponse:
+        return FileResponse(HERE / "static" / "rate.js", media_type="text/javascript")
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    def favicon() -> Response:
+        return Response(status_code=204)
+
+    @app.get("/healthz", response_class=PlainTextResponse)
+    def healthz() -> str:
+        return "ok"
+
+    return app
+
+
+def serve(store: RatingStore, host: str = "127.0.0.1", port: int = 8765) -> None:
+    """Run the app with uvicorn until interrupted."""
+    import uvicorn
+
+    uvicorn.run(create_app(store), host=host, port=port, log_level="warning")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Serve the blind A/B rating app.")
+    p.add_argument("--database-url", required=True, help="SQLAlchemy URL of the ratings store")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8765)
+    args = p.parse_args(argv)
+    serve(RatingStore(args.database_url), args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

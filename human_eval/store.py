@@ -1,0 +1,471 @@
+"""The ratings store: comparisons, pairs, images, raters, tasks served and votes.
+
+SQLAlchemy 2.0 over SQLite at `<root>/human_eval/ratings.db` by default (WAL mode), or any
+SQLAlchemy URL (PostgreSQL for a shared server). Nothing here is read-then-write where a
+constraint can do the work: a vote is one transaction, and the unique key on
+(rater, pair, question) turns a repeated submission (double click, browser retry, a client
+re-sending after a server crash) into a no-op instead of a second vote.
+
+On SQLite every transaction starts with `BEGIN IMMEDIATE`: the write lock is taken up front,
+so the assignment of the next task (count the pair's votes, then insert the task) cannot race
+with another rater's, and a writer waits (`busy_timeout`) instead of failing on an upgrade.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import secrets
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import (
+    Boolean,
+    DateTime,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+    func,
+    insert,
+    select,
+)
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+__all__ = [
+    "ANSWERS", "QUESTIONS", "Comparison", "Image", "Pair", "Rater", "RatingStore", "Task", "Vote",
+    "default_url",
+]  # fmt: skip
+
+QUESTIONS = ("quality", "alignment")
+# A vote's answer names the study side (a, b) or a tie; the screen side is stored beside it.
+ANSWERS = ("a", "b", "tie")
+# A served task that is neither answered nor this old no longer holds a place on its pair.
+TASK_LEASE = dt.timedelta(minutes=15)
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC).replace(tzinfo=None)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Comparison(Base):
+    __tablename__ = "comparisons"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    study_a: Mapped[str] = mapped_column(String(200))
+    study_b: Mapped[str] = mapped_column(String(200))
+    model_a: Mapped[str] = mapped_column(String(500), default="")
+    model_b: Mapped[str] = mapped_column(String(500), default="")
+    raters_per_pair: Mapped[int] = mapped_column(Integer)
+    gold_per_rater: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+
+
+class Image(Base):
+    """An image file known by an unguessable id: URLs carry the id, never a path."""
+
+    __tablename__ = "images"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    comparison_id: Mapped[str] = mapped_column(ForeignKey("comparisons.id"), index=True)
+    path: Mapped[str] = mapped_column(Text)
+
+
+class Pair(Base):
+    """One (prompt, seed) with an image from each study, or a gold attention check."""
+
+    __tablename__ = "pairs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    comparison_id: Mapped[str] = mapped_column(ForeignKey("comparisons.id"), index=True)
+    prompt_index: Mapped[int] = mapped_column(Integer)
+    prompt: Mapped[str] = mapped_column(Text)
+    category: Mapped[str] = mapped_column(String(100))
+    seed: Mapped[int] = mapped_column(Integer)
+    image_a: Mapped[str] = mapped_column(ForeignKey("images.id"))
+    image_b: Mapped[str] = mapped_column(ForeignKey("images.id"))
+    # Gold: side b shows a different prompt's image, so the alignment answer is known (a).
+    gold: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Rater(Base):
+    __tablename__ = "raters"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    comparison_id: Mapped[str] = mapped_column(ForeignKey("comparisons.id"), index=True)
+    pseudonym: Mapped[str] = mapped_column(String(32))
+    token: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+
+
+class Task(Base):
+    """A pair served to a rater, with the side shown on the left (randomised per task)."""
+
+    __tablename__ = "tasks_served"
+    __table_args__ = (UniqueConstraint("rater_id", "pair_id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rater_id: Mapped[int] = mapped_column(ForeignKey("raters.id"), index=True)
+    pair_id: Mapped[int] = mapped_column(ForeignKey("pairs.id"), index=True)
+    left: Mapped[str] = mapped_column(String(1))
+    served_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+    answered: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Vote(Base):
+    __tablename__ = "votes"
+    __table_args__ = (UniqueConstraint("rater_id", "pair_id", "question"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rater_id: Mapped[int] = mapped_column(ForeignKey("raters.id"), index=True)
+    pair_id: Mapped[int] = mapped_column(ForeignKey("pairs.id"), index=True)
+    task_id: Mapped[int] = mapped_column(ForeignKey("tasks_served.id"))
+    question: Mapped[str] = mapped_column(String(16))
+    answer: Mapped[str] = mapped_column(String(3))
+    left: Mapped[str] = mapped_column(String(1))
+    served_at: Mapped[dt.datetime] = mapped_column(DateTime)
+    voted_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
+
+
+class Meta(Base):
+    """Store-wide settings, such as the admin token (kept across restarts)."""
+
+    __tablename__ = "meta"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+def default_url(root: str | Path) -> str:
+    """`sqlite:///<root>/human_eval/ratings.db` (the folder is created)."""
+    path = Path(root) / "human_eval" / "ratings.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def _sqlite_engine(url: str) -> Engine:
+    """SQLite in WAL mode, synchronous=FULL (a committed vote survives a power cut), and
+    `BEGIN IMMEDIATE` transactions (SQLAlchemy's documented recipe for pysqlite)."""
+    engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # pysqlite's own BEGIN handling off; see "begin"
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=60000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+@dataclass(frozen=True)
+class ServedTask:
+    """What a rater's page shows: ids only, never a study or model name."""
+
+    task_id: int
+    prompt: str
+    category: str
+    left_image: str
+    right_image: str
+    done: int
+    total: int
+
+
+class RatingStore:
+    """All reads and writes of the ratings database; one session per call."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.engine = _sqlite_engine(url) if url.startswith("sqlite") else create_engine(url)
+        Base.metadata.create_all(self.engine)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._totals: dict[str, int] = {}
+        self._raters: dict[str, Rater] = {}
+        self._lock = threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
+
+    @classmethod
+    def open(cls, root: str | Path, url: str | None = None) -> RatingStore:
+        """The store of a storage root, or of `url` (human_eval.database_url) when given."""
+        return cls(url or default_url(root))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        """One transaction: committed on success, rolled back on any error.
+
+        On SQLite the transactions of this process also take a lock: they queue here in
+        order, instead of in SQLite's busy handler, which sleeps in growing steps (a long
+        tail of vote latency under load). Other processes still wait on `busy_timeout`.
+        """
+        with self._lock, self._sessions() as s, s.begin():
+            yield s
+
+    # --- comparisons -------------------------------------------------------------------
+
+    def add_comparison(
+        self,
+        comparison_id: str,
+        *,
+        study_a: str,
+        study_b: str,
+        model_a: str,
+        model_b: str,
+        items: list[dict],
+        gold: list[dict],
+        raters_per_pair: int,
+        gold_per_rater: int,
+    ) -> bool:
+        """Create a comparison with its pairs; False when it already exists (unchanged).
+
+        Args:
+            items: {prompt_index, prompt, category, seed, path_a, path_b} per pair.
+            gold: the same keys for gold pairs (path_b: a different prompt's image).
+        """
+        with self.session() as s:
+            if s.get(Comparison, comparison_id) is not None:
+                return False
+            s.add(Comparison(id=comparison_id, study_a=study_a, study_b=study_b,
+                             model_a=model_a, model_b=model_b, raters_per_pair=raters_per_pair,
+                             gold_per_rater=gold_per_rater))  # fmt: skip
+            s.flush()
+            ids: dict[str, str] = {}
+
+            def image_id(path: str) -> str:
+                if path not in ids:
+                    ids[path] = secrets.token_urlsafe(12)
+                    s.add(Image(id=ids[path], comparison_id=comparison_id, path=path))
+                return ids[path]
+
+            for is_gold, rows in ((False, items), (True, gold)):
+                for it in rows:
+                    s.add(Pair(comparison_id=comparison_id, prompt_index=it["prompt_index"],
+                               prompt=it["prompt"], category=it["category"], seed=it["seed"],
+                               image_a=image_id(it["path_a"]), image_b=image_id(it["path_b"]),
+                               gold=is_gold))  # fmt: skip
+        return True
+
+    def comparison(self, comparison_id: str) -> Comparison | None:
+        with self.session() as s:
+            return s.get(Comparison, comparison_id)
+
+    def comparisons(self) -> list[Comparison]:
+        with self.session() as s:
+            return list(s.scalars(select(Comparison).order_by(Comparison.created_at)))
+
+    # --- raters and tokens -------------------------------------------------------------
+
+    def add_raters(self, comparison_id: str, n: int) -> list[tuple[str, str]]:
+        """Invite `n` raters: [(pseudonym, token)]; tokens are unguessable (token_urlsafe)."""
+        if self.comparison(comparison_id) is None:
+            raise KeyError(f"no comparison {comparison_id!r}; create it with `kiln compare`")
+        out = []
+        with self.session() as s:
+            start = s.scalar(select(func.count()).where(Rater.comparison_id == comparison_id))
+            for i in range(n):
+                pseudonym, token = f"r{start + i + 1:03d}", secrets.token_urlsafe(24)
+                s.add(Rater(comparison_id=comparison_id, pseudonym=pseudonym, token=token))
+                out.append((pseudonym, token))
+        return out
+
+    def rater(self, token: str) -> Rater | None:
+        """The rater of a token. Found raters are memoised (a token never changes hands), so
+        a request does not queue for the write lock just to check its link."""
+        if token not in self._raters:
+            with self.session() as s:
+                rater = s.scalar(select(Rater).where(Rater.token == token))
+            if rater is None:
+                return None
+            self._raters[token] = rater
+        return self._raters[token]
+
+    def admin_token(self) -> str:
+        """The admin token: created once, kept across restarts, never a rater token."""
+        with self.session() as s:
+            row = s.get(Meta, "admin_token")
+            if row is None:
+                row = Meta(key="admin_token", value=secrets.token_urlsafe(24))
+                s.add(row)
+            return row.value
+
+    def image_path(self, comparison_id: str, image_id: str) -> str | None:
+        with self.session() as s:
+            img = s.get(Image, image_id)
+            return img.path if img is not None and img.comparison_id == comparison_id else None
+
+    # --- assignment and votes ----------------------------------------------------------
+
+    def next_task(self, rater: Rater, rng: random.Random | None = None) -> ServedTask | None:
+        """The rater's open task, else a new one; None when nothing is left for them.
+
+        A reload shows the same task (same left/right). A new task is a gold pair at the
+        rater's gold positions (seeded by the rater id), else a pair they have not seen among
+        those with the fewest votes plus live tasks, while it has fewer than K.
+        """
+        rng = rng or random.Random()
+        with self.session() as s:
+            cmp = s.get(Comparison, rater.comparison_id)
+            task = s.scalar(select(Task).where(Task.rater_id == rater.id, ~Task.answered))
+            done = s.scalar(select(func.count()).where(Task.rater_id == rater.id, Task.answered))
+            total = self._total(s, cmp)
+            if task is None:
+                pair = self._pick_pair(s, cmp, rater, done, rng)
+                if pair is None:
+                    return None
+                task = Task(rater_id=rater.id, pair_id=pair.id, left=rng.choice("ab"))
+                s.add(task)
+                s.flush()
+            pair = s.get(Pair, task.pair_id)
+            left, right = (pair.image_a, pair.image_b)[:: 1 if task.left == "a" else -1]
+            return ServedTask(task.id, pair.prompt, pair.category, left, right, done, total)
+
+    def _total(self, s: Session, cmp: Comparison) -> int:
+        """Tasks a rater can get at most: the pairs plus their gold checks (memoised: a
+        comparison's pairs never change)."""
+        if cmp.id not in self._totals:
+            n = s.scalar(select(func.count()).where(Pair.comparison_id == cmp.id, ~Pair.gold))
+            n_gold = s.scalar(select(func.count()).where(Pair.comparison_id == cmp.id, Pair.gold))
+            self._totals[cmp.id] = n + min(cmp.gold_per_rater, n_gold)
+        return self._totals[cmp.id]
+
+    def _pick_pair(
+        self, s: Session, cmp: Comparison, rater: Rater, done: int, rng: random.Random
+    ) -> Pair | None:
+        seen = select(Task.pair_id).where(Task.rater_id == rater.id)
+        mine = (Pair.comparison_id == cmp.id) & Pair.id.not_in(seen)
+        golds = list(s.scalars(select(Pair.id).where(mine, Pair.gold).order_by(Pair.id)))
+        total = self._total(s, cmp)
+        # The rater's gold positions: spread at random, the same at every visit.
+        k = min(cmp.gold_per_rater, total)
+        positions = set(random.Random(rater.id).sample(range(total), k))
+        if golds and done in positions:
+            return s.get(Pair, rng.choice(golds))
+        # A pair's load: its answered tasks plus those served recently and still open.
+        live = Task.answered | (Task.served_at > _now() - TASK_LEASE)
+        load = (
+            select(Task.pair_id, func.count().label("n"))
+            .where(live)
+            .group_by(Task.pair_id)
+            .subquery()
+        )
+        n = func.coalesce(load.c.n, 0)
+        pick = s.scalar(
+            select(Pair.id)
+            .outerjoin(load, load.c.pair_id == Pair.id)
+            .where(mine, ~Pair.gold, n < cmp.raters_per_pair)
+            .order_by(n, func.random())  # fewest first, ties at random
+            .limit(1)
+        )
+        if pick is None:
+            return s.get(Pair, rng.choice(golds)) if golds else None
+        return s.get(Pair, pick)
+
+    def record_vote(self, rater: Rater, task_id: int, answers: dict[str, str]) -> bool:
+        """Store one task's answers, given in screen sides (left/right/tie), in one transaction.
+
+        Returns:
+            True when stored, False for a repeat (the unique key makes it a no-op).
+
+        Raises:
+            KeyError: the task is not this rater's.
+            ValueError: a missing question or an answer outside left/right/tie.
+        """
+        for q in QUESTIONS:
+            if answers.get(q) not in ("left", "right", "tie"):
+                raise ValueError(f"{q}: answer must be left, right or tie (got {answers.get(q)!r})")
+        with self.session() as s:
+            task = s.get(Task, task_id)
+            if task is None or task.rater_id != rater.id:
+                raise KeyError(f"task {task_id} is not served to this rater")
+            other = "b" if task.left == "a" else "a"
+            side = {"left": task.left, "right": other, "tie": "tie"}
+            rows = [
+                dict(rater_id=rater.id, pair_id=task.pair_id, task_id=task.id, question=q,
+                     answer=side[answers[q]], left=task.left, served_at=task.served_at,
+                     voted_at=_now())
+                for q in QUESTIONS
+            ]  # fmt: skip
+            inserted = self._insert_votes(s, rows)
+            task.answered = True
+        return inserted
+
+    def _insert_votes(self, s: Session, rows: list[dict]) -> bool:
+        """INSERT ... ON CONFLICT DO NOTHING where the dialect has it (SQLite, PostgreSQL)."""
+        name = self.engine.dialect.name
+        if name in ("sqlite", "postgresql"):
+            if name == "sqlite":
+                from sqlalchemy.dialects.sqlite import insert as dialect_insert
+            else:
+                from sqlalchemy.dialects.postgresql import insert as dialect_insert
+            stmt = dialect_insert(Vote).values(rows).on_conflict_do_nothing()
+            return s.execute(stmt).rowcount > 0
+        try:
+            with s.begin_nested():
+                s.execute(insert(Vote), rows)
+            return True
+        except IntegrityError:
+            return False
+
+    # --- reads for the admin page and the report ---------------------------------------
+
+    def votes(self, comparison_id: str) -> list[dict]:
+        """Every vote of a comparison with its pair and rater, as plain rows."""
+        with self.session() as s:
+            q = (
+                select(Vote, Pair, Rater.pseudonym)
+                .join(Pair, Pair.id == Vote.pair_id)
+                .join(Rater, Rater.id == Vote.rater_id)
+                .where(Pair.comparison_id == comparison_id)
+                .order_by(Vote.id)
+            )
+            return [
+                {"vote_id": v.id, "rater": who, "pair_id": p.id, "prompt_index": p.prompt_index,
+                 "seed": p.seed, "category": p.category, "prompt": p.prompt, "gold": p.gold,
+                 "question": v.question, "answer": v.answer, "left": v.left,
+                 "served_at": v.served_at.isoformat(), "voted_at": v.voted_at.isoformat()}
+                for v, p, who in s.execute(q)
+            ]  # fmt: skip
+
+    def pairs(self, comparison_id: str) -> list[Pair]:
+        with self.session() as s:
+            return list(s.scalars(select(Pair).where(Pair.comparison_id == comparison_id)))
+
+    def raters(self, comparison_id: str) -> list[Rater]:
+        with self.session() as s:
+            return list(s.scalars(select(Rater).where(Rater.comparison_id == comparison_id)))
+
+    def progress(self, comparison_id: str) -> tuple[int, int]:
+        """(tasks answered on regular pairs, the target: pairs x K) of a comparison."""
+        with self.session() as s:
+            cmp = s.get(Comparison, comparison_id)
+            if cmp is None:
+                raise KeyError(f"no comparison {comparison_id!r}")
+            regular = (Pair.comparison_id == comparison_id) & ~Pair.gold
+            pairs = s.scalar(select(func.count()).where(regular))
+            done = s.scalar(
+                select(func.count())
+                .select_from(Vote)
+                .join(Pair, Pair.id == Vote.pair_id)
+                .where(regular, Vote.question == QUESTIONS[0])
+            )
+            return done, pairs * cmp.raters_per_pair
+
+    def count_votes(self, comparison_id: str | None = None) -> int:
+        with self.session() as s:
+            q = select(func.count()).select_from(Vote)
+            if comparison_id is not None:
+                q = q.join(Pair, Pair.id == Vote.pair_id).where(Pair.comparison_id == comparison_id)
+            return s.scalar(q)

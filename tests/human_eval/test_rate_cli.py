@@ -1,0 +1,111 @@
+"""`kiln compare` and `kiln rate invite/report` on a tiny config (CliRunner, in process)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import click
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from flows.config import load_config
+from flows.rate_cli import cli
+from human_eval.store import RatingStore
+
+from .conftest import write_study
+
+
+@pytest.fixture
+def setup(tmp_path, make_config, two_studies):
+    root, _, _ = two_studies
+    cfg = make_config(tmp_path / "tiny.yaml", root, tmp_path)
+    data = yaml.safe_load(cfg.read_text())
+    data["human_eval"] = {"port": 9911}
+    cfg.write_text(yaml.safe_dump(data))
+    return str(cfg), root
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_every_command_has_help():
+    for path in (["compare"], ["rate"], ["rate", "serve"], ["rate", "invite"],
+                 ["rate", "report"]):  # fmt: skip
+        result = _run(*path, "--help")
+        assert result.exit_code == 0, result.output
+        cmd = cli
+        for name in path:
+            cmd = cmd.commands[name]
+        for param in cmd.params:
+            if isinstance(param, click.Option):
+                assert param.help and param.opts[-1] in result.output, (path, param.opts)
+
+
+def test_config_has_a_human_eval_section(setup):
+    cfg = load_config(setup[0])
+    assert cfg.human_eval.port == 9911 and cfg.human_eval.raters_per_pair == 5
+    assert cfg.human_eval.min_gold_accuracy == 0.8
+
+
+def test_compare_invite_report(setup):
+    config, root = setup
+    common = ["--config", config, "--root", root]
+    result = _run("compare", *common, "--a", "run-a-1111", "--b", "run-b-2222", "--gold", "2",
+                  "--raters-per-pair", "3")  # fmt: skip
+    assert result.exit_code == 0, result.output
+    cid = result.stdout.strip().splitlines()[-1]
+    assert cid.startswith("cmp-")
+    again = _run("compare", *common, "--a", "run-a-1111", "--b", "run-b-2222", "--gold", "2",
+                 "--raters-per-pair", "3")  # fmt: skip
+    assert again.stdout.strip().splitlines()[-1] == cid  # the same comparison, not a new one
+
+    invite = _run("rate", "invite", *common, "--comparison", cid, "--raters", "3")
+    assert invite.exit_code == 0, invite.output
+    links = re.findall(r"http://127\.0\.0\.1:9911/rate/([\w-]{32})$", invite.stdout, re.M)
+    assert len(set(links)) == 3
+    store = RatingStore.open(root)
+    rater = store.rater(links[0])
+    task = store.next_task(rater)
+    store.record_vote(rater, task.task_id, {"quality": "left", "alignment": "left"})
+
+    report = _run("rate", "report", *common, "--comparison", cid)
+    assert report.exit_code == 0, report.output
+    summary = json.loads(report.stdout)
+    for name in ("report.json", "votes.csv", "preference.png"):
+        assert (root / "human_eval" / cid / name).is_file()
+    # The one vote counts unless its task was a gold check (those never enter the rates).
+    gold = store.votes(cid)[0]["gold"]
+    assert summary["quality"]["votes"] == (0 if gold else 1)
+    assert summary["raters_excluded"] == 0
+
+
+def test_clear_errors(setup):
+    config, root = setup
+    common = ["--config", config, "--root", root]
+    write_study(root, "run-c-3333", seeds=(0, 5))
+    bad = _run("compare", *common, "--a", "run-a-1111", "--b", "run-c-3333")
+    assert bad.exit_code == 1 and "seeds differ" in bad.output
+    missing = _run("compare", *common, "--a", "run-a-1111", "--b", "nope")
+    assert missing.exit_code == 1 and "run `kiln evaluate`" in missing.output
+    model = _run("compare", *common, "--a", "models:/kiln-t2i@champion", "--b", "run-a-1111")
+    assert model.exit_code == 1 and "registry:" in model.output and "kiln-t2i" in model.output
+    bad_uri = _run("compare", *common, "--a", "models:/kiln-t2i", "--b", "run-a-1111")
+    assert bad_uri.exit_code == 1 and "models:/NAME@ALIAS" in bad_uri.output
+    unknown = _run("rate", "report", *common, "--comparison", "nope")
+    assert unknown.exit_code == 1 and "no comparison 'nope'" in unknown.output
+    unknown = _run("rate", "invite", *common, "--comparison", "nope", "--raters", "2")
+    assert unknown.exit_code == 1 and "kiln compare" in unknown.output
+
+
+def test_evaluate_model_errors_are_one_line(setup):
+    from flows.rate_cli import evaluate_model
+
+    config, root = setup
+    cmd = click.Command(
+        "evaluate", callback=lambda: evaluate_model(config, str(root), "models:/kiln-t2i/x")
+    )
+    result = CliRunner().invoke(cmd, [])
+    assert result.exit_code == 1 and "models:/NAME/VERSION" in result.output

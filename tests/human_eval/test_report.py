@@ -1,0 +1,109 @@
+"""The report: rates in their intervals, gold exclusion, alpha, the three outputs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import time
+
+import numpy as np
+import pytest
+
+from human_eval.report import build_report
+from human_eval.store import RatingStore, Task, Vote, default_url
+from human_eval.studies import create_comparison, load_study
+
+from .conftest import many_prompts, write_study
+
+
+def _simulate(store, cid, n_raters, p_a, rng, careless=()):
+    """Every rater answers every pair (and every gold pair) in one transaction: A wins with
+    probability p_a, 10% ties. Careless raters answer gold checks wrongly."""
+    raters = [(p, store.rater(t)) for p, t in store.add_raters(cid, n_raters)]
+    pairs = store.pairs(cid)
+    with store.session() as s:
+        for pseudonym, rater in raters:
+            for p in pairs:
+                task = Task(rater_id=rater.id, pair_id=p.id, left=rng.choice(["a", "b"]),
+                            answered=True)  # fmt: skip
+                s.add(task)
+                s.flush()
+                for q in ("quality", "alignment"):
+                    if p.gold:
+                        ans = "b" if pseudonym in careless else "a"
+                    else:
+                        u = rng.random()
+                        ans = "tie" if u < 0.1 else ("a" if rng.random() < p_a else "b")
+                    s.add(Vote(rater_id=rater.id, pair_id=p.id, task_id=task.id, question=q,
+                               answer=ans, left=task.left, served_at=task.served_at))  # fmt: skip
+
+
+def _comparison(root, n_prompts, gold, name=None, b="study-b"):
+    prompts = many_prompts(n_prompts)
+    a = write_study(root, "study-a", prompts=prompts, size=8, model="run-a")
+    other = write_study(root, b, prompts=prompts, size=8, colour=(0, 0, 250), model=f"run-{b}")
+    store = RatingStore(default_url(root))
+    cid, _ = create_comparison(store, load_study(a), load_study(other), gold=gold, name=name)
+    return store, cid
+
+
+def test_report_rates_intervals_exclusion_and_outputs(tmp_path):
+    store, cid = _comparison(tmp_path / "root", 60, gold=4)
+    rng = np.random.default_rng(0)
+    _simulate(store, cid, 5, p_a=0.7, rng=rng, careless={"r005"})
+    out = tmp_path / "root" / "human_eval" / cid
+    report = build_report(store, cid, out, min_gold_accuracy=0.8)
+    assert json.loads((out / "report.json").read_text()) == report  # strict JSON, no NaN
+    assert report["raters"]["excluded"] == 1 and report["raters"]["excluded_ids"] == ["r005"]
+    truth = 0.9 * 0.7 + 0.05
+    for q in ("quality", "alignment"):
+        overall = report["questions"][q]["overall"]
+        assert overall["ci_low"] <= truth <= overall["ci_high"], overall
+        assert overall["votes"] == 60 * 4 and overall["pairs"] == 60 and overall["prompts"] == 60
+        assert 0.0 < overall["tie_share"] < 0.25
+        cats = report["questions"][q]["categories"]
+        assert set(cats) == {"Colors", "Counting", "Positional", "Text", "Rare Words"}
+        assert sum(c["votes"] for c in cats.values()) == overall["votes"]
+        for c in cats.values():
+            assert c["ci_low"] <= c["pref"] <= c["ci_high"]
+        alpha = report["questions"][q]["alpha"]
+        assert alpha["pairs"] == 60 and -1 <= alpha["value"] <= 1
+    with open(out / "votes.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == store.count_votes(cid) == (60 + 4) * 5 * 2
+    assert {"rater", "left", "served_at", "voted_at", "excluded"} <= set(rows[0])
+    assert {r["rater"] for r in rows if r["excluded"] == "True"} == {"r005"}
+    png = (out / "preference.png").read_bytes()
+    assert png[:4] == b"\x89PNG" and len(png) > 10_000
+    assert "bradley_terry" not in report  # two models only
+
+
+def test_unknown_comparison_names_the_known_ones(tmp_path):
+    store, cid = _comparison(tmp_path / "root", 4, gold=0)
+    with pytest.raises(KeyError, match=cid):
+        build_report(store, "nope", tmp_path / "out")
+
+
+def test_three_models_get_a_bradley_terry_ranking(tmp_path):
+    root = tmp_path / "root"
+    store, ab = _comparison(root, 20, gold=0, name="a-vs-b", b="study-b")
+    _, ac = _comparison(root, 20, gold=0, name="a-vs-c", b="study-c")
+    rng = np.random.default_rng(1)
+    _simulate(store, ab, 3, p_a=0.6, rng=rng)  # a beats b
+    _simulate(store, ac, 3, p_a=0.9, rng=rng)  # a beats c by more: order a, b, c
+    report = build_report(store, ab, tmp_path / "out", n_resamples=500)
+    bt = report["bradley_terry"]
+    names = [bt["models"][i] for i in bt["quality"]["order"]]
+    assert names[0] == "run-a" and set(names) == {"run-a", "run-study-b", "run-study-c"}
+
+
+def test_report_build_time_200_prompts_5_raters(tmp_path):
+    """The figure for docs/benchmarks.md: 200 prompts x 5 raters x 2 questions."""
+    store, cid = _comparison(tmp_path / "root", 200, gold=0)
+    _simulate(store, cid, 5, p_a=0.6, rng=np.random.default_rng(2))
+    t0 = time.perf_counter()
+    report = build_report(store, cid, tmp_path / "out")
+    took = time.perf_counter() - t0
+    assert report["questions"]["quality"]["overall"]["votes"] == 1000
+    print(f"\nreport for 200 prompts x 5 raters x 2 questions: {took:.2f} s")
+    assert took < 30
