@@ -265,8 +265,21 @@ def plan(
 @CONFIG
 @ROOT
 @click.option("--run-id", default=None, help="Training run to evaluate (default: newest).")
-def evaluate(config_path: str, root: str | None, run_id: str | None) -> None:
+@click.option(
+    "--model",
+    default=None,
+    help="Evaluate a model instead of a run: models:/NAME@ALIAS, models:/NAME/VERSION or an "
+    "exported pipeline folder (same prompts, seeds and settings; an existing study is reused).",
+)
+def evaluate(config_path: str, root: str | None, run_id: str | None, model: str | None) -> None:
     """Generate images for every DrawBench prompt and seed into <root>/eval/<study_id>/."""
+    if model:
+        if run_id:
+            raise KilnError("--model and --run-id exclude each other: pass one")
+        from flows.rate_cli import evaluate_model
+
+        evaluate_model(config_path, root, model)
+        return
     _show(_call("flows.evaluate:evaluate_flow", config_path, ("evaluate",), root=root,
                 run_id=run_id)[1])  # fmt: skip
 
@@ -356,6 +369,17 @@ def _where(cfg, config_path: str, result: dict) -> None:
         f"  MLflow   kiln mlflow-ui --config {config_path} -> http://127.0.0.1:5000",
     ]
     click.echo("\n".join(lines))
+
+
+def _add_human_eval_commands() -> None:
+    """`kiln compare` and `kiln rate ...` (flows/rate_cli.py, which imports only click)."""
+    from flows.rate_cli import compare, rate
+
+    main.add_command(compare)
+    main.add_command(rate)
+
+
+_add_human_eval_commands()
 
 
 if __name__ == "__main__":

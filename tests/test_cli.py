@@ -19,14 +19,21 @@ COMMANDS = [
     "ui",
     "mlflow-ui",
     "plan",
+    "compare",
+    "rate",
+    "rate serve",
+    "rate invite",
+    "rate report",
 ]
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_help(command):
-    result = CliRunner().invoke(main, [command, "--help"])
+    result = CliRunner().invoke(main, [*command.split(), "--help"])
     assert result.exit_code == 0, result.output
-    cmd = main.commands[command]
+    cmd = main
+    for name in command.split():
+        cmd = cmd.commands[name]
     for param in cmd.params:
         if isinstance(param, click.Option):
             assert param.help, f"{command} {param.opts[-1]} has no help text"
@@ -312,3 +319,12 @@ def test_kiln_ui_on_another_port_calls_its_own_api(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
+
+
+def test_evaluate_takes_a_model_or_a_run_not_both():
+    result = CliRunner().invoke(
+        main,
+        ["evaluate", "--config", "configs/tiny.yaml", "--model", "models:/kiln-t2i@champion",
+         "--run-id", "run-1"],
+    )  # fmt: skip
+    assert result.exit_code != 0 and "--model and --run-id exclude each other" in result.output
