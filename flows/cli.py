@@ -17,18 +17,10 @@ from pathlib import Path
 
 import click
 
+from flows.cli_options import CONFIG, ROOT
+
 __all__ = ["main"]
 
-CONFIG = click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False),
-    help="Pipeline YAML (e.g. configs/tiny.yaml).",
-)
-ROOT = click.option(
-    "--root", default=None, help="Storage root: a local folder. Overrides storage.root."
-)
 ALLOW_FAILED_GATE = click.option(
     "--allow-failed-gate",
     is_flag=True,

@@ -17,7 +17,25 @@ from tasks.launch import launch_generate
 from tasks.layout import Layout
 from tasks.reports import study_report
 
-__all__ = ["evaluate_flow"]
+__all__ = ["evaluate_flow", "study_id_for"]
+
+
+def study_id_for(model_ident: str, ev) -> str:
+    """A study's id: the model's identity and a hash of everything that shapes its images
+    (the prompts file's bytes, seeds, steps, guidance, limit), so asking twice reuses it.
+
+    Args:
+        model_ident: A training run id, or an id of a registered model or pipeline folder.
+        ev: The config's `evaluate` section, with `prompts_csv` resolved (`check_inputs`).
+    """
+    settings = [
+        Path(ev.prompts_csv).read_bytes().hex(),
+        ev.seeds,
+        ev.num_inference_steps,
+        ev.guidance_scale,
+        ev.limit,
+    ]
+    return f"{model_ident}-{stable_hash(settings, 8)}"
 
 
 @flow(name="kiln-evaluate", log_prints=True)
@@ -35,14 +53,7 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
     cfg = run_config(cfg, layout.run_config(run_id), get_run_logger())
     check_inputs(cfg, ("evaluate",))
     ev = cfg.evaluate
-    settings = [
-        Path(ev.prompts_csv).read_bytes().hex(),
-        ev.seeds,
-        ev.num_inference_steps,
-        ev.guidance_scale,
-        ev.limit,
-    ]
-    study_id = f"{run_id}-{stable_hash(settings, 8)}"
+    study_id = study_id_for(run_id, ev)
     study = launch_generate(
         record["export"],
         ev.prompts_csv,

@@ -55,25 +55,19 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     Raises:
         ValueError: a URI that is not models:/NAME@ALIAS or models:/NAME/VERSION.
     """
+    from flows.evaluate import study_id_for
     from models.config import stable_hash
     from tasks.launch import launch_generate
     from tasks.layout import Layout
 
     check_inputs(cfg, ("evaluate",))  # resolves the prompts file
     ev, layout = cfg.evaluate, Layout(Path(cfg.storage.root))
-    settings = [
-        Path(ev.prompts_csv).read_bytes().hex(),
-        ev.seeds,
-        ev.num_inference_steps,
-        ev.guidance_scale,
-        ev.limit,
-    ]  # fmt: skip (the same key as flows/evaluate.py)
     if ref.startswith("models:/"):
         ident, pipeline = _registered_pipeline(cfg, layout, ref)
     else:
         ident = f"pipeline-{stable_hash(str(Path(ref).resolve()), 8)}"
         pipeline = lambda: ref  # noqa: E731
-    study_id = f"{ident}-{stable_hash(settings, 8)}"
+    study_id = study_id_for(ident, ev)
     out = layout.study(study_id)
     if not (out / "study.json").is_file():
         launch_generate.fn(

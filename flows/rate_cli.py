@@ -19,18 +19,10 @@ from pathlib import Path
 
 import click
 
+from flows.cli_options import CONFIG, ROOT
+
 __all__ = ["compare", "evaluate_model", "rate"]
 
-CONFIG = click.option(
-    "--config",
-    "config_path",
-    required=True,
-    type=click.Path(dir_okay=False),
-    help="Pipeline YAML (e.g. configs/tiny.yaml).",
-)
-ROOT = click.option(
-    "--root", default=None, help="Storage root: a local folder. Overrides storage.root."
-)
 COMPARISON = click.option("--comparison", required=True, help="Comparison id (kiln compare).")
 
 
