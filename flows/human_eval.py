@@ -182,7 +182,7 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
     if not run_json.is_file():
         get_run_logger().warning("study A's model %r is not a training run under %s: nothing "
                                  "logged to MLflow", report["model_a"], root)  # fmt: skip
-        return {"mlflow_run_id": None, "versions": []}
+        return {"mlflow_run_id": None, "versions": [], "chart_url": None}
     mlflow_run_id = json.loads(run_json.read_text())["mlflow_run_id"]
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     cid = report["comparison"]
@@ -204,10 +204,16 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
     for v in versions:
         for k, val in tags.items():
             client.set_model_version_tag(model_name, v.version, k, val)
-    return {"mlflow_run_id": mlflow_run_id, "versions": [v.version for v in versions]}
+    from tasks.registry import artifacts_url
+
+    experiment_id = client.get_run(mlflow_run_id).info.experiment_id
+    chart = artifacts_url(tracking_uri, experiment_id, mlflow_run_id,
+                          f"human_eval/{cid}/preference.png")  # fmt: skip
+    return {"mlflow_run_id": mlflow_run_id, "versions": [v.version for v in versions],
+            "chart_url": chart}  # fmt: skip
 
 
-def _markdown(report: dict, wait: dict) -> str:
+def _markdown(report: dict, wait: dict, chart_url: str | None = None) -> str:
     lines = [
         f"# Human evaluation {report['comparison']}",
         f"A: `{report['study_a']}` ({report['model_a']}) vs B: `{report['study_b']}` "
@@ -232,7 +238,9 @@ def _markdown(report: dict, wait: dict) -> str:
     for q in QUESTIONS:
         a = report["questions"][q]["alpha"]
         lines.append(f"\nKrippendorff's alpha ({q}): {f(a['value'])} over {a['pairs']} pairs.")
-    lines.append(f"\nChart: `{report['outputs']['preference.png']}`")
+    # The Prefect UI renders no local image: the chart opens in the MLflow UI, over http.
+    link = f"[open in MLflow]({chart_url}), " if chart_url else ""
+    lines.append(f"\nChart: {link}on disk `{report['outputs']['preference.png']}`")
     return "\n".join(lines)
 
 
@@ -271,7 +279,7 @@ def human_eval_flow(
                          he.bootstrap_resamples, he.seed)  # fmt: skip
     logged = log_to_mlflow(cfg.tracking_uri, cfg.registry.model_name, r, report)
     create_markdown_artifact(key=f"human-eval-{cid}".lower().replace("_", "-"),
-                             markdown=_markdown(report, wait),
+                             markdown=_markdown(report, wait, logged["chart_url"]),
                              description=f"Human evaluation {cid}")  # fmt: skip
     return {"comparison": cid, "wait": wait, "mlflow": logged,
             "metrics": mlflow_metrics(report), "outputs": report["outputs"]}  # fmt: skip

@@ -36,6 +36,7 @@ __all__ = [
     "ensure_experiment",
     "log_data_docs",
     "mark_training_run",
+    "artifacts_url",
     "mlflow_ui_url",
     "mlflow_uris",
     "model_description",
@@ -126,7 +127,7 @@ def mlflow_ui_url(tracking_uri: str) -> str:
     return f"{parts.scheme}://{host}{port}{parts.path.rstrip('/')}"
 
 
-def _artifacts_url(tracking_uri: str, experiment_id: str, run_id: str, path: str) -> str:
+def artifacts_url(tracking_uri: str, experiment_id: str, run_id: str, path: str) -> str:
     """The UI page of a run's artifact `path` (the artifacts tab, that file open)."""
     page = f"#/experiments/{experiment_id}/runs/{run_id}/artifacts"
     return f"{mlflow_ui_url(tracking_uri)}/{page}" + (f"/{quote(path)}" if path else "")
@@ -230,7 +231,7 @@ def _log_quality_run(
         raise
     client.set_terminated(run_id, status="FINISHED")
     task_logger(__name__).info("Data Docs of %s logged to MLflow run %s", ingest_id, run_id)
-    return _artifacts_url(tracking_uri, exp_id, run_id, _docs_page(docs_dir))
+    return artifacts_url(tracking_uri, exp_id, run_id, _docs_page(docs_dir))
 
 
 def _docs_page(docs_dir: Path) -> str:
