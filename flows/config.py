@@ -339,7 +339,20 @@ def load_config(
     cache = cfg.shards.cache_dir
     cfg.shards.cache_dir = _abs(cache, base) if cache else str(Path(cfg.storage.root) / "cache")
     cfg.launch.accelerate_config = _find_input(cfg.launch.accelerate_config, base)
+    if cfg.registry.tracking_uri:
+        cfg.registry.tracking_uri = _abs_sqlite(cfg.registry.tracking_uri, base)
+    if cfg.human_eval.database_url:
+        cfg.human_eval.database_url = _abs_sqlite(cfg.human_eval.database_url, base)
     return cfg
+
+
+def _abs_sqlite(url: str, base: Path) -> str:
+    """`sqlite:///relative.db` against the config's folder, like every other path in it (a
+    worker's flow run and `kiln rate serve` started elsewhere must open the same database)."""
+    prefix = "sqlite:///"
+    if not url.startswith(prefix) or url[len(prefix) :].startswith("/"):
+        return url  # absolute, in memory (sqlite://), or another database
+    return prefix + str((base / url[len(prefix) :]).resolve())
 
 
 def write_snapshot(cfg: PipelineConfig, path: Path) -> Path:

@@ -43,6 +43,25 @@ def is_model_ref(ref: str) -> bool:
     return ref.startswith("models:/") or (Path(ref) / "model_index.json").is_file()
 
 
+def _pipeline_identity(folder: Path) -> str:
+    """A hash of an exported pipeline folder's files (path, size, mtime), so that a model
+    exported again into the same folder gets a new study instead of the old images.
+
+    Raises:
+        FileNotFoundError: The folder holds no diffusers pipeline (no model_index.json).
+    """
+    from models.config import stable_hash
+
+    if not (folder / "model_index.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} is not an exported pipeline (no model_index.json): pass a study id, "
+            "models:/NAME@ALIAS, models:/NAME/VERSION or a folder written by `kiln train`"
+        )
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    stats = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return stable_hash([str(folder.resolve()), stats], 8)
+
+
 def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     """The study id of a model: found when it exists, else generated with `evaluate`'s
     prompts, seeds and settings (content-addressed, so asking twice reuses the images).
@@ -56,7 +75,6 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
         ValueError: a URI that is not models:/NAME@ALIAS or models:/NAME/VERSION.
     """
     from flows.evaluate import study_id_for
-    from models.config import stable_hash
     from tasks.launch import launch_generate
     from tasks.layout import Layout
 
@@ -65,7 +83,7 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     if ref.startswith("models:/"):
         ident, pipeline = _registered_pipeline(cfg, layout, ref)
     else:
-        ident = f"pipeline-{stable_hash(str(Path(ref).resolve()), 8)}"
+        ident = f"pipeline-{_pipeline_identity(Path(ref))}"
         pipeline = lambda: ref  # noqa: E731
     study_id = study_id_for(ident, ev)
     out = layout.study(study_id)
@@ -199,8 +217,9 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
     tags = {"human_eval.comparison": cid, "human_eval.against": report["model_b"]}
     for q in QUESTIONS:
         cell = report["questions"][q]["overall"]
-        tags[f"human_eval.{q}_pref"] = f"{cell['pref']}"
-        tags[f"human_eval.{q}_pref_ci_low"] = f"{cell['ci_low']}"
+        for key, tag in (("pref", "pref"), ("ci_low", "pref_ci_low")):
+            if cell[key] is not None:  # no votes: no tag, never the string "None"
+                tags[f"human_eval.{q}_{tag}"] = f"{cell[key]}"
     for v in versions:
         for k, val in tags.items():
             client.set_model_version_tag(model_name, v.version, k, val)

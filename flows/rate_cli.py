@@ -33,10 +33,13 @@ def _one_line():
         yield
     except (FileNotFoundError, ValueError, LookupError) as e:
         raise click.ClickException(str(e)) from None
-    except Exception as e:  # MlflowException, without importing mlflow for every command
-        if type(e).__name__ != "MlflowException":
-            raise
-        raise click.ClickException(f"registry: {e}") from None
+    except Exception as e:  # MlflowException, LaunchError: without importing their modules here
+        name = type(e).__name__
+        if name == "MlflowException":
+            raise click.ClickException(f"registry: {e}") from None
+        if name == "LaunchError":  # generating a missing study failed: its last output lines
+            raise click.ClickException(f"generating the study failed: {e}") from None
+        raise
 
 
 def _load(config_path: str, root: str | None):

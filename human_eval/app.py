@@ -101,6 +101,8 @@ def _rating_router(templates: Jinja2Templates) -> APIRouter:
     ):
         try:
             task_id = int(form.get("task_id", ""))
+            if not 0 < task_id < 2**63:  # beyond SQL's INTEGER: a 400, not a 500
+                raise ValueError(f"task_id out of range ({task_id})")
             store.record_vote(rater, task_id, {q: form.get(q, "") for q in QUESTIONS})
         except ValueError as e:
             raise HTTPException(status_code=400, detail=f"answer both questions: {e}") from e

@@ -30,6 +30,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    case,
     create_engine,
     event,
     func,
@@ -455,13 +456,19 @@ class RatingStore:
                 raise KeyError(f"no comparison {comparison_id!r}")
             regular = (Pair.comparison_id == comparison_id) & ~Pair.gold
             pairs = s.scalar(select(func.count()).where(regular))
-            done = s.scalar(
-                select(func.count())
+            k = cmp.raters_per_pair
+            per_pair = (
+                select(func.count().label("n"))
                 .select_from(Vote)
                 .join(Pair, Pair.id == Vote.pair_id)
                 .where(regular, Vote.question == QUESTIONS[0])
+                .group_by(Vote.pair_id)
+                .subquery()
             )
-            return done, pairs * cmp.raters_per_pair
+            # A pair past K (a lapsed task taken again) must not make up for one short of K.
+            capped = case((per_pair.c.n > k, k), else_=per_pair.c.n)  # LEAST(n, K), portable
+            done = s.scalar(select(func.coalesce(func.sum(capped), 0)))
+            return done, pairs * k
 
     def count_votes(self, comparison_id: str | None = None) -> int:
         with self.session() as s:

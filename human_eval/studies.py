@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,7 +137,8 @@ def create_comparison(
     matched = match_studies(a, b)
     key = json.dumps([a.study_id, b.study_id, raters_per_pair, gold]).encode()
     cid = name or "cmp-" + hashlib.sha256(key).hexdigest()[:10]
-    if not cid.replace("-", "").replace("_", "").isalnum() or len(cid) > 64:
+    # ASCII only: the id names a folder and (lowercased) a Prefect artifact key.
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", cid):
         raise ValueError(f"--name: letters, digits, - and _ only, 64 at most (got {cid!r})")
     existing = store.comparison(cid)
     if existing is not None:

@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 __all__ = [
+    "DIVERGED",
     "Component",
     "ConfigError",
     "EMAConfig",
@@ -49,6 +50,10 @@ __all__ = [
     "redact_uri",
     "stable_hash",
 ]
+
+# In a stage folder: the stage diverged and stays failed (models/train.py writes it; tasks/launch
+# reads it without importing the training stack).
+DIVERGED = "DIVERGED.json"
 
 
 class ConfigError(ValueError):

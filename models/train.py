@@ -40,7 +40,7 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from models.config import StageRun, load_yaml_model
+from models.config import DIVERGED, StageRun, load_yaml_model
 from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
 from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
 from models.flops import device_peak_flops, device_stats, train_flops_per_sample
@@ -61,7 +61,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("kiln.train")
-DIVERGED = "DIVERGED.json"  # in the stage folder: the stage diverged and stays failed
 
 
 class TrainingDiverged(FloatingPointError):

@@ -28,7 +28,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from models.config import StageRun
+from models.config import DIVERGED, StageRun
 from tasks.layout import is_published
 from tasks.logs import task_logger
 
@@ -53,8 +53,6 @@ class StageDiverged(LaunchError):
 
 
 def _raise_if_diverged(out: Path) -> None:
-    from models.train import DIVERGED
-
     marker = out / DIVERGED
     if marker.is_file():
         raise StageDiverged(json.loads(marker.read_text())["message"])

@@ -119,6 +119,8 @@ def test_relative_paths_resolve_against_the_config_folder_from_any_cwd(tmp_path,
     cfg["ingest"]["source"] = "../images"
     cfg["evaluate"]["prompts_csv"] = "prompts.csv"
     cfg["launch"]["accelerate_config"] = "configs/accelerate/single.yaml"  # bundled
+    cfg["registry"]["tracking_uri"] = "sqlite:///data/mlflow.db"
+    cfg.setdefault("human_eval", {})["database_url"] = "sqlite:///ratings.db"
     (tmp_path / "elsewhere").mkdir()
     path = tmp_path / "elsewhere" / "tiny.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -134,6 +136,8 @@ def test_relative_paths_resolve_against_the_config_folder_from_any_cwd(tmp_path,
     assert c.ingest.source == str(tmp_path / "images")
     assert c.evaluate.prompts_csv == str(tmp_path / "elsewhere" / "prompts.csv")
     assert c.launch.accelerate_config == str(PROJECT_DIR / "configs/accelerate/single.yaml")
+    assert c.tracking_uri == f"sqlite:///{tmp_path / 'elsewhere' / 'data' / 'mlflow.db'}"
+    assert c.human_eval.database_url == f"sqlite:///{tmp_path / 'elsewhere' / 'ratings.db'}"
     # A command-line override is the user's own path: relative to the working directory.
     monkeypatch.chdir(tmp_path)
     assert load_config(path, root="r").storage.root == str(tmp_path / "r")

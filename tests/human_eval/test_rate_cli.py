@@ -109,3 +109,31 @@ def test_evaluate_model_errors_are_one_line(setup):
     )
     result = CliRunner().invoke(cmd, [])
     assert result.exit_code == 1 and "models:/NAME/VERSION" in result.output
+
+
+def test_a_folder_that_is_not_a_pipeline_is_one_line(setup, tmp_path):
+    from flows.rate_cli import evaluate_model
+
+    config, root = setup
+    typo = tmp_path / "exprot"
+    cmd = click.Command("evaluate", callback=lambda: evaluate_model(config, str(root), str(typo)))
+    result = CliRunner().invoke(cmd, [])
+    assert result.exit_code == 1 and "not an exported pipeline" in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_pipeline_exported_again_gets_a_new_identity(tmp_path):
+    import os
+
+    from flows.human_eval import _pipeline_identity
+
+    folder = tmp_path / "final"
+    (folder / "unet").mkdir(parents=True)
+    (folder / "model_index.json").write_text("{}")
+    weights = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(b"old")
+    first = _pipeline_identity(folder)
+    assert _pipeline_identity(folder) == first, "unchanged: the same study"
+    weights.write_bytes(b"new weights")
+    os.utime(weights, ns=(1, 1))
+    assert _pipeline_identity(folder) != first, "exported again: a new study"

@@ -137,3 +137,28 @@ def test_gold_pairs_are_served_to_every_rater(two_studies):
     regular = [v for v in votes if not v["gold"] and v["question"] == "quality"]
     assert len(regular) == 8  # K = 1: each pair once over both raters
     assert progress[0] == (0, 11)  # 8 pairs + 3 gold
+
+
+def test_progress_counts_at_most_k_votes_a_pair(two_studies):
+    """A pair over K (a lapsed task taken again by another rater) does not make up for a pair
+    short of K: the flow would otherwise report before every pair had its votes."""
+    import datetime as dt
+
+    from human_eval.store import Task, Vote
+
+    root, a, b = two_studies
+    store = _store(root)
+    cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=1, gold=0)
+    first, second = (store.rater(t) for _, t in store.add_raters(cid, 2))
+    task = store.next_task(first)
+    store.record_vote(first, task.task_id, {"quality": "left", "alignment": "left"})
+    pair = store.votes(cid)[-1]["pair_id"]
+    with store.session() as s:  # the second rater answers the same pair: over K
+        served = Task(rater_id=second.id, pair_id=pair, left="a")
+        s.add(served)
+        s.flush()
+        for q in ("quality", "alignment"):
+            s.add(Vote(rater_id=second.id, pair_id=pair, task_id=served.id, question=q,
+                       answer="a", left="a", served_at=dt.datetime.now(dt.UTC)))  # fmt: skip
+    done, target = store.progress(cid)
+    assert (done, target) == (1, len(store.pairs(cid)))
