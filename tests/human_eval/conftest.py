@@ -86,7 +86,8 @@ def wait_until_up(url: str, proc, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()}")
+            proc.log.seek(0)
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.log.read()[-4000:]}")
         try:
             if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
                 return
@@ -102,12 +103,17 @@ def start_server(argv: list[str], port: int):
     import os
     import subprocess
     import sys
+    import tempfile
 
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # Output to a file, not a pipe nobody reads: under load, an access log filling a 64 KB
+    # pipe would block the server.
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop)
     proc = subprocess.Popen(
         [sys.executable, "-m", *argv], cwd=REPO, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    proc.log = log
     url = f"http://127.0.0.1:{port}"
     wait_until_up(url, proc)
     return proc, url
@@ -121,3 +127,6 @@ def stop(proc) -> None:
         except Exception:
             proc.kill()
             proc.wait(timeout=15)
+    log = getattr(proc, "log", None)
+    if log is not None:
+        log.close()
