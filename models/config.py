@@ -81,19 +81,24 @@ def is_remote(uri: str) -> bool:
 
 
 def redact_uri(uri: str) -> str:
-    """`uri` with the password of its userinfo masked, for anything shown or logged.
+    """`uri` with the secret of its userinfo masked, for anything shown or logged.
 
-    Tracking URIs can hold database credentials (`postgresql://user:secret@host/db`).
+    Tracking URIs can hold database credentials (`postgresql://user:secret@host/db`) or, for an
+    http(s) server, a bare token as the user (`https://token@host`). Never raises: the netloc
+    is split as text, so a malformed port cannot turn a message into a traceback.
     """
     parts = urlsplit(uri)
-    if parts.password is None:
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at:
         return uri
-    host = parts.hostname or ""
-    if ":" in host:  # IPv6 literal
-        host = f"[{host}]"
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+    user, colon, _ = userinfo.partition(":")
+    if colon:
+        masked = f"{user}:***"
+    elif parts.scheme in ("http", "https"):
+        masked = "***"  # a token in the user part
+    else:
+        return uri  # a database user name alone is no secret
+    return urlunsplit(parts._replace(netloc=f"{masked}@{hostport}"))
 
 
 class Component(Strict):

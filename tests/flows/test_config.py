@@ -159,6 +159,10 @@ def test_redact_uri_masks_only_the_password():
     )
     assert redact_uri("sqlite:////tmp/kiln/mlflow.db") == "sqlite:////tmp/kiln/mlflow.db"
     assert redact_uri("http://tracking:5000") == "http://tracking:5000"
+    assert redact_uri("https://t0ken@mlflow.internal/") == "https://***@mlflow.internal/"
+    assert redact_uri("postgresql://kiln@db/mlflow") == "postgresql://kiln@db/mlflow"
+    assert redact_uri("postgresql://kiln:pw@db:notaport/m") == "postgresql://kiln:***@db:notaport/m"
+    assert redact_uri("postgresql://kiln:p@ss@[::1]:5432/m") == "postgresql://kiln:***@[::1]:5432/m"
 
 
 # -- check_inputs: every input a step needs, checked before any flow starts -------------------
