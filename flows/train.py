@@ -138,8 +138,14 @@ def train_flow(
         _train_stages(cfg, layout, record)
     except BaseException as e:  # cancellation and interrupts too: never leave it RUNNING
         status = "FAILED" if isinstance(e, Exception) else "KILLED"
-        # Plain call: a cancelled flow run may no longer start task runs.
-        mark_training_run.fn(cfg.tracking_uri, record["mlflow_run_id"], status)
+        # Plain call: a cancelled flow run may no longer start task runs. A tracking store that
+        # fails here too is logged, never raised: the training error is the one to see.
+        try:
+            mark_training_run.fn(cfg.tracking_uri, record["mlflow_run_id"], status)
+        except Exception as mark_error:
+            get_run_logger().warning(
+                "could not mark MLflow run %s %s: %s", record["mlflow_run_id"], status, mark_error
+            )
         raise
     mark_training_run(cfg.tracking_uri, record["mlflow_run_id"], "FINISHED")
     return record
