@@ -172,6 +172,16 @@ class StreamMix(Strict):
     proportion: float = Field(gt=0, lt=1, description="Share of each epoch's samples.")
 
 
+# A few DrawBench prompts (colours, counting, positions, text) for the sample grid.
+DEFAULT_SAMPLE_PROMPTS = (
+    "A red colored car.",
+    "A black apple and a green backpack.",
+    "A pizza on the right of a suitcase.",
+    "Three cats and one dog sitting on the grass.",
+    "A storefront with 'Hello World' written on it.",
+)
+
+
 class TrainConfig(Strict):
     model: ModelConfig
     stages: list[StageConfig] = Field(min_length=1)
@@ -223,6 +233,36 @@ class TrainConfig(Strict):
         description="Peak TFLOP/s per device for MFU; default a GPU table or a "
         "measured matmul peak on CPU.",
     )
+    # -- the learning signal (issue 16): held-out loss and sample grids while training --
+    eval_every: int | None = Field(
+        500,
+        gt=0,
+        description="Validation loss and conditioning gap every N optimizer steps (and at the "
+        "end of each stage); null: only at the end of each stage.",
+    )
+    val_timesteps: int = Field(
+        8, ge=1, le=1000, description="Evenly spaced timesteps the validation loss is taken at."
+    )
+    val_max_samples: int = Field(
+        512,
+        gt=0,
+        description="Validation images per evaluation (all ranks together), to bound its cost.",
+    )
+    sample_every: int | None = Field(
+        1000,
+        gt=0,
+        description="Sample grid every N optimizer steps (and at the end of each stage); "
+        "null: only at the end of each stage.",
+    )
+    sample_prompts: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_SAMPLE_PROMPTS),
+        description="Fixed prompts of the sample grid (one row each).",
+    )
+    sample_seeds: list[int] = Field(
+        default_factory=lambda: [0, 1], min_length=1, description="Fixed seeds (grid columns)."
+    )
+    sample_steps: int = Field(25, gt=0, description="Inference steps per grid image.")
+    sample_guidance_scale: float = Field(7.5, ge=0, description="Classifier-free guidance.")
 
     @model_validator(mode="after")
     def _mix_total(self) -> TrainConfig:
@@ -285,6 +325,11 @@ class StageRun(Strict):
     )
     s3_endpoint_url: str | None = Field(None, description="S3-compatible endpoint for remotes.")
     gpu_hour_usd: float = Field(0.0, ge=0, description="Price of one device-hour, for cost.")
+    val_shards: str | None = Field(
+        None,
+        description="Local folder of the stage's held-out validation split (same columns as "
+        "`shards`); unset: no validation loss.",
+    )
     faults: FaultInjection = Field(default_factory=FaultInjection)
 
     @property
@@ -401,6 +446,14 @@ class ShardsConfig(Strict):
         description="Local cache of streamed shards on each training machine (fast local "
         "disk); default <root>/cache.",
     )
+    val_fraction: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="Share of images held out as each stage's validation split, chosen by a "
+        "hash of the image key; 0: no split.",
+    )
+    val_max: int = Field(2000, ge=0, description="Cap on the validation split's images.")
 
     @field_validator("remote")
     @classmethod
@@ -410,6 +463,21 @@ class ShardsConfig(Strict):
         if v is not None and v.startswith("s3://") and not v[5:].split("/")[0]:
             raise ValueError(f"names no bucket (received {v!r})")
         return v.rstrip("/") if v else v
+
+
+class EvalMetricsConfig(Strict):
+    """Automated image metrics of `kiln evaluate`; each is skipped (and says so) when its
+    weights are not configured or not found."""
+
+    clip_model: str | None = Field(
+        None, description="CLIP model for CLIP score: a local folder or a hub id (transformers)."
+    )
+    inception_weights: str | None = Field(
+        None, description="Local path of the FID Inception weights (torch-fidelity's .pth)."
+    )
+    fid_max_images: int = Field(
+        2000, gt=0, description="Validation images (and as many generated) for FID."
+    )
 
 
 class EvaluateConfig(Strict):
@@ -423,6 +491,7 @@ class EvaluateConfig(Strict):
     guidance_scale: float = Field(7.5, ge=0)
     batch_size: int = Field(8, gt=0)
     limit: int | None = Field(None, gt=0, description="Use only the first N prompts.")
+    metrics: EvalMetricsConfig = Field(default_factory=EvalMetricsConfig)
 
 
 class RegistryConfig(Strict):

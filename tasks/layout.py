@@ -45,6 +45,14 @@ class Layout:
         """Precomputed latents of a stage, for one set of frozen encoders."""
         return self.root / "shards" / version / f"{resolution}-latents-{encoder_key}"
 
+    def val_shards(self, version: str, resolution: int) -> Path:
+        """A stage's held-out validation split (never in the training shards)."""
+        return self.root / "shards" / version / f"{resolution}-val"
+
+    def val_latents(self, version: str, resolution: int, encoder_key: str) -> Path:
+        """Precomputed latents of a stage's validation split."""
+        return self.root / "shards" / version / f"{resolution}-val-latents-{encoder_key}"
+
     def run(self, run_id: str) -> Path:
         return self.root / "runs" / run_id
 
