@@ -290,6 +290,52 @@ def register(config_path: str, root: str | None, run_id: str | None, study_id: s
 
 
 @main.command()
+@CONFIG
+@ROOT
+@click.option(
+    "--candidate", default=None,
+    help="models:/NAME@ALIAS or models:/NAME/VERSION (default: the registry alias, candidate).",
+)  # fmt: skip
+@click.option("--first", is_flag=True, help="Promote with no champion yet.")
+@click.option("--force", is_flag=True, help="Promote past a refused gate (needs --reason).")
+@click.option("--reason", default=None, help="Why (recorded on the version).")
+def promote(
+    config_path: str, root: str | None, candidate: str | None, first: bool, force: bool,
+    reason: str | None,
+) -> None:  # fmt: skip
+    """Move the `champion` alias to the candidate if the gate (registry.gate) passes.
+
+    The gate reads the candidate's human-evaluation comparison against the current champion
+    from MLflow: enough votes on every pair, the 95% CI of its preference at or above
+    min_pref_ci_low for quality and alignment, no DrawBench category below
+    min_category_pref, and no worse validation loss. The old champion becomes
+    `previous-champion`; `kiln rollback` swaps them back.
+    """
+    from tasks.promotion import PromotionRefused
+
+    try:
+        _show(_call("flows.promote:promote_flow", config_path, ("register",), root=root,
+                    candidate=candidate, first=first, force=force, reason=reason)[1])  # fmt: skip
+    except PromotionRefused as e:
+        raise KilnError(str(e)) from e
+
+
+@main.command()
+@CONFIG
+@ROOT
+@click.option("--reason", default=None, help="Why (recorded on both versions).")
+def rollback(config_path: str, root: str | None, reason: str | None) -> None:
+    """Swap `champion` and `previous-champion` back."""
+    from tasks.promotion import PromotionRefused
+
+    try:
+        _show(_call("flows.promote:rollback_flow", config_path, ("register",), root=root,
+                    reason=reason)[1])  # fmt: skip
+    except PromotionRefused as e:
+        raise KilnError(str(e)) from e
+
+
+@main.command()
 @click.option("--port", default=4200, show_default=True, help="Port on 127.0.0.1.")
 def ui(port: int) -> None:
     """Serve the Prefect UI (flow runs, logs, artifacts) at http://127.0.0.1:PORT."""

@@ -22,6 +22,7 @@ The report goes to:
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from human_eval.report import build_report
 from human_eval.store import QUESTIONS, RatingStore
 from human_eval.studies import create_comparison, load_study
 
-__all__ = ["human_eval_flow", "is_model_ref", "mlflow_metrics", "study_for_model"]
+__all__ = ["category_slug", "human_eval_flow", "is_model_ref", "mlflow_metrics", "study_for_model"]
 
 
 def is_model_ref(ref: str) -> bool:
@@ -171,6 +172,11 @@ def report_task(root: str, url: str | None, cid: str, min_gold: float, n: int, s
     return build_report(store, cid, out, min_gold_accuracy=min_gold, n_resamples=n, seed=seed)
 
 
+def category_slug(category: str) -> str:
+    """A DrawBench category as a metric-name part: "Gary Marcus et al." -> gary_marcus_et_al."""
+    return re.sub(r"[^a-z0-9]+", "_", category.lower()).strip("_") or "none"
+
+
 def mlflow_metrics(report: dict) -> dict[str, float]:
     """The numbers the promotion gate reads, by their MLflow names (NaN-free)."""
     out: dict[str, float] = {}
@@ -183,6 +189,10 @@ def mlflow_metrics(report: dict) -> dict[str, float]:
                 out[f"human_eval/{q}_{name}"] = float(cell[key])
         if alpha["value"] is not None:
             out[f"human_eval/{q}_alpha"] = float(alpha["value"])
+        out[f"human_eval/{q}_min_votes_per_pair"] = float(cell.get("min_votes_per_pair", 0))
+        for cat, c in report["questions"][q]["categories"].items():
+            if c["pref"] is not None:
+                out[f"human_eval/{q}_pref/{category_slug(cat)}"] = float(c["pref"])
     out["human_eval/raters_excluded"] = float(report["raters"]["excluded"])
     return out
 

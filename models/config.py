@@ -29,9 +29,11 @@ __all__ = [
     "Component",
     "ConfigError",
     "EMAConfig",
+    "EvalMetricsConfig",
     "EvaluateConfig",
     "ExecutionConfig",
     "FaultInjection",
+    "GateConfig",
     "IngestConfig",
     "LaunchConfig",
     "ModelConfig",
@@ -494,11 +496,29 @@ class EvaluateConfig(Strict):
     metrics: EvalMetricsConfig = Field(default_factory=EvalMetricsConfig)
 
 
+class GateConfig(Strict):
+    """What `kiln promote` needs before `champion` moves to a candidate (tasks/promotion.py)."""
+
+    min_votes_per_pair: int = Field(
+        3, ge=1, description="Fewest human votes every compared pair must have, per question."
+    )
+    min_pref_ci_low: float = Field(
+        0.5, ge=0, le=1, description="Lower 95% CI bound of the candidate's preference rate."
+    )
+    min_category_pref: float = Field(
+        0.4, ge=0, le=1, description="No DrawBench category's preference may be below this."
+    )
+    max_val_loss_increase: float = Field(
+        0.02, ge=0, description="Validation loss may exceed the champion's by this fraction."
+    )
+
+
 class RegistryConfig(Strict):
     tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
     experiment: str = "kiln"
     model_name: str = "kiln-t2i"
     alias: str = "candidate"
+    gate: GateConfig = Field(default_factory=GateConfig)
 
 
 class LaunchConfig(Strict):
