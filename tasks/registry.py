@@ -294,8 +294,8 @@ def register_model(
     """
     import mlflow
 
-    import models
-    from models.pyfunc import KilnDiffusionModel, signature
+    import kiln_pyfunc
+    from kiln_pyfunc import KilnDiffusionModel, signature
 
     if not (Path(export_dir) / "model_index.json").is_file():
         raise FileNotFoundError(f"no exported pipeline at {export_dir} (model_index.json missing)")
@@ -311,7 +311,7 @@ def register_model(
                     name="model",
                     python_model=KilnDiffusionModel(),
                     artifacts={"pipeline": export_dir},
-                    code_paths=[str(Path(models.__file__).parent)],
+                    code_paths=[kiln_pyfunc.__file__],
                     pip_requirements=reqs,
                     signature=signature(),
                 )

@@ -68,26 +68,42 @@ def test_pipeline_result_and_quality_gate(pipeline_run):
     assert result["model"]["lineage"]["dataset_version"] == result["shards"]["dataset_version"]
 
 
-def test_registry_alias_loads_and_generates(pipeline_run):
+def test_registry_alias_loads_and_generates(pipeline_run, tmp_path):
+    """Loaded by a consumer whose own `models` package comes first on sys.path: the model
+    ships only `kiln_pyfunc`, so neither shadows the other."""
     root, result, env, _ = pipeline_run
+    consumer = tmp_path / "consumer"
+    (consumer / "models").mkdir(parents=True)
+    (consumer / "models" / "__init__.py").write_text("OWNER = 'consumer'\n")
+    env = {**env, "PYTHONPATH": str(consumer)}
     out = _py(
         f"""
         import io, json, mlflow, pandas as pd
+        import models
         from mlflow import MlflowClient
         from PIL import Image
         uri = "sqlite:///{root / "mlflow.db"}"
         mlflow.set_tracking_uri(uri)
         model = mlflow.pyfunc.load_model("models:/kiln-t2i@candidate")
-        df = model.predict(pd.DataFrame({{"prompt": ["a red circle above a blue square"]}}),
-                           params={{"num_inference_steps": 2}})
+        prompts = ["a red circle above a blue square"] * 4 + ["a green triangle"]
+        df = model.predict(pd.DataFrame({{"prompt": prompts}}),
+                           params={{"num_inference_steps": 2, "batch_size": 2}})
+        one = model.predict(pd.DataFrame({{"prompt": prompts[:1]}}),
+                            params={{"num_inference_steps": 2, "batch_size": 1}})
         img = Image.open(io.BytesIO(df["image"][0]))
+        import kiln_pyfunc
         v = MlflowClient(uri).get_model_version_by_alias("kiln-t2i", "candidate")
-        print(json.dumps({{"size": img.size, "tags": v.tags}}))
+        print(json.dumps({{"size": img.size, "tags": v.tags, "rows": len(df),
+                          "same": df["image"][0] == one["image"][0], "owner": models.OWNER,
+                          "shipped": kiln_pyfunc.__file__}}))
         """,
         env,
     )
     got = json.loads(out.strip().splitlines()[-1])
-    assert got["size"] == [64, 64]
+    assert got["size"] == [64, 64] and got["rows"] == 5
+    assert got["same"], "an image depends on its seed, not on the batching"
+    assert got["owner"] == "consumer", "the consumer's own `models` package is untouched"
+    assert "/code/kiln_pyfunc.py" in got["shipped"], "loaded from the model's shipped code"
     assert got["tags"]["run_id"] == result["run"]["run_id"]
     assert got["tags"]["study_id"] == result["study"]["study_id"]
 
