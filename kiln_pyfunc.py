@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import mlflow.pyfunc
 import pandas as pd
 
-__all__ = ["KilnDiffusionModel", "signature", "truncate_prompts"]
+__all__ = ["KilnDiffusionModel", "load_pipeline", "signature", "truncate_prompts"]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -66,22 +66,25 @@ def signature():
     )
 
 
+def load_pipeline(path: str):
+    """The exported StableDiffusionPipeline at `path`: bf16 (fp16 without bf16) on CUDA,
+    float32 on CPU, progress bars off."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    dtype = torch.float32
+    if torch.cuda.is_available():
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    pipe = StableDiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to("cuda") if torch.cuda.is_available() else pipe
+
+
 class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
     """Wraps the exported diffusers `StableDiffusionPipeline` (artifact `pipeline`)."""
 
     def load_context(self, context) -> None:
-        import torch
-        from diffusers import StableDiffusionPipeline
-
-        dtype = torch.float32
-        if torch.cuda.is_available():
-            dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        self.pipe = StableDiffusionPipeline.from_pretrained(
-            context.artifacts["pipeline"], torch_dtype=dtype
-        )
-        self.pipe.set_progress_bar_config(disable=True)
-        if torch.cuda.is_available():
-            self.pipe.to("cuda")
+        self.pipe = load_pipeline(context.artifacts["pipeline"])
 
     def predict(
         self, context, model_input: pd.DataFrame, params: dict | None = None

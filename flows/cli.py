@@ -293,6 +293,41 @@ def register(config_path: str, root: str | None, run_id: str | None, study_id: s
 @CONFIG
 @ROOT
 @click.option(
+    "--model", required=True,
+    help="models:/NAME@ALIAS, models:/NAME/VERSION or an exported pipeline folder.",
+)  # fmt: skip
+@click.option("--prompt", required=True, help="What to draw.")
+@click.option("--n", "n", type=int, default=4, show_default=True, help="Images (one seed each).")
+@click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
+@click.option("--steps", type=int, default=25, show_default=True, help="Inference steps.")
+@click.option("--guidance", type=float, default=7.5, show_default=True, help="CFG scale.")
+@click.option("--out", default="generated", show_default=True, help="Folder for the PNGs.")
+def generate(
+    config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int, steps: int,
+    guidance: float, out: str,
+) -> None:  # fmt: skip
+    """Generate PNG files from a registered model (or an export) for one prompt."""
+    from flows.config import load_config
+    from tasks.generate_images import generate_images, resolve_pipeline
+
+    try:
+        cfg = load_config(config_path, root=root)
+        _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
+        result = generate_images(folder, prompt, Path(out), n=n, seed=seed, steps=steps,
+                                 guidance_scale=guidance)  # fmt: skip
+    except (ValueError, OSError) as e:
+        raise KilnError(str(e)) from e
+    except Exception as e:  # the registry's own errors (no such alias or version)
+        if type(e).__name__ == "MlflowException":
+            raise KilnError(f"{model}: {getattr(e, 'message', e)}") from e
+        raise
+    _show(result)
+
+
+@main.command()
+@CONFIG
+@ROOT
+@click.option(
     "--candidate", default=None,
     help="models:/NAME@ALIAS or models:/NAME/VERSION (default: the registry alias, candidate).",
 )  # fmt: skip

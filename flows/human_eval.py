@@ -78,11 +78,12 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     from flows.evaluate import study_id_for
     from tasks.launch import launch_generate
     from tasks.layout import Layout
+    from tasks.registry import registered_pipeline
 
     check_inputs(cfg, ("evaluate",))  # resolves the prompts file
     ev, layout = cfg.evaluate, Layout(Path(cfg.storage.root))
     if ref.startswith("models:/"):
-        ident, pipeline = _registered_pipeline(cfg, layout, ref)
+        ident, pipeline = registered_pipeline(cfg.tracking_uri, layout.root, ref)
     else:
         ident = f"pipeline-{_pipeline_identity(Path(ref))}"
         pipeline = lambda: ref  # noqa: E731
@@ -97,39 +98,6 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
             num_processes=cfg.launch.num_processes,
         )  # fmt: skip
     return study_id
-
-
-def _registered_pipeline(cfg: PipelineConfig, layout, uri: str):
-    """(identity, a callable giving the local pipeline folder) of a registered version."""
-    import re
-
-    from mlflow.tracking import MlflowClient
-
-    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", uri)
-    if m is None:
-        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
-    name, alias, number = m.groups()
-    client = MlflowClient(cfg.tracking_uri, registry_uri=cfg.tracking_uri)
-    mv = (client.get_model_version_by_alias(name, alias) if alias
-          else client.get_model_version(name, number))  # fmt: skip
-    run_id = mv.tags.get("run_id", "")
-    run_json = layout.run(run_id) / "run.json" if run_id else None
-    if run_json is not None and run_json.is_file():
-        export = json.loads(run_json.read_text()).get("export")
-        if export and Path(export).is_dir():
-            return run_id, lambda: export
-
-    def download() -> Path:
-        import mlflow.artifacts
-
-        dst = layout.root / "human_eval" / "models" / f"{name}-v{mv.version}"
-        local = mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(dst),
-            tracking_uri=cfg.tracking_uri, registry_uri=cfg.tracking_uri,
-        )  # fmt: skip
-        return Path(local) / "artifacts" / "pipeline"
-
-    return f"{name}-v{mv.version}", download
 
 
 @task(name="create-comparison", cache_policy=NO_CACHE)

@@ -342,3 +342,46 @@ def register_model(
         "model_uri": info.model_uri,
         "uri_by_alias": f"models:/{model_name}@{alias}",
     }
+
+
+def registered_pipeline(tracking_uri: str, root: Path, uri: str):
+    """(identity, a callable giving the local pipeline folder) of a registered version.
+
+    A version whose `run_id` tag names a training run under `root` with its export on disk
+    is that run (identity: the run id); any other is downloaded once from the registry into
+    `<root>/models/<name>-v<version>/` (identity: `<name>-v<version>`).
+
+    Raises:
+        ValueError: `uri` is not models:/NAME@ALIAS or models:/NAME/VERSION.
+    """
+    import json
+    import re
+
+    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", uri)
+    if m is None:
+        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    name, alias, number = m.groups()
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    mv = (client.get_model_version_by_alias(name, alias) if alias
+          else client.get_model_version(name, number))  # fmt: skip
+    run_id = mv.tags.get("run_id", "")
+    run_json = Path(root) / "runs" / run_id / "run.json" if run_id else None
+    if run_json is not None and run_json.is_file():
+        export = json.loads(run_json.read_text()).get("export")
+        if export and Path(export).is_dir():
+            return run_id, lambda: export
+
+    def download() -> Path:
+        import mlflow.artifacts
+
+        dst = Path(root) / "models" / f"{name}-v{mv.version}"
+        local = Path(dst) / "artifacts" / "pipeline"
+        if (local / "model_index.json").is_file():
+            return local
+        got = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(dst),
+            tracking_uri=tracking_uri, registry_uri=tracking_uri,
+        )  # fmt: skip
+        return Path(got) / "artifacts" / "pipeline"
+
+    return f"{name}-v{mv.version}", download

@@ -233,3 +233,33 @@ def test_served_model_answers_a_rest_request_with_a_png(pipeline_run, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
+
+
+def test_kiln_generate_writes_pngs_from_a_registered_alias(pipeline_run, tmp_path):
+    """`kiln generate` from another root: the version is downloaded from the registry."""
+    import yaml
+    from PIL import Image
+
+    root, _, env, _ = pipeline_run
+    cfg = yaml.safe_load((root.parent / "tiny.yaml").read_text())
+    cfg["registry"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    cfg["storage"]["root"] = str(tmp_path / "consumer-root")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    kiln = [sys.executable, "-m", "flows.cli", "generate", "--config", str(tmp_path / "c.yaml")]
+    proc = subprocess.run(
+        [*kiln, "--model", "models:/kiln-t2i@candidate", "--prompt", "a red circle",
+         "--n", "3", "--seed", "5", "--steps", "2", "--out", str(tmp_path / "png")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert [Path(p).name for p in got["images"]] == ["00-s5.png", "01-s6.png", "02-s7.png"]
+    assert all(Image.open(p).size == (64, 64) for p in got["images"])
+    assert got["seconds_per_image"] > 0
+    assert (tmp_path / "consumer-root" / "models" / "kiln-t2i-v1").is_dir(), "downloaded"
+    print(f"kiln generate: {got['seconds_per_image']:.3f} s per image (2 steps, CPU)")
+    bad = subprocess.run(
+        [*kiln, "--model", "models:/kiln-t2i@nope", "--prompt", "x"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "kiln: error: models:/kiln-t2i@nope" in bad.stderr
