@@ -141,14 +141,39 @@ def create_training_run(
     params: dict[str, str],
     tags: dict[str, str],
     artifact_root: str | None = None,
+    dataset: tuple[str, str] | None = None,
 ) -> str:
-    """Create the MLflow run that a whole training run (all stages) logs into; return its id."""
+    """Create the MLflow run that a whole training run (all stages) logs into; return its id.
+
+    `dataset` is (dataset version, source URI of its shards): logged as the run's input.
+    """
     client = MlflowClient(tracking_uri)
     exp_id = ensure_experiment(client, experiment, artifact_root)
     run = client.create_run(exp_id, run_name=run_name, tags=tags)
     for k, v in params.items():
         client.log_param(run.info.run_id, k, str(v)[:6000])
+    if dataset is not None:
+        log_dataset_input(client, run.info.run_id, *dataset)
     return run.info.run_id
+
+
+def log_dataset_input(client: MlflowClient, run_id: str, version: str, source_uri: str) -> None:
+    """Log the dataset version as the run's MLflow dataset input (context `training`), so the
+    MLflow UI's Datasets column shows what a model was trained on: name and digest are the
+    dataset version, the source is where its shards live."""
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local
+        warnings.simplefilter("ignore", UserWarning)
+        source = resolve_dataset_source(source_uri)
+    ds = MetaDataset(source, name=f"kiln-{version}", digest=version)
+    tag = InputTag(key=MLFLOW_DATASET_CONTEXT, value="training")
+    client.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), tags=[tag])])
 
 
 @task(name="mark-training-run", cache_policy=NO_CACHE)
