@@ -27,21 +27,59 @@ def _py(code: str, env: dict) -> str:
     return proc.stdout
 
 
+# Distinctive fake secrets in the pipeline's environment: none may appear in any output.
+SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIAKILNFAKE7QX2ZT9W",
+    "AWS_SECRET_ACCESS_KEY": "kiln-fake-aws-secret-Xyzzy-31415926",
+    "MLFLOW_TRACKING_TOKEN": "kiln-fake-mlflow-token-Plugh-27182818",
+    "PREFECT_API_KEY": "kiln-fake-prefect-key-Frobozz-1618033",
+    "KILN_TEST_SERVICE_TOKEN": "kiln-fake-service-token-Zork-1414213",
+}
+
+
 @pytest.fixture(scope="module")
-def pipeline_run(tmp_path_factory, demo_src, make_config):
+def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint):
+    """`kiln run` of the demo set from an S3 bucket (moto's server on 127.0.0.1), as a
+    subprocess whose environment holds fake credentials and tokens."""
+    import boto3
+
     base = tmp_path_factory.mktemp("e2e")
-    cfg = make_config(base / "tiny.yaml", base / "root", demo_src, **{"evaluate.seeds": [0, 1]})
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="kiln-e2e")
+    for p in sorted(demo_src.rglob("*")):
+        if p.is_file():
+            s3.upload_file(str(p), "kiln-e2e", f"raw/{p.relative_to(demo_src).as_posix()}")
+    overrides = {"evaluate.seeds": [0, 1], "storage.endpoint_url": s3_endpoint}
+    cfg = make_config(base / "tiny.yaml", base / "root", "s3://kiln-e2e/raw", **overrides)
     # No PREFECT_API_URL: the CLI runs against Prefect's local embedded server, as `make demo`.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(base / "prefect-home")
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--config", str(cfg)],
-        capture_output=True, text=True, env=env, timeout=1200,
+        capture_output=True, text=True, env={**env, **SECRETS}, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    (base / "run.stdout").write_text(proc.stdout)
+    (base / "run.stderr").write_text(proc.stderr)
     out = proc.stdout
     result = json.loads(out[: out.index("\nKiln pipeline finished")])
     return base / "root", result, env, out
+
+
+def test_no_secret_reaches_any_output(pipeline_run):
+    """Every file the run wrote (root, MLflow database and artifacts, Prefect's database and
+    logs, the run's stdout/stderr), read as bytes, holds none of the secrets."""
+    root, _, _, _ = pipeline_run
+    base = root.parent
+    files = [p for p in base.rglob("*") if p.is_file()]
+    assert any(p.name == "mlflow.db" for p in files) and any(
+        p.suffix == ".db" and "prefect-home" in str(p) for p in files
+    ), "the MLflow and Prefect databases are among the files searched"
+    leaks = []
+    for p in files:
+        data = p.read_bytes()
+        leaks += [f"{name} in {p}" for name, v in SECRETS.items() if v.encode() in data]
+    assert not leaks, leaks
 
 
 def test_pipeline_result_and_quality_gate(pipeline_run):
