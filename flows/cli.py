@@ -127,6 +127,9 @@ def main(debug: bool) -> None:
     # Prefect's server telemetry cannot reach the network here and contends for the local
     # SQLite database; off unless the user has set it.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The embedded server gets 20 s to answer by default; a busy laptop (training, or the
+    # test suite on 2 cores) can need longer, and then every command failed at start.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 @main.command("demo-data")

@@ -32,8 +32,8 @@ SECRETS = {
     "AWS_ACCESS_KEY_ID": "AKIAKILNFAKE7QX2ZT9W",
     "AWS_SECRET_ACCESS_KEY": "kiln-fake-aws-secret-Xyzzy-31415926",
     "MLFLOW_TRACKING_TOKEN": "kiln-fake-mlflow-token-Plugh-27182818",
-    "PREFECT_API_KEY": "kiln-fake-prefect-key-Frobozz-1618033",
     "KILN_TEST_SERVICE_TOKEN": "kiln-fake-service-token-Zork-1414213",
+    "HF_TOKEN": "hf_kilnFakeHubToken0Frobozz1618033",
 }
 
 
