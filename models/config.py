@@ -195,6 +195,12 @@ class TrainConfig(Strict):
     log_every: int = Field(10, gt=0)
     ema: EMAConfig = Field(default_factory=EMAConfig)
     init_from: Literal["ema", "raw"] = "ema"
+    init_from_model: str | None = Field(
+        None,
+        description="Warm start: the first stage starts from this model's UNet (its EMA "
+        "starts there too): models:/NAME@ALIAS, models:/NAME/VERSION or an exported pipeline "
+        "folder. Null: random initialisation (training from scratch).",
+    )
     num_workers: int = Field(0, ge=0, description="DataLoader workers per process.")
     caption_dropout: float = Field(
         0.1, ge=0, lt=1, description="Empty-caption rate, for classifier-free guidance."
