@@ -93,6 +93,19 @@ def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) ->
     return out
 
 
+def _val_shards(cfg: PipelineConfig, layout: Layout, version: str, res: int,
+                latents: bool) -> str | None:  # fmt: skip
+    """The stage's held-out validation split (`tasks.shard`), of the same kind as what it
+    trains on (precomputed latents or images); None when the version has none for `res`.
+
+    Always the local copy, even when training streams `shards.remote` (the split is small):
+    validation on another machine needs `storage.root` mounted there.
+    """
+    path = (layout.val_latents(version, res, encoder_key(cfg)) if latents
+            else layout.val_shards(version, res))  # fmt: skip
+    return str(path) if is_published(path) else None
+
+
 def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str]) -> dict:
     """StageRun fields that stream the published copies of `shards` and `mix` (under
     `shards.remote`, as `tasks.publish` lays them out) through `shards.cache_dir`."""
@@ -195,6 +208,7 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
             stage_index=i,
             shards=str(shards),
             mix_shards=mix,
+            val_shards=_val_shards(cfg, layout, version, stage.resolution, shards == latents),
             **streamed,
             output_dir=str(out),
             init_from_dir=init_from,
