@@ -29,6 +29,7 @@ __all__ = [
     "clip_resize",
     "clip_score",
     "fid",
+    "hub_snapshot",
     "images_as_uint8",
     "load_clip",
     "load_inception",
@@ -95,6 +96,17 @@ def load_clip(name_or_path: str):
             "once elsewhere and set a local folder"
         ) from e
     return model.eval(), processor
+
+
+def hub_snapshot(repo_id: str) -> Path | None:
+    """The local folder of a hub model's cached files (those `from_pretrained` read), so
+    their sha256 can be recorded; None when it is not in the cache."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, or not a repo id: no digest to record
+        return None
 
 
 def clip_resize(processor) -> str:

@@ -52,11 +52,11 @@ def _sheet(cells: list[tuple[str, list[Path]]], title: str) -> Image.Image:
     cell_h = THUMB + PAD // 2 + TEXT_LINES * LINE_H
     cols = min(COLUMNS, len(cells))
     rows = -(-len(cells) // cols)
-    width = PAD + cols * (cell_w + PAD)
+    font = ImageFont.load_default()
+    width = max(PAD + cols * (cell_w + PAD), 2 * PAD + int(font.getlength(title)))
     height = 2 * PAD + LINE_H + rows * (cell_h + PAD)
     sheet = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(sheet)
-    font = ImageFont.load_default()
     draw.text((PAD, PAD), title, fill="black", font=font)
     for n, (prompt, paths) in enumerate(cells):
         x = PAD + (n % cols) * (cell_w + PAD)
@@ -91,7 +91,8 @@ def write_contact_sheets(study_dir: str | Path, items: list[dict]) -> dict[str, 
         while out / f"{slug}.png" in sheets.values():  # two names with one slug
             slug += "-"
         path = out / f"{slug}.png"
-        title = f"{cat or 'uncategorised'}: {len(cells)} prompt(s), {study_dir.name}"
+        seeds = ", ".join(str(s) for s in dict.fromkeys(it["seed"] for it in items))
+        title = f"{cat or 'uncategorised'}: {len(cells)} prompt(s), seeds {seeds}, {study_dir.name}"
         tmp = path.with_suffix(".png.tmp")
         _sheet(list(cells.values()), title).save(tmp, format="PNG")
         tmp.replace(path)

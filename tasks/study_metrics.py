@@ -31,6 +31,7 @@ from models.eval_metrics import (
     clip_resize,
     clip_score,
     fid,
+    hub_snapshot,
     images_as_uint8,
     load_clip,
     load_inception,
@@ -62,7 +63,8 @@ def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
             images.append(img.convert("RGB"))
     value = clip_score(images, [it["prompt"] for it in items], model, processor)
     local = Path(name).expanduser()
-    digest = weights_sha256(local) if local.is_dir() else {"sha256": None, "hub_id": name}
+    files = local if local.is_dir() else hub_snapshot(name)
+    digest = weights_sha256(files) if files else {"sha256": None}
     return {"value": value, "images": len(items), "model": name, **digest,
             "resize": clip_resize(processor)}  # fmt: skip
 
