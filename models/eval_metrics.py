@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterable
+import itertools
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -123,18 +124,20 @@ def clip_resize(processor) -> str:
 
 @torch.no_grad()
 def clip_score(
-    images: list[Image.Image], prompts: list[str], model, processor, batch_size: int = 32
+    pairs: Iterable[tuple[torch.Tensor, str]], model, processor, batch_size: int = 32
 ) -> float:
-    """torchmetrics' CLIP score of image/prompt pairs: max(mean(100 * cos), 0)."""
+    """torchmetrics' CLIP score of (uint8 CHW image, prompt) pairs: max(mean(100 * cos), 0).
+    The pairs are read a batch at a time, so a study's images never sit in memory at once."""
     from torchmetrics.multimodal.clip_score import CLIPScore
 
-    if len(images) != len(prompts) or not images:
-        raise ValueError(f"need as many images as prompts, >0 (got {len(images)}, {len(prompts)})")
-    metric = CLIPScore(model_name_or_path=lambda: (model, processor))
     device = next(model.parameters()).device
-    for start in range(0, len(images), batch_size):
-        batch = images[start : start + batch_size]
-        metric.update([_chw(img).to(device) for img in batch], prompts[start : start + batch_size])
+    # The metric's running sums live with the model: torchmetrics adds each batch in place.
+    metric = CLIPScore(model_name_or_path=lambda: (model, processor)).to(device)
+    pairs = iter(pairs)
+    while batch := list(itertools.islice(pairs, batch_size)):
+        metric.update([img.to(device) for img, _ in batch], [prompt for _, prompt in batch])
+    if int(metric.n_samples) == 0:
+        raise ValueError("CLIP score needs at least one image and prompt")
     return float(metric.compute())
 
 
@@ -177,8 +180,8 @@ def fid(
     sizes may differ (the Inception module resizes each to 299x299)."""
     from torchmetrics.image.fid import FrechetInceptionDistance
 
-    metric = FrechetInceptionDistance(feature=feature, normalize=False)
     device = next(feature.parameters()).device
+    metric = FrechetInceptionDistance(feature=feature, normalize=False).to(device)
     for images, is_real in ((real, True), (fake, False)):
         for batch in _same_size_batches(images, batch_size):
             metric.update(batch.to(device), real=is_real)
@@ -201,7 +204,7 @@ def _chw(img: Image.Image) -> torch.Tensor:
     return torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
 
 
-def images_as_uint8(paths: Iterable[str | Path]) -> Iterable[torch.Tensor]:
+def images_as_uint8(paths: Iterable[str | Path]) -> Iterator[torch.Tensor]:
     """Image files as uint8 CHW tensors, read one at a time."""
     for p in paths:
         with Image.open(p) as img:

@@ -55,13 +55,9 @@ def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
         return {"skipped": "evaluate.metrics.clip_model is not set (a local CLIP folder or hub id)"}
     model, processor = load_clip(name)
     model.to(_device())
-    from PIL import Image
-
-    images = []
-    for it in items:
-        with Image.open(study_dir / it["path"]) as img:
-            images.append(img.convert("RGB"))
-    value = clip_score(images, [it["prompt"] for it in items], model, processor)
+    images = images_as_uint8(study_dir / it["path"] for it in items)
+    prompts = (it["prompt"] for it in items)
+    value = clip_score(zip(images, prompts, strict=True), model, processor)
     local = Path(name).expanduser()
     files = local if local.is_dir() else hub_snapshot(name)
     digest = weights_sha256(files) if files else {"sha256": None}

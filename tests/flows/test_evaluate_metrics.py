@@ -99,7 +99,11 @@ def test_clip_score_matches_a_direct_computation(tmp_path):
     images = _random_images(5, (40, 48), seed=0)
     prompts = [f"a red circle above {i} blue squares" for i in range(5)]
     model, processor = load_clip(str(folder))
-    ours = clip_score(images, prompts, model, processor, batch_size=2)
+    pairs = [
+        (torch.from_numpy(np.asarray(im)).permute(2, 0, 1), p)
+        for im, p in zip(images, prompts, strict=True)
+    ]
+    ours = clip_score(iter(pairs), model, processor, batch_size=2)
     direct = _direct_clip(folder, images, prompts)
     assert direct > 0, "a clamped 0 would not test the computation"
     assert ours == pytest.approx(direct, abs=1e-4)
