@@ -100,7 +100,7 @@ def test_clip_score_matches_a_direct_computation(tmp_path):
     prompts = [f"a red circle above {i} blue squares" for i in range(5)]
     model, processor = load_clip(str(folder))
     pairs = [
-        (torch.from_numpy(np.asarray(im)).permute(2, 0, 1), p)
+        (torch.from_numpy(np.array(im)).permute(2, 0, 1), p)
         for im, p in zip(images, prompts, strict=True)
     ]
     ours = clip_score(iter(pairs), model, processor, batch_size=2)
