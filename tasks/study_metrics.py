@@ -30,6 +30,7 @@ from models.eval_metrics import (
     MetricUnavailable,
     clip_resize,
     clip_score,
+    decode_images,
     fid,
     hub_snapshot,
     images_as_uint8,
@@ -84,7 +85,6 @@ def _fid(study_dir: Path, cfg: EvalMetricsConfig, val_dir: Path, generate: dict,
         feature = load_inception(cfg.inception_weights)
         weights = {"weights": cfg.inception_weights, **weights_sha256(cfg.inception_weights)}
         resize = FID_RESIZE
-    feature = feature.to(_device())
     if not is_published(val_dir):
         raise MetricUnavailable(
             f"no validation split at {val_dir}; re-run `kiln shard` with shards.val_fraction > 0"
@@ -98,9 +98,12 @@ def _fid(study_dir: Path, cfg: EvalMetricsConfig, val_dir: Path, generate: dict,
         generate["pipeline"], str(out / "prompts.csv"), str(out), **generate["settings"]
     )
     fake = images_as_uint8(out / it["path"] for it in gen["items"])
-    value = fid((s["image"] for s in val), fake, feature)
+    # On the device only now: the generation subprocess had the GPU to itself.
+    real = decode_images(s["image"] for s in val)
+    value = fid(real, fake, feature.to(_device()))
     return {"value": value, "images": len(val), "real": str(val_dir), "generated": str(out),
-            **weights, "resize": resize, "resolution": gen["settings"]["resolution"]}  # fmt: skip
+            **weights, "resize": resize,
+            "generated_resolution": gen["settings"]["resolution"]}  # fmt: skip
 
 
 @task(name="compute-study-metrics", cache_policy=NO_CACHE)
@@ -135,6 +138,9 @@ def compute_study_metrics(
             result[name] = run()
         except MetricUnavailable as e:
             result[name] = {"skipped": str(e)}
+        finally:  # give the cached GPU memory back before the next metric's launch
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         if "skipped" in result[name]:
             log.warning("%s skipped: %s", name, result[name]["skipped"])
         else:
