@@ -215,7 +215,8 @@ def metrics_lineage(study_dir: Path) -> dict[str, str]:
 
 def _metric_row(label: str, m: dict) -> str:
     if "skipped" in m:
-        return f"| {label} | skipped: {m['skipped']} | | | |"
+        reason = m["skipped"].replace("|", "\\|").replace("\n", " ")  # one table cell
+        return f"| {label} | skipped: {reason} | | | |"
     sha = m.get("sha256")
     return (f"| {label} | {m['value']:.4f} | {m['images']} | "
             f"{f'`{sha[:16]}`' if sha else '-'} | {m['resize']} |")  # fmt: skip
