@@ -48,6 +48,7 @@ HEADER_HEIGHT = 20  # the seed row
 PAD = 2
 MIN_TILE = 128  # smaller images are enlarged (nearest neighbour) to at least this side
 FONT_SIZE = 12
+BATCH = 8  # images per pipeline call (evaluate.batch_size's default)
 
 
 def sample_grids(out_dir: str | Path) -> list[Path]:
@@ -109,21 +110,18 @@ def _write_grid(run, device, comps, unet, ema, step, full_state, sink) -> Path:
                 plain.load_state_dict(full_state)
                 unet = plain
             write_pipeline(comps, export_unet(unet, ema), tmp)
-            comps.vae.to(dtypes[0])  # back to the training dtype (an exact round trip)
-            comps.text_encoder.to(dtypes[1])
             pipe = load_pipeline(tmp, device)
-            rows = [
-                generate_images(pipe, [prompt] * len(cfg.sample_seeds), cfg.sample_seeds,
-                                cfg.sample_steps, cfg.sample_guidance_scale)
-                for prompt in cfg.sample_prompts
-            ]  # fmt: skip
+            images = _generate(pipe, cfg)
             del pipe
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        # write_pipeline cast them to fp32: back to the training dtype (an exact round trip).
         comps.vae.to(dtypes[0])
         comps.text_encoder.to(dtypes[1])
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    cols = len(cfg.sample_seeds)
+    rows = [images[r * cols : (r + 1) * cols] for r in range(len(cfg.sample_prompts))]
     seeds = [f"seed {s}" for s in cfg.sample_seeds]
     grid = grid_image(rows, cfg.sample_prompts, seeds, title=f"{res}px step {step}")
     path = out / "samples" / f"step-{step:06d}.png"
@@ -136,6 +134,18 @@ def _write_grid(run, device, comps, unet, ema, step, full_state, sink) -> Path:
     sink.event("sample_grid", step=step, path=str(path), seconds=seconds, mlflow=logged)
     log.info("sample grid %s (%.2f s)", path, seconds)
     return path
+
+
+def _generate(pipe, cfg) -> list[Image.Image]:
+    """Every (prompt, seed) image, row by row, in batches of BATCH like `kiln evaluate`'s."""
+    pairs = [(p, s) for p in cfg.sample_prompts for s in cfg.sample_seeds]
+    images: list[Image.Image] = []
+    for start in range(0, len(pairs), BATCH):
+        prompts, seeds = zip(*pairs[start : start + BATCH], strict=True)
+        images += generate_images(
+            pipe, list(prompts), list(seeds), cfg.sample_steps, cfg.sample_guidance_scale
+        )
+    return images
 
 
 def _log_image(run: StageRun, grid: Image.Image, step: int) -> bool:
