@@ -404,13 +404,25 @@ def registered_pipeline(tracking_uri: str, root: Path, uri: str):
         import mlflow.artifacts
 
         dst = Path(root) / "models" / f"{name}-v{mv.version}"
-        local = Path(dst) / "artifacts" / "pipeline"
-        if (local / "model_index.json").is_file():
-            return local
-        got = mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(dst),
-            tracking_uri=tracking_uri, registry_uri=tracking_uri,
-        )  # fmt: skip
-        return Path(got) / "artifacts" / "pipeline"
+        if (dst / "MLmodel").is_file():
+            return _pipeline_in(dst)
+        # A models:/ URI is resolved by a client on the *global* registry URI, whatever
+        # registry_uri says (MLflow 3.17): set it for the call, and put it back.
+        with mlflow_uris(tracking_uri):
+            got = mlflow.artifacts.download_artifacts(
+                artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(dst),
+                tracking_uri=tracking_uri, registry_uri=tracking_uri,
+            )  # fmt: skip
+        return _pipeline_in(Path(got))
 
     return f"{name}-v{mv.version}", download
+
+
+def _pipeline_in(model_dir: Path) -> Path:
+    """The diffusers pipeline folder inside a downloaded pyfunc model (its `pipeline`
+    artifact, named in MLmodel)."""
+    import yaml
+
+    spec = yaml.safe_load((model_dir / "MLmodel").read_text())
+    rel = spec["flavors"]["python_function"]["artifacts"]["pipeline"]["path"]
+    return model_dir / rel
