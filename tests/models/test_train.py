@@ -76,12 +76,17 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp
 @pytest.mark.integration
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards):
     """The crashed run loads with 2 worker processes (batches through reused shared buffers,
-    models/shared_batch_buffers.py), the uninterrupted one in-process: batches, losses and
-    weights match."""
+    models/shared_batch_buffers.py), the uninterrupted one in-process: batches, losses,
+    validation numbers and weights match."""
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 6, "batch_size": 4})]
-    opts = {"stages": stages, "checkpoint_every": 3, "log_every": 1, "log_sample_keys": True}
+    # A validation split in the same columns: a copy of the stage's shards (streaming refuses
+    # two datasets over one folder).
+    val = shutil.copytree(root / "shards" / version / "32", tmp_path / "val-32")
+    opts = {"stages": stages, "checkpoint_every": 3, "log_every": 1, "log_sample_keys": True,
+            "eval_every": 2, "val_max_samples": 6, "val_timesteps": 2,
+            "run_opts": {"val_shards": str(val)}}  # fmt: skip
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     _launch(_stage(cfg_path, root, version, full, **opts))
     _launch(_stage(cfg_path, root, version, crashed, **opts, num_workers=2))
@@ -99,6 +104,13 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards)
     m_full = json.loads((full / "manifest.json").read_text())
     m_res = json.loads((crashed / "manifest.json").read_text())
     assert m_res["losses"] == m_full["losses"], "the loss history survives the resume"
+    # Fixed noise and bit-identical weights: the same validation numbers at the same steps,
+    # step 2's from before the crash (kept in the checkpoint), 4 and 6 from after the resume.
+    history = [{k: v for k, v in e.items() if k != "val/eval_s"} for e in m_full["val_history"]]
+    assert [e["step"] for e in history] == [2, 4, 6] and "ema/val/loss" in history[-1]
+    assert [{k: v for k, v in e.items() if k != "val/eval_s"} for e in m_res["val_history"]] == (
+        history
+    ), "validation numbers differ after the resume"
     for sub in ("final/unet", "final-raw/unet"):
         wa = load_file(full / sub / "diffusion_pytorch_model.safetensors")
         wb = load_file(crashed / sub / "diffusion_pytorch_model.safetensors")
