@@ -31,8 +31,8 @@ from tasks.health import preflight
 from tasks.launch import launch_stage
 from tasks.layout import Layout, is_published, new_run_id
 from tasks.publish import publish_shards
-from tasks.registry import create_training_run, mark_training_run
-from tasks.reports import stage_report
+from tasks.registry import create_training_run, log_run_artifact, mark_training_run
+from tasks.reports import stage_report, write_loss_curves
 
 __all__ = ["train_flow"]
 
@@ -89,6 +89,15 @@ def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) ->
             )
         out.append(str(path))
     return out
+
+
+def _val_split(cfg: PipelineConfig, layout: Layout, version: str, res: int, latents: bool):
+    """The stage's validation split written by the shard step (its latents when the stage
+    trains on latents and they exist), or None: the stage then logs no validation loss."""
+    candidates = [layout.val_shards(version, res)]
+    if latents:
+        candidates.insert(0, layout.val_latents(version, res, encoder_key(cfg)))
+    return next((str(p) for p in candidates if is_published(p)), None)
 
 
 def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str]) -> dict:
@@ -199,6 +208,7 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
             tracking_uri=cfg.tracking_uri,
             mlflow_run_id=record["mlflow_run_id"],
             gpu_hour_usd=cfg.launch.gpu_hour_usd,
+            val_shards=_val_split(cfg, layout, version, stage.resolution, shards == latents),
         )
         previous = launch_stage.with_options(
             name=f"train-{stage.resolution}px",
@@ -215,10 +225,16 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
         raw = out / "final-raw"
         init_from = str(raw if cfg.train.init_from == "raw" and raw.is_dir() else out / "final")
         record["stages"][str(stage.resolution)] = manifest
+        curves = write_loss_curves(out)
+        if curves is not None:
+            log_run_artifact(cfg.tracking_uri, record["mlflow_run_id"], str(curves),
+                             f"stage-{stage.resolution}")  # fmt: skip
         create_markdown_artifact(
             key=f"stage-{stage.resolution}",
             description=f"{run_id} stage {stage.resolution}px",
-            markdown=stage_report(run_id, i, stage.resolution, manifest, plan),
+            markdown=stage_report(
+                run_id, i, stage.resolution, manifest, plan, str(curves) if curves else None
+            ),  # fmt: skip
         )
     record["export"] = manifest["export"]
     (layout.run(run_id) / "run.json").write_text(json.dumps(record, indent=2))
