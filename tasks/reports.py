@@ -157,9 +157,8 @@ def _val_section(val: dict | None, history: list[dict], window: dict) -> list[st
     if not val:
         return ["\nNo validation loss: this stage has no validation split (`shards.val_fraction`)."]
     kinds = [k for k in ("ema", "raw") if f"{k}/val/loss" in val]
-    steps = sorted(
-        (int(k.rsplit("_t", 1)[1]) for k in val if k.startswith(f"{kinds[0]}/val/loss_t")),
-    )
+    prefix = f"{kinds[0]}/val/loss_t"
+    steps = sorted(int(k.removeprefix(prefix)) for k in val if k.startswith(prefix))
     rows = [("loss (mean)", "loss"), ("conditioning gap", "cond_gap"),
             *((f"loss at t={t}", f"loss_t{t}") for t in steps),
             *((f"gap at t={t}", f"cond_gap_t{t}") for t in steps)]  # fmt: skip

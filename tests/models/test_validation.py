@@ -227,3 +227,35 @@ def test_training_logs_val_metrics_and_trains_the_same_without_them(tmp_path, ti
         wa = load_file(with_val / sub / "diffusion_pytorch_model.safetensors")
         wb = load_file(without / sub / "diffusion_pytorch_model.safetensors")
         assert all(torch.equal(wa[k], wb[k]) for k in wa), f"{sub} differs with validation"
+
+
+def test_bucketed_latent_split_batches_within_buckets(tmp_path):
+    """A split of precomputed latents and text states in two aspect buckets (as the shard
+    step's precompute writes the 64 px stage): every batch has one latent shape, and the
+    captions still roll across the whole set."""
+    rng = np.random.default_rng(0)
+    cols = {"key": "str", "caption": "str", "latent_mean": "ndarray", "latent_std": "ndarray",
+            "text_hidden": "ndarray"}  # fmt: skip
+    buckets = [("32x32", 32, 32, 5), ("40x24", 40, 24, 4)]
+    for name, w, h, n in buckets:
+        with MDSWriter(out=str(tmp_path / "val" / name), columns=cols) as writer:
+            for i in range(n):
+                shape = (4, h // 4, w // 4)
+                writer.write({
+                    "key": f"{name}-{i}", "caption": f"caption {name} {i}",
+                    "latent_mean": rng.standard_normal(shape).astype(np.float16),
+                    "latent_std": np.full(shape, 0.1, np.float16),
+                    "text_hidden": rng.standard_normal((77, 32)).astype(np.float16),
+                })  # fmt: skip
+    (tmp_path / "val" / "buckets.json").write_text(json.dumps({"buckets": [
+        {"name": name, "width": w, "height": h, "samples": n} for name, w, h, n in buckets
+    ]}))  # fmt: skip
+    stage = [TINY.stages[0].model_copy(update={"batch_size": 3})]
+    val, _ = _validator(tmp_path, str(tmp_path / "val"), stages=stage)
+    ev = val.evalset
+    assert len(ev) == 9 and sorted(len(b) for b in ev.batches) == [1, 2, 3, 3]
+    for b in ev.batches:
+        assert len({str(ev.dataset[i]["key"]).split("-")[0] for i in b}) == 1, "mixed buckets"
+    first = val.evaluate()
+    assert _numbers(first) == _numbers(val.evaluate())
+    assert all(np.isfinite(v) for v in first.values()) and first["raw/val/cond_gap"] != 0
