@@ -58,11 +58,17 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp
     out = tmp_path / "ddp"
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
-    _launch(
-        _stage(cfg_path, root, version, out, stages=stages, log_sample_keys=True), "cpu-ddp-2.yaml"
-    )
+    # Validation mid-stage too: each rank evaluates its share, EMA swapped in and out.
+    val = shutil.copytree(root / "shards" / version / "32", tmp_path / "val-32")
+    stage_yaml = _stage(
+        cfg_path, root, version, out, stages=stages, log_sample_keys=True, eval_every=2,
+        val_max_samples=6, val_timesteps=2, run_opts={"val_shards": str(val)},
+    )  # fmt: skip
+    _launch(stage_yaml, "cpu-ddp-2.yaml")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_processes"] == 2
+    assert [e["step"] for e in manifest["val_history"]] == [2, 4]
+    assert "ema/val/loss" in manifest["val"] and "raw/val/cond_gap" in manifest["val"]
     a, b = manifest["param_checksums"]
     assert a == b, "DDP ranks must end with identical weights"
     k0 = [k for rec in _keys(out, 0) for k in rec["keys"]]
