@@ -21,9 +21,13 @@ Ranks split the work by batch: the eval set is cut once into a fixed list of bat
 within one aspect bucket), and rank r takes batches r, r + W, ... Each sample's losses land in
 their own row of a table that is all-reduced with sum (every row has one writer, so the sum is
 exact), and every rank averages the same table in the same order: the same bits on any number
-of ranks. The frozen encoders' outputs (latents, text states) are computed once per process and
-kept, so an evaluation runs only the UNet. Training's RNG is never touched: evaluation runs
-under a guard that restores torch's, numpy's and Python's global RNG states.
+of ranks (on one kind of device and thread count; across those, equal to float32 rounding).
+The frozen encoders' outputs (latents, text states) are computed once per process and kept,
+so an evaluation runs only the UNet. Training's RNG is never touched: evaluation runs under a
+guard that restores torch's, numpy's and Python's global RNG states.
+
+`bootstrap_cond_gap` re-evaluates an exported stage and puts a bootstrap CI on its gap;
+`python -m models.validation` evaluates one UNet on a stage's split (under Accelerate too).
 """
 
 from __future__ import annotations
@@ -46,7 +50,15 @@ from models.decoding import width_height
 from models.loader import TRAINING_COLUMNS, ImageCaptionDataset, _stored_ids_match, dataset_buckets
 from models.loss import diffusion_target, encode_latents, encode_text
 
-__all__ = ["EvalSet", "Validator", "build_validator", "eval_timesteps", "main", "noise_seed"]
+__all__ = [
+    "EvalSet",
+    "Validator",
+    "bootstrap_cond_gap",
+    "build_validator",
+    "eval_timesteps",
+    "main",
+    "noise_seed",
+]
 
 log = logging.getLogger("kiln.validation")
 
@@ -320,6 +332,68 @@ def build_validator(run, accelerator, comps, ema, weight_dtype) -> Validator | N
                           cfg.val_max_samples)  # fmt: skip
     return Validator(evalset, accelerator, comps, ema, weight_dtype, cfg.val_timesteps,
                      cfg.eval_every, stage.max_steps, cfg.channels_last)  # fmt: skip
+
+
+def bootstrap_cond_gap(
+    export_dir: str | Path, manifest: dict, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> dict:
+    """The conditioning gap of an exported stage, with a bootstrap CI over validation images.
+
+    Evaluates the export's UNet (its EMA weights when EMA was on) on the stage's validation
+    split exactly as training did at the stage's end (`<stage>/stage.yaml` gives the split and
+    the settings), then resamples the images: each image's gap (averaged over the timesteps)
+    is one observation.
+
+    Args:
+        export_dir: The stage's `final/` folder; its parent holds `stage.yaml`.
+        manifest: The stage's manifest.json; when it holds the end-of-stage numbers, they are
+            checked against this evaluation (a warning if they differ).
+        n_boot: Bootstrap resamples.
+        level: Confidence level of the percentile interval.
+        seed: Seed of the resampling.
+
+    Returns:
+        {"cond_gap", "ci_low", "ci_high", "n" (images), "level", "weights" ("ema" or "raw")}.
+
+    Raises:
+        ValueError: when the stage had no validation split.
+    """
+    from accelerate import Accelerator
+
+    from models.config import StageRun, load_yaml_model
+    from models.factory import build_components
+
+    export_dir = Path(export_dir)
+    run: StageRun = load_yaml_model(StageRun, export_dir.parent / "stage.yaml")
+    if run.val_shards is None:
+        raise ValueError(
+            f"{export_dir.parent / 'stage.yaml'} sets no val_shards: the stage had no "
+            "validation split (shards.val_fraction), so there is no gap to test"
+        )
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    comps = build_components(run.train.model, seed=run.train.seed, init_unet_from=str(export_dir))
+    for module in (comps.unet, comps.vae, comps.text_encoder):
+        module.to(accelerator.device)
+    validator = build_validator(run, accelerator, comps, None, torch.float32)
+    table = validator.tables()["raw"]  # the export's weights, whatever they are
+    gaps = (table[..., 1] - table[..., 0]).mean(dim=1).numpy()
+    rng = np.random.default_rng(seed)
+    means = gaps[rng.integers(0, len(gaps), (n_boot, len(gaps)))].mean(axis=1)
+    tail = (1 - level) / 2 * 100
+    weights = "ema" if manifest.get("ema") else "raw"
+    out = {
+        "cond_gap": float(gaps.mean()),
+        "ci_low": float(np.percentile(means, tail)),
+        "ci_high": float(np.percentile(means, 100 - tail)),
+        "n": len(gaps),
+        "level": level,
+        "weights": weights,
+    }
+    logged = (manifest.get("val") or {}).get(f"{weights}/val/cond_gap")
+    if logged is not None and not np.isclose(logged, out["cond_gap"], rtol=1e-4, atol=1e-7):
+        log.warning("the export's conditioning gap %.6g differs from the %.6g training logged at "
+                    "its end (another precision or device?)", out["cond_gap"], logged)  # fmt: skip
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -307,7 +307,8 @@ def register_model(
     """Log `export_dir` as a pyfunc model in the training run, register it, set `alias`.
 
     `metrics` (the last stage's validation loss and conditioning gap) are logged on the
-    logged model that the version is registered from: the version's metrics in MLflow 3.
+    logged model that the version is registered from (the version's metrics in MLflow 3), and
+    so also, unprefixed, on the training run, where the promotion gate reads `ema/val/loss`.
 
     Returns:
         {"name", "version", "alias", "model_uri", "uri_by_alias"}.

@@ -220,6 +220,15 @@ def test_training_logs_val_metrics_and_trains_the_same_without_them(tmp_path, ti
     assert manifest["val"]["step"] == 5 and manifest["val"] == manifest["val_history"][-1]
     assert manifest["val"]["ema/val/loss"] == evals[-1]["ema/val/loss"]
     assert "loss" in manifest["metrics"] and "raw/val/loss" not in manifest["metrics"]
+    # The export (EMA weights) re-evaluated from its folder gives the gap logged at the end (to
+    # float32 rounding: this process runs other CPU thread counts than the launched one), with
+    # a bootstrap CI over the validation images around it.
+    from models.validation import bootstrap_cond_gap
+
+    gap = bootstrap_cond_gap(with_val / "final", manifest, n_boot=500)
+    assert gap["n"] == 6 and gap["weights"] == "ema"
+    assert gap["cond_gap"] == pytest.approx(manifest["val"]["ema/val/cond_gap"], rel=0, abs=1e-7)
+    assert gap["ci_low"] <= gap["cond_gap"] <= gap["ci_high"]
     plain = json.loads((without / "manifest.json").read_text())
     assert plain["val"] is None and plain["val_history"] == []
     assert manifest["losses"] == plain["losses"], "validation changed the training losses"

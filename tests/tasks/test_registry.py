@@ -140,6 +140,8 @@ def test_registered_version_carries_the_validation_metrics(tmp_path, tracking_ur
     model_id = version.source.removeprefix("models:/")
     logged = {m.key: m.value for m in client.get_logged_model(model_id).metrics}
     assert logged == metrics
+    run_metrics = client.get_run(run_id).data.metrics
+    assert {k: run_metrics[k] for k in metrics} == metrics, "the run has them too (promotion)"
 
 
 def test_a_run_artifact_that_cannot_be_logged_is_a_warning(tmp_path, caplog):
