@@ -23,10 +23,18 @@ from flows.validate import validate_flow
 
 def build_deployments(config_path: str, cron: str | None) -> list:
     """One deployment per flow; the pipeline gets the retraining schedule."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig
+
     params = {"config_path": config_path}
-    deployments = [kiln_pipeline.to_deployment("retrain", parameters=params, cron=cron)]
+    # Two trainings never overlap: a second run waits for the first (ENQUEUE).
+    one = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
+    deployments = [
+        kiln_pipeline.to_deployment("retrain", parameters=params, cron=cron, concurrency_limit=one)
+    ]
     for f in (ingest_flow, validate_flow, shard_flow, train_flow, evaluate_flow, register_flow):
-        deployments.append(f.to_deployment(f.name.removeprefix("kiln-"), parameters=params))
+        limit = one if f is train_flow else None
+        deployments.append(f.to_deployment(f.name.removeprefix("kiln-"), parameters=params,
+                                           concurrency_limit=limit))  # fmt: skip
     return deployments
 
 

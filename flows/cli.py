@@ -127,6 +127,9 @@ def main(debug: bool) -> None:
     # Prefect's server telemetry cannot reach the network here and contends for the local
     # SQLite database; off unless the user has set it.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The embedded server gets 20 s to answer by default; a busy laptop (training, or the
+    # test suite on 2 cores) can need longer, and then every command failed at start.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 @main.command("demo-data")
@@ -287,6 +290,87 @@ def register(config_path: str, root: str | None, run_id: str | None, study_id: s
     """Log the final pipeline to MLflow, register a version and set the alias."""
     _show(_call("flows.register:register_flow", config_path, ("register",), root=root,
                 run_id=run_id, study_id=study_id)[1])  # fmt: skip
+
+
+@main.command()
+@CONFIG
+@ROOT
+@click.option(
+    "--model", required=True,
+    help="models:/NAME@ALIAS, models:/NAME/VERSION or an exported pipeline folder.",
+)  # fmt: skip
+@click.option("--prompt", required=True, help="What to draw.")
+@click.option("--n", "n", type=int, default=4, show_default=True, help="Images (one seed each).")
+@click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
+@click.option("--steps", type=int, default=25, show_default=True, help="Inference steps.")
+@click.option("--guidance", type=float, default=7.5, show_default=True, help="CFG scale.")
+@click.option("--out", default="generated", show_default=True, help="Folder for the PNGs.")
+def generate(
+    config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int, steps: int,
+    guidance: float, out: str,
+) -> None:  # fmt: skip
+    """Generate PNG files from a registered model (or an export) for one prompt."""
+    from flows.config import load_config
+    from tasks.generate_images import generate_images, resolve_pipeline
+
+    try:
+        cfg = load_config(config_path, root=root)
+        _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
+        result = generate_images(folder, prompt, Path(out), n=n, seed=seed, steps=steps,
+                                 guidance_scale=guidance)  # fmt: skip
+    except (ValueError, OSError) as e:
+        raise KilnError(str(e)) from e
+    except Exception as e:  # the registry's own errors (no such alias or version)
+        if type(e).__name__ == "MlflowException":
+            raise KilnError(f"{model}: {getattr(e, 'message', e)}") from e
+        raise
+    _show(result)
+
+
+@main.command()
+@CONFIG
+@ROOT
+@click.option(
+    "--candidate", default=None,
+    help="models:/NAME@ALIAS or models:/NAME/VERSION (default: the registry alias, candidate).",
+)  # fmt: skip
+@click.option("--first", is_flag=True, help="Promote with no champion yet.")
+@click.option("--force", is_flag=True, help="Promote past a refused gate (needs --reason).")
+@click.option("--reason", default=None, help="Why (recorded on the version).")
+def promote(
+    config_path: str, root: str | None, candidate: str | None, first: bool, force: bool,
+    reason: str | None,
+) -> None:  # fmt: skip
+    """Move the `champion` alias to the candidate if the gate (registry.gate) passes.
+
+    The gate reads the candidate's human-evaluation comparison against the current champion
+    from MLflow: enough votes on every pair, the 95% CI of its preference at or above
+    min_pref_ci_low for quality and alignment, no DrawBench category below
+    min_category_pref, and no worse validation loss. The old champion becomes
+    `previous-champion`; `kiln rollback` swaps them back.
+    """
+    from tasks.promotion import PromotionRefused
+
+    try:
+        _show(_call("flows.promote:promote_flow", config_path, ("register",), root=root,
+                    candidate=candidate, first=first, force=force, reason=reason)[1])  # fmt: skip
+    except PromotionRefused as e:
+        raise KilnError(str(e)) from e
+
+
+@main.command()
+@CONFIG
+@ROOT
+@click.option("--reason", default=None, help="Why (recorded on both versions).")
+def rollback(config_path: str, root: str | None, reason: str | None) -> None:
+    """Swap `champion` and `previous-champion` back."""
+    from tasks.promotion import PromotionRefused
+
+    try:
+        _show(_call("flows.promote:rollback_flow", config_path, ("register",), root=root,
+                    reason=reason)[1])  # fmt: skip
+    except PromotionRefused as e:
+        raise KilnError(str(e)) from e
 
 
 @main.command()

@@ -341,6 +341,9 @@ def load_config(
     cfg.launch.accelerate_config = _find_input(cfg.launch.accelerate_config, base)
     if cfg.registry.tracking_uri:
         cfg.registry.tracking_uri = _abs_sqlite(cfg.registry.tracking_uri, base)
+    warm = cfg.train.init_from_model
+    if warm and not warm.startswith("models:/"):
+        cfg.train.init_from_model = _abs(warm, base)
     if cfg.human_eval.database_url:
         cfg.human_eval.database_url = _abs_sqlite(cfg.human_eval.database_url, base)
     return cfg

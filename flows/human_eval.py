@@ -22,6 +22,7 @@ The report goes to:
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from human_eval.report import build_report
 from human_eval.store import QUESTIONS, RatingStore
 from human_eval.studies import create_comparison, load_study
 
-__all__ = ["human_eval_flow", "is_model_ref", "mlflow_metrics", "study_for_model"]
+__all__ = ["category_slug", "human_eval_flow", "is_model_ref", "mlflow_metrics", "study_for_model"]
 
 
 def is_model_ref(ref: str) -> bool:
@@ -77,11 +78,12 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     from flows.evaluate import study_id_for
     from tasks.launch import launch_generate
     from tasks.layout import Layout
+    from tasks.registry import registered_pipeline
 
     check_inputs(cfg, ("evaluate",))  # resolves the prompts file
     ev, layout = cfg.evaluate, Layout(Path(cfg.storage.root))
     if ref.startswith("models:/"):
-        ident, pipeline = _registered_pipeline(cfg, layout, ref)
+        ident, pipeline = registered_pipeline(cfg.tracking_uri, layout.root, ref)
     else:
         ident = f"pipeline-{_pipeline_identity(Path(ref))}"
         pipeline = lambda: ref  # noqa: E731
@@ -96,39 +98,6 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
             num_processes=cfg.launch.num_processes,
         )  # fmt: skip
     return study_id
-
-
-def _registered_pipeline(cfg: PipelineConfig, layout, uri: str):
-    """(identity, a callable giving the local pipeline folder) of a registered version."""
-    import re
-
-    from mlflow.tracking import MlflowClient
-
-    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", uri)
-    if m is None:
-        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
-    name, alias, number = m.groups()
-    client = MlflowClient(cfg.tracking_uri, registry_uri=cfg.tracking_uri)
-    mv = (client.get_model_version_by_alias(name, alias) if alias
-          else client.get_model_version(name, number))  # fmt: skip
-    run_id = mv.tags.get("run_id", "")
-    run_json = layout.run(run_id) / "run.json" if run_id else None
-    if run_json is not None and run_json.is_file():
-        export = json.loads(run_json.read_text()).get("export")
-        if export and Path(export).is_dir():
-            return run_id, lambda: export
-
-    def download() -> Path:
-        import mlflow.artifacts
-
-        dst = layout.root / "human_eval" / "models" / f"{name}-v{mv.version}"
-        local = mlflow.artifacts.download_artifacts(
-            artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(dst),
-            tracking_uri=cfg.tracking_uri, registry_uri=cfg.tracking_uri,
-        )  # fmt: skip
-        return Path(local) / "artifacts" / "pipeline"
-
-    return f"{name}-v{mv.version}", download
 
 
 @task(name="create-comparison", cache_policy=NO_CACHE)
@@ -171,6 +140,11 @@ def report_task(root: str, url: str | None, cid: str, min_gold: float, n: int, s
     return build_report(store, cid, out, min_gold_accuracy=min_gold, n_resamples=n, seed=seed)
 
 
+def category_slug(category: str) -> str:
+    """A DrawBench category as a metric-name part: "Gary Marcus et al." -> gary_marcus_et_al."""
+    return re.sub(r"[^a-z0-9]+", "_", category.lower()).strip("_") or "none"
+
+
 def mlflow_metrics(report: dict) -> dict[str, float]:
     """The numbers the promotion gate reads, by their MLflow names (NaN-free)."""
     out: dict[str, float] = {}
@@ -183,6 +157,10 @@ def mlflow_metrics(report: dict) -> dict[str, float]:
                 out[f"human_eval/{q}_{name}"] = float(cell[key])
         if alpha["value"] is not None:
             out[f"human_eval/{q}_alpha"] = float(alpha["value"])
+        out[f"human_eval/{q}_min_votes_per_pair"] = float(cell.get("min_votes_per_pair", 0))
+        for cat, c in report["questions"][q]["categories"].items():
+            if c["pref"] is not None:
+                out[f"human_eval/{q}_pref/{category_slug(cat)}"] = float(c["pref"])
     out["human_eval/raters_excluded"] = float(report["raters"]["excluded"])
     return out
 

@@ -25,8 +25,9 @@ def shard_flow(
     ingest_id: str | None = None,
     allow_failed_gate: bool = False,
 ) -> dict:
-    """Write `<root>/shards/<dataset_version>/<resolution>/` for every stage resolution, and
-    publish the version to `shards.remote` when it is set.
+    """Write `<root>/shards/<dataset_version>/<resolution>/` for every stage resolution (and
+    its held-out validation split, `<resolution>-val/`), with `shards.precompute` their
+    latents, and publish the version to `shards.remote` when it is set.
 
     Args:
         config_path: Pipeline YAML.
@@ -52,15 +53,22 @@ def shard_flow(
     if cfg.shards.precompute:
         check_inputs(cfg, ("train",))
         for i, stage in enumerate(cfg.train.stages):
-            images = layout.shards(result.dataset_version, stage.resolution)
-            out = layout.latents(result.dataset_version, stage.resolution, encoder_key(cfg))
+            version, res = result.dataset_version, stage.resolution
+            images = layout.shards(version, res)
+            out = layout.latents(version, res, encoder_key(cfg))
+            # The held-out split, when the stage has one, is encoded in the same launch.
+            val = layout.val_shards(version, res) if result.stages[res]["val_samples"] else None
+            val_out = layout.val_latents(version, res, encoder_key(cfg)) if val else None
             spec = StageRun(train=cfg.train, stage_index=i, shards=str(images),
-                            output_dir=str(out.parent))  # fmt: skip
-            launch_precompute.with_options(name=f"precompute-{stage.resolution}px")(
+                            output_dir=str(out.parent), val_shards=val and str(val))  # fmt: skip
+            launch_precompute.with_options(name=f"precompute-{res}px")(
                 spec, str(out), cfg.launch.accelerate_config,
                 text=cfg.shards.precompute_text, num_processes=cfg.launch.num_processes,
+                val_out_dir=val_out and str(val_out),
             )  # fmt: skip
-            result.stages[stage.resolution]["latents"] = str(out)
+            result.stages[res]["latents"] = str(out)
+            if val_out:
+                result.stages[res]["val_latents"] = str(val_out)
     pub = None
     if cfg.shards.remote:
         pub = publish_shards(

@@ -59,6 +59,8 @@ def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) 
         },
         tags={"kiln.run_id": run_id, "kiln.dataset_version": version},
         artifact_root=str(Path(cfg.storage.root) / "mlartifacts"),
+        dataset=(version, f"{cfg.shards.remote}/{version}" if cfg.shards.remote
+                 else str(layout.shards(version))),  # fmt: skip
     )
     record = {
         "run_id": run_id,
@@ -91,13 +93,17 @@ def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) ->
     return out
 
 
-def _val_split(cfg: PipelineConfig, layout: Layout, version: str, res: int, latents: bool):
-    """The stage's validation split written by the shard step (its latents when the stage
-    trains on latents and they exist), or None: the stage then logs no validation loss."""
-    candidates = [layout.val_shards(version, res)]
-    if latents:
-        candidates.insert(0, layout.val_latents(version, res, encoder_key(cfg)))
-    return next((str(p) for p in candidates if is_published(p)), None)
+def _val_shards(cfg: PipelineConfig, layout: Layout, version: str, res: int,
+                latents: bool) -> str | None:  # fmt: skip
+    """The stage's held-out validation split (`tasks.shard`), of the same kind as what it
+    trains on (precomputed latents or images); None when the version has none for `res`.
+
+    Always the local copy, even when training streams `shards.remote` (the split is small):
+    validation on another machine needs `storage.root` mounted there.
+    """
+    path = (layout.val_latents(version, res, encoder_key(cfg)) if latents
+            else layout.val_shards(version, res))  # fmt: skip
+    return str(path) if is_published(path) else None
 
 
 def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str]) -> dict:
@@ -202,13 +208,13 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
             stage_index=i,
             shards=str(shards),
             mix_shards=mix,
+            val_shards=_val_shards(cfg, layout, version, stage.resolution, shards == latents),
             **streamed,
             output_dir=str(out),
             init_from_dir=init_from,
             tracking_uri=cfg.tracking_uri,
             mlflow_run_id=record["mlflow_run_id"],
             gpu_hour_usd=cfg.launch.gpu_hour_usd,
-            val_shards=_val_split(cfg, layout, version, stage.resolution, shards == latents),
         )
         previous = launch_stage.with_options(
             name=f"train-{stage.resolution}px",

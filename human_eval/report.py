@@ -72,9 +72,18 @@ def _cell(votes: list[dict], n_resamples: int, seed: int) -> dict:
 
 
 def summarize(
-    votes: list[dict], *, min_gold_accuracy: float = 0.0, n_resamples: int = 2000, seed: int = 0
+    votes: list[dict],
+    *,
+    min_gold_accuracy: float = 0.0,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    pair_ids: list[int] | None = None,
 ) -> dict:
-    """The statistics of one comparison's votes (plain rows, as `RatingStore.votes` gives)."""
+    """The statistics of one comparison's votes (plain rows, as `RatingStore.votes` gives).
+
+    `pair_ids` (the comparison's non-gold pairs) gives each question's `min_votes_per_pair`:
+    the fewest kept votes any pair has, 0 while a pair is unrated. The promotion gate reads it.
+    """
     excluded = excluded_raters(votes, min_gold_accuracy)
     kept = [v for v in votes if not v["gold"] and v["rater"] not in excluded]
     questions = {}
@@ -87,8 +96,11 @@ def summarize(
         for v in qv:
             units[v["pair_id"]].append(v["answer"])
         alpha, used = krippendorff_alpha(units)
+        overall = _cell(qv, n_resamples, seed)
+        every = pair_ids if pair_ids is not None else list(units)
+        overall["min_votes_per_pair"] = min((len(units.get(p, [])) for p in every), default=0)
         questions[q] = {
-            "overall": _cell(qv, n_resamples, seed),
+            "overall": overall,
             "categories": {c: _cell(cv, n_resamples, seed) for c, cv in sorted(by_cat.items())},
             "alpha": {"value": alpha, "pairs": used},
         }
@@ -199,7 +211,7 @@ def build_report(
         "model_a": cmp.model_a, "model_b": cmp.model_b,
         "raters_per_pair": cmp.raters_per_pair, "gold_per_rater": cmp.gold_per_rater,
         **summarize(votes, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples,
-                    seed=seed),
+                    seed=seed, pair_ids=[p.id for p in store.pairs(cmp.id) if not p.gold]),
     }  # fmt: skip
     bt = ranking(store, min_gold_accuracy=min_gold_accuracy, seed=seed)
     if bt is not None:

@@ -29,9 +29,11 @@ __all__ = [
     "Component",
     "ConfigError",
     "EMAConfig",
+    "EvalMetricsConfig",
     "EvaluateConfig",
     "ExecutionConfig",
     "FaultInjection",
+    "GateConfig",
     "IngestConfig",
     "LaunchConfig",
     "ModelConfig",
@@ -193,6 +195,12 @@ class TrainConfig(Strict):
     log_every: int = Field(10, gt=0)
     ema: EMAConfig = Field(default_factory=EMAConfig)
     init_from: Literal["ema", "raw"] = "ema"
+    init_from_model: str | None = Field(
+        None,
+        description="Warm start: the first stage starts from this model's UNet (its EMA "
+        "starts there too): models:/NAME@ALIAS, models:/NAME/VERSION or an exported pipeline "
+        "folder. Null: random initialisation (training from scratch).",
+    )
     num_workers: int = Field(0, ge=0, description="DataLoader workers per process.")
     caption_dropout: float = Field(
         0.1, ge=0, lt=1, description="Empty-caption rate, for classifier-free guidance."
@@ -494,11 +502,29 @@ class EvaluateConfig(Strict):
     metrics: EvalMetricsConfig = Field(default_factory=EvalMetricsConfig)
 
 
+class GateConfig(Strict):
+    """What `kiln promote` needs before `champion` moves to a candidate (tasks/promotion.py)."""
+
+    min_votes_per_pair: int = Field(
+        3, ge=1, description="Fewest human votes every compared pair must have, per question."
+    )
+    min_pref_ci_low: float = Field(
+        0.5, ge=0, le=1, description="Lower 95% CI bound of the candidate's preference rate."
+    )
+    min_category_pref: float = Field(
+        0.4, ge=0, le=1, description="No DrawBench category's preference may be below this."
+    )
+    max_val_loss_increase: float = Field(
+        0.02, ge=0, description="Validation loss may exceed the champion's by this fraction."
+    )
+
+
 class RegistryConfig(Strict):
     tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
     experiment: str = "kiln"
     model_name: str = "kiln-t2i"
     alias: str = "candidate"
+    gate: GateConfig = Field(default_factory=GateConfig)
 
 
 class LaunchConfig(Strict):

@@ -16,6 +16,9 @@ import logging
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+# The served model ships without the rest of Kiln, so the prompt cut lives in its module.
+from kiln_pyfunc import truncate_prompts
+
 __all__ = ["CaptionTokenizer", "fast_tokenizer", "truncate_prompts"]
 
 log = logging.getLogger(__name__)
@@ -57,39 +60,3 @@ class CaptionTokenizer:
         # caption between decodes) and which oversubscribes the cores loader workers share.
         enc = self.backend.encode
         return torch.tensor([enc(c).ids for c in captions], dtype=torch.int64)
-
-
-def _token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    # verbose=False: no "sequence length is longer than the specified maximum" warning either.
-    return tokenizer(text, add_special_tokens=False, verbose=False).input_ids
-
-
-def truncate_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[str]:
-    """Each prompt cut to the tokenizer's `model_max_length` (start and end tokens included),
-    so that the pipeline's own truncation has nothing left to cut or warn about.
-
-    A prompt that fits is returned unchanged. A long one becomes the decoded text of its
-    first tokens: the tokens the pipeline would have kept (CLIP's tokenizer lower-cases and
-    normalises spaces anyway), except that a word cut mid-way now ends as a word. One log
-    line counts the cut prompts.
-    """
-    limit = int(tokenizer.model_max_length) - tokenizer.num_special_tokens_to_add()
-    out, cut = [], 0
-    for prompt in prompts:
-        ids = _token_ids(tokenizer, prompt)
-        if len(ids) <= limit:
-            out.append(prompt)
-            continue
-        keep = limit
-        text = tokenizer.decode(ids[:keep], skip_special_tokens=True)
-        # A word cut mid-way can re-tokenize into more pieces (BPE merges differ at a word's
-        # end): keep fewer tokens until the text fits.
-        while keep > 0 and len(_token_ids(tokenizer, text)) > limit:
-            keep -= 1
-            text = tokenizer.decode(ids[:keep], skip_special_tokens=True)
-        out.append(text)
-        cut += 1
-    if cut:
-        log.info("%d of %d prompts cut to the text encoder's %d tokens", cut, len(prompts),
-                 tokenizer.model_max_length)  # fmt: skip
-    return out

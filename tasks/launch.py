@@ -252,16 +252,20 @@ def launch_precompute(
     *,
     text: bool = True,
     num_processes: int | None = None,
+    val_out_dir: str | None = None,
 ) -> str:
     """Precompute one stage's latents with `models.precompute`; returns the dataset folder.
 
-    Idempotent: a complete folder (see `tasks.layout.is_published`) is returned without work.
+    With `val_out_dir`, the same launch also encodes the stage's validation split
+    (`stage.val_shards`) into it. Idempotent: complete folders (see
+    `tasks.layout.is_published`) are returned without work.
     """
     out = Path(out_dir)
-    if is_published(out):
+    if is_published(out) and (val_out_dir is None or is_published(Path(val_out_dir))):
         return str(out)
     cfg_path = out.parent / f".precompute-{out.name}.yaml"
     cfg_path.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
     args = ["--config", str(cfg_path), "--out", str(out)] + ([] if text else ["--no-text"])
+    args += ["--val-out", val_out_dir] if val_out_dir else []
     run_launch(accelerate_command(accelerate_config, "models.precompute", args, num_processes))
     return str(out)

@@ -1,7 +1,8 @@
 """Publish: mirror a finished dataset version to object storage, for training to stream from.
 
-`<root>/shards/<version>/` (its stages, aspect buckets and precomputed latents) is copied to
-`<shards.remote>/<version>/` with the same layout. Training machines then stream it through
+`<root>/shards/<version>/` (its stages, aspect buckets, validation splits and precomputed
+latents: every complete dataset folder in it) is copied to `<shards.remote>/<version>/` with
+the same layout. Training machines then stream it through
 a node-local cache (`shards.cache_dir`) instead of reading every sample from a shared mount,
 as MosaicML's SD2 run streamed from object storage.
 

@@ -142,14 +142,39 @@ def create_training_run(
     params: dict[str, str],
     tags: dict[str, str],
     artifact_root: str | None = None,
+    dataset: tuple[str, str] | None = None,
 ) -> str:
-    """Create the MLflow run that a whole training run (all stages) logs into; return its id."""
+    """Create the MLflow run that a whole training run (all stages) logs into; return its id.
+
+    `dataset` is (dataset version, source URI of its shards): logged as the run's input.
+    """
     client = MlflowClient(tracking_uri)
     exp_id = ensure_experiment(client, experiment, artifact_root)
     run = client.create_run(exp_id, run_name=run_name, tags=tags)
     for k, v in params.items():
         client.log_param(run.info.run_id, k, str(v)[:6000])
+    if dataset is not None:
+        log_dataset_input(client, run.info.run_id, *dataset)
     return run.info.run_id
+
+
+def log_dataset_input(client: MlflowClient, run_id: str, version: str, source_uri: str) -> None:
+    """Log the dataset version as the run's MLflow dataset input (context `training`), so the
+    MLflow UI's Datasets column shows what a model was trained on: name and digest are the
+    dataset version, the source is where its shards live."""
+    import warnings
+
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    with warnings.catch_warnings():  # "can be interpreted in multiple ways": both are local
+        warnings.simplefilter("ignore", UserWarning)
+        source = resolve_dataset_source(source_uri)
+    ds = MetaDataset(source, name=f"kiln-{version}", digest=version)
+    tag = InputTag(key=MLFLOW_DATASET_CONTEXT, value="training")
+    client.log_inputs(run_id, datasets=[DatasetInput(ds._to_mlflow_entity(), tags=[tag])])
 
 
 @task(name="mark-training-run", cache_policy=NO_CACHE)
@@ -315,8 +340,8 @@ def register_model(
     """
     import mlflow
 
-    import models
-    from models.pyfunc import KilnDiffusionModel, signature
+    import kiln_pyfunc
+    from kiln_pyfunc import KilnDiffusionModel, signature
 
     if not (Path(export_dir) / "model_index.json").is_file():
         raise FileNotFoundError(f"no exported pipeline at {export_dir} (model_index.json missing)")
@@ -332,7 +357,7 @@ def register_model(
                     name="model",
                     python_model=KilnDiffusionModel(),
                     artifacts={"pipeline": export_dir},
-                    code_paths=[str(Path(models.__file__).parent)],
+                    code_paths=[kiln_pyfunc.__file__],
                     pip_requirements=reqs,
                     signature=signature(),
                 )
@@ -365,3 +390,46 @@ def register_model(
         "model_uri": info.model_uri,
         "uri_by_alias": f"models:/{model_name}@{alias}",
     }
+
+
+def registered_pipeline(tracking_uri: str, root: Path, uri: str):
+    """(identity, a callable giving the local pipeline folder) of a registered version.
+
+    A version whose `run_id` tag names a training run under `root` with its export on disk
+    is that run (identity: the run id); any other is downloaded once from the registry into
+    `<root>/models/<name>-v<version>/` (identity: `<name>-v<version>`).
+
+    Raises:
+        ValueError: `uri` is not models:/NAME@ALIAS or models:/NAME/VERSION.
+    """
+    import json
+    import re
+
+    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", uri)
+    if m is None:
+        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    name, alias, number = m.groups()
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    mv = (client.get_model_version_by_alias(name, alias) if alias
+          else client.get_model_version(name, number))  # fmt: skip
+    run_id = mv.tags.get("run_id", "")
+    run_json = Path(root) / "runs" / run_id / "run.json" if run_id else None
+    if run_json is not None and run_json.is_file():
+        export = json.loads(run_json.read_text()).get("export")
+        if export and Path(export).is_dir():
+            return run_id, lambda: export
+
+    def download() -> Path:
+        import mlflow.artifacts
+
+        dst = Path(root) / "models" / f"{name}-v{mv.version}"
+        local = Path(dst) / "artifacts" / "pipeline"
+        if (local / "model_index.json").is_file():
+            return local
+        got = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(dst),
+            tracking_uri=tracking_uri, registry_uri=tracking_uri,
+        )  # fmt: skip
+        return Path(got) / "artifacts" / "pipeline"
+
+    return f"{name}-v{mv.version}", download

@@ -100,14 +100,16 @@ def _gate_note(gate: dict) -> str:
 
 
 def shards_report(result, ingest_id: str, path: str, published: dict | None) -> str:
-    """One row per stage (samples, shards, bytes, buckets), the gate override, the publish."""
+    """One row per stage (samples, held-out validation samples, shards, bytes, buckets), the
+    gate override, the publish."""
     pub = ""
     if published:
         pub = (f"Published to `{published['remote']}`: {published['uploaded']} objects "
                f"({published['bytes'] / 1e6:.2f} MB) sent; {published['already_there']} were "
                "there already.\n\n")  # fmt: skip
     rows = "\n".join(
-        f"| {r}px | {s['samples']} | {s['shards']} | {s['bytes'] / 1e6:.2f} MB | "
+        f"| {r}px | {s['samples']} | {s.get('val_samples', 0)} | {s['shards']} | "
+        f"{s['bytes'] / 1e6:.2f} MB | "
         f"{', '.join(f'{b}: {n}' for b, n in s.get('buckets', {}).items()) or 'square'} |"
         for r, s in result.stages.items()
     )
@@ -115,7 +117,8 @@ def shards_report(result, ingest_id: str, path: str, published: dict | None) -> 
         f"## Dataset `{result.dataset_version}`{' (reused)' if result.reused else ''}\n\n"
         f"From catalog `{ingest_id}`, at `{path}`.\n\n"
         f"{_gate_note(result.quality_gate)}{pub}"
-        f"| stage | samples | shards | bytes | buckets |\n|---|---:|---:|---:|---|\n{rows}\n"
+        "| stage | samples | val samples | shards | bytes | buckets |\n"
+        f"|---|---:|---:|---:|---:|---|\n{rows}\n"
     )
 
 
@@ -272,7 +275,8 @@ def pipeline_report(result: dict, run: dict) -> str:
          f"gate {verdict}: {q['clean']} clean, "
          f"{q['rejected_ingest'] + q['rejected_validate']} quarantined"),
         ("shard", f"`{sh['dataset_version']}`",
-         ", ".join(f"{r}px: {s['samples']}" for r, s in sh["stages"].items())),
+         ", ".join(f"{r}px: {s['samples']} (+{s.get('val_samples', 0)} val)"
+                   for r, s in sh["stages"].items())),
         ("train", f"`{run['run_id']}`",
          f"stages {', '.join(f'{r}px' for r in stages)}; final loss {loss:.4f}; "
          f"{gpu_h:.4g} GPU-hours"),

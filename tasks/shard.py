@@ -18,6 +18,19 @@ one MDS part per stage under `.partial/<resolution>/part-NNNNN/`; a part is fini
 `index.json` exists, so a crashed conversion redoes only unfinished partitions. When every
 partition is done, the parts of a stage are merged into one `index.json` with streaming's
 `merge_index`, read back and checked, and the folder is renamed into place.
+
+Held-out validation split: an image is held out when the sha256 of its key, read as a number
+in [0, 1), is below `shards.val_fraction`; when more than `shards.val_max` are, the ones with
+the smallest hashes are kept. The choice is made by key over the whole clean catalog, before
+any stage's size filter, so the same images are held out at every stage (each stage's split
+is the held-out images that stage accepts) and adding images never moves an old one between
+the splits. A held-out image is in no training shard. Each stage's split is its own dataset,
+`<resolution>-val/`, with the same columns, rendering and layout as the stage: a bucketed
+stage's split is bucketed the same way (`<resolution>-val/<width>x<height>/` and its
+`buckets.json`), so whatever reads a stage reads its split; a stage that accepts no held-out
+image gets no folder. The split is written by the same partitions and published just before
+its stage, so a published stage always has its split in place. Both settings are part of the
+dataset version.
 """
 
 from __future__ import annotations
@@ -50,7 +63,14 @@ from tasks.sources import CATALOG_COLUMNS
 if TYPE_CHECKING:  # the schema's home; annotations only, nothing imported at run time
     from models.config import ShardsConfig
 
-__all__ = ["MDS_COLUMNS", "ShardResult", "dataset_version", "token_ids_column", "write_shards"]
+__all__ = [
+    "MDS_COLUMNS",
+    "ShardResult",
+    "dataset_version",
+    "held_out",
+    "token_ids_column",
+    "write_shards",
+]
 
 
 # MosaicML's diffusion shards store JPEG bytes too; a plain StreamingDataset reads them back.
@@ -88,7 +108,8 @@ def _caption_tokenizer(spec: str):
 class ShardResult:
     dataset_version: str
     ingest_id: str
-    stages: dict[int, dict] = field(default_factory=dict)  # resolution -> samples, bytes, shards
+    # resolution -> samples, bytes, shards (training split), val_samples (held-out split)
+    stages: dict[int, dict] = field(default_factory=dict)
     reused: bool = False
     quality_gate: dict = field(default_factory=dict)  # the catalog's verdict, and any override
 
@@ -119,6 +140,28 @@ def dataset_version(clean: pd.DataFrame, settings: dict) -> str:
         if meta:  # only then: rows without metadata keep the hash they had before
             h.update(b"\0" + json.dumps(meta, sort_keys=True, default=str).encode())
     return "ds-" + h.hexdigest()[:12]
+
+
+def _key_unit(key: str) -> float:
+    """A key's place in [0, 1): the top 53 bits of its sha256, exact as a float."""
+    return (int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 11) / 2**53
+
+
+def held_out(uids, fraction: float, cap: int) -> set[tuple[str, str]]:
+    """The (source, key) pairs of the validation split: those whose key hashes below
+    `fraction`, at most `cap` of them, the smallest hashes first.
+
+    Hashing the key alone (not the bytes or the caption) keeps an image on its side of the
+    split when its caption is fixed or its source moves; ties go by key, then source.
+    """
+    if fraction <= 0 or cap <= 0:
+        return set()
+    scored = sorted((_key_unit(key), key, src) for src, key in uids)
+    return {(src, key) for u, key, src in scored[:cap] if u < fraction}
+
+
+def _split_stats(path: Path) -> dict:
+    return _stage_stats(path) if is_published(path) else {"samples": 0}
 
 
 def _stage_stats(path: Path) -> dict:
@@ -173,10 +216,13 @@ def write_partition(
     size_limit: int,
     pool=None,
     tokenizer: str | None = None,
+    held: list[tuple] | None = None,
 ) -> dict:
     """Render one partition's images and write one MDS part per stage; skip finished parts.
 
     With `tokenizer` (a TokenizerConfig as JSON), each part also stores the captions' ids.
+    The images in `held` ((source, key) pairs) go to each stage's validation split instead,
+    `<resolution>-val/`; that part is written before the stage's, whose marker covers both.
 
     A job's targets are stage resolutions (square stages) or (resolution, width, height) for
     a bucketed stage, whose part is one MDS part per bucket plus a `part-NNNNN.done` marker.
@@ -203,22 +249,45 @@ def write_partition(
             raise RuntimeError(f"{job[0]}/{d['key']}: failed to re-read during sharding: "
                                f"{d['error']}")  # fmt: skip
         rendered[(job[0], d["key"])] = d["images"]
+    held = {tuple(u) for u in held or []}
     for r in todo:
         uids = sorted(u for u in rendered if r in rendered[u])
-        if r not in bucketed:
-            _write_part(base / str(r) / name, uids, rendered, rows, r, size_limit, tokenizer)
-            continue
-        for stale in (base / str(r)).glob(f"*/{name}"):  # buckets of a crashed attempt
-            shutil.rmtree(stale)
-        groups: dict[tuple, list] = {}
-        for uid in uids:
-            groups.setdefault(bucket_of[(uid, r)], []).append(uid)
-        for (bw, bh), members in sorted(groups.items()):
-            _write_part(base / str(r) / f"{bw}x{bh}" / name, members, rendered, rows, r,
-                        size_limit, tokenizer)  # fmt: skip
-        done[r].parent.mkdir(parents=True, exist_ok=True)
-        done[r].write_text(json.dumps({f"{w}x{h}": len(v) for (w, h), v in groups.items()}))
+        val = [u for u in uids if u in held]
+        train = [u for u in uids if u not in held]
+
+        def write(folder: Path, members: list, r: int = r) -> dict:
+            buckets = {u: bucket_of[(u, r)] for u in members} if r in bucketed else None
+            return _write_split(folder, members, buckets, name, rendered, rows, r, size_limit,
+                                tokenizer)  # fmt: skip
+
+        if val:  # first: the stage's own part (or marker) below marks both as done
+            write(base / f"{r}-val", val)
+        # A square stage's part is written even when empty: its index.json is the marker.
+        groups = write(base / str(r), train)
+        if r in bucketed:
+            done[r].parent.mkdir(parents=True, exist_ok=True)
+            done[r].write_text(json.dumps(groups))
     return {"index": index, "skipped": False}
+
+
+def _write_split(folder: Path, uids: list, buckets: dict | None, name: str, rendered: dict,
+                 rows: dict, r: int, size_limit: int, tokenizer: str | None) -> dict:  # fmt: skip
+    """Write one partition's part of a split (a stage or its validation split): one MDS part,
+    or one per aspect bucket when `buckets` maps each uid to its (width, height).
+
+    Returns the samples per bucket name ({} for a square split)."""
+    if buckets is None:
+        _write_part(folder / name, uids, rendered, rows, r, size_limit, tokenizer)
+        return {}
+    for stale in folder.glob(f"*/{name}"):  # buckets of a crashed attempt
+        shutil.rmtree(stale)
+    groups: dict[tuple, list] = {}
+    for uid in uids:
+        groups.setdefault(buckets[uid], []).append(uid)
+    for (bw, bh), members in sorted(groups.items()):
+        _write_part(folder / f"{bw}x{bh}" / name, members, rendered, rows, r, size_limit,
+                    tokenizer)  # fmt: skip
+    return {f"{w}x{h}": len(v) for (w, h), v in groups.items()}
 
 
 def _check_readback(path: Path, size: tuple[int, int], expected: int, ids_len: int | None = None,
@@ -273,8 +342,12 @@ def write_shards(
     The catalog must have passed the quality gate (its `verdict.json`); `allow_failed_gate`
     shards a failed or unvalidated one anyway, and `shards.json` records the override.
 
+    Each stage also gets its held-out validation split, `<resolution>-val/` (see the module
+    docstring), whose size is `stages[r]["val_samples"]` (0: no folder).
+
     Args:
-        cfg: The `shards` config section (encoding, size limits, partitions, bucket shape).
+        cfg: The `shards` config section (encoding, size limits, partitions, bucket shape,
+            validation split).
         root: The storage root.
         ingest_id: The validated catalog to shard.
         resolutions: The stage resolutions, one dataset each.
@@ -290,6 +363,7 @@ def write_shards(
     Raises:
         FileNotFoundError: the catalog has not been validated.
         QualityGateError: its verdict failed or is missing, without `allow_failed_gate`.
+        ValueError: a stage has no training images (none qualify, or all are held out).
     """
 
     log = task_logger(__name__)
@@ -320,6 +394,8 @@ def write_shards(
         settings["buckets"] = {str(r): b for r, b in sorted(buckets.items())}
     if tokenizer is not None:
         settings["tokenizer"] = tokenizer
+    if cfg.val_fraction > 0 and cfg.val_max > 0:  # only then: versions without a split keep
+        settings["val"] = {"fraction": cfg.val_fraction, "max": cfg.val_max}  # their hash
     version = dataset_version(clean, settings)
     result = ShardResult(dataset_version=version, ingest_id=ingest_id, quality_gate=gate)
     base = layout.shards(version)
@@ -342,13 +418,26 @@ def write_shards(
                 f"stage {r}px has no images: none of {len(clean)} clean images {need} "
                 f"(resolution and shards.min_side_factor {min_side_factor})"
             )
+    held = held_out(zip(clean["source"], clean["key"], strict=True), cfg.val_fraction, cfg.val_max)
+    val = {}
+    for r in sorted(resolutions):
+        is_val = [u in held for u in zip(eligible[r]["source"], eligible[r]["key"], strict=True)]
+        val[r], eligible[r] = eligible[r][is_val], eligible[r][~np.array(is_val, bool)]
+        if eligible[r].empty:
+            raise ValueError(
+                f"stage {r}px has no training images: all {len(val[r])} of its images are held "
+                f"out for validation (lower shards.val_fraction {cfg.val_fraction} or "
+                f"shards.val_max {cfg.val_max})"
+            )
     if not todo:
         result.reused = True
         log.info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
     else:
-        _convert(base, todo, eligible, clean, settings, cfg.workers, endpoint_url, dask_address)
+        _convert(base, todo, eligible, val, clean, settings, cfg.workers, endpoint_url,
+                 dask_address)  # fmt: skip
     for r in sorted(resolutions):
         result.stages[r] = _stage_stats(base / str(r))
+        result.stages[r]["val_samples"] = _split_stats(layout.val_shards(version, r))["samples"]
     (base / "shards.json").write_text(
         json.dumps({**result.to_dict(), "settings": settings}, indent=2)
     )
@@ -356,11 +445,20 @@ def write_shards(
     return result
 
 
-def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_address):
+def _uids(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    return list(zip(frame["source"], frame["key"], strict=True))
+
+
+def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, dask_address):
+    """Render and write the `todo` stages' training (`eligible`) and validation (`val`)
+    images in partitions, then publish each stage's split and then the stage."""
     from contextlib import ExitStack
 
     log = task_logger(__name__)
-    stage_keys = {r: set(zip(eligible[r]["source"], eligible[r]["key"], strict=True)) for r in todo}
+    train_keys = {r: set(_uids(eligible[r])) for r in todo}
+    val_keys = {r: set(_uids(val[r])) for r in todo}
+    stage_keys = {r: train_keys[r] | val_keys[r] for r in todo}
+    held = set().union(*val_keys.values())
     keys = sorted(set().union(*stage_keys.values()))
     meta_cols = _meta_columns(clean)
     rows = {}
@@ -370,9 +468,9 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
                      "meta": _row_meta(rec, meta_cols), "object": rec["object"],
                      "offset": rec["offset"], "length": rec["length"]}  # fmt: skip
     bucket_of = {
-        r: dict(zip(zip(eligible[r]["source"], eligible[r]["key"], strict=True),
-                    eligible[r]["bucket"], strict=True))
+        r: dict(zip(_uids(frame), frame["bucket"], strict=True))
         for r in todo if "bucket" in eligible[r]
+        for frame in [pd.concat([eligible[r], val[r]])]
     }  # fmt: skip
 
     def target(r: int, uid: tuple):
@@ -404,7 +502,8 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
             futures.append(runner.submit(write_partition, {
                 "partial": str(partial), "index": i, "jobs": p, "rows": part_rows,
                 "size_limit": settings["size_limit"], "pool": pool,
-                "tokenizer": _spec(settings.get("tokenizer"))}))  # fmt: skip
+                "tokenizer": _spec(settings.get("tokenizer")),
+                "held": sorted(u for u in part_rows if u in held)}))  # fmt: skip
         errors, skipped = [], 0
         for f in futures:
             try:
@@ -420,7 +519,13 @@ def _convert(base, todo, eligible, clean, settings, workers, endpoint_url, dask_
     spec = _spec(settings.get("tokenizer"))
     ids_len = _caption_tokenizer(spec).max_length if spec else None
     for r in todo:
-        _publish_stage(base, partial / str(r), r, bucket_of.get(r), len(stage_keys[r]), ids_len)
+        for name, split in ((f"{r}-val", val_keys[r]), (str(r), train_keys[r])):
+            # The split first: a published stage always has its split (a crash in between
+            # leaves the stage to do again, and its split already in place).
+            if split and not is_published(base / name):
+                buckets = ({u: b for u, b in bucket_of[r].items() if u in split}
+                           if r in bucket_of else None)  # fmt: skip
+                _publish_stage(base, partial / name, r, buckets, len(split), ids_len, name)
     shutil.rmtree(partial, ignore_errors=True)
 
 
@@ -429,8 +534,9 @@ def _spec(tokenizer: dict | None) -> str | None:
 
 
 def _publish_stage(base: Path, stage_dir: Path, r: int, buckets: dict | None, expected: int,
-                   ids_len: int | None):  # fmt: skip
-    """Merge a stage's parts (per bucket), check them read back, and rename it into place."""
+                   ids_len: int | None, name: str):  # fmt: skip
+    """Merge a stage's (or its split's) parts, per bucket, check them read back, and rename
+    the folder into place as `base / name`."""
     if buckets is None:
         _merge_and_check(stage_dir, (r, r), expected, ids_len)
     else:
@@ -446,7 +552,7 @@ def _publish_stage(base: Path, stage_dir: Path, r: int, buckets: dict | None, ex
         (stage_dir / "buckets.json").write_text(  # last: it marks the stage complete
             json.dumps({"resolution": r, "buckets": listed}, indent=2)
         )
-    dest = base / str(r)
+    dest = base / name
     shutil.rmtree(dest, ignore_errors=True)
     stage_dir.rename(dest)  # publish: the folder appears complete, its index included
 

@@ -32,3 +32,18 @@ def test_the_human_eval_flow_has_a_deployment_to_start_from_the_ui():
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     (dep,) = [d for d in spec["deployments"] if d["name"] == "human-eval"]
     assert dep["entrypoint"] == "flows/human_eval.py:human_eval_flow" and "schedules" not in dep
+
+
+def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
+    from flows.config import load_config
+
+    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    deps = {d["name"]: d for d in spec["deployments"]}
+    for name in ("weekly-retrain", "from-scratch", "tiny-pipeline"):
+        assert deps[name]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+    weekly = deps["weekly-retrain"]
+    assert weekly["entrypoint"] == "flows/retrain.py:retrain_flow" and weekly["schedules"]
+    cfg = load_config(REPO / weekly["parameters"]["config_path"])
+    assert cfg.train.init_from_model == "models:/kiln-t2i@champion"
+    assert len(cfg.train.stages) == 1, "one stage at the champion's final resolution"
+    assert "schedules" not in deps["from-scratch"], "from scratch is on demand"

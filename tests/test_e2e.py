@@ -27,21 +27,59 @@ def _py(code: str, env: dict) -> str:
     return proc.stdout
 
 
+# Distinctive fake secrets in the pipeline's environment: none may appear in any output.
+SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIAKILNFAKE7QX2ZT9W",
+    "AWS_SECRET_ACCESS_KEY": "kiln-fake-aws-secret-Xyzzy-31415926",
+    "MLFLOW_TRACKING_TOKEN": "kiln-fake-mlflow-token-Plugh-27182818",
+    "KILN_TEST_SERVICE_TOKEN": "kiln-fake-service-token-Zork-1414213",
+    "HF_TOKEN": "hf_kilnFakeHubToken0Frobozz1618033",
+}
+
+
 @pytest.fixture(scope="module")
-def pipeline_run(tmp_path_factory, demo_src, make_config):
+def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint):
+    """`kiln run` of the demo set from an S3 bucket (moto's server on 127.0.0.1), as a
+    subprocess whose environment holds fake credentials and tokens."""
+    import boto3
+
     base = tmp_path_factory.mktemp("e2e")
-    cfg = make_config(base / "tiny.yaml", base / "root", demo_src, **{"evaluate.seeds": [0, 1]})
+    s3 = boto3.client("s3", endpoint_url=s3_endpoint)
+    s3.create_bucket(Bucket="kiln-e2e")
+    for p in sorted(demo_src.rglob("*")):
+        if p.is_file():
+            s3.upload_file(str(p), "kiln-e2e", f"raw/{p.relative_to(demo_src).as_posix()}")
+    overrides = {"evaluate.seeds": [0, 1], "storage.endpoint_url": s3_endpoint}
+    cfg = make_config(base / "tiny.yaml", base / "root", "s3://kiln-e2e/raw", **overrides)
     # No PREFECT_API_URL: the CLI runs against Prefect's local embedded server, as `make demo`.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(base / "prefect-home")
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", "run", "--config", str(cfg)],
-        capture_output=True, text=True, env=env, timeout=1200,
+        capture_output=True, text=True, env={**env, **SECRETS}, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    (base / "run.stdout").write_text(proc.stdout)
+    (base / "run.stderr").write_text(proc.stderr)
     out = proc.stdout
     result = json.loads(out[: out.index("\nKiln pipeline finished")])
     return base / "root", result, env, out
+
+
+def test_no_secret_reaches_any_output(pipeline_run):
+    """Every file the run wrote (root, MLflow database and artifacts, Prefect's database and
+    logs, the run's stdout/stderr), read as bytes, holds none of the secrets."""
+    root, _, _, _ = pipeline_run
+    base = root.parent
+    files = [p for p in base.rglob("*") if p.is_file()]
+    assert any(p.name == "mlflow.db" for p in files) and any(
+        p.suffix == ".db" and "prefect-home" in str(p) for p in files
+    ), "the MLflow and Prefect databases are among the files searched"
+    leaks = []
+    for p in files:
+        data = p.read_bytes()
+        leaks += [f"{name} in {p}" for name, v in SECRETS.items() if v.encode() in data]
+    assert not leaks, leaks
 
 
 def test_pipeline_result_and_quality_gate(pipeline_run):
@@ -68,26 +106,42 @@ def test_pipeline_result_and_quality_gate(pipeline_run):
     assert result["model"]["lineage"]["dataset_version"] == result["shards"]["dataset_version"]
 
 
-def test_registry_alias_loads_and_generates(pipeline_run):
+def test_registry_alias_loads_and_generates(pipeline_run, tmp_path):
+    """Loaded by a consumer whose own `models` package comes first on sys.path: the model
+    ships only `kiln_pyfunc`, so neither shadows the other."""
     root, result, env, _ = pipeline_run
+    consumer = tmp_path / "consumer"
+    (consumer / "models").mkdir(parents=True)
+    (consumer / "models" / "__init__.py").write_text("OWNER = 'consumer'\n")
+    env = {**env, "PYTHONPATH": str(consumer)}
     out = _py(
         f"""
         import io, json, mlflow, pandas as pd
+        import models
         from mlflow import MlflowClient
         from PIL import Image
         uri = "sqlite:///{root / "mlflow.db"}"
         mlflow.set_tracking_uri(uri)
         model = mlflow.pyfunc.load_model("models:/kiln-t2i@candidate")
-        df = model.predict(pd.DataFrame({{"prompt": ["a red circle above a blue square"]}}),
-                           params={{"num_inference_steps": 2}})
+        prompts = ["a red circle above a blue square"] * 4 + ["a green triangle"]
+        df = model.predict(pd.DataFrame({{"prompt": prompts}}),
+                           params={{"num_inference_steps": 2, "batch_size": 2}})
+        one = model.predict(pd.DataFrame({{"prompt": prompts[:1]}}),
+                            params={{"num_inference_steps": 2, "batch_size": 1}})
         img = Image.open(io.BytesIO(df["image"][0]))
+        import kiln_pyfunc
         v = MlflowClient(uri).get_model_version_by_alias("kiln-t2i", "candidate")
-        print(json.dumps({{"size": img.size, "tags": v.tags}}))
+        print(json.dumps({{"size": img.size, "tags": v.tags, "rows": len(df),
+                          "same": df["image"][0] == one["image"][0], "owner": models.OWNER,
+                          "shipped": kiln_pyfunc.__file__}}))
         """,
         env,
     )
     got = json.loads(out.strip().splitlines()[-1])
-    assert got["size"] == [64, 64]
+    assert got["size"] == [64, 64] and got["rows"] == 5
+    assert got["same"], "an image depends on its seed, not on the batching"
+    assert got["owner"] == "consumer", "the consumer's own `models` package is untouched"
+    assert "/code/kiln_pyfunc.py" in got["shipped"], "loaded from the model's shipped code"
     assert got["tags"]["run_id"] == result["run"]["run_id"]
     assert got["tags"]["study_id"] == result["study"]["study_id"]
 
@@ -217,3 +271,33 @@ def test_served_model_answers_a_rest_request_with_a_png(pipeline_run, tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
+
+
+def test_kiln_generate_writes_pngs_from_a_registered_alias(pipeline_run, tmp_path):
+    """`kiln generate` from another root: the version is downloaded from the registry."""
+    import yaml
+    from PIL import Image
+
+    root, _, env, _ = pipeline_run
+    cfg = yaml.safe_load((root.parent / "tiny.yaml").read_text())
+    cfg["registry"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
+    cfg["storage"]["root"] = str(tmp_path / "consumer-root")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    kiln = [sys.executable, "-m", "flows.cli", "generate", "--config", str(tmp_path / "c.yaml")]
+    proc = subprocess.run(
+        [*kiln, "--model", "models:/kiln-t2i@candidate", "--prompt", "a red circle",
+         "--n", "3", "--seed", "5", "--steps", "2", "--out", str(tmp_path / "png")],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert [Path(p).name for p in got["images"]] == ["00-s5.png", "01-s6.png", "02-s7.png"]
+    assert all(Image.open(p).size == (64, 64) for p in got["images"])
+    assert got["seconds_per_image"] > 0
+    assert (tmp_path / "consumer-root" / "models" / "kiln-t2i-v1").is_dir(), "downloaded"
+    print(f"kiln generate: {got['seconds_per_image']:.3f} s per image (2 steps, CPU)")
+    bad = subprocess.run(
+        [*kiln, "--model", "models:/kiln-t2i@nope", "--prompt", "x"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert bad.returncode == 1 and "kiln: error: models:/kiln-t2i@nope" in bad.stderr

@@ -80,7 +80,9 @@ def test_steps_run_alone_from_an_s3_source(
     q = q_state.result()
     assert q["ingest_id"] == ing["ingest_id"] and q["passed"]
     shards = shard_flow(str(cfg))  # re-reads the images from S3
-    assert shards["stages"][32]["samples"] == q["clean"], "every clean image is >= 32 px"
+    s32 = shards["stages"][32]
+    assert s32["samples"] + s32["val_samples"] == q["clean"], "every clean image is >= 32 px"
+    assert s32["val_samples"] > 0, "tiny.yaml holds some images out for validation"
     assert (
         tmp_path / "root" / "shards" / shards["dataset_version"] / "64" / "index.json"
     ).is_file()
@@ -141,7 +143,16 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
     assert shards["remote"] == f"s3://{bucket}/datasets/{version}"
     published = {o.key for o in Storage(f"s3://{bucket}/datasets", s3_endpoint).list(version)}
     latents_64 = Path(shards["stages"][64]["latents"]).name
-    for key in ("shards.json", "32/index.json", "64/buckets.json", f"{latents_64}/buckets.json"):
+    val_latents_64 = Path(shards["stages"][64]["val_latents"]).name
+    tops = (
+        "32/index.json",
+        "64/buckets.json",
+        f"{latents_64}/buckets.json",
+        "32-val/index.json",
+        "64-val/buckets.json",
+        f"{val_latents_64}/buckets.json",
+    )  # the splits too
+    for key in ("shards.json", *tops):
         assert f"{version}/{key}" in published, key
     for res, stage in shards["stages"].items():
         assert stage["latents"].split("/")[-1].startswith(f"{res}-latents-")
@@ -160,6 +171,7 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
         stage_yaml = tmp_path / "root" / "runs" / record["run_id"] / f"stage-{res}" / "stage.yaml"
         run = yaml.safe_load(stage_yaml.read_text())
         assert f"/{res}-latents-" in run["shards"], "training read the latents"
+        assert f"/{version}/{res}-val-latents-" in run["val_shards"], "and validates on latents"
         assert run["shards_remote"].startswith(f"s3://{bucket}/datasets/{version}/{res}-latents-")
         assert any(Path(run["shards_cache"]).rglob("*.mds")), "streamed from S3 into the cache"
         assert run["shards_cache"].startswith(str(tmp_path / "root" / "cache"))

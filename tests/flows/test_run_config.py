@@ -65,6 +65,10 @@ def test_editing_the_file_after_training_changes_neither_evaluate_nor_register(
     # System metrics while the stage trained (one closing sample at least, however short).
     assert trained_run.data.metrics["system/cpu_utilization_percentage"] >= 0
     assert trained_run.data.metrics["system/system_memory_usage_megabytes"] > 0
+    (ds,) = trained_run.inputs.dataset_inputs  # the MLflow UI's Datasets column
+    assert ds.dataset.digest == dataset_version and ds.dataset.name == f"kiln-{dataset_version}"
+    assert str(root / "shards" / dataset_version) in ds.dataset.source
+    assert [t.value for t in ds.tags] == ["training"]
     exp = client.get_experiment(trained.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development", "UI opens on runs"
 

@@ -76,3 +76,29 @@ def test_flow_reports_and_logs_metrics_and_tags(tmp_path, make_config):
     chart = result["mlflow"]["chart_url"]
     assert chart.startswith("http://127.0.0.1:5000/#/experiments/")
     assert chart.endswith(f"/runs/{mlflow_run_id}/artifacts/human_eval/{cid}/preference.png")
+    for q in ("quality", "alignment"):
+        assert logged.metrics[f"human_eval/{q}_min_votes_per_pair"] == 3
+        for cat, cell in report["questions"][q]["categories"].items():
+            assert logged.metrics[f"human_eval/{q}_pref/{cat.lower().replace(' ', '_')}"] == (
+                pytest.approx(cell["pref"])
+            )
+
+    # The champion gate reads exactly these numbers from MLflow (real flow runs).
+    from flows.promote import promote_flow, rollback_flow
+    from tasks.promotion import PromotionRefused
+
+    champ_run = client.create_run(client.get_experiment_by_name("kiln").experiment_id)
+    (root / "champ-export").mkdir()
+    champ = client.create_model_version(
+        "kiln-t2i", str(root / "champ-export"), champ_run.info.run_id, tags={"run_id": "run-champ"}
+    )
+    promote_flow(str(cfg), candidate=f"models:/kiln-t2i/{champ.version}", first=True)
+    strict = yaml.safe_load(cfg.read_text())
+    strict["registry"]["gate"] = {"min_votes_per_pair": 4}
+    (tmp_path / "strict.yaml").write_text(yaml.safe_dump(strict))
+    with pytest.raises(PromotionRefused, match="fewest votes on a pair 3, need 4"):
+        promote_flow(str(tmp_path / "strict.yaml"), candidate=f"models:/kiln-t2i/{version}")
+    out = promote_flow(str(cfg), candidate=f"models:/kiln-t2i/{version}")
+    assert out["outcome"] == "promoted" and out["previous_champion"] == champ.version
+    assert client.get_model_version_by_alias("kiln-t2i", "champion").version == version
+    assert rollback_flow(str(cfg), reason="test")["champion"] == champ.version

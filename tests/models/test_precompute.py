@@ -29,14 +29,22 @@ def _launch(module, args, topology="single.yaml"):
 
 
 def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_shards):
+    """The stage and its validation split (tiny.yaml holds some images out) are encoded in
+    one launch; the latents match the VAE and text encoder, and training reads them."""
+    from models.precompute import main as precompute
+
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path).train
-    images = root / "shards" / version / "32"
-    spec = StageRun(train=cfg, stage_index=0, shards=str(images), output_dir=str(tmp_path))
+    images, val_images = root / "shards" / version / "32", root / "shards" / version / "32-val"
+    spec = StageRun(train=cfg, stage_index=0, shards=str(images), output_dir=str(tmp_path),
+                    val_shards=str(val_images))  # fmt: skip
     (tmp_path / "stage.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    out = tmp_path / "32-latents"
+    out, val_out = tmp_path / "32-latents", tmp_path / "32-val-latents"
+    with pytest.raises(ValueError, match="--val-out.*val_shards.*given together"):
+        precompute(["--config", str(tmp_path / "stage.yaml"), "--out", str(out)])
     _launch("models.precompute", ["--config", str(tmp_path / "stage.yaml"), "--out", str(out),
-                                  "--batch-size", "4"], "cpu-ddp-2.yaml")  # fmt: skip
+                                  "--val-out", str(val_out), "--batch-size", "4"],
+            "cpu-ddp-2.yaml")  # fmt: skip
     assert not (tmp_path / "32-latents.tmp").exists(), "published by rename"
     index = json.loads((out / "index.json").read_text())
     assert len(index["shards"]) == 2 and all("part-" in s["raw_data"]["basename"]
@@ -62,6 +70,21 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
                                    dist.std[0], atol=2e-3, rtol=2e-3)  # fmt: skip
         torch.testing.assert_close(torch.from_numpy(row["text_hidden"].astype(np.float32)),
                                    hidden, atol=5e-3, rtol=5e-3)  # fmt: skip
+
+    # The validation split's latents: every held-out image, none of the training ones.
+    vsrc = StreamingDataset(local=str(val_images), batch_size=1, shuffle=False)
+    vlat = StreamingDataset(local=str(val_out), batch_size=1, shuffle=False)
+    val_rows = {vlat.get_item(i)["key"]: vlat.get_item(i) for i in range(vlat.num_samples)}
+    assert sorted(val_rows) == sorted(vsrc.get_item(i)["key"] for i in range(vsrc.num_samples))
+    assert val_rows and not set(val_rows) & set(by_key)
+    s = vsrc.get_item(0)
+    with torch.no_grad():
+        dist = comps.vae.encode(decode_pixels(s["image"], 32)[None]).latent_dist
+    torch.testing.assert_close(
+        torch.from_numpy(val_rows[s["key"]]["latent_mean"].astype(np.float32)), dist.mean[0],
+        atol=2e-3, rtol=2e-3,
+    )  # fmt: skip
+    assert set(val_rows[s["key"]]) == set(row), "the training latents' columns"
 
     # Training consumes the latents: no VAE or text-encoder FLOPs are counted per sample.
     stage = cfg.stages[0].model_copy(update={"max_steps": 3, "batch_size": 4})

@@ -31,13 +31,14 @@ class RecordingStorage(Storage):
 
 @pytest.fixture
 def version(tmp_path, demo_src):
-    """A finished version: a square 32 px stage and a 64 px stage in aspect buckets."""
+    """A finished version: a square 32 px stage and a 64 px stage in aspect buckets, each
+    with its held-out validation split."""
     root = tmp_path / "root"
     ing = ingest_source(IngestConfig(source=str(demo_src), workers=1), str(root))
     rules = QualityConfig(min_side=32, max_reject_fraction=0.25)
     validate_catalog.fn(str(root), ing.ingest_id, rules)
     res = write_shards.fn(
-        ShardsConfig(bucket_step=8, size_limit=16384, workers=2),
+        ShardsConfig(bucket_step=8, size_limit=16384, workers=2, val_fraction=0.2),
         str(root),
         ing.ingest_id,
         [32, 64],
@@ -74,10 +75,11 @@ def test_publish_is_atomic_resumes_and_streams_back_like_local(
     res = publish_dataset(version, rec)
     local = _local_objects(version)
     assert {o.key: o.size for o in dest.list(v)} == local
-    assert res.already_there == 3 and sorted(res.published) == ["32", "64"] and not res.reused
+    datasets = ["32", "32-val", "64", "64-val"]  # the splits are published like the stages
+    assert res.already_there == 3 and sorted(res.published) == datasets and not res.reused
     assert set(rec.sent) == set(local) - keys
     order = {k: i for i, k in enumerate(rec.sent)}
-    for stage, top in (("32", "index.json"), ("64", "buckets.json")):
+    for stage, top in (("32", "index.json"), ("64", "buckets.json"), ("64-val", "buckets.json")):
         last = order[f"{v}/{stage}/{top}"]
         assert all(i < last for k, i in order.items() if k.startswith(f"{v}/{stage}/")
                    and k != f"{v}/{stage}/{top}")  # fmt: skip
@@ -91,7 +93,7 @@ def test_publish_is_atomic_resumes_and_streams_back_like_local(
     # Published datasets are not sent again.
     again = RecordingStorage(remote, endpoint_url=s3_endpoint)
     res = publish_dataset(version, again)
-    assert sorted(res.reused) == ["32", "64"] and again.sent == [f"{v}/shards.json"]
+    assert sorted(res.reused) == datasets and again.sent == [f"{v}/shards.json"]
 
     # Streamed from S3 through a cache, each stage (square, and bucketed) gives the same
     # batches as the local copy.

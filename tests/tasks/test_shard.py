@@ -160,8 +160,8 @@ def test_shards_from_webdataset_tars_on_s3_use_ranged_reads(
 
 
 def test_failed_conversion_publishes_nothing_and_the_next_run_finishes_it(tmp_path):
-    """Square stage 32 and bucketed stage 48 alike: a failed partition publishes nothing and
-    the next run redoes only the unfinished partitions."""
+    """Square stage 32 and bucketed stage 48 alike, with their validation splits: a failed
+    partition publishes nothing and the next run redoes only the unfinished partitions."""
     import shutil
 
     from tasks.demo_data import write_demo_dataset
@@ -173,7 +173,7 @@ def test_failed_conversion_publishes_nothing_and_the_next_run_finishes_it(tmp_pa
     last = sorted(p for p in src.glob("0*.*"))[-1]
     saved = last.read_bytes()
     last.unlink()  # the source changes under the conversion: the last partition fails
-    cfg = ShardsConfig(partition_size=8, bucket_step=8, workers=2)
+    cfg = ShardsConfig(partition_size=8, bucket_step=8, workers=2, val_fraction=0.2)
     kw = {"bucket_stages": [48]}
     with pytest.raises(RuntimeError, match="shard partitions failed"):
         write_shards.fn(cfg, str(root), ing.ingest_id, [32, 48], **kw)
@@ -193,14 +193,20 @@ def test_failed_conversion_publishes_nothing_and_the_next_run_finishes_it(tmp_pa
     after = done.stat().st_mtime_ns, done_bucket.stat().st_mtime_ns
     assert after == before, "a finished partition is not redone"
     assert not (version_dir / ".partial").exists()
+    assert (version_dir / "32-val" / "index.json").is_file()
+    assert (version_dir / "48-val" / "buckets.json").is_file()
+    assert res.stages[32]["val_samples"] > 0 and res.stages[48]["val_samples"] > 0
     ds = StreamingDataset(local=str(version_dir / "32"), batch_size=1, shuffle=False)
     assert ds.num_samples == res.stages[32]["samples"] > 8
     assert not list((version_dir / "48").glob("*.done"))
-    shutil.rmtree(version_dir / "48")
+    shutil.rmtree(version_dir / "48")  # a stage lost after its split was published
     again = write_shards.fn(
         cfg.model_copy(update={"workers": 1}), str(root), ing.ingest_id, [32, 48], **kw
     )
-    assert (version_dir / "48" / "buckets.json").is_file() and again.stages[48]["samples"] > 0
+    assert (version_dir / "48" / "buckets.json").is_file()
+    for key in ("samples", "val_samples", "buckets"):
+        assert again.stages[48][key] == res.stages[48][key], key
+    assert set(_keys(version_dir / "48-val")).isdisjoint(_keys(version_dir / "48"))
 
 
 def test_webp_encoding_and_pass_through_metadata(tmp_path, layouts):
@@ -308,3 +314,112 @@ def test_bucketed_stage_has_one_dataset_per_bucket_and_batches_per_bucket(valida
         assert (w, h) in {(b["width"], b["height"]) for b in listed}
         shapes.append((w, h))
     assert len(set(shapes)) >= 2 and len(shapes) >= 5
+
+
+def _keys(path) -> list[str]:
+    """Every sample's key in an MDS dataset, square or in aspect buckets, read back with
+    StreamingDataset."""
+    from models.loader import dataset_buckets
+
+    buckets = dataset_buckets(str(path))
+    folders = [path / b["name"] for b in buckets] if buckets else [path]
+    keys = []
+    for folder in folders:
+        ds = StreamingDataset(local=str(folder), batch_size=1, shuffle=False)
+        keys += [ds[i]["key"] for i in range(len(ds))]
+    return keys
+
+
+def _columns(path) -> list[str]:
+    index = json.loads((path / "index.json").read_text())
+    return index["shards"][0]["column_names"]
+
+
+def test_validation_split_is_held_out_by_key_at_every_stage(validated):
+    """The same images (by key hash) are held out of every stage, square or bucketed; each
+    stage's split has the stage's columns and layout, and no held-out key is in training."""
+    import pandas as pd
+
+    from tasks.reports import shards_report
+    from tasks.shard import held_out
+
+    root, ingest_id, _ = validated
+    cfg = ShardsConfig(val_fraction=0.3, bucket_step=8, size_limit=16384, workers=2)
+    spec = {"builtin": "bytes", "model_max_length": 24}
+    res = write_shards.fn(cfg, str(root), ingest_id, [32, 64], bucket_stages=[64], tokenizer=spec)
+    clean = pd.read_parquet(root / "catalog" / ingest_id / "clean.parquet")
+    uids = list(zip(clean["source"], clean["key"], strict=True))
+    want = {k for _, k in held_out(uids, 0.3, 2000)}
+    assert len(want) >= 5
+    base = root / "shards" / res.dataset_version
+    split = {}
+    for r in (32, 64):
+        train, val = _keys(base / str(r)), _keys(base / f"{r}-val")
+        split[r] = set(val)
+        assert len(val) == len(set(val)) == res.stages[r]["val_samples"] > 0
+        assert len(train) == res.stages[r]["samples"]
+        assert set(val) <= want and not set(train) & want, "held out of training, by key"
+    assert split[32] == want, "every clean image is >= 32 px, so all held-out keys are in"
+    assert split[64] < split[32], "the 64 px split is the held-out images that 64 px accepts"
+    assert res.stages[32]["samples"] + res.stages[32]["val_samples"] == len(clean)
+    assert _columns(base / "32-val") == _columns(base / "32")
+    assert "input_ids" in _columns(base / "32-val")
+    listed = json.loads((base / "64-val" / "buckets.json").read_text())["buckets"]
+    assert sum(b["samples"] for b in listed) == res.stages[64]["val_samples"]
+    for b in listed:  # rendered to its bucket, as the stage's images are
+        ds = StreamingDataset(local=str(base / "64-val" / b["name"]), batch_size=1)
+        assert Image.open(io.BytesIO(ds[0]["image"])).size == (b["width"], b["height"])
+        assert _columns(base / "64-val" / b["name"]) == _columns(base / "64" / b["name"])
+    meta = json.loads((base / "shards.json").read_text())
+    assert meta["settings"]["val"] == {"fraction": 0.3, "max": 2000}
+    assert meta["stages"]["32"]["val_samples"] == len(want)
+    report = shards_report(res, ingest_id, str(base), None)
+    assert f"| 32px | {res.stages[32]['samples']} | {len(want)} |" in report
+
+    # Deterministic: the choice depends on the keys alone, not their order or company.
+    assert held_out(uids[::-1], 0.3, 2000) == held_out(uids, 0.3, 2000)
+    some = uids[: len(uids) // 2]
+    assert held_out(some, 0.3, 2000) == held_out(uids, 0.3, 2000) & set(some)
+    again = write_shards.fn(cfg, str(root), ingest_id, [32, 64], bucket_stages=[64],
+                            tokenizer=spec)  # fmt: skip
+    assert again.reused and again.stages == res.stages
+
+
+def test_validation_split_respects_val_max_and_is_part_of_the_version(validated):
+    import pandas as pd
+
+    from tasks.shard import _key_unit
+
+    root, ingest_id, _ = validated
+    clean = pd.read_parquet(root / "catalog" / ingest_id / "clean.parquet")
+    cfg = ShardsConfig(val_fraction=0.5, workers=2)
+    full = write_shards.fn(cfg, str(root), ingest_id, [32])
+    capped = write_shards.fn(cfg.model_copy(update={"val_max": 3}), str(root), ingest_id, [32])
+    assert capped.dataset_version != full.dataset_version
+    assert full.stages[32]["val_samples"] > 3 == capped.stages[32]["val_samples"]
+    smallest = sorted(clean["key"], key=_key_unit)[:3]
+    held = _keys(root / "shards" / capped.dataset_version / "32-val")
+    assert sorted(held) == sorted(smallest), "the cap keeps the smallest hashes"
+    assert set(held) <= set(_keys(root / "shards" / full.dataset_version / "32-val"))
+
+    other = write_shards.fn(cfg.model_copy(update={"val_fraction": 0.3}), str(root), ingest_id,
+                            [32])  # fmt: skip
+    assert other.dataset_version not in (full.dataset_version, capped.dataset_version)
+
+    # A split that selects nothing writes no folder and records 0; its images all train.
+    none = write_shards.fn(ShardsConfig(val_fraction=1e-9, workers=2), str(root), ingest_id, [32])
+    assert none.stages[32]["val_samples"] == 0
+    assert not (root / "shards" / none.dataset_version / "32-val").exists()
+    assert none.stages[32]["samples"] == full.stages[32]["samples"] + full.stages[32]["val_samples"]
+    # No split at all (fraction or cap 0): the version has no val settings, so it is the same.
+    off = write_shards.fn(ShardsConfig(val_fraction=0, workers=2), str(root), ingest_id, [32])
+    zero = write_shards.fn(ShardsConfig(val_max=0, workers=2), str(root), ingest_id, [32])
+    assert off.dataset_version == zero.dataset_version and zero.reused
+    assert off.dataset_version != none.dataset_version and off.stages[32]["val_samples"] == 0
+
+
+def test_a_stage_held_out_whole_is_a_clear_error(validated):
+    root, ingest_id, _ = validated
+    cfg = ShardsConfig(val_fraction=0.999, workers=1)
+    with pytest.raises(ValueError, match="stage 32px has no training images.*val_fraction"):
+        write_shards.fn(cfg, str(root), ingest_id, [32])

@@ -1,0 +1,224 @@
+"""Does training learn? The tiny preset on the demo data, for a fixed budget, end to end.
+
+Runs `kiln ingest`, `kiln validate`, `kiln shard`, `kiln plan --measure-steps` and `kiln train`
+on a fresh root (one 32 px stage, the tiny preset's fitted VAE), then reports:
+
+* the held-out validation loss (EMA weights, fixed timesteps and noise) at the first and the
+  last evaluation, and its relative drop (`val_loss_drop`, aim >= 0.30);
+* the conditioning gap at the end, with a bootstrap 95% CI over validation images (aim: the CI
+  excludes 0);
+* caption faithfulness on demo captions never trained on, generated through the exported
+  pipeline (`models.generate`, as `kiln evaluate` does) and scored from the pixels
+  (`tasks.faithfulness`), against chance rates from deranged captions;
+* the planner against reality: `kiln plan`'s wall time against the stage's measured one.
+
+    python benchmarks/learning.py --out benchmarks/results/learning.json --curve docs/learning.png
+
+`--quick` is the CI-sized version (tests/test_learning.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tasks.demo_data import _render, write_demo_dataset  # noqa: E402
+from tasks.faithfulness import faithfulness  # noqa: E402
+
+FULL = {"n": 400, "steps": 600, "eval_every": 50, "held_out": 64, "gen_steps": 20}
+QUICK = {"n": 160, "steps": 160, "eval_every": 40, "held_out": 24, "gen_steps": 10}
+
+
+def _kiln(args: list[str], env: dict, log: Path) -> float:
+    """Run one `kiln` command; its output goes to `log`. Returns the wall time."""
+    kiln = str(Path(sys.executable).parent / "kiln")
+    t = time.perf_counter()
+    with open(log, "a") as f:
+        f.write(f"\n$ kiln {' '.join(args)}\n")
+        f.flush()
+        rc = subprocess.run([kiln, *args], env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"kiln {args[0]} failed (exit {rc}); see {log}")
+    return time.perf_counter() - t
+
+
+def _config(work: Path, size: dict, resolution: int) -> Path:
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg["storage"]["root"] = str(work / "root")
+    cfg["ingest"]["source"] = str(work / "demo")
+    cfg["shards"]["val_fraction"] = 0.1
+    cfg["launch"]["accelerate_config"] = str(REPO / "configs" / "accelerate" / "single.yaml")
+    t = cfg["train"]
+    t["stages"] = [{
+        "resolution": resolution, "batch_size": 16, "learning_rate": 1.0e-3,
+        "max_steps": size["steps"], "warmup_steps": 20, "lr_scheduler": "cosine",
+    }]  # fmt: skip
+    t["eval_every"] = size["eval_every"]
+    t["checkpoint_every"] = size["steps"]
+    t["log_every"] = 10
+    t["val_timesteps"] = 8
+    t["ema"] = {"enabled": True, "decay": 0.99, "start_step": 0}
+    path = work / "learning.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def _held_out_captions(n: int, seed: int = 10_007) -> list[str]:
+    """Demo-style captions from a seed the training data never uses."""
+    rng = random.Random(seed)
+    return [_render(rng, (32, 32))[1] for _ in range(n)]
+
+
+def _val_series(metrics: Path) -> list[dict]:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [r for r in rows if "ema/val/loss" in r]
+
+
+def _curve(metrics: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
+    val = [(r["step"], r["ema/val/loss"]) for r in rows if "ema/val/loss" in r]
+    gap = [(r["step"], r["ema/val/cond_gap"]) for r in rows if "ema/val/cond_gap" in r]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    a.plot(*zip(*train, strict=True), label="train loss (window mean)", alpha=0.6)
+    a.plot(*zip(*val, strict=True), "o-", label="validation loss (EMA, fixed t and noise)")
+    a.set_xlabel("step")
+    a.legend()
+    b.plot(*zip(*gap, strict=True), "o-", color="C2")
+    b.axhline(0, color="grey", lw=0.8)
+    b.set_title("conditioning gap (shuffled captions - right ones)")
+    b.set_xlabel("step")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="JSON output path")
+    p.add_argument("--curve", default=None, help="Also write the loss curves as this PNG")
+    p.add_argument("--quick", action="store_true", help="CI size (about 2 minutes)")
+    p.add_argument("--resolution", type=int, default=32)
+    p.add_argument("--measure-steps", type=int, default=10)
+    p.add_argument("--keep", default=None, help="Work in this folder and keep it")
+    args = p.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        result = _run(work, size, args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    return result
+
+
+def _run(work: Path, size: dict, args) -> dict:
+    from models.validation import bootstrap_cond_gap  # the same numbers training logs
+
+    env = {**os.environ, "PREFECT_HOME": str(work / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    log = work / "kiln.log"
+    t0 = time.perf_counter()
+    write_demo_dataset(work / "demo", n=size["n"], seed=0)
+    cfg = _config(work, size, args.resolution)
+    root = work / "root"
+    for step in ("ingest", "validate", "shard"):
+        _kiln([step, "--config", str(cfg)], env, log)
+    _kiln(["plan", "--config", str(cfg), "--measure-steps", str(args.measure_steps)], env, log)
+    plan = json.loads((root / "runs" / "plan.json").read_text())
+    train_cmd_s = _kiln(["train", "--config", str(cfg)], env, log)
+    run = max((root / "runs").glob("run-*"))
+    stage = run / f"stage-{args.resolution}"
+    manifest = json.loads((stage / "manifest.json").read_text())
+    series = _val_series(stage / "metrics.jsonl")
+    if len(series) < 2:
+        raise SystemExit(f"expected validation rows in {stage / 'metrics.jsonl'}, got {series}")
+    first, last = series[0], series[-1]
+    gap = bootstrap_cond_gap(stage / "final", manifest)
+
+    captions = _held_out_captions(size["held_out"])
+    csv_path = work / "held_out.csv"
+    with open(csv_path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["Prompts", "Category"])
+        w.writerows([c, "demo"] for c in captions)
+    from models.generate import main as generate
+
+    generate([
+        "--pipeline", str(stage / "final"), "--prompts", str(csv_path), "--out",
+        str(work / "held_out"), "--seeds", "0", "--steps", str(size["gen_steps"]),
+        "--guidance", "4.0", "--batch-size", "16",
+    ])  # fmt: skip
+    from PIL import Image
+
+    images = [
+        Image.open(work / "held_out" / "images" / f"{i:04d}-s0.png").convert("RGB")
+        for i in range(len(captions))
+    ]
+    faith = faithfulness(images, captions)
+    if args.curve:
+        _curve(stage / "metrics.jsonl", Path(args.curve))
+    loop_s = manifest["metrics"]["gpu_hours"] * 3600 / manifest["num_processes"]
+    plan_s = plan["total"]["wall_hours"] * 3600
+    return {
+        "benchmark": "learning",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "size": {**size, "resolution": args.resolution, "quick": args.quick},
+        "steps_trained": manifest["final_step"],
+        "val_loss_start": first["ema/val/loss"],
+        "val_loss_start_step": first["step"],
+        "val_loss_end": last["ema/val/loss"],
+        "val_loss_end_step": last["step"],
+        "val_loss_drop": 1 - last["ema/val/loss"] / first["ema/val/loss"],
+        "raw_val_loss_end": last.get("raw/val/loss"),
+        "cond_gap": gap["cond_gap"],
+        "cond_gap_ci_low": gap["ci_low"],
+        "cond_gap_ci_high": gap["ci_high"],
+        "cond_gap_images": gap["n"],
+        **{
+            k: faith[k]
+            for k in (
+                "colour_match",
+                "colour_match_chance",
+                "relation_match",
+                "relation_match_chance",
+            )
+        },
+        "held_out_captions": faith["n"],
+        "plan_wall_s": round(plan_s, 2),
+        "train_wall_s": round(loop_s, 2),
+        "plan_over_actual": round(plan_s / loop_s, 3),
+        "kiln_train_command_s": round(train_cmd_s, 2),
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "aims": {
+            "val_loss_drop": ">= 0.30",
+            "cond_gap_ci_low": "> 0",
+            "colour_match": "clearly above colour_match_chance",
+            "plan_over_actual": "within 0.9..1.1",
+        },
+    }
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Promote flow: move `champion` to a candidate when the gate passes, or roll it back.
+
+The same decision as `kiln promote` / `kiln rollback`, as a Prefect flow so it can run from the
+UI or a deployment. The decision (passed or refused, with the numbers read) is tagged on the
+candidate's version by `tasks.promotion` and shown here as a markdown artifact; a refusal
+fails the flow run with the reasons.
+"""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from flows.config import load_config
+from tasks.promotion import PromotionRefused, promote, rollback
+
+__all__ = ["promote_flow", "rollback_flow"]
+
+
+def _markdown(title: str, record: dict) -> str:
+    lines = [f"## {title}\n"]
+    lines += [f"- **{k}**: {v}" for k, v in record.items() if k != "checks"]
+    if record.get("checks"):
+        lines += ["\n| check | ok | detail |", "|---|---|---|"]
+        lines += [f"| {c['check']} | {'yes' if c['ok'] else '**no**'} | {c['detail']} |"
+                  for c in record["checks"]]  # fmt: skip
+    return "\n".join(lines)
+
+
+@flow(name="kiln-promote", log_prints=True)
+def promote_flow(
+    config_path: str,
+    candidate: str | None = None,
+    first: bool = False,
+    force: bool = False,
+    reason: str | None = None,
+) -> dict:
+    """Move `champion` to `candidate` (default `models:/<name>@<registry.alias>`) if the gate
+    in `registry.gate` passes.
+
+    Args:
+        config_path: Pipeline YAML (registry and gate settings).
+        candidate: models:/NAME@ALIAS or models:/NAME/VERSION.
+        first: Promote with no champion yet (nothing to compare against).
+        force: Promote past a refused gate; needs `reason`.
+        reason: Why, recorded on the version.
+    """
+    cfg = load_config(config_path)
+    ref = candidate or f"models:/{cfg.registry.model_name}@{cfg.registry.alias}"
+    try:
+        record = promote(cfg.tracking_uri, ref, cfg.registry.gate, first=first, force=force,
+                         reason=reason)  # fmt: skip
+    except PromotionRefused as e:
+        create_markdown_artifact(key="promotion", description=f"{ref}: refused",
+                                 markdown=f"## {ref}: not promoted\n\n```\n{e}\n```")  # fmt: skip
+        raise
+    get_run_logger().info("%s version %s is now champion (%s)", record["name"],
+                          record["version"], record["outcome"])  # fmt: skip
+    create_markdown_artifact(key="promotion", description=f"{ref}: {record['outcome']}",
+                             markdown=_markdown(f"{ref} → champion", record))  # fmt: skip
+    return record
+
+
+@flow(name="kiln-rollback", log_prints=True)
+def rollback_flow(config_path: str, reason: str | None = None) -> dict:
+    """Swap `champion` and `previous-champion` of `registry.model_name`."""
+    cfg = load_config(config_path)
+    record = rollback(cfg.tracking_uri, cfg.registry.model_name, reason)
+    create_markdown_artifact(key="rollback", description=f"{cfg.registry.model_name} rolled back",
+                             markdown=_markdown("Rollback", record))  # fmt: skip
+    return record

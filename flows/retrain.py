@@ -1,0 +1,64 @@
+"""Weekly retraining: continue from the champion on the data that has arrived, then ask people.
+
+    ingest (incremental) -> validate -> shard -> train (warm-started from
+    `train.init_from_model`, normally models:/<name>@champion) -> evaluate -> register as
+    `candidate` -> the champion's study on the same prompts and seeds -> open the blind A/B
+    comparison candidate vs champion
+
+The comparison is only opened: raters take days. The `human-eval` deployment (or
+`kiln rate report`) reports it and logs the numbers that `kiln promote` reads. Nothing here
+moves `champion`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from flows.config import load_config
+from flows.human_eval import create_comparison_task, study_for_model
+from flows.pipeline import kiln_pipeline
+
+__all__ = ["retrain_flow"]
+
+
+@flow(name="kiln-retrain", log_prints=True)
+def retrain_flow(config_path: str, root: str | None = None) -> dict:
+    """Retrain from the champion, register the candidate, open its comparison.
+
+    Args:
+        config_path: A retraining YAML (configs/sd2-retrain.yaml): `train.init_from_model`
+            names the model to continue from.
+        root: Overrides `storage.root`.
+    """
+    cfg = load_config(config_path, root=root)
+    if not cfg.train.init_from_model:
+        raise ValueError(
+            f"{config_path}: train.init_from_model is not set, so this would train from "
+            "scratch; use the kiln-pipeline flow for that, or set it to "
+            f"models:/{cfg.registry.model_name}@champion"
+        )
+    result = kiln_pipeline(config_path, root=root)
+    he, r = cfg.human_eval, cfg.storage.root
+    champion = f"models:/{cfg.registry.model_name}@champion"
+    champ_study = study_for_model(cfg, champion)
+    cid = create_comparison_task(r, he.database_url, result["study"]["study_id"], champ_study,
+                                 he.raters_per_pair, he.gold_per_rater, None, he.seed)  # fmt: skip
+    get_run_logger().info("candidate %s v%s vs %s: comparison %s is open", cfg.registry.model_name,
+                          result["model"]["version"], champion, cid)  # fmt: skip
+    create_markdown_artifact(
+        key="retrain",
+        description=f"candidate v{result['model']['version']} vs champion",
+        markdown=(
+            f"## Candidate `{result['model']['uri_by_alias']}` (v{result['model']['version']})\n\n"
+            f"Warm-started from `{cfg.train.init_from_model}`; comparison `{cid}` against "
+            f"`{champion}` (study `{champ_study}`) is open.\n\n"
+            f"1. `kiln rate invite --config {Path(config_path).name} --comparison {cid} "
+            "--raters 8`\n"
+            "2. when the votes are in: the `human-eval` deployment, or `kiln rate report`\n"
+            f"3. `kiln promote --config {Path(config_path).name}`: the gate reads the report"
+        ),
+    )
+    return {**result, "comparison": cid, "champion_study": champ_study}

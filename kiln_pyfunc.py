@@ -1,0 +1,167 @@
+"""The MLflow pyfunc wrapper: `mlflow.pyfunc.load_model("models:/kiln-t2i@candidate")`.
+
+`predict` takes a DataFrame with a `prompt` column and returns one row per prompt with the
+PNG bytes of the generated image, its width and height. Optional params:
+`num_inference_steps`, `guidance_scale`, `seed` (row i uses seed + i), `height`, `width`,
+`batch_size` (prompts per pipeline call, so a 500-row frame does not run out of memory). A
+prompt longer than the text encoder reads is cut first (`truncate_prompts`); the output keeps
+it as given. On CUDA the pipeline runs in bfloat16 (float16 where bf16 is unsupported); on CPU
+in float32.
+
+This module is the only Kiln code a registered model ships (`code_paths`), under a name no
+consumer's package can shadow: it imports nothing else from Kiln.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from typing import TYPE_CHECKING
+
+import mlflow.pyfunc
+import pandas as pd
+
+__all__ = ["KilnDiffusionModel", "load_pipeline", "signature", "truncate_prompts"]
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("kiln.pyfunc")
+
+DEFAULT_PARAMS = {
+    "num_inference_steps": 25,
+    "guidance_scale": 7.5,
+    "seed": 0,
+    "height": 0,
+    "width": 0,
+    "batch_size": 4,
+}
+
+
+def signature():
+    """Input: `prompt` strings. Output: prompt, PNG bytes, width, height. Params as above."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
+
+    return ModelSignature(
+        inputs=Schema([ColSpec("string", "prompt")]),
+        outputs=Schema(
+            [
+                ColSpec("string", "prompt"),
+                ColSpec("binary", "image"),
+                ColSpec("long", "width"),
+                ColSpec("long", "height"),
+            ]
+        ),
+        params=ParamSchema(
+            [
+                ParamSpec("num_inference_steps", "long", 25),
+                ParamSpec("guidance_scale", "double", 7.5),
+                ParamSpec("seed", "long", 0),
+                ParamSpec("height", "long", 0),
+                ParamSpec("width", "long", 0),
+                ParamSpec("batch_size", "long", 4),
+            ]
+        ),
+    )
+
+
+def load_pipeline(path: str):
+    """The exported StableDiffusionPipeline at `path`: bf16 (fp16 without bf16) on CUDA,
+    float32 on CPU, progress bars off."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    dtype = torch.float32
+    if torch.cuda.is_available():
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    pipe = StableDiffusionPipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to("cuda") if torch.cuda.is_available() else pipe
+
+
+class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
+    """Wraps the exported diffusers `StableDiffusionPipeline` (artifact `pipeline`)."""
+
+    def load_context(self, context) -> None:
+        self.pipe = load_pipeline(context.artifacts["pipeline"])
+
+    def predict(
+        self, context, model_input: pd.DataFrame, params: dict | None = None
+    ) -> pd.DataFrame:
+        import torch
+
+        if not isinstance(model_input, pd.DataFrame) or "prompt" not in model_input.columns:
+            got = (
+                list(model_input.columns)
+                if isinstance(model_input, pd.DataFrame)
+                else type(model_input).__name__
+            )
+            raise ValueError(f"predict needs a DataFrame with a 'prompt' column; got {got}")
+        p = {**DEFAULT_PARAMS, **(params or {})}
+        prompts = [str(x) for x in model_input["prompt"].tolist()]
+        size = {k: int(p[k]) for k in ("height", "width") if int(p[k]) > 0}
+        batch = int(p["batch_size"])
+        if batch < 1:
+            raise ValueError(f"params.batch_size must be at least 1, got {batch}")
+        fed = truncate_prompts(self.pipe.tokenizer, prompts)
+        images = []
+        for start in range(0, len(prompts), batch):
+            # One generator per row: an image depends on its seed, never on the batching.
+            idx = range(start, min(start + batch, len(prompts)))
+            images += self.pipe(
+                [fed[i] for i in idx],
+                num_inference_steps=int(p["num_inference_steps"]),
+                guidance_scale=float(p["guidance_scale"]),
+                generator=[torch.Generator("cpu").manual_seed(int(p["seed"]) + i) for i in idx],
+                **size,
+            ).images
+        rows = []
+        for prompt, img in zip(prompts, images, strict=True):
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "image": buf.getvalue(),
+                    "width": img.width,
+                    "height": img.height,
+                }
+            )
+        return pd.DataFrame(rows, columns=["prompt", "image", "width", "height"])
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    # verbose=False: no "sequence length is longer than the specified maximum" warning either.
+    return tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+
+
+def truncate_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[str]:
+    """Each prompt cut to the tokenizer's `model_max_length` (start and end tokens included),
+    so that the pipeline's own truncation has nothing left to cut or warn about.
+
+    A prompt that fits is returned unchanged. A long one becomes the decoded text of its
+    first tokens: the tokens the pipeline would have kept (CLIP's tokenizer lower-cases and
+    normalises spaces anyway), except that a word cut mid-way now ends as a word. One log
+    line counts the cut prompts.
+    """
+    limit = int(tokenizer.model_max_length) - tokenizer.num_special_tokens_to_add()
+    out, cut = [], 0
+    for prompt in prompts:
+        ids = _token_ids(tokenizer, prompt)
+        if len(ids) <= limit:
+            out.append(prompt)
+            continue
+        keep = limit
+        text = tokenizer.decode(ids[:keep], skip_special_tokens=True)
+        # A word cut mid-way can re-tokenize into more pieces (BPE merges differ at a word's
+        # end): keep fewer tokens until the text fits.
+        while keep > 0 and len(_token_ids(tokenizer, text)) > limit:
+            keep -= 1
+            text = tokenizer.decode(ids[:keep], skip_special_tokens=True)
+        out.append(text)
+        cut += 1
+    if cut:
+        log.info("%d of %d prompts cut to the text encoder's %d tokens", cut, len(prompts),
+                 tokenizer.model_max_length)  # fmt: skip
+    return out

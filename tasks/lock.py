@@ -1,0 +1,88 @@
+"""One training writer per storage root.
+
+Two `kiln train` / `kiln run` processes on the same root would race on `runs/LATEST`, on a
+resumed run's checkpoints and on the MLflow run's state. The train flow holds an exclusive
+`flock` on `<root>/.kiln-train.lock` for its whole run; a second one fails at once with a
+message naming the holder (pid, host, what, since). The kernel drops the lock when the holder
+exits, however it exits, so a crash never leaves a stale lock. Re-entrant within one process
+(the pipeline flow's train subflow). `flock` is per machine: on a shared filesystem mounted
+by several machines, give each its own root or serialise runs with the deployments'
+concurrency limit.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+
+__all__ = ["RootBusy", "root_lock"]
+
+_held: dict[str, int] = {}  # lock path -> depth, in this process
+_guard = threading.Lock()
+
+
+class RootBusy(RuntimeError):
+    """Another process trains on this root."""
+
+
+@contextmanager
+def root_lock(root: Path, what: str) -> Iterator[None]:
+    """Hold `<root>/.kiln-train.lock` exclusively while the block runs.
+
+    Raises:
+        RootBusy: another process holds it; the message names it and what to do.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = str((root / ".kiln-train.lock").resolve())
+    with _guard:
+        if path in _held:
+            _held[path] += 1
+            nested = True
+        else:
+            nested = False
+    if nested:
+        try:
+            yield
+        finally:
+            with _guard:
+                _held[path] -= 1
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
+            try:
+                h = json.loads(holder)
+                who = (f"{h.get('what')} (pid {h.get('pid')} on {h.get('host')}, "
+                       f"since {h.get('since')})")  # fmt: skip
+            except ValueError:
+                who = "another process"
+            raise RootBusy(
+                f"{root} is in use by {who}: wait for it to finish, or give this run another "
+                "storage.root (--root)"
+            ) from None
+        info = {"what": what, "pid": os.getpid(), "host": socket.gethostname(),
+                "since": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        with _guard:
+            _held[path] = 1
+        try:
+            yield
+        finally:
+            with _guard:
+                _held.pop(path, None)
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
