@@ -59,8 +59,10 @@ def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) 
         },
         tags={"kiln.run_id": run_id, "kiln.dataset_version": version},
         artifact_root=str(Path(cfg.storage.root) / "mlartifacts"),
-        dataset=(version, f"{cfg.shards.remote}/{version}" if cfg.shards.remote
-                 else str(layout.shards(version))),  # fmt: skip
+        dataset=(
+            version,
+            f"{cfg.shards.remote}/{version}" if cfg.shards.remote else str(layout.shards(version)),
+        ),  # fmt: skip
     )
     record = {
         "run_id": run_id,
