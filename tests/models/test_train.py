@@ -59,7 +59,7 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
     # Validation mid-stage too: each rank evaluates its share, EMA swapped in and out.
-    val = shutil.copytree(root / "shards" / version / "32", tmp_path / "val-32")
+    val = root / "shards" / version / "32-val"  # the shard step's held-out split
     stage_yaml = _stage(
         cfg_path, root, version, out, stages=stages, log_sample_keys=True, eval_every=2,
         val_max_samples=6, val_timesteps=2, run_opts={"val_shards": str(val)},
@@ -87,9 +87,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards)
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 6, "batch_size": 4})]
-    # A validation split in the same columns: a copy of the stage's shards (streaming refuses
-    # two datasets over one folder).
-    val = shutil.copytree(root / "shards" / version / "32", tmp_path / "val-32")
+    val = root / "shards" / version / "32-val"  # the shard step's held-out split
     opts = {"stages": stages, "checkpoint_every": 3, "log_every": 1, "log_sample_keys": True,
             "eval_every": 2, "val_max_samples": 6, "val_timesteps": 2,
             "run_opts": {"val_shards": str(val)}}  # fmt: skip

@@ -3,7 +3,6 @@
 import io
 import json
 import random
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -186,11 +185,11 @@ def _train(cfg_path, root, version, out: Path, val_shards: str | None = None, **
     _launch(_accelerate("single.yaml", "-m", "models.train", "--config", str(out / "stage.yaml")))
 
 
-def _val_copy(root: Path, version: str, res: int, dest: Path) -> str:
-    """A validation split for the tests: a copy of the stage's shards (same columns; a copy,
-    since streaming refuses two datasets over one folder)."""
-    shutil.copytree(root / "shards" / version / str(res), dest)
-    return str(dest)
+def _val_split(root: Path, version: str, res: int) -> str:
+    """The stage's held-out split, as the shard step writes it (`shards.val_fraction`)."""
+    split = root / "shards" / version / f"{res}-val"
+    assert (split / "index.json").is_file(), f"the shard step wrote no validation split {split}"
+    return str(split)
 
 
 @pytest.mark.integration
@@ -201,7 +200,7 @@ def test_training_logs_val_metrics_and_trains_the_same_without_them(tmp_path, ti
     stages = [TINY.stages[0].model_copy(update={"max_steps": 5, "batch_size": 4})]
     opts = {"stages": stages, "log_every": 1, "eval_every": 2, "val_max_samples": 6,
             "val_timesteps": 2}  # fmt: skip
-    val_split = _val_copy(root, version, 32, tmp_path / "val-32")
+    val_split = _val_split(root, version, 32)
     with_val, without = tmp_path / "with", tmp_path / "without"
     _train(cfg_path, root, version, with_val, val_split, **opts)
     _train(cfg_path, root, version, without, **opts)
@@ -226,7 +225,9 @@ def test_training_logs_val_metrics_and_trains_the_same_without_them(tmp_path, ti
     from models.validation import bootstrap_cond_gap
 
     gap = bootstrap_cond_gap(with_val / "final", manifest, n_boot=500)
-    assert gap["n"] == 6 and gap["weights"] == "ema"
+    index = json.loads((Path(val_split) / "index.json").read_text())
+    assert gap["n"] == min(6, sum(x["samples"] for x in index["shards"]))
+    assert gap["weights"] == "ema"
     assert gap["cond_gap"] == pytest.approx(manifest["val"]["ema/val/cond_gap"], rel=0, abs=1e-7)
     assert gap["ci_low"] <= gap["cond_gap"] <= gap["ci_high"]
     plain = json.loads((without / "manifest.json").read_text())
