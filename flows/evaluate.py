@@ -1,4 +1,7 @@
-"""Evaluate flow: generate images for every DrawBench prompt and seed with the trained model.
+"""Evaluate flow: generate images for every DrawBench prompt and seed with the trained model,
+lay them out as one contact sheet per category, and compute CLIP score and FID when their
+weights are configured (`evaluate.metrics`); a metric without weights is skipped, and the
+study's artifact says why.
 
 The settings come from the training run's config snapshot, not the file passed in: editing
 the file while a run trains does not change how it is evaluated.
@@ -13,9 +16,11 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.config import check_inputs, load_config, run_config
 from models.config import stable_hash
+from tasks.contact_sheet import write_contact_sheets
 from tasks.launch import launch_generate
 from tasks.layout import Layout
 from tasks.reports import study_report
+from tasks.study_metrics import compute_study_metrics, log_study_metrics, metrics_report
 
 __all__ = ["evaluate_flow", "study_id_for"]
 
@@ -67,14 +72,46 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
         model_ref=run_id,
         num_processes=cfg.launch.num_processes,
     )
+    study_dir = layout.study(study_id)
+    sheets = write_contact_sheets(study_dir, study["items"])
+    final_res = cfg.train.stages[-1].resolution
+    metrics = compute_study_metrics(
+        str(study_dir),
+        study["items"],
+        ev.metrics,
+        str(layout.val_shards(record["dataset_version"], final_res)),
+        generate={
+            "pipeline": record["export"],
+            "settings": {
+                "accelerate_config": cfg.launch.accelerate_config,
+                "seeds": ev.seeds[:1],
+                "num_inference_steps": ev.num_inference_steps,
+                "guidance_scale": ev.guidance_scale,
+                "batch_size": ev.batch_size,
+                "model_ref": run_id,
+                "num_processes": cfg.launch.num_processes,
+            },
+        },
+    )
+    url = log_study_metrics(
+        cfg.tracking_uri,
+        record["mlflow_run_id"],
+        str(study_dir),
+        metrics,
+        [str(p) for p in sheets.values()],
+    )
     layout.set_latest("eval", study_id)
     create_markdown_artifact(
         key="drawbench-study",
         description=f"Study {study_id}",
-        markdown=study_report(study_id, study["items"], ev.seeds, str(layout.study(study_id))),
+        markdown=study_report(study_id, study["items"], ev.seeds, str(study_dir))
+        + "\n\n"
+        + metrics_report(metrics, sheets, url),
     )
     return {
         "study_id": study_id,
         "images": len(study["items"]),
-        "path": str(layout.study(study_id)),
+        "path": str(study_dir),
+        "contact_sheets": {c: str(p) for c, p in sheets.items()},
+        "metrics": metrics,
     }

@@ -16,6 +16,7 @@ from flows.config import config_hash, load_config, run_config
 from tasks.layout import Layout
 from tasks.registry import register_model
 from tasks.reports import registered_report
+from tasks.study_metrics import metrics_lineage
 
 __all__ = ["register_flow"]
 
@@ -60,6 +61,8 @@ def register_flow(
         "study_id": study_id or "",
         "config_sha256": config_hash(cfg),
     }
+    if study_id:  # the study's CLIP score and FID (when computed), next to its id
+        lineage.update(metrics_lineage(layout.study(study_id)))
     info = register_model(
         cfg.tracking_uri,
         record["mlflow_run_id"],

@@ -33,6 +33,7 @@ from tasks.layout import Layout, is_published, new_run_id
 from tasks.publish import publish_shards
 from tasks.registry import create_training_run, log_run_artifact, mark_training_run
 from tasks.reports import stage_report, write_loss_curves
+from tasks.samples import sample_grid_report
 
 __all__ = ["train_flow"]
 
@@ -244,5 +245,12 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
                 run_id, i, stage.resolution, manifest, plan, str(curves) if curves else None
             ),  # fmt: skip
         )
+        grid = sample_grid_report(stage.resolution, manifest, cfg.tracking_uri, run.mlflow_run_id)
+        if grid:  # the newest sample grid of the stage, shown from MLflow
+            create_markdown_artifact(
+                key=f"samples-{stage.resolution}",
+                markdown=grid,
+                description=f"{run_id} stage {stage.resolution}px samples",
+            )
     record["export"] = manifest["export"]
     (layout.run(run_id) / "run.json").write_text(json.dumps(record, indent=2))

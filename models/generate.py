@@ -22,7 +22,7 @@ from diffusers import StableDiffusionPipeline
 
 from models.tokenization import truncate_prompts
 
-__all__ = ["main", "read_prompts"]
+__all__ = ["generate_images", "load_pipeline", "main", "read_prompts"]
 
 log = logging.getLogger("kiln.generate")
 
@@ -49,6 +49,32 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     return rows[:limit] if limit else rows
 
 
+def load_pipeline(path: str | Path, device: torch.device | str) -> StableDiffusionPipeline:
+    """Load an exported pipeline folder as evaluation does; the training script's sample grids
+    load their export with this too, so an export bug shows in the grid first."""
+    pipe = StableDiffusionPipeline.from_pretrained(path)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe.to(device)
+
+
+def generate_images(
+    pipe: StableDiffusionPipeline,
+    prompts: list[str],
+    seeds: list[int],
+    steps: int,
+    guidance: float,
+) -> list:
+    """One PIL image per (prompt, seed) pair, `prompts[i]` with `seeds[i]`.
+
+    Each pair gets its own CPU generator, so an image depends on its prompt and seed only,
+    never on the batch around it or the device; the global RNG is not drawn from.
+    """
+    gens = [torch.Generator(device="cpu").manual_seed(seed) for seed in seeds]
+    # What the text encoder reads of each prompt (truncated to its window, with a warning).
+    fed = truncate_prompts(pipe.tokenizer, prompts)
+    return pipe(fed, num_inference_steps=steps, guidance_scale=guidance, generator=gens).images
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pipeline", required=True, help="Exported StableDiffusionPipeline folder")
@@ -73,25 +99,20 @@ def main(argv: list[str] | None = None) -> None:
         for i, row in enumerate(prompts)
         for seed in args.seeds
     ]
-    pipe = StableDiffusionPipeline.from_pretrained(args.pipeline)
-    pipe.set_progress_bar_config(disable=True)
-    pipe.to(state.device)
-    # What the text encoder reads of each prompt; study.json keeps the prompts as written.
-    texts = [row["prompt"] for row in prompts]
-    fed = dict(zip(texts, truncate_prompts(pipe.tokenizer, texts), strict=True))
+    pipe = load_pipeline(args.pipeline, state.device)
     t0 = time.perf_counter()
     with state.split_between_processes(items) as mine:
         todo = [it for it in mine if not (out / it["path"]).is_file()]
         for start in range(0, len(todo), args.batch_size):
             batch = todo[start : start + args.batch_size]
-            gens = [torch.Generator(device="cpu").manual_seed(it["seed"]) for it in batch]
-            result = pipe(
-                [fed[it["prompt"]] for it in batch],
-                num_inference_steps=args.steps,
-                guidance_scale=args.guidance,
-                generator=gens,
+            images = generate_images(
+                pipe,
+                [it["prompt"] for it in batch],  # study.json keeps the prompts as written
+                [it["seed"] for it in batch],
+                args.steps,
+                args.guidance,
             )
-            for it, img in zip(batch, result.images, strict=True):
+            for it, img in zip(batch, images, strict=True):
                 tmp = out / (it["path"] + ".tmp")
                 img.save(tmp, format="PNG")
                 tmp.replace(out / it["path"])

@@ -22,7 +22,6 @@ with the same message, before it resumes anything. To train the stage again, fix
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import logging
 import math
@@ -35,18 +34,19 @@ from typing import NoReturn
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
-from diffusers import StableDiffusionPipeline
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 
 from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from models.config import DIVERGED, StageRun, load_yaml_model
-from models.factory import Components, build_components, sampling_scheduler, vae_scale_factor
+from models.export import export_unet, write_pipeline
+from models.factory import Components, build_components, vae_scale_factor
 from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
 from models.flops import device_peak_flops, device_stats, train_flops_per_sample
 from models.loader import build_loader, precomputed_columns
 from models.loss import denoising_loss
 from models.metrics import MetricsSink, system_metrics
+from models.samples import maybe_sample_grid, sample_grid, sample_grids
 from models.stale_streaming_files import clean_stale_streaming
 from models.validation import build_validator
 
@@ -151,7 +151,7 @@ def train_loop(
 ):  # fmt: skip
     """Optimizer steps until `max_steps`, checkpointing and resuming through `checkpoints/`.
 
-    `checkpoints=False` (throughput measurement only) neither resumes nor saves.
+    `checkpoints=False` (throughput measurement only) neither resumes nor saves nor samples.
     """
     cfg, stage = run.train, run.stage
     out = Path(run.output_dir)
@@ -256,6 +256,8 @@ def train_loop(
                     _diverge(accelerator, out, sink, state, diverged)
                 if val is not None and val.due(state.step):  # before the checkpoint, which keeps it
                     t_last += val.run(state, sink)  # kept out of the next window's step time
+                if checkpoints:  # before the checkpoint, so a resume never skips a grid
+                    t_last += maybe_sample_grid(run, accelerator, comps, ema, state.step, sink)
                 if checkpoints and (
                     state.step % cfg.checkpoint_every == 0 or state.step == stage.max_steps
                 ):
@@ -411,28 +413,15 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
         plain = type(unet).from_config(unet.config)
         plain.load_state_dict(full_state)
         unet = plain
-    export_unet = unet
+    export = export_unet(unet, ema)
     if ema is not None:
-        export_unet = copy.deepcopy(unet)
-        ema.copy_to(export_unet.parameters())
         raw_tmp = out / ".final-raw.tmp"
         shutil.rmtree(raw_tmp, ignore_errors=True)
         unet.save_pretrained(raw_tmp / "unet")
         _replace_dir(raw_tmp, out / "final-raw")
         kill_in_export(run.faults, "after_raw", out)
-    pipe = StableDiffusionPipeline(
-        vae=comps.vae.to(torch.float32),
-        text_encoder=comps.text_encoder.to(torch.float32),
-        tokenizer=comps.tokenizer,
-        unet=export_unet.to(torch.float32),
-        scheduler=sampling_scheduler(comps.noise_scheduler),
-        safety_checker=None,
-        feature_extractor=None,
-        requires_safety_checker=False,
-    )
     tmp = out / ".final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    pipe.save_pretrained(tmp)
+    write_pipeline(comps, export, tmp)
     kill_in_export(run.faults, "after_final_tmp", out)
     _replace_dir(tmp, out / "final")
     kill_in_export(run.faults, "after_final", out)
@@ -450,6 +439,7 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
         "metrics": sink.last,
         "val": state.val[-1] if state.val else None,  # the stage's end: the model it exports
         "val_history": state.val,
+        "samples": [str(p) for p in sample_grids(out)],
     }
     manifest_tmp = out / ".manifest.json.tmp"
     manifest_tmp.write_text(json.dumps(manifest, indent=2))
@@ -505,6 +495,7 @@ def main(argv: list[str] | None = None) -> None:
         state = train_loop(
             run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink
         )
+        sample_grid(run, accelerator, comps, ema, state.step, sink)  # listed in the manifest
         save_and_export(run, accelerator, comps, ema, state, sink)
         accelerator.wait_for_everyone()
     accelerator.end_training()

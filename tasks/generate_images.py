@@ -53,25 +53,20 @@ def generate_images(
         {"images": [paths], "seconds_per_image", "device", "model"}; also written as
         `<out>/generate.json`.
     """
-    import torch
-
-    from kiln_pyfunc import load_pipeline, truncate_prompts
+    from kiln_pyfunc import load_pipeline
+    from models.generate import generate_images as generate
 
     if n < 1 or steps < 1 or batch_size < 1:
         raise ValueError(f"--n, --steps and --batch-size must be at least 1 (got {n}, {steps}, "
                          f"{batch_size})")  # fmt: skip
     pipe = load_pipeline(str(pipeline_dir))
-    fed = truncate_prompts(pipe.tokenizer, [prompt])[0]
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(seed, seed + n))
     paths: list[str] = []
     t0 = time.perf_counter()
     for start in range(0, n, batch_size):
         chunk = seeds[start : start + batch_size]
-        images = pipe(
-            [fed] * len(chunk), num_inference_steps=steps, guidance_scale=guidance_scale,
-            generator=[torch.Generator("cpu").manual_seed(s) for s in chunk],
-        ).images  # fmt: skip
+        images = generate(pipe, [prompt] * len(chunk), chunk, steps, guidance_scale)
         for s, img in zip(chunk, images, strict=True):
             path = out / f"{len(paths):02d}-s{s}.png"
             img.save(path, format="PNG")

@@ -306,7 +306,11 @@ def model_description(model_name: str) -> str:
 def version_description(model_name: str, version: str, lineage: dict[str, str]) -> str:
     """One version's description (markdown): its data, its run, how to load exactly it."""
     get = lineage.get
-    study = f" Evaluated in study `{get('study_id')}`." if get("study_id") else ""
+    scores = ", ".join(f"{k.removeprefix('eval.')} {lineage[k]}"
+                       for k in ("eval.clip_score", "eval.fid") if k in lineage)  # fmt: skip
+    study = ""
+    if get("study_id"):
+        study = f" Evaluated in study `{get('study_id')}`" + (f" ({scores})." if scores else ".")
     return (
         f"Trained by Kiln run `{get('run_id', '?')}` (MLflow run `{get('mlflow_run_id', '?')}`) "
         f"on dataset version `{get('dataset_version', '?')}`, built from catalog "

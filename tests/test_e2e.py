@@ -15,13 +15,14 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
-def _py(code: str, env: dict) -> str:
+def _py(code: str, env: dict, cwd: Path | None = None) -> str:
     proc = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         env=env,
         timeout=600,
+        cwd=cwd,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
@@ -113,7 +114,7 @@ def test_registry_alias_loads_and_generates(pipeline_run, tmp_path):
     consumer = tmp_path / "consumer"
     (consumer / "models").mkdir(parents=True)
     (consumer / "models" / "__init__.py").write_text("OWNER = 'consumer'\n")
-    env = {**env, "PYTHONPATH": str(consumer)}
+    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     out = _py(
         f"""
         import io, json, mlflow, pandas as pd
@@ -129,17 +130,22 @@ def test_registry_alias_loads_and_generates(pipeline_run, tmp_path):
         one = model.predict(pd.DataFrame({{"prompt": prompts[:1]}}),
                             params={{"num_inference_steps": 2, "batch_size": 1}})
         img = Image.open(io.BytesIO(df["image"][0]))
+        import numpy as np
+        px = lambda b: np.asarray(Image.open(io.BytesIO(b)), dtype=np.float32)
         import kiln_pyfunc
         v = MlflowClient(uri).get_model_version_by_alias("kiln-t2i", "candidate")
         print(json.dumps({{"size": img.size, "tags": v.tags, "rows": len(df),
-                          "same": df["image"][0] == one["image"][0], "owner": models.OWNER,
+                          "diff": float(np.abs(px(df["image"][0]) - px(one["image"][0])).max()),
+                          "owner": models.OWNER,
                           "shipped": kiln_pyfunc.__file__}}))
         """,
         env,
+        cwd=consumer,  # the consumer's project: its `models` package is first on sys.path
     )
     got = json.loads(out.strip().splitlines()[-1])
     assert got["size"] == [64, 64] and got["rows"] == 5
-    assert got["same"], "an image depends on its seed, not on the batching"
+    # Its seed fixes an image; batching changes only float rounding in the batched kernels.
+    assert got["diff"] <= 3, "an image depends on its seed, not on the batching"
     assert got["owner"] == "consumer", "the consumer's own `models` package is untouched"
     assert "/code/kiln_pyfunc.py" in got["shipped"], "loaded from the model's shipped code"
     assert got["tags"]["run_id"] == result["run"]["run_id"]
