@@ -21,6 +21,15 @@ from tasks.study_metrics import metrics_lineage
 __all__ = ["register_flow"]
 
 
+def _val_metrics(record: dict) -> dict[str, float]:
+    """The last stage's validation loss and conditioning gap (EMA and raw weights), for the
+    version's metrics; empty when it had no validation split."""
+    stages = record.get("stages", {})
+    val = stages[list(stages)[-1]].get("val") if stages else None
+    keys = ("ema/val/loss", "ema/val/cond_gap", "raw/val/loss", "raw/val/cond_gap")
+    return {k: float(val[k]) for k in keys if val and k in val}
+
+
 @flow(name="kiln-register", log_prints=True)
 def register_flow(
     config_path: str,
@@ -61,6 +70,7 @@ def register_flow(
         cfg.registry.model_name,
         cfg.registry.alias,
         lineage,
+        _val_metrics(record),
     )
     create_markdown_artifact(
         key="registered-model",

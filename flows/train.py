@@ -31,8 +31,8 @@ from tasks.health import preflight
 from tasks.launch import launch_stage
 from tasks.layout import Layout, is_published, new_run_id
 from tasks.publish import publish_shards
-from tasks.registry import create_training_run, mark_training_run
-from tasks.reports import stage_report
+from tasks.registry import create_training_run, log_run_artifact, mark_training_run
+from tasks.reports import stage_report, write_loss_curves
 from tasks.samples import sample_grid_report
 
 __all__ = ["train_flow"]
@@ -234,10 +234,16 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
         raw = out / "final-raw"
         init_from = str(raw if cfg.train.init_from == "raw" and raw.is_dir() else out / "final")
         record["stages"][str(stage.resolution)] = manifest
+        curves = write_loss_curves(out)
+        if curves is not None:
+            log_run_artifact(cfg.tracking_uri, record["mlflow_run_id"], str(curves),
+                             f"stage-{stage.resolution}")  # fmt: skip
         create_markdown_artifact(
             key=f"stage-{stage.resolution}",
             description=f"{run_id} stage {stage.resolution}px",
-            markdown=stage_report(run_id, i, stage.resolution, manifest, plan),
+            markdown=stage_report(
+                run_id, i, stage.resolution, manifest, plan, str(curves) if curves else None
+            ),  # fmt: skip
         )
         grid = sample_grid_report(stage.resolution, manifest, cfg.tracking_uri, run.mlflow_run_id)
         if grid:  # the newest sample grid of the stage, shown from MLflow

@@ -1,8 +1,9 @@
 """The denoising objective: a batch's latents and text states, the target, the loss.
 
-`models.train` calls `denoising_loss` once per micro-batch; a held-out validation loss would
-call it too, under `torch.no_grad()`. Every random draw (the noise, the timesteps, the VAE's
-latent sample) comes from torch's global RNG, so a seeded call is reproducible.
+`models.train` calls `denoising_loss` once per micro-batch. Every random draw (the noise, the
+timesteps, the VAE's latent sample) comes from torch's global RNG, so a seeded call is
+reproducible. The held-out validation loss (`models.validation`) uses the same pieces
+(`encode_latents`, `encode_text`, `diffusion_target`) with noise from its own seeded generators.
 """
 
 from __future__ import annotations
@@ -15,28 +16,58 @@ from models.collation import device_pixels
 from models.decoding import normalize_pixels
 from models.factory import Components
 
-__all__ = ["denoising_loss", "diffusion_target", "encode_batch", "min_snr_weight"]
+__all__ = [
+    "denoising_loss",
+    "diffusion_target",
+    "encode_batch",
+    "encode_latents",
+    "encode_text",
+    "min_snr_weight",
+]
 
 
 def encode_batch(
     comps: Components, batch: dict, weight_dtype: torch.dtype, device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch's scaled VAE latents and text-encoder states (frozen encoders, no gradients)."""
+    return (
+        encode_latents(comps, batch, weight_dtype, device),
+        encode_text(comps, batch, weight_dtype, device),
+    )
+
+
+def encode_latents(
+    comps: Components, batch: dict, weight_dtype: torch.dtype, device, noise_like=None
+) -> torch.Tensor:
+    """A batch's scaled latents: a sample of the VAE's posterior (or of the precomputed one).
+
+    Args:
+        noise_like: Draws the posterior sample's standard normal noise shaped like its argument
+            (the posterior mean). Default: `torch.randn_like`, torch's global RNG, as training
+            does; the validation loss passes per-sample seeded noise, so its latents are fixed.
+    """
     scale = comps.vae.config.scaling_factor
     with torch.no_grad():
         if "latent_mean" in batch:
             # Precomputed: sample the VAE's diagonal Gaussian as latent_dist.sample() does.
             mean = batch["latent_mean"].to(device, dtype=weight_dtype, non_blocking=True)
             std = batch["latent_std"].to(device, dtype=weight_dtype, non_blocking=True)
-            latents = (mean + std * torch.randn_like(mean)) * scale
-        else:
-            # The loader's batch has channels-last strides (see KilnCollate); the model
-            # gets the standard layout, transposed here on the device (and flipped, hflip).
-            pixels = device_pixels(batch, device)
-            if pixels.dtype == torch.uint8:  # the loader ships uint8; normalise on the device
-                pixels = normalize_pixels(pixels)
-            pixels = pixels.to(weight_dtype)
-            latents = comps.vae.encode(pixels).latent_dist.sample() * scale
+            return (mean + std * (noise_like or torch.randn_like)(mean)) * scale
+        # The loader's batch has channels-last strides (see KilnCollate); the model gets the
+        # standard layout, transposed here on the device (and flipped, hflip).
+        pixels = device_pixels(batch, device)
+        if pixels.dtype == torch.uint8:  # the loader ships uint8; normalise on the device
+            pixels = normalize_pixels(pixels)
+        dist = comps.vae.encode(pixels.to(weight_dtype)).latent_dist
+        if noise_like is None:
+            return dist.sample() * scale
+        return (dist.mean + dist.std * noise_like(dist.mean)) * scale  # what sample() computes
+
+
+def encode_text(comps: Components, batch: dict, weight_dtype: torch.dtype, device) -> torch.Tensor:
+    """A batch's text-encoder states: stored (`text_hidden`, the empty caption's where `drop`
+    says so) or encoded from `input_ids`."""
+    with torch.no_grad():
         if "text_hidden" in batch:
             encoder_hidden = batch["text_hidden"].to(device, dtype=weight_dtype)
             drop = batch["drop"].to(device)
@@ -48,10 +79,9 @@ def encode_batch(
                 empty_hidden = comps.text_encoder(empty)[0].to(weight_dtype)
                 # Not an in-place write: `.to` may return the batch's own tensor.
                 encoder_hidden = torch.where(drop[:, None, None], empty_hidden, encoder_hidden)
-        else:
-            ids = batch["input_ids"].to(device, non_blocking=True)
-            encoder_hidden = comps.text_encoder(ids)[0]
-    return latents, encoder_hidden
+            return encoder_hidden
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        return comps.text_encoder(ids)[0]
 
 
 def diffusion_target(sched, latents: torch.Tensor, noise: torch.Tensor, t: torch.Tensor):

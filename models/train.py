@@ -48,6 +48,7 @@ from models.loss import denoising_loss
 from models.metrics import MetricsSink, system_metrics
 from models.samples import maybe_sample_grid, sample_grid, sample_grids
 from models.stale_streaming_files import clean_stale_streaming
+from models.validation import build_validator
 
 __all__ = [
     "DIVERGED",
@@ -75,6 +76,7 @@ class TrainState:
     losses: list[float] = field(default_factory=list)  # logged window means, over all launches
     last_log_step: int = 0  # the step of losses[-1]
     elapsed_s: float = 0.0  # training wall time over every launch of the stage (logged windows)
+    val: list[dict] = field(default_factory=list)  # each validation's metrics, over all launches
 
 
 def build_models(run: StageRun, accelerator: Accelerator):
@@ -156,6 +158,7 @@ def train_loop(
     ckpt_root = out / "checkpoints"
     state = TrainState()
     perf = _perf_setup(run, accelerator, comps, sink)
+    val = build_validator(run, accelerator, comps, ema, weight_dtype)  # None: no val split
     resume = latest_checkpoint(ckpt_root) if checkpoints else None
     if resume is not None:
         saved = load_checkpoint(accelerator, resume)
@@ -165,6 +168,7 @@ def train_loop(
         # vs actual); a launch that resumes at max_steps logs nothing new.
         state.losses = list(saved.get("losses", []))
         state.last_log_step = saved.get("last_log_step", 0)
+        state.val = list(saved.get("val", []))
         sink.last = dict(saved.get("metrics", {}))
         loader.load_state_dict(state.loader_state)
         log.info("resumed from %s at step %d", resume, state.step)
@@ -250,6 +254,8 @@ def train_loop(
                         state.last_log_step = state.step
                 if diverged is not None:  # before the checkpoint: the NaN state is never saved
                     _diverge(accelerator, out, sink, state, diverged)
+                if val is not None and val.due(state.step):  # before the checkpoint, which keeps it
+                    t_last += val.run(state, sink)  # kept out of the next window's step time
                 if checkpoints:  # before the checkpoint, so a resume never skips a grid
                     t_last += maybe_sample_grid(run, accelerator, comps, ema, state.step, sink)
                 if checkpoints and (
@@ -261,6 +267,7 @@ def train_loop(
                         "losses": state.losses,
                         "last_log_step": state.last_log_step,
                         "metrics": sink.last,
+                        "val": state.val,
                     }
                     save_checkpoint(accelerator, ckpt_root, state.step, extra, cfg.keep_checkpoints)
                 step_fault(run.faults, state.step, out)
@@ -275,6 +282,8 @@ def train_loop(
             )
     if keys_file:
         keys_file.close()
+    if val is not None:
+        val.finish(state, sink)
     return state
 
 
@@ -428,6 +437,8 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
         "param_checksums": checksums,
         "losses": state.losses,
         "metrics": sink.last,
+        "val": state.val[-1] if state.val else None,  # the stage's end: the model it exports
+        "val_history": state.val,
         "samples": [str(p) for p in sample_grids(out)],
     }
     manifest_tmp = out / ".manifest.json.tmp"

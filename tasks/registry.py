@@ -35,6 +35,7 @@ __all__ = [
     "create_training_run",
     "ensure_experiment",
     "log_data_docs",
+    "log_run_artifact",
     "mark_training_run",
     "artifacts_url",
     "mlflow_ui_url",
@@ -191,6 +192,21 @@ def mark_training_run(tracking_uri: str, mlflow_run_id: str, status: str) -> Non
         )
 
 
+@task(name="log-run-artifact", cache_policy=NO_CACHE)
+def log_run_artifact(tracking_uri: str, run_id: str, path: str, artifact_path: str) -> bool:
+    """Log one file (a stage's loss curves) into a run's artifacts. A failure is a warning:
+    the file stays on disk and the stage's outcome stands. Returns whether it was logged."""
+    try:
+        MlflowClient(tracking_uri).log_artifact(run_id, path, artifact_path)
+        return True
+    except Exception as e:  # noqa: BLE001 - the artifact is a convenience, never a failure
+        task_logger(__name__).warning(
+            "%s not logged to MLflow run %s (%s: %s); it stays on disk.",
+            path, run_id, type(e).__name__, e,
+        )  # fmt: skip
+        return False
+
+
 @task(name="log-data-docs", cache_policy=NO_CACHE)
 def log_data_docs(
     tracking_uri: str,
@@ -315,8 +331,13 @@ def register_model(
     model_name: str,
     alias: str,
     lineage: dict[str, str],
+    metrics: dict[str, float] | None = None,
 ) -> dict:
     """Log `export_dir` as a pyfunc model in the training run, register it, set `alias`.
+
+    `metrics` (the last stage's validation loss and conditioning gap) are logged on the
+    logged model that the version is registered from (the version's metrics in MLflow 3), and
+    so also, unprefixed, on the training run, where the promotion gate reads `ema/val/loss`.
 
     Returns:
         {"name", "version", "alias", "model_uri", "uri_by_alias"}.
@@ -344,6 +365,8 @@ def register_model(
                     pip_requirements=reqs,
                     signature=signature(),
                 )
+                if metrics:
+                    mlflow.log_metrics(metrics, model_id=info.model_id)
         finally:
             if ended.status != "RUNNING":
                 client.set_terminated(mlflow_run_id, status=ended.status, end_time=ended.end_time)

@@ -1,10 +1,14 @@
 """The markdown each step publishes as a Prefect artifact: pure functions of the step's result.
 
 Kept out of the flows so that each flow reads top to bottom as its steps. Nothing here may
-show a credential: tracking URIs go through `models.config.redact_uri`.
+show a credential: tracking URIs go through `models.config.redact_uri`. One function draws
+rather than writes markdown: `write_loss_curves`, the PNG a stage's report links.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 from data_quality.suite import INGEST_REASONS
 from models.config import redact_uri
@@ -19,7 +23,10 @@ __all__ = [
     "shards_report",
     "stage_report",
     "study_report",
+    "write_loss_curves",
 ]
+
+CURVES = "loss-curves.png"
 
 
 def ingest_report(r: IngestResult) -> str:
@@ -115,8 +122,11 @@ def shards_report(result, ingest_id: str, path: str, published: dict | None) -> 
     )
 
 
-def stage_report(run_id: str, i: int, res: int, manifest: dict, plan: dict | None) -> str:
-    """A finished stage: last-window metrics and, when `kiln plan` ran, plan against actual."""
+def stage_report(
+    run_id: str, i: int, res: int, manifest: dict, plan: dict | None, curves: str | None = None
+) -> str:
+    """A finished stage: last-window metrics, the validation loss and conditioning gap at its
+    end, the loss curves (`curves`, a PNG path) and, when `kiln plan` ran, plan vs actual."""
     m = manifest["metrics"]
     loss = manifest["losses"][-1] if manifest["losses"] else float("nan")
     lines = [
@@ -127,6 +137,10 @@ def stage_report(run_id: str, i: int, res: int, manifest: dict, plan: dict | Non
         "|---|---:|",
         *(f"| {k} | {v:.4g} |" for k, v in m.items()),
     ]
+    lines += _val_section(manifest.get("val"), manifest.get("val_history") or [], m)
+    if curves:
+        lines += [f"\nTraining and validation loss curves: [{CURVES}]({Path(curves).as_uri()}) "
+                  f"(`{curves}`, also in the MLflow run's artifacts).\n"]  # fmt: skip
     if plan and i < len(plan["stages"]) and plan["stages"][i]["resolution"] == res:
         p = plan["stages"][i]
         lines += [
@@ -138,6 +152,82 @@ def stage_report(run_id: str, i: int, res: int, manifest: dict, plan: dict | Non
             f"| cost $ | {p['cost_usd']:.4g} | {m.get('cost_usd', float('nan')):.4g} |",
         ]
     return "\n".join(lines)
+
+
+def _val_section(val: dict | None, history: list[dict], window: dict) -> list[str]:
+    """The held-out loss and conditioning gap at the stage's end, EMA and raw weights, per
+    timestep too; and what the evaluations cost."""
+    if not val:
+        return ["\nNo validation loss: this stage has no validation split (`shards.val_fraction`)."]
+    kinds = [k for k in ("ema", "raw") if f"{k}/val/loss" in val]
+    prefix = f"{kinds[0]}/val/loss_t"
+    steps = sorted(int(k.removeprefix(prefix)) for k in val if k.startswith(prefix))
+    rows = [("loss (mean)", "loss"), ("conditioning gap", "cond_gap"),
+            *((f"loss at t={t}", f"loss_t{t}") for t in steps),
+            *((f"gap at t={t}", f"cond_gap_t{t}") for t in steps)]  # fmt: skip
+    spent = sum(e.get("val/eval_s", 0.0) for e in history)
+    step_s = window.get("step_time_s")
+    cost = f"; a training step took {step_s:.3g} s" if step_s else ""
+    return [
+        f"\n### Validation at step {val['step']} (held-out split, fixed timesteps and noise)\n",
+        "| | " + " | ".join(kinds) + " |",
+        "|---|" + "---:|" * len(kinds),
+        *(
+            f"| {name} | " + " | ".join(f"{val[f'{k}/val/{key}']:.5g}" for k in kinds) + " |"
+            for name, key in rows
+        ),  # fmt: skip
+        f"\nThe gap is the loss with the captions rolled by one minus the loss with the right "
+        f"ones: 0 for a model that ignores its text. {len(history)} evaluation(s) took "
+        f"{spent:.3g} s in all ({val.get('val/eval_s', 0.0):.3g} s the last){cost}.",
+    ]
+
+
+def write_loss_curves(stage_dir: str | Path) -> Path | None:
+    """Draw the stage's training loss (each logged window) and validation loss (EMA and raw)
+    against the step, and the conditioning gap beside them, from its metrics.jsonl into
+    `<stage_dir>/loss-curves.png`; None when nothing was logged. A relaunch's lines for steps
+    already logged replace the earlier ones."""
+    from matplotlib.figure import Figure  # the object API: no pyplot state, no GUI backend
+
+    path = Path(stage_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    train: dict[int, float] = {}
+    val: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "step" not in rec:
+            continue
+        if "loss" in rec:
+            train[rec["step"]] = rec["loss"]
+        if any(k.endswith("/val/loss") for k in rec):
+            val[rec["step"]] = rec
+    if not train and not val:
+        return None
+    fig = Figure(figsize=(10, 4), dpi=100)
+    ax_loss, ax_gap = fig.subplots(1, 2)
+    if train:
+        ax_loss.plot(list(train), list(train.values()), label="train (window mean)", alpha=0.6)
+    for kind, style, colour in (("ema", "o-", "C1"), ("raw", "s--", "C2")):
+        pts = [(s, r[f"{kind}/val/loss"], r[f"{kind}/val/cond_gap"])
+               for s, r in sorted(val.items()) if f"{kind}/val/loss" in r]  # fmt: skip
+        if pts:
+            steps, losses, gaps = zip(*pts, strict=True)
+            ax_loss.plot(steps, losses, style, color=colour, label=f"validation ({kind})")
+            ax_gap.plot(steps, gaps, style, color=colour, label=kind)
+    ax_loss.set(xlabel="optimizer step", ylabel="denoising loss (MSE)", title="Loss")
+    ax_gap.axhline(0.0, color="grey", linewidth=0.8)
+    ax_gap.set(xlabel="optimizer step", ylabel="loss(rolled captions) - loss",
+               title="Conditioning gap (validation)")  # fmt: skip
+    for ax in (ax_loss, ax_gap):
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.suptitle(Path(stage_dir).name)
+    fig.tight_layout()
+    out = Path(stage_dir) / CURVES
+    fig.savefig(out)
+    return out
 
 
 def study_report(study_id: str, items: list[dict], seeds: list[int], path: str) -> str:

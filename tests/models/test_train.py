@@ -58,11 +58,17 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp
     out = tmp_path / "ddp"
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
-    _launch(
-        _stage(cfg_path, root, version, out, stages=stages, log_sample_keys=True), "cpu-ddp-2.yaml"
-    )
+    # Validation mid-stage too: each rank evaluates its share, EMA swapped in and out.
+    val = root / "shards" / version / "32-val"  # the shard step's held-out split
+    stage_yaml = _stage(
+        cfg_path, root, version, out, stages=stages, log_sample_keys=True, eval_every=2,
+        val_max_samples=6, val_timesteps=2, run_opts={"val_shards": str(val)},
+    )  # fmt: skip
+    _launch(stage_yaml, "cpu-ddp-2.yaml")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_processes"] == 2
+    assert [e["step"] for e in manifest["val_history"]] == [2, 4]
+    assert "ema/val/loss" in manifest["val"] and "raw/val/cond_gap" in manifest["val"]
     a, b = manifest["param_checksums"]
     assert a == b, "DDP ranks must end with identical weights"
     k0 = [k for rec in _keys(out, 0) for k in rec["keys"]]
@@ -76,12 +82,15 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp
 @pytest.mark.integration
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards):
     """The crashed run loads with 2 worker processes (batches through reused shared buffers,
-    models/shared_batch_buffers.py), the uninterrupted one in-process: batches, losses and
-    weights match."""
+    models/shared_batch_buffers.py), the uninterrupted one in-process: batches, losses,
+    validation numbers and weights match."""
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 6, "batch_size": 4})]
-    opts = {"stages": stages, "checkpoint_every": 3, "log_every": 1, "log_sample_keys": True}
+    val = root / "shards" / version / "32-val"  # the shard step's held-out split
+    opts = {"stages": stages, "checkpoint_every": 3, "log_every": 1, "log_sample_keys": True,
+            "eval_every": 2, "val_max_samples": 6, "val_timesteps": 2,
+            "run_opts": {"val_shards": str(val)}}  # fmt: skip
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     _launch(_stage(cfg_path, root, version, full, **opts))
     _launch(_stage(cfg_path, root, version, crashed, **opts, num_workers=2))
@@ -99,6 +108,13 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards)
     m_full = json.loads((full / "manifest.json").read_text())
     m_res = json.loads((crashed / "manifest.json").read_text())
     assert m_res["losses"] == m_full["losses"], "the loss history survives the resume"
+    # Fixed noise and bit-identical weights: the same validation numbers at the same steps,
+    # step 2's from before the crash (kept in the checkpoint), 4 and 6 from after the resume.
+    history = [{k: v for k, v in e.items() if k != "val/eval_s"} for e in m_full["val_history"]]
+    assert [e["step"] for e in history] == [2, 4, 6] and "ema/val/loss" in history[-1]
+    assert [{k: v for k, v in e.items() if k != "val/eval_s"} for e in m_res["val_history"]] == (
+        history
+    ), "validation numbers differ after the resume"
     for sub in ("final/unet", "final-raw/unet"):
         wa = load_file(full / sub / "diffusion_pytorch_model.safetensors")
         wb = load_file(crashed / sub / "diffusion_pytorch_model.safetensors")

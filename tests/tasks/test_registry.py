@@ -97,3 +97,57 @@ def test_version_description_names_data_run_and_how_to_load():
     for part in ("`run-1`", "`abc`", "`ds-9`", "`ing-1`", "models:/kiln-t2i/3", "f00"):
         assert part in text, part
     assert "study" not in text, "no study was recorded"
+
+
+def _tiny_export(dest) -> str:
+    """A tiny exported pipeline, as models.train writes final/."""
+    from pathlib import Path
+
+    from diffusers import StableDiffusionPipeline
+
+    from flows.config import load_config
+    from models.factory import build_components, sampling_scheduler
+
+    repo = Path(__file__).resolve().parents[2]
+    comps = build_components(load_config(repo / "configs" / "tiny.yaml").train.model)
+    StableDiffusionPipeline(
+        vae=comps.vae, text_encoder=comps.text_encoder, tokenizer=comps.tokenizer,
+        unet=comps.unet, scheduler=sampling_scheduler(comps.noise_scheduler),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    ).save_pretrained(dest)  # fmt: skip
+    return str(dest)
+
+
+def test_registered_version_carries_the_validation_metrics(tmp_path, tracking_uri):
+    """The last stage's validation loss and gap are logged on the logged model that the
+    version is registered from (MLflow 3's model metrics); the curves PNG is a run artifact."""
+    from tasks.registry import log_run_artifact, register_model
+
+    client = MlflowClient(tracking_uri)
+    exp = ensure_experiment(client, "kiln-val", str(tmp_path / "art"))
+    run_id = client.create_run(exp).info.run_id
+    client.set_terminated(run_id)
+    png = tmp_path / "loss-curves.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n")
+    assert log_run_artifact.fn(tracking_uri, run_id, str(png), "stage-32")
+    assert [a.path for a in client.list_artifacts(run_id, "stage-32")] == [
+        "stage-32/loss-curves.png"
+    ]
+    metrics = {"ema/val/loss": 0.25, "ema/val/cond_gap": 0.0125}
+    info = register_model.fn(tracking_uri, run_id, _tiny_export(tmp_path / "final"), "kiln-val",
+                             "candidate", {"run_id": "run-1"}, metrics)  # fmt: skip
+    version = client.get_model_version("kiln-val", info["version"])
+    model_id = version.source.removeprefix("models:/")
+    logged = {m.key: m.value for m in client.get_logged_model(model_id).metrics}
+    assert logged == metrics
+    run_metrics = client.get_run(run_id).data.metrics
+    assert {k: run_metrics[k] for k in metrics} == metrics, "the run has them too (promotion)"
+
+
+def test_a_run_artifact_that_cannot_be_logged_is_a_warning(tmp_path, caplog):
+    from tasks.registry import log_run_artifact
+
+    with caplog.at_level(logging.WARNING):
+        ok = log_run_artifact.fn(f"sqlite:///{tmp_path / 'm.db'}", "no-such-run",
+                                 str(tmp_path / "missing.png"), "stage-32")  # fmt: skip
+    assert ok is False and "stays on disk" in caplog.text

@@ -54,3 +54,55 @@ def test_registered_report_redacts_the_tracking_uri():
     info = {"name": "m", "version": "1", "alias": "candidate", "uri_by_alias": "models:/m@c"}
     md = registered_report(info, {"run_id": "r"}, "postgresql://kiln:s3cret-pw@db:5432/mlflow")
     assert "s3cret-pw" not in md and "db:5432" in md
+
+
+def _stage_manifest(val: dict | None) -> dict:
+    history = [] if val is None else [{**val, "step": 2, "val/eval_s": 0.5}, val]
+    return {"final_step": 4, "num_processes": 1, "export": "/r/final", "losses": [1.0, 0.9],
+            "metrics": {"loss": 0.9, "step_time_s": 0.25}, "val": val,
+            "val_history": history}  # fmt: skip
+
+
+VAL = {
+    "step": 4, "val/eval_s": 0.75,
+    **{f"{k}/val/{m}": v for k, off in (("ema", 0.0), ("raw", 0.01))
+       for m, v in (("loss", 0.5 + off), ("cond_gap", 0.02 + off), ("loss_t250", 0.7 + off),
+                    ("loss_t750", 0.3 + off), ("cond_gap_t250", 0.03 + off),
+                    ("cond_gap_t750", 0.01 + off))},
+}  # fmt: skip
+
+
+def test_stage_report_shows_the_validation_loss_gap_and_curves(tmp_path):
+    from tasks.reports import stage_report
+
+    md = stage_report("run-1", 0, 32, _stage_manifest(VAL), None, str(tmp_path / "c.png"))
+    assert "### Validation at step 4" in md and "| | ema | raw |" in md
+    assert "| loss (mean) | 0.5 | 0.51 |" in md and "| conditioning gap | 0.02 | 0.03 |" in md
+    assert "| loss at t=250 | 0.7 | 0.71 |" in md and "| gap at t=750 | 0.01 | 0.02 |" in md
+    assert "2 evaluation(s) took 1.25 s in all (0.75 s the last); a training step took 0.25 s" in md
+    assert f"(`{tmp_path / 'c.png'}`" in md
+    plain = stage_report("run-1", 0, 32, _stage_manifest(None), None)
+    assert "No validation loss: this stage has no validation split" in plain
+    assert "loss-curves.png" not in plain
+
+
+def test_loss_curves_png_from_metrics_jsonl(tmp_path):
+    import json
+
+    from PIL import Image
+
+    from tasks.reports import write_loss_curves
+
+    assert write_loss_curves(tmp_path) is None, "no metrics.jsonl: no curves"
+    lines = [{"event": "perf", "flops_per_sample": 1.0}]
+    lines += [{"step": s, "loss": 1.0 / s, "lr": 1e-3} for s in range(1, 7)]
+    lines += [{"step": s, "val/eval_s": 0.1, **{k: v / s for k, v in VAL.items()
+              if "/val/" in k and k != "val/eval_s"}} for s in (2, 4, 6)]  # fmt: skip
+    lines += [{"step": 6, "loss": 0.2}]  # a relaunch logging step 6 again
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    png = write_loss_curves(tmp_path)
+    assert png == tmp_path / "loss-curves.png"
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.size == (1000, 400)
+        colours = img.convert("RGB").getcolors(1 << 20)
+    assert len(colours) > 10, "the figure has drawn lines, not a blank canvas"
