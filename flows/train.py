@@ -72,9 +72,49 @@ def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) 
         "ingest_id": shards["ingest_id"],
         "stages": {},
     }
+    if cfg.train.init_from_model:  # resolved once: a resumed run keeps the version it began from
+        record["init_from_model"] = resolve_warm_start(cfg, layout)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     return record
+
+
+def resolve_warm_start(cfg: PipelineConfig, layout: Layout) -> dict:
+    """`train.init_from_model` pinned: an alias becomes the version it points at now, and the
+    pipeline folder stage 1 loads its UNet from (the run's export when it is under this root,
+    else downloaded from the registry into `<root>/models/`).
+
+    Raises:
+        ValueError: the alias or version does not exist, or a folder holds no pipeline.
+    """
+    from mlflow.exceptions import MlflowException
+
+    from tasks.generate_images import resolve_pipeline
+    from tasks.promotion import PromotionRefused, resolve_version
+
+    ref = cfg.train.init_from_model
+    out = {"ref": ref}
+    if ref.startswith("models:/"):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(cfg.tracking_uri, registry_uri=cfg.tracking_uri)
+        try:
+            mv = resolve_version(client, ref)
+        except PromotionRefused as e:  # no such alias or version
+            raise ValueError(f"train.init_from_model: {e}") from e
+        out.update(
+            name=mv.name, version=str(mv.version), resolved=f"models:/{mv.name}/{mv.version}"
+        )
+        ref = out["resolved"]
+    try:
+        _, folder = resolve_pipeline(ref, cfg.tracking_uri, layout.root)
+    except (FileNotFoundError, MlflowException) as e:
+        raise ValueError(f"train.init_from_model {cfg.train.init_from_model}: {e}") from e
+    out["folder"] = str(folder)
+    get_run_logger().info(
+        "warm start: stage 1 starts from %s (%s)", out.get("resolved", ref), folder
+    )
+    return out
 
 
 def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) -> list[str]:
@@ -173,7 +213,8 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
     """Pre-flight check, publish, then each stage in order; fills `record` and run.json."""
     run_id = record["run_id"]
     version = record["dataset_version"]  # a resumed run keeps its own data
-    init_from: str | None = None
+    # Stage 1 starts from random weights, or from the warm-start model's UNet.
+    init_from: str | None = record.get("init_from_model", {}).get("folder")
     manifest: dict = {}
     plan_path = layout.root / "runs" / "plan.json"  # written by `kiln plan`
     plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None

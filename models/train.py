@@ -22,6 +22,7 @@ with the same message, before it resumes anything. To train the stage again, fix
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -128,8 +129,22 @@ def build_models(run: StageRun, accelerator: Accelerator):
         )
         ema.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)
+    if accelerator.is_main_process:  # lineage: the weights this stage starts from, exactly
+        init = {"init_from": run.init_from_dir, "unet_sha256": weights_sha256(comps.unet)}
+        Path(run.output_dir, "init.json").write_text(json.dumps(init, indent=2))
     comps.unet, optimizer, lr_scheduler = accelerator.prepare(comps.unet, optimizer, lr_scheduler)
     return comps, optimizer, lr_scheduler, ema, weight_dtype
+
+
+def weights_sha256(module: torch.nn.Module) -> str:
+    """sha256 over a module's state dict (names, dtypes, shapes and bytes, in order): equal
+    digests mean bit-identical tensors."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def build_dataloader(run: StageRun, comps: Components):
