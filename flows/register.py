@@ -61,6 +61,11 @@ def register_flow(
         "study_id": study_id or "",
         "config_sha256": config_hash(cfg),
     }
+    warm = record.get("init_from_model")
+    if warm:  # a warm-started retrain names the model it continued from
+        lineage["parent_model"] = warm.get("resolved", warm["ref"])
+        if warm.get("version"):
+            lineage["parent_version"] = warm["version"]
     if study_id:  # the study's CLIP score and FID (when computed), next to its id
         lineage.update(metrics_lineage(layout.study(study_id)))
     info = register_model(
