@@ -140,6 +140,24 @@ def report_task(root: str, url: str | None, cid: str, min_gold: float, n: int, s
     return build_report(store, cid, out, min_gold_accuracy=min_gold, n_resamples=n, seed=seed)
 
 
+def _with_human_eval(description: str | None, report: dict) -> str:
+    """The version's model card with its "Human evaluation" line set to this report."""
+
+    def cell(q: str) -> str:
+        c = report["questions"][q]["overall"]
+        if c["pref"] is None:
+            return f"{q}: no votes"
+        return f"{q} preferred {c['pref']:.0%} (95% CI {c['ci_low']:.0%}–{c['ci_high']:.0%})"
+
+    votes = report["questions"]["quality"]["overall"]["votes"]
+    line = (f"**Human evaluation**: comparison `{report['comparison']}` against "
+            f"`{report['model_b']}`: {cell('quality')}, {cell('alignment')}; {votes} votes from "
+            f"{report['raters']['total'] - report['raters']['excluded']} raters.")  # fmt: skip
+    lines = [ln for ln in (description or "").splitlines()
+             if not ln.startswith("**Human evaluation**")]  # fmt: skip
+    return "\n".join([*lines, line])
+
+
 def category_slug(category: str) -> str:
     """A DrawBench category as a metric-name part: "Gary Marcus et al." -> gary_marcus_et_al."""
     return re.sub(r"[^a-z0-9]+", "_", category.lower()).strip("_") or "none"
@@ -201,6 +219,8 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
     for v in versions:
         for k, val in tags.items():
             client.set_model_version_tag(model_name, v.version, k, val)
+        card = _with_human_eval(v.description, report)
+        client.update_model_version(model_name, v.version, description=card)
     from tasks.registry import artifacts_url
 
     experiment_id = client.get_run(mlflow_run_id).info.experiment_id

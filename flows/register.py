@@ -15,10 +15,20 @@ from prefect.artifacts import create_markdown_artifact
 from flows.config import config_hash, load_config, run_config
 from tasks.layout import Layout
 from tasks.registry import register_model
-from tasks.reports import registered_report
+from tasks.reports import model_card, registered_report
 from tasks.study_metrics import metrics_lineage
 
 __all__ = ["register_flow"]
+
+
+def _study_scores(layout: Layout, study_id: str | None) -> dict | None:
+    """The study id with its CLIP score and FID when `kiln evaluate` computed them."""
+    if not study_id:
+        return None
+    path = layout.study(study_id) / "metrics.json"
+    metrics = json.loads(path.read_text()) if path.is_file() else {}
+    return {"study_id": study_id, **{k: m["value"] for k, m in metrics.items()
+                                     if isinstance(m, dict) and "value" in m}}  # fmt: skip
 
 
 def _val_metrics(record: dict) -> dict[str, float]:
@@ -61,6 +71,8 @@ def register_flow(
         "study_id": study_id or "",
         "config_sha256": config_hash(cfg),
     }
+    shards_json = layout.shards(record["dataset_version"]) / "shards.json"
+    shards = json.loads(shards_json.read_text()) if shards_json.is_file() else {}
     warm = record.get("init_from_model")
     if warm:  # a warm-started retrain names the model it continued from
         lineage["parent_model"] = warm.get("resolved", warm["ref"])
@@ -76,6 +88,7 @@ def register_flow(
         cfg.registry.alias,
         lineage,
         _val_metrics(record),
+        card=model_card(record, shards, _study_scores(layout, study_id)),
     )
     create_markdown_artifact(
         key="registered-model",

@@ -443,6 +443,10 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
     manifest = {
         "resolution": run.stage.resolution,
         "final_step": state.step,
+        "samples_seen": state.step
+        * run.stage.batch_size
+        * run.stage.gradient_accumulation_steps
+        * accelerator.num_processes,
         "export": str(out / "final"),
         "raw_unet": str(out / "final-raw" / "unet")
         if ema is not None

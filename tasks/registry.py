@@ -332,8 +332,11 @@ def register_model(
     alias: str,
     lineage: dict[str, str],
     metrics: dict[str, float] | None = None,
+    card: str | None = None,
 ) -> dict:
     """Log `export_dir` as a pyfunc model in the training run, register it, set `alias`.
+
+    `card` (tasks.reports.model_card) follows the lineage in the version's description.
 
     `metrics` (the last stage's validation loss and conditioning gap) are logged on the
     logged model that the version is registered from (the version's metrics in MLflow 3), and
@@ -377,7 +380,8 @@ def register_model(
     client.update_model_version(
         model_name,
         version.version,
-        description=version_description(model_name, str(version.version), lineage),
+        description=version_description(model_name, str(version.version), lineage)
+        + (f"\n\n{card}" if card else ""),
     )
     tags = {
         "kiln.model_name": model_name,

@@ -287,3 +287,55 @@ def pipeline_report(result: dict, run: dict) -> str:
     return "## Kiln pipeline\n\n| step | output | result |\n|---|---|---|\n" + "\n".join(
         f"| {a} | {b} | {c} |" for a, b, c in rows
     )
+
+
+def model_card(record: dict, shards: dict, study: dict | None = None) -> str:
+    """A registered version's model card (markdown, the version's description): the data,
+    each stage's steps and samples seen, the final metrics, GPU-hours and cost, the study.
+
+    Args:
+        record: The training run's run.json (stages with their manifests).
+        shards: The dataset version's shards.json.
+        study: {"study_id", and "clip_score"/"fid" when computed}.
+    """
+    st = shards.get("stages", {})
+    counts = ", ".join(f"{r}px {s.get('samples', '?')} train + {s.get('val_samples', 0)} val"
+                       for r, s in st.items())  # fmt: skip
+    lines = [
+        "## Model card\n",
+        f"**Data**: dataset version `{record['dataset_version']}` (catalog "
+        f"`{record['ingest_id']}`): {counts or 'counts not recorded'}.",
+    ]
+    warm = record.get("init_from_model")
+    lines.append(
+        f"**Start**: warm-started from `{warm.get('resolved', warm['ref'])}`."
+        if warm else "**Start**: random initialisation (trained from scratch)."
+    )  # fmt: skip
+    lines += ["", "| stage | steps | samples seen | final loss | val loss (EMA) | cond. gap "
+              "| GPU-hours | cost $ |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    gpu_h = cost = 0.0
+    for res, m in record.get("stages", {}).items():
+        met = m.get("metrics", {})
+        seen = m.get("samples_seen")
+        val = m.get("val") or {}
+        loss = m["losses"][-1] if m.get("losses") else None
+        gpu_h += met.get("gpu_hours", 0.0)
+        cost += met.get("cost_usd", 0.0)
+        lines.append(
+            f"| {res}px | {m['final_step']} | {_num(seen)} | {_num(loss)} | "
+            f"{_num(val.get('ema/val/loss'))} | {_num(val.get('ema/val/cond_gap'))} | "
+            f"{_num(met.get('gpu_hours'))} | {_num(met.get('cost_usd'))} |"
+        )
+    lines += ["", f"**Compute**: {gpu_h:.4g} GPU-hours, ${cost:,.2f}."]
+    if study:
+        scores = ", ".join(f"{k} {study[k]:.4g}" for k in ("clip_score", "fid") if k in study)
+        lines.append(f"**DrawBench study**: `{study['study_id']}`" + (f" ({scores})." if scores
+                                                                       else "."))  # fmt: skip
+    lines.append("**Human evaluation**: none yet (see `kiln rate`; added here when reported).")
+    return "\n".join(lines)
+
+
+def _num(x) -> str:
+    if x is None:
+        return "–"
+    return f"{x:,}" if isinstance(x, int) else f"{x:.4g}"

@@ -53,6 +53,11 @@ def test_a_retrain_starts_from_the_champions_weights_and_names_its_parent(
     tags = client.get_model_version("kiln-t2i", v2["version"]).tags
     assert tags["parent_model"] == f"models:/kiln-t2i/{v1['version']}"
     assert tags["parent_version"] == v1["version"]
+    card = client.get_model_version("kiln-t2i", v2["version"]).description
+    assert "## Model card" in card
+    assert f"warm-started from `models:/kiln-t2i/{v1['version']}`" in card
+    assert "| 32px | 2 | 8 |" in card, "steps and samples seen (2 steps x 4 per batch)"
+    assert "GPU-hours" in card and "**Human evaluation**: none yet" in card
     assert str(client.get_model_version_by_alias("kiln-t2i", "candidate").version) == v2["version"]
     assert str(client.get_model_version_by_alias("kiln-t2i", "champion").version) == v1["version"]
 

@@ -73,6 +73,8 @@ def test_flow_reports_and_logs_metrics_and_tags(tmp_path, make_config):
         report["questions"]["quality"]["overall"]["pref"]
     )
     assert result["mlflow"]["versions"] == [version]
+    card = client.get_model_version("kiln-t2i", version).description
+    assert f"**Human evaluation**: comparison `{cid}` against `run-champ`: quality" in card
     chart = result["mlflow"]["chart_url"]
     assert chart.startswith("http://127.0.0.1:5000/#/experiments/")
     assert chart.endswith(f"/runs/{mlflow_run_id}/artifacts/human_eval/{cid}/preference.png")
