@@ -120,3 +120,65 @@ def test_fit_is_only_for_a_vae_built_from_a_dict(tmp_path):
     path.write_text(yaml.safe_dump(model))
     with pytest.raises(ValueError, match="text_encoder.fit"):
         load_yaml_model(ModelConfig, path)
+
+
+def _by_key(folder: Path) -> dict[str, dict]:
+    from streaming.base.format import reader_from_json
+
+    index = json.loads((folder / "index.json").read_text())
+    shards = [reader_from_json(str(folder), None, s) for s in index["shards"]]
+    return {s["key"]: s for sh in shards for s in (sh.get_item(j) for j in range(sh.samples))}
+
+
+@pytest.mark.integration
+def test_the_shard_and_train_flows_use_the_one_fitted_vae(tmp_path, demo_src, make_config):
+    """Real flow runs: the shard flow fits the VAE and precomputes latents with it, the train
+    flow finds the same folder (not fitted again), and the run's snapshot, its stage.yaml and
+    its export all name or hold those weights."""
+    from flows.config import encoder_key, load_config
+    from flows.ingest import ingest_flow
+    from flows.shard import shard_flow
+    from flows.train import train_flow
+    from flows.validate import validate_flow
+    from models.decoding import decode_uint8
+
+    root = tmp_path / "root"
+    cfg_path = make_config(
+        tmp_path / "c.yaml", root, demo_src,
+        **{"shards.precompute": True, "launch.health_check": False,
+           "train.model.vae.fit": {"steps": 20, "batch_size": 4},
+           "train.stages": [{"resolution": 32, "batch_size": 4, "learning_rate": 1e-4,
+                             "max_steps": 1}]},
+    )  # fmt: skip
+    ingest_flow(str(cfg_path))
+    validate_flow(str(cfg_path))
+    shards = shard_flow(str(cfg_path))
+    (folder,) = (root / "vae").iterdir()  # one fitted VAE
+    fitted_at = (folder / FIT_RECORD).stat().st_mtime_ns
+    resolved = load_config(cfg_path)
+    resolved.train.model.vae = VaeComponent(pretrained=str(folder))
+    latents = Path(shards["stages"][32]["latents"])
+    assert latents.name == f"32-latents-{encoder_key(resolved)}"
+    # The precompute subprocess encoded with the fitted weights.
+    vae = AutoencoderKL.from_pretrained(folder, subfolder="vae").eval()
+    images, encoded = _by_key(root / "shards" / shards["dataset_version"] / "32"), _by_key(latents)
+    key = sorted(encoded)[0]
+    pixels = decode_uint8(images[key]["image"], 32)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        mean = vae.encode(pixels).latent_dist.mean[0]
+    got = torch.from_numpy(encoded[key]["latent_mean"].astype(np.float32))
+    assert torch.allclose(got, mean, rtol=1e-2, atol=1e-2), float((got - mean).abs().max())
+
+    record = train_flow(str(cfg_path))
+    assert [p.name for p in (root / "vae").iterdir()] == [folder.name]
+    assert (folder / FIT_RECORD).stat().st_mtime_ns == fitted_at  # reused, not fitted again
+    run = root / "runs" / record["run_id"]
+    snap = yaml.safe_load((run / "config.yaml").read_text())["train"]["model"]["vae"]
+    assert snap["pretrained"] == str(folder) and snap["fit"] is None and snap["config"] is None
+    stage = yaml.safe_load((run / "stage-32" / "stage.yaml").read_text())
+    assert stage["train"]["model"]["vae"]["pretrained"] == str(folder)
+    assert stage["shards"] == str(latents)  # trained on the fitted VAE's latents
+    exported = AutoencoderKL.from_pretrained(record["export"], subfolder="vae")
+    assert exported.config.scaling_factor == vae.config.scaling_factor
+    for (name, a), b in zip(vae.state_dict().items(), exported.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
