@@ -122,10 +122,10 @@ class VaeFitConfig(Strict):
     encodes with it (the `tiny` preset: a randomly initialised VAE gives noise-like latents,
     and a diffusion model trained on them samples noise). See `models/tiny_vae.py`."""
 
-    steps: int = Field(300, gt=0, description="Optimizer steps (AdamW).")
+    steps: int = Field(400, gt=0, description="Optimizer steps (AdamW).")
     batch_size: int = Field(16, gt=0, description="Random crops per step.")
     resolution: int = Field(32, gt=0, description="Side of the square training crops.")
-    learning_rate: float = Field(2.0e-3, gt=0)
+    learning_rate: float = Field(3.0e-3, gt=0)
     kl_weight: float = Field(
         1.0e-4, ge=0, description="Weight of the KL term (per pixel value, like the MSE term)."
     )

@@ -17,7 +17,6 @@ precompute step and the exported pipeline all read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -69,18 +68,6 @@ def read_images(folders: list[Path]) -> list[torch.Tensor]:
     return images
 
 
-@contextlib.contextmanager
-def _one_thread():
-    """One intra-op thread: this VAE's convolutions are too small to gain from a second one,
-    and on a busy 2-core machine OpenMP's spinning threads made a fit step ~6x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _to_float(pixels: torch.Tensor) -> torch.Tensor:
     return pixels.float() / 127.5 - 1.0
 
@@ -117,11 +104,6 @@ def _scaling_factor(vae: AutoencoderKL, images: list[torch.Tensor], gen: torch.G
 def reconstruction_mse(vae: AutoencoderKL, images: list[torch.Tensor]) -> float:
     """Mean per-image MSE (pixels in [-1, 1]) of decoding the posterior mean of each image."""
     vae.eval()
-    with _one_thread():
-        return _mse(vae, images)
-
-
-def _mse(vae: AutoencoderKL, images: list[torch.Tensor]) -> float:
     errs = [float(F.mse_loss(vae(x, sample_posterior=False).sample, x))
             for x in (_to_float(img)[None] for img in images)]  # fmt: skip
     return sum(errs) / len(errs)
@@ -135,11 +117,6 @@ def fit_vae(config: dict, fit: VaeFitConfig, images: list[torch.Tensor]) -> Auto
     Raises:
         ValueError: when no image is at least `fit.resolution` on both sides.
     """
-    with _one_thread():
-        return _fit(config, fit, images)
-
-
-def _fit(config: dict, fit: VaeFitConfig, images: list[torch.Tensor]) -> AutoencoderKL:
     images = [i for i in images if min(i.shape[1:]) >= fit.resolution]
     if not images:
         raise ValueError(
