@@ -14,6 +14,7 @@ from tasks.layout import Layout
 from tasks.publish import publish_shards
 from tasks.reports import shards_report
 from tasks.shard import write_shards
+from tasks.vae import resolve_fitted_vae
 
 __all__ = ["shard_flow"]
 
@@ -52,6 +53,9 @@ def shard_flow(
     )
     if cfg.shards.precompute:
         check_inputs(cfg, ("train",))
+        # The latents are encoded with the VAE that training will load (a `fit` one: fitted
+        # on this version, cached, and found again by the train flow under the same key).
+        cfg.train = resolve_fitted_vae(cfg.train, cfg.storage.root, result.dataset_version)
         for i, stage in enumerate(cfg.train.stages):
             version, res = result.dataset_version, stage.resolution
             images = layout.shards(version, res)

@@ -34,6 +34,7 @@ from tasks.publish import publish_shards
 from tasks.registry import create_training_run, log_run_artifact, mark_training_run
 from tasks.reports import stage_report, write_loss_curves
 from tasks.samples import sample_grid_report
+from tasks.vae import resolve_fitted_vae
 
 __all__ = ["train_flow"]
 
@@ -182,7 +183,11 @@ def train_flow(
         cfg = run_config(cfg, snapshot, get_run_logger())
     check_inputs(cfg, ("train",))
     version = dataset_version or layout.latest("shards", "train")
-    if not snapshot.is_file():
+    # A `train.model.vae.fit` VAE is fitted on this data (once, cached) and the snapshot names
+    # its folder, so every stage, resume and export uses the same weights.
+    fitted = resolve_fitted_vae(cfg.train, cfg.storage.root, version)
+    if fitted is not cfg.train or not snapshot.is_file():
+        cfg.train = fitted
         write_snapshot(cfg, snapshot)
     record = _run_record(cfg, layout, run_id, version)
     if record["dataset_version"] != version and dataset_version is not None:

@@ -46,6 +46,8 @@ __all__ = [
     "Strict",
     "TokenizerConfig",
     "TrainConfig",
+    "VaeComponent",
+    "VaeFitConfig",
     "format_validation_error",
     "is_remote",
     "load_yaml_model",
@@ -117,6 +119,38 @@ class Component(Strict):
         return self
 
 
+class VaeFitConfig(Strict):
+    """Train the VAE built from `config` once on the dataset's own images, before anything
+    encodes with it (the `tiny` preset: a randomly initialised VAE gives noise-like latents,
+    and a diffusion model trained on them samples noise). See `models/tiny_vae.py`."""
+
+    steps: int = Field(400, gt=0, description="Optimizer steps (AdamW).")
+    batch_size: int = Field(16, gt=0, description="Random crops per step.")
+    resolution: int = Field(32, gt=0, description="Side of the square training crops.")
+    learning_rate: float = Field(3.0e-3, gt=0)
+    kl_weight: float = Field(
+        1.0e-4, ge=0, description="Weight of the KL term (per pixel value, like the MSE term)."
+    )
+    seed: int = Field(0, description="Seeds the initial weights, the crops and the sampling.")
+
+
+class VaeComponent(Component):
+    """The VAE: a :class:`Component`, optionally fitted once on the data (`fit`).
+
+    The train and shard flows resolve a `fit` to `pretrained: <root>/vae/<key>` (the fitted
+    weights, cached) before any process encodes, so every consumer loads the same weights.
+    """
+
+    fit: VaeFitConfig | None = None
+
+    @model_validator(mode="after")
+    def _fit_needs_config(self) -> VaeComponent:
+        if self.fit is not None and self.config is None:
+            raise ValueError("'fit' trains a VAE built from 'config'; a 'pretrained' VAE is "
+                             "used as it is (remove 'fit' or use 'config')")  # fmt: skip
+        return self
+
+
 class TokenizerConfig(Strict):
     """`builtin: bytes` builds a byte-level CLIP tokenizer offline; else load `pretrained`."""
 
@@ -134,7 +168,7 @@ class TokenizerConfig(Strict):
 
 class ModelConfig(Strict):
     unet: dict[str, Any]
-    vae: Component
+    vae: VaeComponent
     text_encoder: Component
     tokenizer: TokenizerConfig
     noise_scheduler: dict[str, Any] = Field(

@@ -1,14 +1,16 @@
 """Build the UNet, VAE, text encoder, tokenizer and noise scheduler from a :class:`ModelConfig`.
 
 The UNet is always built from its config dict (Kiln trains it from scratch). The VAE and text
-encoder are frozen: built from a dict for the `tiny` preset, or loaded from a local path or hub
-id (`stabilityai/stable-diffusion-2-base` subfolders) for real runs. The `tiny` tokenizer is a
+encoder are frozen: built from a dict for the `tiny` preset (whose VAE the flows first fit on
+the data, `models/tiny_vae.py`, and then load from its folder), or loaded from a local path or
+hub id (`stabilityai/stable-diffusion-2-base` subfolders) for real runs. The `tiny` tokenizer is a
 byte-level CLIP BPE with no merges, written locally, so nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
@@ -19,6 +21,8 @@ from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, UNet2DConditi
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizerFast
 
 from models.config import Component, ModelConfig, TokenizerConfig
+
+log = logging.getLogger("kiln.factory")
 
 __all__ = [
     "Components",
@@ -113,6 +117,12 @@ def build_components(
             f"model.text_encoder vocab_size {text_encoder.config.vocab_size} is smaller than "
             f"the tokenizer's {len(tokenizer)} tokens"
         )
+    if getattr(cfg.vae, "fit", None) is not None:
+        # The train and shard flows resolve a `fit` to its fitted folder before any launch;
+        # here (a unit test, a hand-written stage.yaml) only the architecture is known.
+        log.warning("train.model.vae.fit is not resolved: the VAE has random weights (run "
+                    "`kiln train`/`kiln shard`, which fit it, or set vae.pretrained to the "
+                    "fitted folder <root>/vae/<key>)")  # fmt: skip
     vae = _load(AutoencoderKL, cfg.vae, "vae")
     unet = build_unet(cfg, init_unet_from)
     if unet.config.cross_attention_dim != text_encoder.config.hidden_size:

@@ -53,6 +53,10 @@ class Layout:
         """Precomputed latents of a stage's validation split."""
         return self.root / "shards" / version / f"{resolution}-val-latents-{encoder_key}"
 
+    def vae_cache(self) -> Path:
+        """Fitted VAEs (`train.model.vae.fit`), one folder per key (models/tiny_vae.py)."""
+        return self.root / "vae"
+
     def run(self, run_id: str) -> Path:
         return self.root / "runs" / run_id
 
