@@ -68,6 +68,7 @@ def _call(flow: str, config_path: str, steps: tuple[str, ...] = (), **kwargs):
     fn = getattr(importlib.import_module(module), name)
     from tasks.health import HealthCheckError
     from tasks.launch import LaunchError
+    from tasks.lock import RootBusy
     from tasks.quality import QualityGateError
 
     try:
@@ -77,6 +78,7 @@ def _call(flow: str, config_path: str, steps: tuple[str, ...] = (), **kwargs):
         QualityGateError,
         LaunchError,
         HealthCheckError,
+        RootBusy,
         ValueError,
     ) as e:
         raise KilnError(str(e)) from e

@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import check_inputs, load_config, write_snapshot
+from flows.config import PipelineConfig, check_inputs, load_config, write_snapshot
 from flows.evaluate import evaluate_flow
 from flows.ingest import ingest_flow
 from flows.register import register_flow
@@ -20,6 +20,7 @@ from flows.shard import shard_flow
 from flows.train import train_flow
 from flows.validate import validate_flow
 from tasks.layout import Layout, new_run_id
+from tasks.lock import root_lock
 from tasks.reports import pipeline_report
 
 __all__ = ["kiln_pipeline"]
@@ -43,6 +44,13 @@ def kiln_pipeline(
     cfg = load_config(config_path, root=root, source=source)
     check_inputs(cfg, ("ingest", "train", "evaluate"))
     run_id = new_run_id()
+    # The whole pipeline holds the root's training lock (its train subflow re-enters it):
+    # a second `kiln run` on this root fails at once instead of racing on the same folders.
+    with root_lock(Path(cfg.storage.root), f"pipeline run {run_id}"):
+        return _pipeline(cfg, run_id, allow_failed_gate)
+
+
+def _pipeline(cfg: PipelineConfig, run_id: str, allow_failed_gate: bool) -> dict:
     snap = str(write_snapshot(cfg, Layout(Path(cfg.storage.root)).run_config(run_id)))
     ingest = ingest_flow(snap)
     gate = {"ingest_id": ingest["ingest_id"], "allow_failed_gate": allow_failed_gate}

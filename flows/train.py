@@ -30,6 +30,7 @@ from models.config import StageRun
 from tasks.health import preflight
 from tasks.launch import launch_stage
 from tasks.layout import Layout, is_published, new_run_id
+from tasks.lock import root_lock
 from tasks.publish import publish_shards
 from tasks.registry import create_training_run, log_run_artifact, mark_training_run
 from tasks.reports import stage_report, write_loss_curves
@@ -178,6 +179,15 @@ def train_flow(
     cfg = load_config(config_path, root=root)
     layout = Layout(Path(cfg.storage.root))
     run_id = run_id or new_run_id()
+    # One training writer per root: a second `kiln train`/`kiln run` fails here, at once,
+    # naming the first, before it touches LATEST, a run folder or an MLflow run.
+    with root_lock(layout.root, f"training run {run_id}"):
+        return _train_locked(cfg, layout, run_id, dataset_version)
+
+
+def _train_locked(
+    cfg: PipelineConfig, layout: Layout, run_id: str, dataset_version: str | None
+) -> dict:
     snapshot = layout.run_config(run_id)
     if snapshot.is_file():  # a resumed run (or the pipeline's) keeps the config it started with
         cfg = run_config(cfg, snapshot, get_run_logger())

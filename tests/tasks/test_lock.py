@@ -39,3 +39,28 @@ def test_a_second_holder_fails_at_once_and_a_killed_one_frees_the_root(tmp_path)
         pass
     with root_lock(tmp_path, "again"):  # released on exit
         pass
+
+
+@pytest.mark.integration
+def test_kiln_train_on_a_busy_root_fails_at_once_and_touches_nothing(
+    tmp_path, demo_src, make_config
+):
+    root = tmp_path / "root"
+    cfg = make_config(tmp_path / "tiny.yaml", root, demo_src)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(root)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.run(
+            [sys.executable, "-m", "flows.cli", "train", "--config", str(cfg)],
+            capture_output=True, text=True, env=env, timeout=300,
+        )  # fmt: skip
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = [ln for ln in proc.stderr.splitlines() if ln.startswith("kiln: error:")][-1]
+    assert f"is in use by kiln train run-x (pid {holder.pid}" in last
+    assert not (root / "runs").exists() and not (root / "mlflow.db").exists(), "nothing touched"
