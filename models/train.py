@@ -200,6 +200,10 @@ def train_loop(
     # Per logging window: wall time, data wait, loss sum, micro-batches, optimizer steps.
     t_last, wait_s, loss_sum, loss_n, window_steps = time.perf_counter(), 0.0, 0.0, 0, 0
     empty_epochs = 0
+    if val is not None and checkpoints and state.step == 0:
+        # The starting point of the curve: the weights the stage begins from (random, the
+        # previous stage's or a warm start's), comparable with every later evaluation.
+        t_last += val.run(state, sink)
     while state.step < stage.max_steps:
         got_batch = False
         t_fetch = time.perf_counter()

@@ -67,7 +67,7 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp
     _launch(stage_yaml, "cpu-ddp-2.yaml")
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_processes"] == 2
-    assert [e["step"] for e in manifest["val_history"]] == [2, 4]
+    assert [e["step"] for e in manifest["val_history"]] == [0, 2, 4]
     assert "ema/val/loss" in manifest["val"] and "raw/val/cond_gap" in manifest["val"]
     a, b = manifest["param_checksums"]
     assert a == b, "DDP ranks must end with identical weights"
@@ -111,7 +111,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards)
     # Fixed noise and bit-identical weights: the same validation numbers at the same steps,
     # step 2's from before the crash (kept in the checkpoint), 4 and 6 from after the resume.
     history = [{k: v for k, v in e.items() if k != "val/eval_s"} for e in m_full["val_history"]]
-    assert [e["step"] for e in history] == [2, 4, 6] and "ema/val/loss" in history[-1]
+    assert [e["step"] for e in history] == [0, 2, 4, 6] and "ema/val/loss" in history[-1]
     assert [{k: v for k, v in e.items() if k != "val/eval_s"} for e in m_res["val_history"]] == (
         history
     ), "validation numbers differ after the resume"

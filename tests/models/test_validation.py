@@ -206,7 +206,7 @@ def test_training_logs_val_metrics_and_trains_the_same_without_them(tmp_path, ti
     _train(cfg_path, root, version, without, **opts)
     lines = [json.loads(x) for x in (with_val / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in lines if "raw/val/loss" in x]
-    assert [x["step"] for x in evals] == [2, 4, 5], "every 2 steps and at the stage's end"
+    assert [x["step"] for x in evals] == [0, 2, 4, 5], "at the start, every 2 steps, at the end"
     for x in evals:
         assert x["ema/val/loss"] > 0 and x["raw/val/loss"] > 0 and x["val/eval_s"] > 0
         assert {
