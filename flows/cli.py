@@ -251,11 +251,26 @@ def plan(
         result = make_plan(
             cfg.train, procs, cfg.launch.gpu_hour_usd,
             img_per_s=img_per_s, measure_steps=measure_steps,
+            val_samples=_val_samples(cfg),
         )  # fmt: skip
     except (ConfigError, ValueError, OSError) as e:
         raise KilnError(str(e)) from e
     save_plan(result, Path(cfg.storage.root) / "runs" / "plan.json")
     click.echo(format_plan(result))
+
+
+def _val_samples(cfg) -> list[int] | None:
+    """Each stage's validation split size in the newest dataset version (shards.json), so the
+    plan counts the held-out evaluations; None before `kiln shard` has run."""
+    from tasks.layout import Layout
+
+    layout = Layout(Path(cfg.storage.root))
+    version = layout.latest_or_none("shards")
+    path = layout.shards(version) / "shards.json" if version else None
+    if path is None or not path.is_file():
+        return None
+    stages = json.loads(path.read_text()).get("stages", {})
+    return [int(stages.get(str(s.resolution), {}).get("val_samples", 0)) for s in cfg.train.stages]
 
 
 @main.command()

@@ -31,6 +31,7 @@ class StagePlan:
     gpu_hours: float
     cost_usd: float
     rate_source: str
+    eval_hours: float = 0.0  # the validation passes' share of wall_hours
 
 
 def topology_processes(accelerate_config: str, override: int | None) -> int:
@@ -51,8 +52,16 @@ def make_plan(
     *,
     img_per_s: float | None = None,
     measure_steps: int | None = None,
+    val_samples: list[int] | None = None,
 ) -> dict:
-    """Per-stage plan and totals; exactly one of `img_per_s` and `measure_steps`."""
+    """Per-stage plan and totals; exactly one of `img_per_s` and `measure_steps`.
+
+    `val_samples` (each stage's validation split size, from shards.json) adds the held-out
+    evaluations' time: at the start, every `train.eval_every` steps and at the end, each
+    `4 * val_timesteps * min(split, val_max_samples)` UNet forwards (EMA and raw weights,
+    right and shuffled captions), at a third of a training sample each (a training sample is
+    a forward and a backward, about three forwards).
+    """
     from models.flops import train_flops_per_sample
 
     if (img_per_s is None) == (measure_steps is None):
@@ -80,16 +89,20 @@ def make_plan(
             for f in flops
         ]
     stages = []
-    for s, (rate, source) in zip(train.stages, rates, strict=True):
+    for i, (s, (rate, source)) in enumerate(zip(train.stages, rates, strict=True)):
         samples = s.max_steps * s.batch_size * s.gradient_accumulation_steps * num_processes
         global_rate = rate * num_processes
-        wall_h = samples / global_rate / 3600
+        n_val = min(val_samples[i], train.val_max_samples) if val_samples else 0
+        evals = 2 + (s.max_steps - 1) // train.eval_every if train.eval_every else 2
+        eval_h = evals * 4 * train.val_timesteps * n_val / 3 / global_rate / 3600
+        wall_h = samples / global_rate / 3600 + eval_h
         stages.append(
             StagePlan(
                 resolution=s.resolution, steps=s.max_steps, samples=samples,
                 img_per_s_per_device=round(rate, 3), img_per_s=round(global_rate, 3),
                 wall_hours=wall_h, gpu_hours=wall_h * num_processes,
                 cost_usd=wall_h * num_processes * gpu_hour_usd, rate_source=source,
+                eval_hours=eval_h,
             )
         )  # fmt: skip
     total = {
