@@ -39,8 +39,8 @@ sys.path.insert(0, str(REPO))
 from tasks.demo_data import _render, write_demo_dataset  # noqa: E402
 from tasks.faithfulness import faithfulness  # noqa: E402
 
-FULL = {"n": 400, "steps": 600, "eval_every": 50, "held_out": 64, "gen_steps": 20}
-QUICK = {"n": 160, "steps": 160, "eval_every": 40, "held_out": 24, "gen_steps": 10}
+FULL = {"n": 400, "steps": 3000, "eval_every": 250, "held_out": 64, "gen_steps": 20}
+QUICK = {"n": 160, "steps": 600, "eval_every": 150, "held_out": 24, "gen_steps": 10}
 
 
 def _kiln(args: list[str], env: dict, log: Path) -> float:
@@ -84,8 +84,16 @@ def _held_out_captions(n: int, seed: int = 10_007) -> list[str]:
 
 
 def _val_series(metrics: Path) -> list[dict]:
+    """Validation rows, each with `loss` and `gap`: the EMA weights' numbers, or the raw ones
+    where EMA has not started (at step 0 they are the same weights)."""
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [r for r in rows if "ema/val/loss" in r]
+    out = []
+    for r in rows:
+        w = "ema" if "ema/val/loss" in r else "raw" if "raw/val/loss" in r else None
+        if w:
+            out.append({"step": r["step"], "loss": r[f"{w}/val/loss"],
+                        "gap": r[f"{w}/val/cond_gap"], "raw": r["raw/val/loss"]})  # fmt: skip
+    return out
 
 
 def _curve(metrics: Path, out: Path) -> None:
@@ -96,8 +104,9 @@ def _curve(metrics: Path, out: Path) -> None:
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r and "step" in r]
-    val = [(r["step"], r["ema/val/loss"]) for r in rows if "ema/val/loss" in r]
-    gap = [(r["step"], r["ema/val/cond_gap"]) for r in rows if "ema/val/cond_gap" in r]
+    series = _val_series(metrics)
+    val = [(r["step"], r["loss"]) for r in series]
+    gap = [(r["step"], r["gap"]) for r in series]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.plot(*zip(*train, strict=True), label="train loss (window mean)", alpha=0.6)
     a.plot(*zip(*val, strict=True), "o-", label="validation loss (EMA, fixed t and noise)")
@@ -186,12 +195,13 @@ def _run(work: Path, size: dict, args) -> dict:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "size": {**size, "resolution": args.resolution, "quick": args.quick},
         "steps_trained": manifest["final_step"],
-        "val_loss_start": first["ema/val/loss"],
+        "val_loss_start": first["loss"],
         "val_loss_start_step": first["step"],
-        "val_loss_end": last["ema/val/loss"],
+        "val_loss_end": last["loss"],
         "val_loss_end_step": last["step"],
-        "val_loss_drop": 1 - last["ema/val/loss"] / first["ema/val/loss"],
-        "raw_val_loss_end": last.get("raw/val/loss"),
+        "val_loss_drop": 1 - last["loss"] / first["loss"],
+        "raw_val_loss_end": last["raw"],
+        "val_curve": [[r["step"], round(r["loss"], 6), round(r["gap"], 6)] for r in series],
         "cond_gap": gap["cond_gap"],
         "cond_gap_ci_low": gap["ci_low"],
         "cond_gap_ci_high": gap["ci_high"],

@@ -63,7 +63,9 @@ def measure_stage(
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         tmp = Path(tmp)
         per_step = stage.batch_size * stage.gradient_accumulation_steps
-        write_synthetic_shards(tmp / "shards", stage.resolution, max(2 * per_step, 8))
+        # Enough samples that the whole measurement is one epoch: an epoch boundary restarts
+        # the streaming iterator, which on a 2-batch set cost more than the steps (4x too slow).
+        write_synthetic_shards(tmp / "shards", stage.resolution, max(per_step * (steps + 2), 8))
         run = StageRun(
             train=cfg, stage_index=stage_index, shards=str(tmp / "shards"),
             output_dir=str(tmp / "out"),

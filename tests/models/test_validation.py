@@ -207,7 +207,8 @@ def test_training_logs_val_metrics_and_trains_the_same_without_them(tmp_path, ti
     lines = [json.loads(x) for x in (with_val / "metrics.jsonl").read_text().splitlines()]
     evals = [x for x in lines if "raw/val/loss" in x]
     assert [x["step"] for x in evals] == [0, 2, 4, 5], "at the start, every 2 steps, at the end"
-    for x in evals:
+    assert "ema/val/loss" not in evals[0], "step 0: the EMA has not started (same weights)"
+    for x in evals[1:]:
         assert x["ema/val/loss"] > 0 and x["raw/val/loss"] > 0 and x["val/eval_s"] > 0
         assert {
             "ema/val/cond_gap",
