@@ -203,6 +203,8 @@ def _root_with_val_split(tmp_path: Path, tiny_shards, n_val: int = 8) -> tuple[P
     root = tmp_path / "root"
     (root / "shards" / version).mkdir(parents=True)
     (root / "catalog").symlink_to(shared / "catalog")
+    (shared / "vae").mkdir(exist_ok=True)
+    (root / "vae").symlink_to(shared / "vae")  # the tiny preset's VAE, fitted once per session
     for p in (shared / "shards").iterdir():
         if p.name != version:
             (root / "shards" / p.name).symlink_to(p)

@@ -31,7 +31,8 @@ def _root_with_shards(tmp_path: Path, tiny_shards) -> tuple[Path, str]:
     _, shared, version = tiny_shards
     root = tmp_path / "root"
     root.mkdir()
-    for kind in ("catalog", "shards"):
+    (shared / "vae").mkdir(exist_ok=True)  # the tiny preset's fitted VAE: fitted once, shared
+    for kind in ("catalog", "shards", "vae"):
         (root / kind).symlink_to(shared / kind)
     return root, version
 

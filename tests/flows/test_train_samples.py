@@ -38,7 +38,8 @@ def test_each_stage_publishes_its_newest_grid(tmp_path, tiny_shards, demo_src, m
     _, shared, version = tiny_shards
     root = tmp_path / "root"
     root.mkdir()
-    for kind in ("catalog", "shards"):  # the session's shards, read-only
+    (shared / "vae").mkdir(exist_ok=True)
+    for kind in ("catalog", "shards", "vae"):  # the session's shards and fitted VAE
         (root / kind).symlink_to(shared / kind)
     cfg = make_config(
         tmp_path / "c.yaml", root, demo_src,
