@@ -40,7 +40,7 @@ from tasks.demo_data import _render, write_demo_dataset  # noqa: E402
 from tasks.faithfulness import faithfulness  # noqa: E402
 
 FULL = {"n": 400, "steps": 3000, "eval_every": 250, "held_out": 64, "gen_steps": 20}
-QUICK = {"n": 160, "steps": 600, "eval_every": 150, "held_out": 24, "gen_steps": 10}
+QUICK = {"n": 400, "steps": 1200, "eval_every": 400, "held_out": 24, "gen_steps": 10}
 
 
 def _kiln(args: list[str], env: dict, log: Path) -> float:
