@@ -228,6 +228,8 @@ def read_val_split(folder: str | Path, limit: int) -> list[dict]:
 
     from streaming import StreamingDataset
 
+    from models.mds_reader import release_shared_memory
+
     folder = Path(folder)
     if (folder / "buckets.json").is_file():
         buckets = json.loads((folder / "buckets.json").read_text())["buckets"]
@@ -240,6 +242,7 @@ def read_val_split(folder: str | Path, limit: int) -> list[dict]:
         for i in range(min(ds.num_samples, limit - len(out))):
             s = ds[i]
             out.append({"image": bytes(s["image"]), "caption": s["caption"]})
+        release_shared_memory(ds)  # the flow process lives on
         if len(out) >= limit:
             break
     return out

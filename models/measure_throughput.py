@@ -84,6 +84,7 @@ def measure_stage(
         train_loop(
             run, accelerator, comps, optimizer, sched, ema, loader, dtype, sink, checkpoints=False
         )
+        loader.dataset.release()  # `kiln plan` measures every stage in one process
         lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
         perf = next(x for x in lines if x.get("event") == "perf")
         last = [x for x in lines if "samples_per_s" in x][-1]

@@ -303,6 +303,7 @@ def train_loop(
         keys_file.close()
     if val is not None:
         val.finish(state, sink)
+        val.evalset.close()
     return state
 
 

@@ -159,6 +159,10 @@ class EvalSet:
     def __len__(self) -> int:
         return len(self.order)
 
+    def close(self) -> None:
+        """Free the split's shared memory (the training process, a test session live on)."""
+        self.dataset.release()
+
     def samples(self, j: int) -> tuple[list[dict], dict]:
         """Batch `j`'s samples, and the sample after it in the global order (whose caption
         the batch's last sample gets when captions are rolled)."""
@@ -376,6 +380,7 @@ def bootstrap_cond_gap(
         module.to(accelerator.device)
     validator = build_validator(run, accelerator, comps, None, torch.float32)
     table = validator.tables()["raw"]  # the export's weights, whatever they are
+    validator.evalset.close()
     gaps = (table[..., 1] - table[..., 0]).mean(dim=1).numpy()
     rng = np.random.default_rng(seed)
     means = gaps[rng.integers(0, len(gaps), (n_boot, len(gaps)))].mean(axis=1)
@@ -426,6 +431,7 @@ def main(argv: list[str] | None = None) -> None:
         module.to(accelerator.device)
     validator = build_validator(run, accelerator, comps, None, torch.float32)
     metrics = validator.evaluate()
+    validator.evalset.close()
     if accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(metrics, indent=2))
     accelerator.wait_for_everyone()

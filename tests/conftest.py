@@ -323,3 +323,29 @@ def layouts():
 def hostile_src(tmp_path) -> tuple[Path, dict[str, str]]:
     src = tmp_path / "hostile" / "src"
     return src, write_hostile(src)
+
+
+@pytest.fixture(autouse=True)
+def _free_streaming_shared_memory():
+    """After a test, close the shared memory its StreamingDatasets left open.
+
+    Streaming keeps every dataset's /dev/shm blocks (about a hundred open files for a
+    dataset that was read) alive until the process exits, even after the dataset is garbage.
+    The product's long-lived processes release theirs (`MDSReader.release`,
+    `release_shared_memory`); a test session builds hundreds of datasets in one process and
+    ran out of file descriptors (20,000). No dataset outlives its test here (none is module-
+    or session-scoped), so what is left after a test is safe to close.
+    """
+    yield
+    if len(os.listdir("/proc/self/fd")) < 2000:  # a cheap check; sweep only when it matters
+        return
+    import gc
+    from multiprocessing import shared_memory
+
+    from streaming.base.shared import SharedMemory
+
+    for obj in gc.get_objects():
+        if isinstance(obj, SharedMemory):
+            obj.cleanup()
+        elif isinstance(obj, shared_memory.SharedMemory):
+            obj.close()
