@@ -81,12 +81,15 @@ def test_the_weekly_retrain_flow_registers_a_candidate_and_opens_its_comparison(
     from human_eval.store import RatingStore
 
     root = tmp_path / "root"
-    small = {**ONE_STAGE, "evaluate.seeds": [0], "human_eval.gold_per_rater": 1}
+    small = {**ONE_STAGE, "evaluate.seeds": [0]}
     cfg = make_config(tmp_path / "tiny.yaml", root, demo_src, **small)
     first = kiln_pipeline(str(cfg))
     promote_flow(str(cfg), first=True)  # the candidate becomes the first champion
     warm = {**small, "train.init_from_model": "models:/kiln-t2i@champion"}
     retrain = make_config(tmp_path / "retrain.yaml", root, demo_src, **warm)
+    data = yaml.safe_load(retrain.read_text())
+    data["human_eval"] = {"gold_per_rater": 1}  # 2 prompts: room for one gold pair
+    retrain.write_text(yaml.safe_dump(data))
     out = retrain_flow(str(retrain))
     assert out["model"]["version"] == "2" and out["model"]["lineage"]["parent_version"] == "1"
     assert out["study"]["study_id"] != out["champion_study"]
