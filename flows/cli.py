@@ -69,6 +69,7 @@ def _call(flow: str, config_path: str, steps: tuple[str, ...] = (), **kwargs):
     from tasks.health import HealthCheckError
     from tasks.launch import LaunchError
     from tasks.lock import RootBusy
+    from tasks.promotion import PromotionRefused
     from tasks.quality import QualityGateError
 
     try:
@@ -79,6 +80,7 @@ def _call(flow: str, config_path: str, steps: tuple[str, ...] = (), **kwargs):
         LaunchError,
         HealthCheckError,
         RootBusy,
+        PromotionRefused,
         ValueError,
     ) as e:
         raise KilnError(str(e)) from e
@@ -366,13 +368,8 @@ def promote(
     min_category_pref, and no worse validation loss. The old champion becomes
     `previous-champion`; `kiln rollback` swaps them back.
     """
-    from tasks.promotion import PromotionRefused
-
-    try:
-        _show(_call("flows.promote:promote_flow", config_path, ("register",), root=root,
-                    candidate=candidate, first=first, force=force, reason=reason)[1])  # fmt: skip
-    except PromotionRefused as e:
-        raise KilnError(str(e)) from e
+    _show(_call("flows.promote:promote_flow", config_path, ("register",), root=root,
+                candidate=candidate, first=first, force=force, reason=reason)[1])  # fmt: skip
 
 
 @main.command()
@@ -381,13 +378,8 @@ def promote(
 @click.option("--reason", default=None, help="Why (recorded on both versions).")
 def rollback(config_path: str, root: str | None, reason: str | None) -> None:
     """Swap `champion` and `previous-champion` back."""
-    from tasks.promotion import PromotionRefused
-
-    try:
-        _show(_call("flows.promote:rollback_flow", config_path, ("register",), root=root,
-                    reason=reason)[1])  # fmt: skip
-    except PromotionRefused as e:
-        raise KilnError(str(e)) from e
+    _show(_call("flows.promote:rollback_flow", config_path, ("register",), root=root,
+                reason=reason)[1])  # fmt: skip
 
 
 @main.command()
