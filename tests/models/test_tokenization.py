@@ -47,7 +47,7 @@ def test_long_prompts_are_cut_so_the_pipeline_warns_nothing(tiny_pipe, caplog):
     tok = tiny_pipe.tokenizer
     prompts = [LONG, "a cat"]
     assert "was truncated" in _pipeline_log(tiny_pipe, prompts), "the warning this prevents"
-    with caplog.at_level(logging.INFO, logger="models.tokenization"):
+    with caplog.at_level(logging.INFO, logger="kiln.pyfunc"):
         cut = truncate_prompts(tok, prompts)
     assert _pipeline_log(tiny_pipe, cut) == ""
     assert cut[1] == "a cat", "a prompt that fits is unchanged"
@@ -56,7 +56,7 @@ def test_long_prompts_are_cut_so_the_pipeline_warns_nothing(tiny_pipe, caplog):
     kept = tok(LONG, truncation=True, max_length=tok.model_max_length).input_ids
     assert cut[0].endswith("blue squar"), "byte tokens: the cut falls inside a word"
     assert ids[:-2] == kept[:-2], "the tokens the pipeline would have kept, but for the last"
-    assert [r.getMessage() for r in caplog.records if r.name == "models.tokenization"] == [
+    assert [r.getMessage() for r in caplog.records if r.name == "kiln.pyfunc"] == [
         "1 of 2 prompts cut to the text encoder's 77 tokens"
     ]
 
@@ -65,6 +65,6 @@ def test_prompts_that_fit_are_returned_as_written(tiny_pipe, caplog):
     tok = tiny_pipe.tokenizer
     exact = "x" * (tok.model_max_length - 2)  # start and end tokens fill the rest
     prompts = ["A Red  Circle", exact, ""]
-    with caplog.at_level(logging.INFO, logger="models.tokenization"):
+    with caplog.at_level(logging.INFO, logger="kiln.pyfunc"):
         assert truncate_prompts(tok, prompts) == prompts
-    assert not [r for r in caplog.records if r.name.startswith(("models", "transformers"))]
+    assert not [r for r in caplog.records if r.name.startswith(("kiln", "models", "transformers"))]
