@@ -22,14 +22,21 @@ from flows.validate import validate_flow
 
 
 def build_deployments(config_path: str, cron: str | None) -> list:
-    """One deployment per flow; the pipeline gets the retraining schedule."""
+    """One deployment per flow; the pipeline gets the retraining schedule, and the new-data
+    trigger (the `kiln.ingest.completed` event labelled `kiln.retrain-due`)."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig
+    from prefect.events import DeploymentEventTrigger
 
     params = {"config_path": config_path}
     # Two trainings never overlap: a second run waits for the first (ENQUEUE).
     one = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
+    new_data = DeploymentEventTrigger(
+        expect={"kiln.ingest.completed"},
+        match={"prefect.resource.id": "kiln.root.*", "kiln.retrain-due": "true"},
+    )
     deployments = [
-        kiln_pipeline.to_deployment("retrain", parameters=params, cron=cron, concurrency_limit=one)
+        kiln_pipeline.to_deployment("retrain", parameters=params, cron=cron,
+                                    concurrency_limit=one, triggers=[new_data])  # fmt: skip
     ]
     for f in (ingest_flow, validate_flow, shard_flow, train_flow, evaluate_flow, register_flow):
         limit = one if f is train_flow else None

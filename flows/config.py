@@ -31,6 +31,7 @@ from models.config import (
     IngestConfig,
     LaunchConfig,
     RegistryConfig,
+    RetrainConfig,
     ShardsConfig,
     StorageConfig,
     Strict,
@@ -82,6 +83,7 @@ class PipelineConfig(Strict):
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     human_eval: HumanEvalConfig = Field(default_factory=HumanEvalConfig)
+    retrain: RetrainConfig = Field(default_factory=RetrainConfig)
 
     @model_validator(mode="after")
     def _metadata_columns_are_not_catalog_columns(self) -> PipelineConfig:

@@ -70,6 +70,7 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
         batch_size=ev.batch_size,
         limit=ev.limit,
         model_ref=run_id,
+        gpu_limit=cfg.launch.gpu_limit,
         num_processes=cfg.launch.num_processes,
     )
     study_dir = layout.study(study_id)

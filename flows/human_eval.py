@@ -95,7 +95,7 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
             accelerate_config=cfg.launch.accelerate_config, seeds=ev.seeds,
             num_inference_steps=ev.num_inference_steps, guidance_scale=ev.guidance_scale,
             batch_size=ev.batch_size, limit=ev.limit, model_ref=ident,
-            num_processes=cfg.launch.num_processes,
+            num_processes=cfg.launch.num_processes, gpu_limit=cfg.launch.gpu_limit,
         )  # fmt: skip
     return study_id
 

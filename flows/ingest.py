@@ -7,19 +7,26 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.config import check_inputs, load_config
 from tasks.ingest import ingest_source
-from tasks.reports import ingest_report
+from tasks.new_data import emit_ingest_completed, new_data
+from tasks.reports import ingest_report, new_data_report
 
 __all__ = ["ingest_flow"]
 
 
 @flow(name="kiln-ingest", log_prints=True)
-def ingest_flow(config_path: str, root: str | None = None, source: str | None = None) -> dict:
-    """List the source, decode every image, write accepted and quarantine tables.
+def ingest_flow(
+    config_path: str, root: str | None = None, source: str | None = None, standalone: bool = True
+) -> dict:
+    """List the source, decode every image, write accepted and quarantine tables, and emit
+    `kiln.ingest.completed` (tasks/new_data.py), which starts a retrain when enough new
+    images arrived since the last training.
 
     Args:
         config_path: Pipeline YAML.
         root: Overrides `storage.root`.
         source: Overrides `ingest.source` (a local folder or s3://bucket/prefix).
+        standalone: False when a pipeline runs this ingest as its first step: its event then
+            never makes a retrain due (the pipeline is the training).
     """
     cfg = load_config(config_path, root=root, source=source)
     check_inputs(cfg, ("ingest",))
@@ -29,9 +36,12 @@ def ingest_flow(config_path: str, root: str | None = None, source: str | None = 
         endpoint_url=cfg.storage.endpoint_url,
         dask_address=cfg.execution.dask_address,
     )
+    fresh = new_data(cfg.storage.root, result.ingest_id, result.decoded_accepted,
+                     cfg.retrain.min_new_images, standalone)  # fmt: skip
+    emit_ingest_completed(cfg.storage.root, fresh)
     create_markdown_artifact(
         key="ingest-summary",
         description=f"Ingest {result.ingest_id}",
-        markdown=ingest_report(result),
+        markdown=ingest_report(result) + new_data_report(fresh),
     )
-    return result.to_dict()
+    return {**result.to_dict(), "new_data": fresh.to_dict()}

@@ -52,7 +52,7 @@ def kiln_pipeline(
 
 def _pipeline(cfg: PipelineConfig, run_id: str, allow_failed_gate: bool) -> dict:
     snap = str(write_snapshot(cfg, Layout(Path(cfg.storage.root)).run_config(run_id)))
-    ingest = ingest_flow(snap)
+    ingest = ingest_flow(snap, standalone=False)
     gate = {"ingest_id": ingest["ingest_id"], "allow_failed_gate": allow_failed_gate}
     quality = validate_flow(snap, **gate)
     shards = shard_flow(snap, **gate)

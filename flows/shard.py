@@ -68,7 +68,7 @@ def shard_flow(
             launch_precompute.with_options(name=f"precompute-{res}px")(
                 spec, str(out), cfg.launch.accelerate_config,
                 text=cfg.shards.precompute_text, num_processes=cfg.launch.num_processes,
-                val_out_dir=val_out and str(val_out),
+                val_out_dir=val_out and str(val_out), gpu_limit=cfg.launch.gpu_limit,
             )  # fmt: skip
             result.stages[res]["latents"] = str(out)
             if val_out:

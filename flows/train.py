@@ -249,6 +249,7 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
                 for v in [version, *(m.dataset_version for m in cfg.train.mix)]
             ],
             cfg.launch.health_timeout_s,
+            cfg.launch.gpu_limit,
         )
     if cfg.shards.remote:  # idempotent: makes sure every version trained on is published
         for v in dict.fromkeys([version, *(m.dataset_version for m in cfg.train.mix)]):
@@ -284,6 +285,7 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
             cfg.launch.accelerate_config,
             cfg.launch.num_processes,
             cfg.launch.hang_timeout_s,
+            cfg.launch.gpu_limit,
             wait_for=[previous] if previous is not None else None,
         )
         manifest = previous.result()

@@ -34,10 +34,12 @@ __all__ = [
     "ExecutionConfig",
     "FaultInjection",
     "GateConfig",
+    "GpuLimitConfig",
     "IngestConfig",
     "LaunchConfig",
     "ModelConfig",
     "RegistryConfig",
+    "RetrainConfig",
     "ShardsConfig",
     "StageConfig",
     "StageRun",
@@ -561,6 +563,30 @@ class RegistryConfig(Strict):
     gate: GateConfig = Field(default_factory=GateConfig)
 
 
+class GpuLimitConfig(Strict):
+    """A Prefect global concurrency limit held around every `accelerate launch`, so runs from
+    the UI, schedules and triggers never share the GPUs (tasks/gpu_limit.py)."""
+
+    name: str = Field("gpu", min_length=1, description="The global concurrency limit's name.")
+    slots: int = Field(
+        1, ge=1, description="Its slots when Kiln creates it on first use (launches at once)."
+    )
+    lease_s: float = Field(
+        300, gt=0, description="Lease of a held slot, renewed while the launch runs; a killed "
+        "holder's slot frees itself after this long.",
+    )  # fmt: skip
+
+
+class RetrainConfig(Strict):
+    """When new data makes a retrain due (the ingest flow's `kiln.ingest.completed` event)."""
+
+    min_new_images: int = Field(
+        10_000, ge=1, description="Accepted images new or changed since the last training run "
+        "that make a retrain due (the event's `kiln.retrain-due` label; a deployment trigger "
+        "starts the retrain).",
+    )  # fmt: skip
+
+
 class LaunchConfig(Strict):
     accelerate_config: str = Field(
         "configs/accelerate/single.yaml", description="Accelerate topology YAML."
@@ -578,6 +604,10 @@ class LaunchConfig(Strict):
     )
     health_timeout_s: float = Field(
         300, gt=0, description="Longest the pre-flight all-reduce launch may take."
+    )
+    gpu_limit: GpuLimitConfig | None = Field(
+        default_factory=GpuLimitConfig,
+        description="Global concurrency limit taken around every launch; null: none.",
     )
 
 

@@ -20,7 +20,7 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from models.config import TrainConfig
+from models.config import GpuLimitConfig, TrainConfig
 from tasks.launch import LaunchError, accelerate_command, run_launch
 from tasks.logs import task_logger
 
@@ -107,13 +107,17 @@ def check_disk(run_dir: Path, train: TrainConfig) -> None:
 
 
 def check_collective(
-    accelerate_config: str, num_processes: int | None, out: Path, timeout_s: float
+    accelerate_config: str,
+    num_processes: int | None,
+    out: Path,
+    timeout_s: float,
+    gpu_limit: GpuLimitConfig | None = None,
 ) -> dict:
     """All-reduce across every process of the topology; returns models.healthcheck's report."""
     cmd = accelerate_command(accelerate_config, "models.healthcheck", ["--out", str(out)],
                              num_processes)  # fmt: skip
     try:
-        run_launch(cmd, timeout_s=timeout_s)
+        run_launch(cmd, timeout_s=timeout_s, gpu_limit=gpu_limit)
     except LaunchError as e:
         raise HealthCheckError(
             f"collective: the all-reduce across the processes of "
@@ -131,6 +135,7 @@ def preflight(
     run_dir: str,
     shard_dirs: list[str],
     timeout_s: float = 300,
+    gpu_limit: GpuLimitConfig | None = None,
 ) -> dict:
     """Run every check; raise HealthCheckError naming the first that fails."""
     log = task_logger(__name__)
@@ -138,6 +143,7 @@ def preflight(
     check_gpus(accelerate_config, num_processes)
     check_storage(run, shard_dirs)
     check_disk(run, train)
-    report = check_collective(accelerate_config, num_processes, run / "health", timeout_s)
+    report = check_collective(accelerate_config, num_processes, run / "health", timeout_s,
+                              gpu_limit)  # fmt: skip
     log.info("pre-flight health check passed: %s", report)
     return report

@@ -28,7 +28,8 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from models.config import DIVERGED, StageRun
+from models.config import DIVERGED, GpuLimitConfig, StageRun
+from tasks.gpu_limit import gpu_slot
 from tasks.layout import is_published
 from tasks.logs import task_logger
 
@@ -91,11 +92,14 @@ def run_launch(
     on_progress: Callable[[int], None] | None = None,
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
+    gpu_limit: GpuLimitConfig | None = None,
 ) -> None:
     """Run `cmd` in its own process group, streaming each output line to `logger`.
 
     `on_progress(step)` is called when the heartbeat's step changes; `timeout_s` bounds the
-    whole launch (used by the health check); `env` adds variables to this process's.
+    whole launch (used by the health check); `env` adds variables to this process's. With
+    `gpu_limit`, the launch waits for and holds a slot of that global concurrency limit
+    (tasks/gpu_limit.py).
 
     Raises:
         LaunchError: on a non-zero exit, or when `heartbeat` is older than `hang_timeout_s`.
@@ -103,6 +107,13 @@ def run_launch(
     logger = logger or task_logger(__name__)
     tail: collections.deque[str] = collections.deque(maxlen=40)
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    ms = [i for i, a in enumerate(cmd) if a == "-m"]
+    what = f"launching {cmd[ms[-1] + 1]}" if ms and ms[-1] + 1 < len(cmd) else "launching"
+    with gpu_slot(gpu_limit, logger, what):
+        _run(cmd, logger, tail, env, heartbeat, hang_timeout_s, on_progress, timeout_s)
+
+
+def _run(cmd, logger, tail, env, heartbeat, hang_timeout_s, on_progress, timeout_s) -> None:
     logger.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(
         cmd,
@@ -164,6 +175,7 @@ def launch_stage(
     accelerate_config: str,
     num_processes: int | None = None,
     hang_timeout_s: float | None = None,
+    gpu_limit: GpuLimitConfig | None = None,
 ) -> dict:
     """Train one stage: write its stage.yaml, launch `models.train`, return its manifest.
 
@@ -203,6 +215,7 @@ def launch_stage(
             on_progress=report if progress_id else None,
             # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
             env={"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
+            gpu_limit=gpu_limit,
         )
     except LaunchError:
         _raise_if_diverged(out)
@@ -226,6 +239,7 @@ def launch_generate(
     limit: int | None = None,
     model_ref: str = "",
     num_processes: int | None = None,
+    gpu_limit: GpuLimitConfig | None = None,
 ) -> dict:
     """Generate the evaluation images with `models.generate`; returns the study.json content."""
     args = [
@@ -240,7 +254,8 @@ def launch_generate(
     ]  # fmt: skip
     if limit:
         args += ["--limit", str(limit)]
-    run_launch(accelerate_command(accelerate_config, "models.generate", args, num_processes))
+    run_launch(accelerate_command(accelerate_config, "models.generate", args, num_processes),
+               gpu_limit=gpu_limit)  # fmt: skip
     return json.loads((Path(out_dir) / "study.json").read_text())
 
 
@@ -253,6 +268,7 @@ def launch_precompute(
     text: bool = True,
     num_processes: int | None = None,
     val_out_dir: str | None = None,
+    gpu_limit: GpuLimitConfig | None = None,
 ) -> str:
     """Precompute one stage's latents with `models.precompute`; returns the dataset folder.
 
@@ -267,5 +283,6 @@ def launch_precompute(
     cfg_path.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
     args = ["--config", str(cfg_path), "--out", str(out)] + ([] if text else ["--no-text"])
     args += ["--val-out", val_out_dir] if val_out_dir else []
-    run_launch(accelerate_command(accelerate_config, "models.precompute", args, num_processes))
+    run_launch(accelerate_command(accelerate_config, "models.precompute", args, num_processes),
+               gpu_limit=gpu_limit)  # fmt: skip
     return str(out)

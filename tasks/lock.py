@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-__all__ = ["RootBusy", "root_lock"]
+__all__ = ["RootBusy", "root_busy", "root_lock"]
 
 _held: dict[str, int] = {}  # lock path -> depth, in this process
 _guard = threading.Lock()
@@ -84,5 +84,26 @@ def root_lock(root: Path, what: str) -> Iterator[None]:
                 _held.pop(path, None)
             os.ftruncate(fd, 0)
             fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def root_busy(root: Path) -> bool:
+    """Whether a training holds `<root>/.kiln-train.lock` now (this process's own counts)."""
+    path = Path(root) / ".kiln-train.lock"
+    if not path.is_file():
+        return False
+    key = str(path.resolve())
+    with _guard:
+        if key in _held:
+            return True
+    fd = os.open(key, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
     finally:
         os.close(fd)

@@ -13,6 +13,7 @@ from pathlib import Path
 from data_quality.suite import INGEST_REASONS
 from models.config import redact_uri
 from tasks.ingest import IngestResult
+from tasks.new_data import NewData
 from tasks.quality import ValidateResult, reasons_table
 
 __all__ = [
@@ -50,6 +51,28 @@ def ingest_report(r: IngestResult) -> str:
         f"quarantined. Manifest problems: {r.manifest_problems}. The catalog view of this root "
         f"now holds {r.view_accepted} accepted rows.\n\n"
         f"| reason | items | meaning |\n|---|---:|---|\n{reasons or '| - | 0 | |'}\n"
+    )
+
+
+def new_data_report(d: NewData) -> str:
+    """What the ingest means for retraining: the `kiln.ingest.completed` event's numbers."""
+    since = (
+        f"since the catalog `{d.trained_ingest_id}` that run `{d.trained_run_id}` trained on"
+        if d.trained_ingest_id
+        else "with no training run yet"
+    )
+    if d.retrain_due:
+        verdict = "**due**: the `weekly-retrain` deployment's trigger starts it"
+    elif not d.standalone:
+        verdict = "not asked for: this ingest is the first step of a training pipeline"
+    elif d.root_busy:
+        verdict = "not asked for: a training holds this root"
+    else:
+        verdict = f"not due ({d.new_since_training} < {d.min_new_images})"
+    return (
+        f"\n### New data\n\n{d.new_since_training} accepted images are new or changed {since}; "
+        f"`retrain.min_new_images` is {d.min_new_images}. Retrain: {verdict}. Event "
+        "`kiln.ingest.completed` emitted.\n"
     )
 
 

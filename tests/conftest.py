@@ -51,6 +51,39 @@ def demo_src(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture
+def landing_src(tmp_path, demo_src):
+    """(source, land): a copy of the demo data whose last 15 good images are held back until
+    `land()` puts them (and their captions) into the source, as new data landing."""
+    import json
+    import shutil
+
+    src, later = tmp_path / "landing-src", tmp_path / "landing-later"
+    shutil.copytree(demo_src, src)
+    later.mkdir()
+    rows = [json.loads(x) for x in (src / "metadata.jsonl").read_text().splitlines()]
+    late = {
+        r["file_name"]
+        for r in rows
+        if r["file_name"][:5].isdigit() and int(r["file_name"][:5]) >= 40
+    }
+    for name in late:
+        shutil.move(src / name, later / name)
+
+    def write(rs):
+        (src / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+
+    write([r for r in rows if r["file_name"] not in late])
+
+    def land() -> int:
+        for name in late:
+            shutil.move(later / name, src / name)
+        write(rows)
+        return len(late)
+
+    return src, land
+
+
 def _write_tiny_config(
     path: Path, root: Path, source: Path | str, prompts: Path, **overrides
 ) -> Path:

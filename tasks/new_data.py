@@ -1,0 +1,128 @@
+"""New data landed: the `kiln.ingest.completed` event, and whether it makes a retrain due.
+
+After every ingest the ingest flow emits a Prefect event
+
+    event:    kiln.ingest.completed
+    resource: kiln.root.<hash of storage.root>   (name: the root; label kiln.retrain-due)
+    payload:  new_accepted, new_since_training, min_new_images, retrain_due, ingest_id, ...
+
+`new_since_training` counts the accepted images of the catalog view that are new or changed
+(by source, key, sha256 and caption) since the catalog the newest training run was sharded
+from; with no training run yet, every accepted image is new. The retrain is due when that
+count reaches `retrain.min_new_images`, the ingest ran on its own (the pipeline's own ingest
+never asks for another pipeline), and no training holds the root. The `weekly-retrain`
+deployment's trigger matches `kiln.retrain-due: "true"` (deployments/prefect.yaml), so the
+threshold lives in the config, not in the trigger; its cron schedule stays as the fallback.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from tasks.layout import Layout
+from tasks.lock import root_busy
+
+__all__ = ["INGEST_COMPLETED", "NewData", "emit_ingest_completed", "new_data"]
+
+INGEST_COMPLETED = "kiln.ingest.completed"
+_IDENTITY = ["source", "key", "sha256", "caption"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NewData:
+    ingest_id: str
+    new_accepted: int  # accepted images this ingest decoded (new or changed files)
+    view_accepted: int  # accepted images of every source in the root
+    new_since_training: int  # accepted images new or changed since the newest training's catalog
+    trained_ingest_id: str | None  # the catalog the newest training run was sharded from
+    trained_run_id: str | None
+    min_new_images: int
+    standalone: bool  # the ingest ran on its own, not as the first step of a pipeline
+    root_busy: bool  # a training holds the root's lock
+    retrain_due: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _trained_catalog(layout: Layout) -> tuple[str | None, str | None]:
+    """(run id, ingest id) of the newest training run's dataset, or (None, None)."""
+    run_id = layout.latest_or_none("runs")
+    if run_id is None:
+        return None, None
+    record = layout.run(run_id) / "run.json"
+    if not record.is_file():
+        return run_id, None
+    version = json.loads(record.read_text()).get("dataset_version")
+    shards = layout.shards(version) / "shards.json" if version else None
+    if shards is None or not shards.is_file():
+        return run_id, None
+    return run_id, json.loads(shards.read_text()).get("ingest_id")
+
+
+def _identities(view: pd.DataFrame) -> set[tuple]:
+    return set(view[_IDENTITY].astype(str).itertuples(index=False, name=None))
+
+
+def new_data(
+    root: Path | str, ingest_id: str, new_accepted: int, min_new_images: int, standalone: bool
+) -> NewData:
+    """What the ingest `ingest_id` brought since the newest training, and whether a retrain
+    is due."""
+    layout = Layout(Path(root))
+    current = pd.read_parquet(layout.catalog(ingest_id) / "view_accepted.parquet")
+    run_id, trained = _trained_catalog(layout)
+    trained_view = layout.catalog(trained) / "view_accepted.parquet" if trained else None
+    if trained_view is not None and trained_view.is_file():
+        since = len(_identities(current) - _identities(pd.read_parquet(trained_view)))
+    else:
+        if run_id is not None:
+            log.warning("training run %s's catalog is not under %s: counting every accepted "
+                        "image as new", run_id, layout.root)  # fmt: skip
+        since = len(current)
+    busy = root_busy(layout.root)
+    return NewData(
+        ingest_id=ingest_id,
+        new_accepted=int(new_accepted),
+        view_accepted=len(current),
+        new_since_training=since,
+        trained_ingest_id=trained,
+        trained_run_id=run_id,
+        min_new_images=min_new_images,
+        standalone=standalone,
+        root_busy=busy,
+        retrain_due=standalone and not busy and since >= min_new_images,
+    )
+
+
+def root_resource_id(root: Path | str) -> str:
+    """The event resource id of a storage root: stable, and free of the path's characters."""
+    return "kiln.root." + hashlib.sha256(str(root).encode()).hexdigest()[:16]
+
+
+def emit_ingest_completed(root: Path | str, data: NewData) -> None:
+    """Emit `kiln.ingest.completed` for `data` (to the Prefect API of the run, if any)."""
+    from prefect.events import emit_event
+
+    emit_event(
+        event=INGEST_COMPLETED,
+        resource={
+            "prefect.resource.id": root_resource_id(root),
+            "prefect.resource.name": str(root),
+            "kiln.retrain-due": "true" if data.retrain_due else "false",
+        },
+        payload=data.to_dict(),
+    )
+    log.info(
+        "%s: %d new accepted images, %d since the newest training (retrain at %d): retrain %s",
+        INGEST_COMPLETED, data.new_accepted, data.new_since_training, data.min_new_images,
+        "due" if data.retrain_due else "not due",
+    )  # fmt: skip

@@ -1,0 +1,88 @@
+"""The ingest flow's `kiln.ingest.completed` event data: new images since the newest training,
+and when a retrain is due (real ingest flow runs; the trigger itself is tested on a real
+server in tests/test_scheduler.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from flows.ingest import ingest_flow
+from tasks.layout import Layout
+from tasks.new_data import new_data
+from tasks.quality import validate_catalog
+from tasks.reports import new_data_report
+from tasks.shard import write_shards
+
+pytestmark = pytest.mark.integration
+
+
+def _train_on(cfg_path, ingest_id: str) -> str:
+    """What a training run leaves for the count: shards of `ingest_id`, a run naming them."""
+    cfg = load_config(cfg_path)
+    root = cfg.storage.root
+    validate_catalog.fn(root, ingest_id, cfg.quality)
+    res = write_shards.fn(cfg.shards, root, ingest_id, [cfg.train.stages[0].resolution],
+                          tokenizer=cfg.train.model.tokenizer.model_dump())  # fmt: skip
+    layout, run_id = Layout(Path(root)), "run-20260101-000000"
+    layout.run(run_id).mkdir(parents=True)
+    (layout.run(run_id) / "run.json").write_text(json.dumps({"dataset_version":
+                                                             res.dataset_version}))  # fmt: skip
+    layout.set_latest("runs", run_id)
+    return run_id
+
+
+def test_new_images_since_the_last_training_make_a_retrain_due(tmp_path, landing_src, make_config):
+    src, land = landing_src
+    cfg = make_config(tmp_path / "tiny.yaml", tmp_path / "root", src,
+                      **{"retrain.min_new_images": 10})  # fmt: skip
+    first = ingest_flow(str(cfg))["new_data"]
+    accepted = first["view_accepted"]
+    assert first["new_since_training"] == accepted == first["new_accepted"] > 10
+    assert first["trained_run_id"] is None and first["retrain_due"]
+
+    # The pipeline's own ingest never asks for another pipeline.
+    inner = ingest_flow(str(cfg), standalone=False)["new_data"]
+    assert inner["new_since_training"] == accepted and not inner["retrain_due"]
+
+    run_id = _train_on(cfg, first["ingest_id"])
+    again = ingest_flow(str(cfg))["new_data"]
+    assert (again["new_accepted"], again["new_since_training"]) == (0, 0)
+    assert again["trained_run_id"] == run_id and not again["retrain_due"]
+    assert "not due (0 < 10)" in new_data_report(new_data(tmp_path / "root", again["ingest_id"],
+                                                          0, 10, True))  # fmt: skip
+
+    landed = land()
+    after = ingest_flow(str(cfg))["new_data"]
+    assert after["new_accepted"] == after["new_since_training"] == landed == 15
+    assert after["trained_ingest_id"] == first["ingest_id"] and after["retrain_due"]
+    text = new_data_report(new_data(tmp_path / "root", after["ingest_id"], 15, 10, True))
+    assert "15 accepted images are new or changed since the catalog" in text
+    assert "Retrain: **due**" in text
+
+
+def test_a_training_in_progress_holds_the_retrain_back(tmp_path, landing_src, make_config):
+    src, _ = landing_src
+    root = tmp_path / "root"
+    cfg = make_config(tmp_path / "tiny.yaml", root, src, **{"retrain.min_new_images": 10})
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from tasks.lock import root_lock\n"
+         f"with root_lock({str(root)!r}, 'kiln train'):\n"
+         "    print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        busy = ingest_flow(str(cfg))["new_data"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert busy["root_busy"] and not busy["retrain_due"]
+    assert busy["new_since_training"] >= 10
+    assert ingest_flow(str(cfg))["new_data"]["retrain_due"], "due once the training is gone"
