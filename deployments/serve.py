@@ -35,8 +35,9 @@ def build_deployments(config_path: str, cron: str | None) -> list:
         match={"prefect.resource.id": "kiln.root.*", "kiln.retrain-due": "true"},
     )
     deployments = [
-        kiln_pipeline.to_deployment("retrain", parameters=params, cron=cron,
-                                    concurrency_limit=one, triggers=[new_data])  # fmt: skip
+        kiln_pipeline.to_deployment(
+            "retrain", parameters=params, cron=cron, concurrency_limit=one, triggers=[new_data]
+        )  # fmt: skip
     ]
     for f in (ingest_flow, validate_flow, shard_flow, train_flow, evaluate_flow, register_flow):
         limit = one if f is train_flow else None
