@@ -14,7 +14,7 @@ from tasks.layout import Layout
 from tasks.publish import publish_shards
 from tasks.reports import shards_report
 from tasks.shard import write_shards
-from tasks.vae import resolve_fitted_vae
+from tasks.vae import resolve_fitted_vae, vae_from_pipeline
 
 __all__ = ["shard_flow"]
 
@@ -55,7 +55,14 @@ def shard_flow(
         check_inputs(cfg, ("train",))
         # The latents are encoded with the VAE that training will load (a `fit` one: fitted
         # on this version, cached, and found again by the train flow under the same key).
-        cfg.train = resolve_fitted_vae(cfg.train, cfg.storage.root, result.dataset_version)
+        # A warm start encodes with the VAE of the model it starts from (flows/train.py).
+        if cfg.train.init_from_model and cfg.train.model.vae.fit is not None:
+            from flows.train import resolve_warm_start
+
+            warm = resolve_warm_start(cfg, layout)["folder"]
+            cfg.train = vae_from_pipeline(cfg.train, warm)
+        else:
+            cfg.train = resolve_fitted_vae(cfg.train, cfg.storage.root, result.dataset_version)
         for i, stage in enumerate(cfg.train.stages):
             version, res = result.dataset_version, stage.resolution
             images = layout.shards(version, res)

@@ -35,12 +35,14 @@ from tasks.publish import publish_shards
 from tasks.registry import create_training_run, log_run_artifact, mark_training_run
 from tasks.reports import stage_report, write_loss_curves
 from tasks.samples import sample_grid_report
-from tasks.vae import resolve_fitted_vae
+from tasks.vae import resolve_fitted_vae, vae_from_pipeline
 
 __all__ = ["train_flow"]
 
 
-def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) -> dict:
+def _run_record(
+    cfg: PipelineConfig, layout: Layout, run_id: str, version: str, warm: dict | None = None
+) -> dict:
     path = layout.run(run_id) / "run.json"
     if path.is_file():
         return json.loads(path.read_text())
@@ -75,7 +77,7 @@ def _run_record(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) 
         "stages": {},
     }
     if cfg.train.init_from_model:  # resolved once: a resumed run keeps the version it began from
-        record["init_from_model"] = resolve_warm_start(cfg, layout)
+        record["init_from_model"] = warm or resolve_warm_start(cfg, layout)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2))
     return record
@@ -194,12 +196,18 @@ def _train_locked(
     check_inputs(cfg, ("train",))
     version = dataset_version or layout.latest("shards", "train")
     # A `train.model.vae.fit` VAE is fitted on this data (once, cached) and the snapshot names
-    # its folder, so every stage, resume and export uses the same weights.
-    fitted = resolve_fitted_vae(cfg.train, cfg.storage.root, version)
+    # its folder, so every stage, resume and export uses the same weights. A warm start keeps
+    # the VAE of the model it starts from instead: its UNet learned that latent space.
+    warm = None
+    if cfg.train.init_from_model and cfg.train.model.vae.fit is not None:
+        warm = resolve_warm_start(cfg, layout)
+        fitted = vae_from_pipeline(cfg.train, warm["folder"])
+    else:
+        fitted = resolve_fitted_vae(cfg.train, cfg.storage.root, version)
     if fitted is not cfg.train or not snapshot.is_file():
         cfg.train = fitted
         write_snapshot(cfg, snapshot)
-    record = _run_record(cfg, layout, run_id, version)
+    record = _run_record(cfg, layout, run_id, version, warm)
     if record["dataset_version"] != version and dataset_version is not None:
         raise ValueError(
             f"run {run_id} trains on {record['dataset_version']}, not {dataset_version}: "

@@ -21,7 +21,7 @@ from models.tiny_vae import ensure_fitted_vae, read_images
 from tasks.layout import Layout
 from tasks.logs import task_logger
 
-__all__ = ["fit_vae", "resolve_fitted_vae", "stage_image_folders"]
+__all__ = ["fit_vae", "resolve_fitted_vae", "stage_image_folders", "vae_from_pipeline"]
 
 
 def stage_image_folders(layout: Layout, version: str, resolutions: list[int]) -> list[Path]:
@@ -57,6 +57,13 @@ def fit_vae(vae: VaeComponent, root: str, version: str, resolutions: list[int]) 
         out, record["images"], record["wall_s"], record["train_mse"], record["scaling_factor"],
     )  # fmt: skip
     return str(out)
+
+
+def vae_from_pipeline(train: TrainConfig, pipeline: str) -> TrainConfig:
+    """`train` with its VAE loaded from a pipeline folder's `vae/` (a warm start keeps the
+    latent space its UNet learned, so it never gets a VAE fitted on other data)."""
+    model = train.model.model_copy(update={"vae": VaeComponent(pretrained=str(pipeline))})
+    return train.model_copy(update={"model": model})
 
 
 def resolve_fitted_vae(train: TrainConfig, root: str, version: str) -> TrainConfig:
