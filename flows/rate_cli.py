@@ -87,7 +87,7 @@ def compare(
     pipeline folder): its study is generated first with `evaluate`'s settings, unless it
     exists.
     """
-    from flows.human_eval import is_model_ref, study_for_model
+    from flows.human_evaluation import is_model_ref, study_for_model
     from human_eval.studies import create_comparison, load_study
 
     cfg, store = _load(config_path, root)
@@ -116,7 +116,7 @@ def evaluate_model(config_path: str, root: str | None, model: str) -> None:
     Generated with the config's `evaluate` settings unless it exists (content-addressed);
     prints {"study_id", "path"} as JSON, or one clear line on error.
     """
-    from flows.human_eval import study_for_model
+    from flows.human_evaluation import study_for_model
 
     cfg, _ = _load(config_path, root)
     with _one_line():

@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.config import load_config
-from flows.human_eval import create_comparison_task, study_for_model
+from flows.human_evaluation import create_comparison_task, study_for_model
 from flows.pipeline import kiln_pipeline
 
 __all__ = ["retrain_flow"]

@@ -4,7 +4,7 @@ A consumer loads `models:/<name>@champion`. This module is the only code that mo
 alias (`kiln promote`, `kiln rollback`, `flows/promote.py`):
 
 * `promote` reads the candidate's human-evaluation numbers from MLflow (the metrics
-  `flows/human_eval.py` logs on its training run, and the `human_eval.against` tag on its
+  `flows/human_evaluation.py` logs on its training run, and the `human_eval.against` tag on its
   version), checks them with `gate`, and on a pass moves `champion` to the candidate and the
   old champion to `previous-champion`. With no champion yet it needs `first=True`;
   `force=True` (with a reason) promotes past a refused gate.
@@ -134,7 +134,7 @@ def _alias(client: MlflowClient, name: str, alias: str):
 
 
 def _ids(mv) -> set[str]:
-    """Names a version goes by in a human-evaluation comparison (see flows/human_eval.py)."""
+    """Names a version goes by in a human-evaluation comparison (see flows/human_evaluation.py)."""
     return {x for x in (mv.tags.get("run_id"), f"{mv.name}-v{mv.version}") if x}
 
 

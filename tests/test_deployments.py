@@ -31,7 +31,8 @@ def test_serve_builds_a_deployment_per_flow():
 def test_the_human_eval_flow_has_a_deployment_to_start_from_the_ui():
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     (dep,) = [d for d in spec["deployments"] if d["name"] == "human-eval"]
-    assert dep["entrypoint"] == "flows/human_eval.py:human_eval_flow" and "schedules" not in dep
+    assert dep["entrypoint"] == "flows/human_evaluation.py:human_eval_flow"
+    assert "schedules" not in dep
 
 
 def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
@@ -47,3 +48,13 @@ def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
     assert cfg.train.init_from_model == "models:/kiln-t2i@champion"
     assert len(cfg.train.stages) == 1, "one stage at the champion's final resolution"
     assert "schedules" not in deps["from-scratch"], "from scratch is on demand"
+
+
+def test_no_flow_module_shadows_a_top_level_package():
+    """A worker loads an entrypoint by path, with flows/ first on sys.path: a flows/X.py named
+    like a package (flows/human_eval.py once hid human_eval/) breaks the deployment's imports."""
+    packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
+    modules = {p.stem for p in REPO.glob("*.py")}
+    for folder in ("flows", "deployments"):
+        stems = {p.stem for p in (REPO / folder).glob("*.py")}
+        assert not stems & (packages | modules), f"{folder}/ shadows {stems & (packages | modules)}"

@@ -112,76 +112,176 @@ def prefect_server(tmp_path):
         assert "Can't evaluate bulk DML" not in text, "the scheduler service failed"
 
 
-def test_scheduled_runs_fire_and_a_worker_runs_them(
-    prefect_server, tmp_path, demo_src, make_config
+def _states(api: str, dep_id: str, manual_only: bool = True) -> list[dict]:
+    """Runs of a deployment (without the cron's future ones), oldest first."""
+    runs = [r for r in _runs(api, dep_id) if not (manual_only and r["auto_scheduled"])]
+    return sorted(runs, key=lambda r: r["created"])
+
+
+def _worker(env: dict, cwd: Path, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", "kiln-process", "--type", "process"],
+        env=env, cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        start_new_session=True,
+    )  # fmt: skip
+
+
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
+    prefect_server, tmp_path, landing_src, make_config
 ):
+    """The shipped deployments on a real server and worker: a scheduled ingest; new data
+    landing makes the ingest's event trigger `weekly-retrain`; a second retrain waits for
+    the first (ENQUEUE); the first warm-starts from the champion, registers a candidate and
+    opens the comparison."""
+    from mlflow.tracking import MlflowClient
+
+    from flows.pipeline import kiln_pipeline
+    from flows.promote import promote_flow
+    from human_eval.store import RatingStore
+
     api, env = prefect_server
-    cfg = make_config(tmp_path / "tiny.yaml", tmp_path / "root", demo_src)
-    # The shipped nightly-ingest deployment, made due now: an interval schedule of 20 s.
+    src, land = landing_src
+    root = tmp_path / "root"
+    small = {
+        "train.stages": [{"resolution": 32, "batch_size": 4, "learning_rate": 1e-3,
+                          "max_steps": 2}],
+        "launch.health_check": False, "launch.max_restarts": 0, "evaluate.limit": 2,
+        "evaluate.num_inference_steps": 1, "evaluate.batch_size": 2, "evaluate.seeds": [0],
+        "retrain.min_new_images": 10,
+    }  # fmt: skip
+    cfg = make_config(tmp_path / "tiny.yaml", root, src, **small)
+    # The first model, trained in this process and promoted: the champion to continue from.
+    first = kiln_pipeline(str(cfg))
+    promote_flow(str(cfg), first=True)
+    warm = {**small, "train.init_from_model": "models:/kiln-t2i@champion"}
+    retrain = make_config(tmp_path / "retrain.yaml", root, src, **warm)
+    data = yaml.safe_load(retrain.read_text())
+    data["human_eval"] = {"gold_per_rater": 1}  # 2 prompts: room for one gold pair
+    retrain.write_text(yaml.safe_dump(data))
+
+    # The shipped nightly-ingest and weekly-retrain deployments, pointed at the test configs.
+    # The ingest's schedule is made due once, 30 s from now; the retrain keeps its cron (next
+    # Sunday: never due here) and its new-data trigger.
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    dep = next(d for d in spec["deployments"] if d["name"] == "nightly-ingest")
-    dep["parameters"]["config_path"] = str(cfg)
-    dep["schedules"] = [{"interval": 20, "anchor_date": "2020-01-01T00:00:00Z"}]
-    spec["deployments"] = [dep]
+    deps = {d["name"]: d for d in spec["deployments"]}
+    ingest, weekly = deps["nightly-ingest"], deps["weekly-retrain"]
+    ingest["parameters"]["config_path"] = str(cfg)
+    soon = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 30))
+    ingest["schedules"] = [{"interval": 86400, "anchor_date": soon}]
+    weekly["parameters"]["config_path"] = str(retrain)
+    assert weekly["triggers"][0]["expect"] == ["kiln.ingest.completed"]
+    assert weekly["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+    spec["deployments"] = [ingest, weekly]
     pfile = tmp_path / "prefect.yaml"
     pfile.write_text(yaml.safe_dump(spec, sort_keys=False))
     _cli(["work-pool", "create", "kiln-process", "--type", "process"], env, REPO)
-    _cli(["--no-prompt", "deploy", "--prefect-file", str(pfile), "--name", "nightly-ingest"],
-         env, REPO)  # fmt: skip
-    dep_id = _deployment_id(api, "kiln-ingest", "nightly-ingest")
-    assert dep_id, "prefect deploy created no kiln-ingest/nightly-ingest deployment"
+    _cli(["--no-prompt", "deploy", "--prefect-file", str(pfile), "--all"], env, REPO)
+    ingest_id = _deployment_id(api, "kiln-ingest", "nightly-ingest")
+    weekly_id = _deployment_id(api, "kiln-retrain", "weekly-retrain")
+    assert ingest_id and weekly_id, "prefect deploy created the deployments"
 
-    # 1. The server's scheduler service creates the upcoming runs by itself.
-    scheduled = _wait(
-        "scheduled runs from the server's scheduler",
-        lambda: [r for r in _runs(api, dep_id) if r["auto_scheduled"]],
-        90,
-    )
-    assert all(r["state_type"] == "SCHEDULED" for r in scheduled)
+    # 1. The server's scheduler service creates the scheduled ingest by itself.
+    _wait("the scheduled ingest run", lambda: _states(api, ingest_id, manual_only=False), 90)
 
-    # 2. A real worker, started outside the project folder, runs one to completion (the pull
-    # step moves the run into the checkout).
-    worker_dir = tmp_path / "elsewhere"
-    worker_dir.mkdir()
-    wlog = open(tmp_path / "worker.log", "w")  # noqa: SIM115
-    worker = subprocess.Popen(
-        [str(BIN / "prefect"), "worker", "start", "--pool", "kiln-process", "--type", "process"],
-        env=env, cwd=worker_dir, stdout=wlog, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+    # 2. A real worker, started outside the project folder, runs it (the pull step moves the
+    # run into the checkout). Nothing new since the champion's training: no retrain.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    worker = _worker(env, elsewhere, tmp_path / "worker.log")
+    wlog = lambda: (tmp_path / "worker.log").read_text()[-6000:]  # noqa: E731
     try:
         done = _wait(
-            "a scheduled run completed by the worker",
-            lambda: [r for r in _runs(api, dep_id)
-                     if r["auto_scheduled"] and r["state_type"] in ("COMPLETED", "FAILED",
-                                                                    "CRASHED")],
-            300,
-            [worker],
+            "the scheduled ingest, run by the worker",
+            lambda: [r for r in _states(api, ingest_id, manual_only=False)
+                     if r["state_type"] in FINAL],
+            300, [worker],
         )  # fmt: skip
-        assert done[0]["state_type"] == "COMPLETED", (tmp_path / "worker.log").read_text()[-4000:]
-        assert (tmp_path / "root" / "catalog").is_dir()
+        assert done[0]["state_type"] == "COMPLETED", wlog()
 
-        # 3. The figure the docs quote: `prefect deployment run` to a completed run.
+        # 3. New data lands; the nightly ingest started by hand catalogs it, and its event
+        # (15 new images >= retrain.min_new_images 10) makes the trigger start weekly-retrain.
+        assert land() == 15
         t0 = time.monotonic()
-        out = _cli(["deployment", "run", "kiln-ingest/nightly-ingest"], env, REPO)
-        assert "Created flow run" in out
+        assert "Created flow run" in _cli(["deployment", "run", "kiln-ingest/nightly-ingest"],
+                                          env, REPO)  # fmt: skip
         manual = _wait(
-            "the manually started run",
-            lambda: [r for r in _runs(api, dep_id)
-                     if not r["auto_scheduled"] and r["state_type"] == "COMPLETED"],
-            300,
+            "the ingest started by hand",
+            lambda: [r for r in _states(api, ingest_id) if r["state_type"] in FINAL], 300,
             [worker],
         )  # fmt: skip
-        seconds = time.monotonic() - t0
-        timing = {"deployment_run_to_completed_s": seconds}
+        ingest_s = time.monotonic() - t0
+        assert manual[0]["state_type"] == "COMPLETED", wlog()
+        triggered = _wait(
+            "the retrain the new-data trigger starts",
+            lambda: [r for r in _states(api, weekly_id)
+                     if r["state_type"] in ("RUNNING", *FINAL)],
+            120, [worker],
+        )[0]  # fmt: skip
+        assert triggered["state_type"] == "RUNNING", wlog()
+        t1 = time.monotonic()
+
+        # 4. A second retrain started meanwhile waits for the first (ENQUEUE).
+        _cli(["deployment", "run", "kiln-retrain/weekly-retrain"], env, REPO)
+        second = _wait(
+            "the second retrain, waiting for the concurrency slot",
+            lambda: [r for r in _states(api, weekly_id)
+                     if r["id"] != triggered["id"] and r["state_name"] ==
+                     "AwaitingConcurrencySlot"],
+            120, [worker],
+        )[0]  # fmt: skip
+        now = {r["id"]: r for r in _states(api, weekly_id)}
+        assert now[triggered["id"]]["state_type"] == "RUNNING", "the first still runs"
+
+        # 5. The triggered retrain completes: a candidate warm-started from the champion.
+        finished = _wait(
+            "the triggered retrain to finish",
+            lambda: [r for r in _states(api, weekly_id)
+                     if r["id"] == triggered["id"] and r["state_type"] in FINAL],
+            900, [worker],
+        )[0]  # fmt: skip
+        retrain_s = time.monotonic() - t1
+        assert finished["state_type"] == "COMPLETED", wlog()
+        client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+        v2 = client.get_model_version_by_alias("kiln-t2i", "candidate")
+        assert v2.version == "2" and v2.tags["parent_version"] == "1"
+        assert client.get_model_version_by_alias("kiln-t2i", "champion").version == "1"
+        (cmp,) = RatingStore.open(root).comparisons()
+        assert cmp.model_b == first["run"]["run_id"], "against the champion's own run"
+        assert cmp.model_a != cmp.model_b and cmp.study_a != cmp.study_b
+
+        # 6. The waiting run gets the slot once the first is done; it is cancelled here (the
+        # retrain itself was just proven) and the worker stops it.
+        _wait(
+            "the second retrain to leave the queue",
+            lambda: [r for r in _states(api, weekly_id)
+                     if r["id"] == second["id"] and r["state_name"] !=
+                     "AwaitingConcurrencySlot"],
+            180, [worker],
+        )  # fmt: skip
+        _cli(["flow-run", "cancel", second["id"]], env, REPO)
+        _wait(
+            "the second retrain to be cancelled",
+            lambda: [r for r in _states(api, weekly_id)
+                     if r["id"] == second["id"] and r["state_type"] in FINAL],
+            120, [worker],
+        )  # fmt: skip
+        runs = _states(api, weekly_id)
+        assert len(runs) == 2, "one triggered retrain (only the ingest with new data) + one"
+
+        timing = {"deployment_run_to_ingest_completed_s": ingest_s,
+                  "triggered_retrain_running_to_completed_s": retrain_s}  # fmt: skip
         (tmp_path / "timing.json").write_text(json.dumps(timing))
-        print(f"prefect deployment run -> completed: {seconds:.1f}s ({manual[0]['name']})")
+        print(f"prefect deployment run -> ingest completed: {ingest_s:.1f}s; triggered tiny "
+              f"retrain running -> completed: {retrain_s:.1f}s")  # fmt: skip
     finally:
         worker.terminate()
         try:
             worker.wait(timeout=30)
         except subprocess.TimeoutExpired:
             worker.kill()
-        wlog.close()
 
 
 def test_serve_cron_schedule_creates_runs(prefect_server, tmp_path, demo_src, make_config):

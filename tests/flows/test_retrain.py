@@ -1,5 +1,6 @@
 """Warm-start retraining: the champion's exact weights start the next run, whose registered
-version names its parent (real flow runs, a real `accelerate launch`, a real registry)."""
+version names its parent (real flow runs, a real `accelerate launch`, a real registry). The
+weekly-retrain deployment itself runs on a real server and worker in tests/test_scheduler.py."""
 
 import json
 
@@ -72,33 +73,3 @@ def test_a_missing_champion_is_a_clear_error(tmp_path, tiny_shards, demo_src, ma
     cfg = make_config(tmp_path / "tiny.yaml", root, demo_src, **warm)
     with pytest.raises(ValueError, match="train.init_from_model: models:/kiln-t2i@champion does"):
         train_flow(str(cfg), dataset_version=version)
-
-
-@pytest.mark.e2e
-def test_the_weekly_retrain_flow_registers_a_candidate_and_opens_its_comparison(
-    tmp_path, demo_src, make_config
-):
-    """The `weekly-retrain` deployment's flow on the tiny preset, after a first model was
-    promoted: warm start, candidate, champion study, comparison (real flow runs)."""
-    from flows.pipeline import kiln_pipeline
-    from flows.retrain import retrain_flow
-    from human_eval.store import RatingStore
-
-    root = tmp_path / "root"
-    small = {**ONE_STAGE, "evaluate.seeds": [0]}
-    cfg = make_config(tmp_path / "tiny.yaml", root, demo_src, **small)
-    first = kiln_pipeline(str(cfg))
-    promote_flow(str(cfg), first=True)  # the candidate becomes the first champion
-    warm = {**small, "train.init_from_model": "models:/kiln-t2i@champion"}
-    retrain = make_config(tmp_path / "retrain.yaml", root, demo_src, **warm)
-    data = yaml.safe_load(retrain.read_text())
-    data["human_eval"] = {"gold_per_rater": 1}  # 2 prompts: room for one gold pair
-    retrain.write_text(yaml.safe_dump(data))
-    out = retrain_flow(str(retrain))
-    assert out["model"]["version"] == "2" and out["model"]["lineage"]["parent_version"] == "1"
-    assert out["study"]["study_id"] != out["champion_study"]
-    cmp = RatingStore.open(root).comparison(out["comparison"])
-    assert (cmp.study_a, cmp.study_b) == (out["study"]["study_id"], out["champion_study"])
-    assert cmp.model_b == first["run"]["run_id"], "the champion's own run, found by its tag"
-    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
-    assert str(client.get_model_version_by_alias("kiln-t2i", "champion").version) == "1"

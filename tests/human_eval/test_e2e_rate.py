@@ -60,7 +60,7 @@ def _rater_answers(base, token, store, seed_key):
 
 def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_src, make_config):
     from flows.evaluate import evaluate_flow
-    from flows.human_eval import human_eval_flow
+    from flows.human_evaluation import human_eval_flow
     from flows.register import register_flow
     from flows.train import train_flow
 

@@ -35,7 +35,7 @@ def _candidate_in_mlflow(root, tracking_uri):
 
 
 def test_flow_reports_and_logs_metrics_and_tags(tmp_path, make_config):
-    from flows.human_eval import human_eval_flow
+    from flows.human_evaluation import human_eval_flow
 
     root = tmp_path / "root"
     cfg = make_config(tmp_path / "tiny.yaml", root, tmp_path)

@@ -125,7 +125,7 @@ def test_a_folder_that_is_not_a_pipeline_is_one_line(setup, tmp_path):
 def test_a_pipeline_exported_again_gets_a_new_identity(tmp_path):
     import os
 
-    from flows.human_eval import _pipeline_identity
+    from flows.human_evaluation import _pipeline_identity
 
     folder = tmp_path / "final"
     (folder / "unet").mkdir(parents=True)
