@@ -40,11 +40,14 @@ chromium:
 		exit 1; \
 	fi
 
+# The test files run on one worker per core (pytest-xdist; a file's tests stay on one worker,
+# so a module's fixtures are built once). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= auto
 test: $(STAMP) chromium
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not e2e and not integration"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not integration"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

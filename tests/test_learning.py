@@ -35,7 +35,8 @@ def test_the_tiny_preset_learns_and_uses_its_captions(tmp_path):
     assert r["val_loss_start_step"] == 0 and r["val_loss_end_step"] == r["steps_trained"]
     assert r["val_loss_drop"] >= 0.3, "the held-out loss must fall"
     # The gap grows with training (docs/benchmarks.md: 0.0085, CI [0.0054, 0.0118] at 3000
-    # steps); at this size its point estimate must already be positive.
-    assert r["cond_gap"] > 0, "the text must matter"
+    # steps; 0.0016, CI [0.0009, 0.0023] at this size). A random model's gap is noise around
+    # 0, so the whole bootstrap interval must be above it, not only the point estimate.
+    assert r["cond_gap_ci_low"] > 0, "the text must matter"
     assert 0 <= r["colour_match"] <= 1 and r["held_out_captions"] == 24
     assert r["plan_wall_s"] > 0 and r["train_wall_s"] > 0  # timings: benchmarks, not asserts
