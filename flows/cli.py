@@ -337,9 +337,9 @@ def generate(
         _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
         result = generate_images(folder, prompt, Path(out), n=n, seed=seed, steps=steps,
                                  guidance_scale=guidance)  # fmt: skip
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, LookupError) as e:  # LookupError: no such alias or version
         raise KilnError(str(e)) from e
-    except Exception as e:  # the registry's own errors (no such alias or version)
+    except Exception as e:  # the registry's own errors (a failed download)
         if type(e).__name__ == "MlflowException":
             raise KilnError(f"{model}: {getattr(e, 'message', e)}") from e
         raise

@@ -112,7 +112,7 @@ def resolve_warm_start(cfg: PipelineConfig, layout: Layout) -> dict:
         ref = out["resolved"]
     try:
         _, folder = resolve_pipeline(ref, cfg.tracking_uri, layout.root)
-    except (FileNotFoundError, MlflowException) as e:
+    except (FileNotFoundError, LookupError, MlflowException) as e:
         raise ValueError(f"train.init_from_model {cfg.train.init_from_model}: {e}") from e
     out["folder"] = str(folder)
     get_run_logger().info(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import getpass
 import json
-import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -26,6 +25,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from models.config import GateConfig
+from tasks.registry import ModelVersionNotFound, model_version
 
 __all__ = [
     "CHAMPION",
@@ -115,15 +115,10 @@ def resolve_version(client: MlflowClient, ref: str):
         ValueError: `ref` is not such a URI.
         PromotionRefused: the alias or version does not exist.
     """
-    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", ref)
-    if m is None:
-        raise ValueError(f"{ref!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
-    name, alias, number = m.groups()
     try:
-        return (client.get_model_version_by_alias(name, alias) if alias
-                else client.get_model_version(name, number))  # fmt: skip
-    except MlflowException as e:
-        raise PromotionRefused(f"{ref} does not exist in the registry ({e.message})") from e
+        return model_version(client, ref)
+    except ModelVersionNotFound as e:
+        raise PromotionRefused(str(e)) from e
 
 
 def _alias(client: MlflowClient, name: str, alias: str):

@@ -32,6 +32,8 @@ from tasks.logs import task_logger
 __all__ = [
     "EXPERIMENT_KIND",
     "LOCAL_MLFLOW_UI",
+    "ModelVersionNotFound",
+    "model_version",
     "create_training_run",
     "ensure_experiment",
     "log_data_docs",
@@ -400,6 +402,32 @@ def register_model(
     }
 
 
+class ModelVersionNotFound(LookupError):
+    """A models:/ URI names no version in the registry (no such model, alias or version)."""
+
+
+def model_version(client: MlflowClient, ref: str):
+    """The ModelVersion of models:/NAME@ALIAS or models:/NAME/VERSION.
+
+    Raises:
+        ValueError: `ref` is not such a URI.
+        ModelVersionNotFound: the model, alias or version does not exist.
+    """
+    import re
+
+    from mlflow.exceptions import MlflowException
+
+    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", ref)
+    if m is None:
+        raise ValueError(f"{ref!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    name, alias, number = m.groups()
+    try:
+        return (client.get_model_version_by_alias(name, alias) if alias
+                else client.get_model_version(name, number))  # fmt: skip
+    except MlflowException as e:
+        raise ModelVersionNotFound(f"{ref} does not exist in the registry ({e.message})") from e
+
+
 def registered_pipeline(tracking_uri: str, root: Path, uri: str):
     """(identity, a callable giving the local pipeline folder) of a registered version.
 
@@ -409,17 +437,12 @@ def registered_pipeline(tracking_uri: str, root: Path, uri: str):
 
     Raises:
         ValueError: `uri` is not models:/NAME@ALIAS or models:/NAME/VERSION.
+        ModelVersionNotFound: it names no version.
     """
     import json
-    import re
 
-    m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", uri)
-    if m is None:
-        raise ValueError(f"{uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
-    name, alias, number = m.groups()
-    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
-    mv = (client.get_model_version_by_alias(name, alias) if alias
-          else client.get_model_version(name, number))  # fmt: skip
+    mv = model_version(MlflowClient(tracking_uri, registry_uri=tracking_uri), uri)
+    name = mv.name
     run_id = mv.tags.get("run_id", "")
     run_json = Path(root) / "runs" / run_id / "run.json" if run_id else None
     if run_json is not None and run_json.is_file():
