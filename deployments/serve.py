@@ -2,8 +2,10 @@
 
     python deployments/serve.py --config configs/sd2-base.yaml --cron "0 3 * * 0"
 
-The retraining pipeline runs on the cron schedule; every flow can also be started on demand
-from the Prefect UI. Parameters are config paths, never copies of hyperparameters.
+The retraining pipeline runs on the cron schedule, and when the ingest of this config's root
+reports enough new images (the `kiln.ingest.completed` event, tasks/new_data.py); every flow
+can also be started on demand from the Prefect UI. Parameters are config paths, never copies
+of hyperparameters.
 """
 
 from __future__ import annotations
@@ -27,12 +29,19 @@ def build_deployments(config_path: str, cron: str | None) -> list:
     from prefect.client.schemas.objects import ConcurrencyLimitConfig
     from prefect.events import DeploymentEventTrigger
 
+    from flows.config import load_config
+    from tasks.new_data import root_resource_id
+
     params = {"config_path": config_path}
     # Two trainings never overlap: a second run waits for the first (ENQUEUE).
     one = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
     new_data = DeploymentEventTrigger(
         expect={"kiln.ingest.completed"},
-        match={"prefect.resource.id": "kiln.root.*", "kiln.retrain-due": "true"},
+        # Only this config's root: another root's ingest on the same server starts nothing.
+        match={
+            "prefect.resource.id": root_resource_id(load_config(config_path).storage.root),
+            "kiln.retrain-due": "true",
+        },  # fmt: skip
     )
     deployments = [
         kiln_pipeline.to_deployment(

@@ -91,6 +91,7 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
                 "batch_size": ev.batch_size,
                 "model_ref": run_id,
                 "num_processes": cfg.launch.num_processes,
+                "gpu_limit": cfg.launch.gpu_limit,
             },
         },
     )

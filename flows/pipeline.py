@@ -7,9 +7,10 @@ editing the file during a multi-day run changes nothing in it.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.config import PipelineConfig, check_inputs, load_config, write_snapshot
@@ -32,6 +33,7 @@ def kiln_pipeline(
     root: str | None = None,
     source: str | None = None,
     allow_failed_gate: bool = False,
+    only_new_data: bool = False,
 ) -> dict:
     """ingest -> validate -> shard -> train (all stages) -> evaluate -> register.
 
@@ -40,6 +42,9 @@ def kiln_pipeline(
         root: Overrides `storage.root`.
         source: Overrides `ingest.source`.
         allow_failed_gate: Go on past a failed quality gate (recorded in shards.json).
+        only_new_data: Stop after the ingest, returning `{"ingest", "skipped"}`, when no
+            accepted image is new or changed since the newest finished training (a retrain
+            queued behind another, or the weekly cron the night after a triggered one).
     """
     cfg = load_config(config_path, root=root, source=source)
     check_inputs(cfg, ("ingest", "train", "evaluate"))
@@ -47,12 +52,22 @@ def kiln_pipeline(
     # The whole pipeline holds the root's training lock (its train subflow re-enters it):
     # a second `kiln run` on this root fails at once instead of racing on the same folders.
     with root_lock(Path(cfg.storage.root), f"pipeline run {run_id}"):
-        return _pipeline(cfg, run_id, allow_failed_gate)
+        return _pipeline(cfg, run_id, allow_failed_gate, only_new_data)
 
 
-def _pipeline(cfg: PipelineConfig, run_id: str, allow_failed_gate: bool) -> dict:
+def _pipeline(
+    cfg: PipelineConfig, run_id: str, allow_failed_gate: bool, only_new_data: bool
+) -> dict:
     snap = str(write_snapshot(cfg, Layout(Path(cfg.storage.root)).run_config(run_id)))
     ingest = ingest_flow(snap, standalone=False)
+    fresh = ingest["new_data"]
+    last = fresh["trained_run_id"]
+    if only_new_data and last and fresh["new_since_training"] == 0:
+        why = (f"no accepted image is new or changed since run {last} trained on catalog "
+               f"{fresh['trained_ingest_id']}: nothing to retrain on")  # fmt: skip
+        get_run_logger().info(why)
+        shutil.rmtree(Layout(Path(cfg.storage.root)).run(run_id), ignore_errors=True)
+        return {"ingest": ingest, "skipped": why}
     gate = {"ingest_id": ingest["ingest_id"], "allow_failed_gate": allow_failed_gate}
     quality = validate_flow(snap, **gate)
     shards = shard_flow(snap, **gate)

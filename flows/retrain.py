@@ -25,28 +25,42 @@ __all__ = ["retrain_flow"]
 
 
 @flow(name="kiln-retrain", log_prints=True)
-def retrain_flow(config_path: str, root: str | None = None) -> dict:
-    """Retrain from the champion, register the candidate, open its comparison.
+def retrain_flow(config_path: str, root: str | None = None, event_root: str | None = None) -> dict:
+    """Retrain from the champion, register the candidate, open its comparison. Nothing is
+    trained when no image is new since the last training (returns `{"skipped": why}`).
 
     Args:
         config_path: A retraining YAML (configs/sd2-retrain.yaml): `train.init_from_model`
             names the model to continue from.
         root: Overrides `storage.root`.
+        event_root: Set by the new-data trigger: the storage root whose ingest emitted
+            `kiln.ingest.completed`. An event from another root (a developer's ingest on the
+            same Prefect server) retrains nothing.
     """
     cfg = load_config(config_path, root=root)
+    log = get_run_logger()
+    if event_root is not None and Path(event_root) != Path(cfg.storage.root):
+        why = (f"the new-data event came from root {event_root}; this retrain trains "
+               f"{cfg.storage.root}: nothing to do")  # fmt: skip
+        log.info(why)
+        return {"skipped": why}
     if not cfg.train.init_from_model:
         raise ValueError(
             f"{config_path}: train.init_from_model is not set, so this would train from "
             "scratch; use the kiln-pipeline flow for that, or set it to "
             f"models:/{cfg.registry.model_name}@champion"
         )
-    result = kiln_pipeline(config_path, root=root)
+    result = kiln_pipeline(config_path, root=root, only_new_data=True)
+    if "skipped" in result:
+        create_markdown_artifact(key="retrain", description="nothing new to retrain on",
+                                 markdown=f"## No retrain\n\n{result['skipped']}.")  # fmt: skip
+        return result
     he, r = cfg.human_eval, cfg.storage.root
     champion = f"models:/{cfg.registry.model_name}@champion"
     champ_study = study_for_model(cfg, champion)
     cid = create_comparison_task(r, he.database_url, result["study"]["study_id"], champ_study,
                                  he.raters_per_pair, he.gold_per_rater, None, he.seed)  # fmt: skip
-    get_run_logger().info("candidate %s v%s vs %s: comparison %s is open", cfg.registry.model_name,
+    log.info("candidate %s v%s vs %s: comparison %s is open", cfg.registry.model_name,
                           result["model"]["version"], champion, cid)  # fmt: skip
     create_markdown_artifact(
         key="retrain",

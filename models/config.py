@@ -572,8 +572,9 @@ class GpuLimitConfig(Strict):
         1, ge=1, description="Its slots when Kiln creates it on first use (launches at once)."
     )
     lease_s: float = Field(
-        300, gt=0, description="Lease of a held slot, renewed while the launch runs; a killed "
-        "holder's slot frees itself after this long.",
+        300, ge=60, le=86400, description="Lease of a held slot (the server accepts 60 s to a "
+        "day), renewed while the launch runs; a killed holder's slot frees itself after this "
+        "long on a Prefect server.",
     )  # fmt: skip
 
 

@@ -13,8 +13,15 @@ machine). To create it yourself, or to give a node with 8 GPUs room for two 4-GP
     prefect gcl create gpu --limit 1
     prefect gcl update gpu --limit 2
 
-A held slot is a lease renewed while the launch runs: a holder killed outright frees its slot
-after `launch.gpu_limit.lease_s` seconds. Set `launch.gpu_limit: null` to launch without it.
+A held slot is a lease renewed while the launch runs: on a Prefect server, a holder killed
+outright frees its slot after `launch.gpu_limit.lease_s` seconds. Prefect keeps leases in the
+server's memory, so a server restarted while a launch held a slot leaves the slot taken; free it
+with `prefect gcl update gpu --active-slots 0` (the waiting launch's log line says so).
+
+Without a Prefect server (`PREFECT_API_URL` unset: `kiln run`, `make demo`), each command
+starts a temporary server of its own, whose leases would die with it and whose limit no other
+run shares: launches then take no slot (the root's lock still keeps two trainings of one root
+apart). Set `launch.gpu_limit: null` to launch without it everywhere.
 """
 
 from __future__ import annotations
@@ -33,6 +40,13 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from models.config import GpuLimitConfig
 
 __all__ = ["ensure_limit", "gpu_slot"]
+
+
+def _shared_server() -> bool:
+    """Whether runs talk to a Prefect server (`PREFECT_API_URL`), not a temporary one."""
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value())
 
 
 def ensure_limit(limit: GpuLimitConfig) -> GlobalConcurrencyLimitResponse:
@@ -54,7 +68,7 @@ def ensure_limit(limit: GpuLimitConfig) -> GlobalConcurrencyLimitResponse:
 def gpu_slot(limit: GpuLimitConfig | None, logger: logging.Logger | logging.LoggerAdapter,
              what: str) -> Iterator[None]:  # fmt: skip
     """Hold one slot of `limit` while the block runs (nothing when `limit` is None)."""
-    if limit is None:
+    if limit is None or not _shared_server():
         yield
         return
     gcl = ensure_limit(limit)
@@ -64,7 +78,9 @@ def gpu_slot(limit: GpuLimitConfig | None, logger: logging.Logger | logging.Logg
     elif gcl.active_slots >= gcl.limit:
         logger.info(
             "waiting for the %r concurrency limit (%d of %d slots taken: another launch is "
-            "using the GPUs) before %s", limit.name, gcl.active_slots, gcl.limit, what,
+            "using the GPUs) before %s; if no launch runs, a restarted server kept a dead "
+            "holder's slot: `prefect gcl update %s --active-slots 0`",
+            limit.name, gcl.active_slots, gcl.limit, what, limit.name,
         )  # fmt: skip
     started = time.monotonic()
     with concurrency(limit.name, occupy=1, lease_duration=limit.lease_s, strict=True,

@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -30,6 +31,20 @@ _guard = threading.Lock()
 
 class RootBusy(RuntimeError):
     """Another process trains on this root."""
+
+
+def _try_exclusive(fd: int) -> bool:
+    """Take the lock without waiting; a `root_busy` probe holds it shared for an instant and
+    writes no holder, so an empty lock file gets a few more tries before it counts as busy."""
+    for attempt in range(5):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if os.pread(fd, 1, 0):  # a real holder wrote who it is
+                return False
+            time.sleep(0.05 * (attempt + 1))
+    return False
 
 
 @contextmanager
@@ -57,9 +72,7 @@ def root_lock(root: Path, what: str) -> Iterator[None]:
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        if not _try_exclusive(fd):
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
             try:
                 h = json.loads(holder)

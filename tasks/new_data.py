@@ -7,33 +7,37 @@ After every ingest the ingest flow emits a Prefect event
     payload:  new_accepted, new_since_training, min_new_images, retrain_due, ingest_id, ...
 
 `new_since_training` counts the accepted images of the catalog view that are new or changed
-(by source, key, sha256 and caption) since the catalog the newest training run was sharded
-from; with no training run yet, every accepted image is new. The retrain is due when that
-count reaches `retrain.min_new_images`, the ingest ran on its own (the pipeline's own ingest
-never asks for another pipeline), and no training holds the root. The `weekly-retrain`
-deployment's trigger matches `kiln.retrain-due: "true"` (deployments/prefect.yaml), so the
-threshold lives in the config, not in the trigger; its cron schedule stays as the fallback.
+(by source, key, sha256 and caption) since the catalog of the newest *finished* training run
+(one that exported; a crashed or running one trained on nothing yet). The retrain is due when
+that count reaches `retrain.min_new_images`, a finished training exists (a retrain continues
+from a model: the first one is trained from scratch), the ingest ran on its own (the
+pipeline's own ingest never asks for another pipeline), and no training holds the root.
+
+The `weekly-retrain` deployment's trigger matches `kiln.retrain-due: "true"` and passes the
+event's root to `flows/retrain.py`, which does nothing for another root's event; the
+threshold lives in the config, not in the trigger; the cron schedule stays as the fallback.
+Without a Prefect server (`PREFECT_API_URL` unset) the event goes to the command's temporary
+server, where no trigger runs: the report says so.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from tasks.layout import Layout
 from tasks.lock import root_busy
+from tasks.logs import task_logger
 
 __all__ = ["INGEST_COMPLETED", "NewData", "emit_ingest_completed", "new_data"]
 
 INGEST_COMPLETED = "kiln.ingest.completed"
 _IDENTITY = ["source", "key", "sha256", "caption"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -48,28 +52,29 @@ class NewData:
     standalone: bool  # the ingest ran on its own, not as the first step of a pipeline
     root_busy: bool  # a training holds the root's lock
     retrain_due: bool
+    server: bool = True  # a Prefect server receives the event (PREFECT_API_URL is set)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def _trained_catalog(layout: Layout) -> tuple[str | None, str | None]:
-    """(run id, ingest id) of the newest training run's dataset, or (None, None)."""
-    run_id = layout.latest_or_none("runs")
-    if run_id is None:
-        return None, None
-    record = layout.run(run_id) / "run.json"
-    if not record.is_file():
-        return run_id, None
-    version = json.loads(record.read_text()).get("dataset_version")
-    shards = layout.shards(version) / "shards.json" if version else None
-    if shards is None or not shards.is_file():
-        return run_id, None
-    return run_id, json.loads(shards.read_text()).get("ingest_id")
+    """(run id, ingest id) of the newest training run that exported, or (None, None)."""
+    runs = layout.root / "runs"
+    for run in sorted(runs.glob("run-*"), reverse=True) if runs.is_dir() else []:
+        path = run / "run.json"
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        if not record.get("export"):
+            continue  # crashed, cancelled or still training: it trained on nothing yet
+        shards = layout.shards(record.get("dataset_version", "")) / "shards.json"
+        ingest = json.loads(shards.read_text()).get("ingest_id") if shards.is_file() else None
+        return run.name, ingest
+    return None, None
 
 
-def _identities(view: pd.DataFrame) -> set[tuple]:
-    return set(view[_IDENTITY].astype(str).itertuples(index=False, name=None))
+def _identities(view: pd.DataFrame) -> np.ndarray:
+    """One 64-bit hash per row of (source, key, sha256, caption): millions of rows fit."""
+    return pd.util.hash_pandas_object(view[_IDENTITY].astype(str), index=False).to_numpy()
 
 
 def new_data(
@@ -82,13 +87,18 @@ def new_data(
     run_id, trained = _trained_catalog(layout)
     trained_view = layout.catalog(trained) / "view_accepted.parquet" if trained else None
     if trained_view is not None and trained_view.is_file():
-        since = len(_identities(current) - _identities(pd.read_parquet(trained_view)))
+        old = pd.read_parquet(trained_view, columns=_IDENTITY)
+        since = int((~np.isin(_identities(current), _identities(old))).sum())
     else:
         if run_id is not None:
-            log.warning("training run %s's catalog is not under %s: counting every accepted "
-                        "image as new", run_id, layout.root)  # fmt: skip
+            task_logger(__name__).warning(
+                "training run %s's catalog is not under %s: counting every accepted image as "
+                "new", run_id, layout.root,
+            )  # fmt: skip
         since = len(current)
     busy = root_busy(layout.root)
+    from prefect.settings import PREFECT_API_URL
+
     return NewData(
         ingest_id=ingest_id,
         new_accepted=int(new_accepted),
@@ -99,8 +109,10 @@ def new_data(
         min_new_images=min_new_images,
         standalone=standalone,
         root_busy=busy,
-        retrain_due=standalone and not busy and since >= min_new_images,
-    )
+        retrain_due=(standalone and not busy and run_id is not None
+                     and since >= min_new_images),
+        server=bool(PREFECT_API_URL.value()),
+    )  # fmt: skip
 
 
 def root_resource_id(root: Path | str) -> str:
@@ -121,7 +133,7 @@ def emit_ingest_completed(root: Path | str, data: NewData) -> None:
         },
         payload=data.to_dict(),
     )
-    log.info(
+    task_logger(__name__).info(
         "%s: %d new accepted images, %d since the newest training (retrain at %d): retrain %s",
         INGEST_COMPLETED, data.new_accepted, data.new_since_training, data.min_new_images,
         "due" if data.retrain_due else "not due",

@@ -59,10 +59,16 @@ def new_data_report(d: NewData) -> str:
     since = (
         f"since the catalog `{d.trained_ingest_id}` that run `{d.trained_run_id}` trained on"
         if d.trained_ingest_id
-        else "with no training run yet"
+        else "with no finished training run yet"
     )
-    if d.retrain_due:
+    if d.retrain_due and d.server:
         verdict = "**due**: the `weekly-retrain` deployment's trigger starts it"
+    elif d.retrain_due:
+        verdict = ("**due**, but no Prefect server got the event (`PREFECT_API_URL` is unset), "
+                   "so no trigger starts it: run `kiln run` with the retrain config")  # fmt: skip
+    elif d.trained_run_id is None:
+        verdict = ("not asked for: no finished training to continue from (train the first "
+                   "model from scratch: the `from-scratch` deployment or `kiln run`)")  # fmt: skip
     elif not d.standalone:
         verdict = "not asked for: this ingest is the first step of a training pipeline"
     elif d.root_busy:

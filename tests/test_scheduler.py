@@ -135,7 +135,8 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     """The shipped deployments on a real server and worker: a scheduled ingest; new data
     landing makes the ingest's event trigger `weekly-retrain`; a second retrain waits for
     the first (ENQUEUE); the first warm-starts from the champion, registers a candidate and
-    opens the comparison."""
+    opens the comparison; the second then finds nothing new and trains nothing; another
+    root's event trains nothing either."""
     from mlflow.tracking import MlflowClient
 
     from flows.pipeline import kiln_pipeline
@@ -252,24 +253,37 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         assert cmp.model_b == first["run"]["run_id"], "against the champion's own run"
         assert cmp.model_a != cmp.model_b and cmp.study_a != cmp.study_b
 
-        # 6. The waiting run gets the slot once the first is done; it is cancelled here (the
-        # retrain itself was just proven) and the worker stops it.
-        _wait(
-            "the second retrain to leave the queue",
-            lambda: [r for r in _states(api, weekly_id)
-                     if r["id"] == second["id"] and r["state_name"] !=
-                     "AwaitingConcurrencySlot"],
-            180, [worker],
-        )  # fmt: skip
-        _cli(["flow-run", "cancel", second["id"]], env, REPO)
-        _wait(
-            "the second retrain to be cancelled",
+        assert finished["parameters"]["event_root"] == str(root), "the trigger names its root"
+
+        # 6. The waiting run gets the slot once the first is done, and finds nothing new since
+        # that training: it completes without training (no version 3).
+        after = _wait(
+            "the second retrain to run once the first is done",
             lambda: [r for r in _states(api, weekly_id)
                      if r["id"] == second["id"] and r["state_type"] in FINAL],
-            120, [worker],
-        )  # fmt: skip
+            300, [worker],
+        )[0]  # fmt: skip
+        assert after["state_type"] == "COMPLETED", wlog()
+        assert len(client.search_model_versions("name='kiln-t2i'")) == 2
+
+        # 7. Another root's ingest on the same server (a developer's) triggers a run that
+        # retrains nothing.
+        other = {"prefect.resource.id": "kiln.root.0123456789abcdef",
+                 "prefect.resource.name": str(tmp_path / "someone-elses-root"),
+                 "kiln.retrain-due": "true"}  # fmt: skip
+        _cli(["events", "emit", "kiln.ingest.completed", "--resource", json.dumps(other)],
+             env, REPO)  # fmt: skip
+        foreign = _wait(
+            "the run the other root's event triggers",
+            lambda: [r for r in _states(api, weekly_id)
+                     if r["parameters"].get("event_root") == other["prefect.resource.name"]
+                     and r["state_type"] in FINAL],
+            300, [worker],
+        )[0]  # fmt: skip
+        assert foreign["state_type"] == "COMPLETED", wlog()
+        assert len(client.search_model_versions("name='kiln-t2i'")) == 2
         runs = _states(api, weekly_id)
-        assert len(runs) == 2, "one triggered retrain (only the ingest with new data) + one"
+        assert len(runs) == 3, "one run per due event (only the ingest with new data) + one"
 
         timing = {"deployment_run_to_ingest_completed_s": ingest_s,
                   "triggered_retrain_running_to_completed_s": retrain_s}  # fmt: skip

@@ -22,17 +22,20 @@ from tasks.shard import write_shards
 pytestmark = pytest.mark.integration
 
 
-def _train_on(cfg_path, ingest_id: str) -> str:
-    """What a training run leaves for the count: shards of `ingest_id`, a run naming them."""
+def _train_on(cfg_path, ingest_id: str, run_id: str, finished: bool = True) -> str:
+    """What a training run leaves for the count: shards of `ingest_id` and a run.json naming
+    them (with an export once it finished)."""
     cfg = load_config(cfg_path)
     root = cfg.storage.root
     validate_catalog.fn(root, ingest_id, cfg.quality)
     res = write_shards.fn(cfg.shards, root, ingest_id, [cfg.train.stages[0].resolution],
                           tokenizer=cfg.train.model.tokenizer.model_dump())  # fmt: skip
-    layout, run_id = Layout(Path(root)), "run-20260101-000000"
+    layout = Layout(Path(root))
     layout.run(run_id).mkdir(parents=True)
-    (layout.run(run_id) / "run.json").write_text(json.dumps({"dataset_version":
-                                                             res.dataset_version}))  # fmt: skip
+    record = {"dataset_version": res.dataset_version}
+    if finished:
+        record["export"] = str(layout.run(run_id) / "stage-32" / "final")
+    (layout.run(run_id) / "run.json").write_text(json.dumps(record))
     layout.set_latest("runs", run_id)
     return run_id
 
@@ -44,16 +47,15 @@ def test_new_images_since_the_last_training_make_a_retrain_due(tmp_path, landing
     first = ingest_flow(str(cfg))["new_data"]
     accepted = first["view_accepted"]
     assert first["new_since_training"] == accepted == first["new_accepted"] > 10
-    assert first["trained_run_id"] is None and first["retrain_due"]
+    # Nothing to continue from yet: the first model is trained from scratch.
+    assert first["trained_run_id"] is None and not first["retrain_due"]
+    text = new_data_report(new_data(tmp_path / "root", first["ingest_id"], 0, 10, True))
+    assert "no finished training to continue from" in text
 
-    # The pipeline's own ingest never asks for another pipeline.
-    inner = ingest_flow(str(cfg), standalone=False)["new_data"]
-    assert inner["new_since_training"] == accepted and not inner["retrain_due"]
-
-    run_id = _train_on(cfg, first["ingest_id"])
+    done = _train_on(cfg, first["ingest_id"], "run-20260101-000000")
     again = ingest_flow(str(cfg))["new_data"]
     assert (again["new_accepted"], again["new_since_training"]) == (0, 0)
-    assert again["trained_run_id"] == run_id and not again["retrain_due"]
+    assert again["trained_run_id"] == done and not again["retrain_due"]
     assert "not due (0 < 10)" in new_data_report(new_data(tmp_path / "root", again["ingest_id"],
                                                           0, 10, True))  # fmt: skip
 
@@ -65,11 +67,23 @@ def test_new_images_since_the_last_training_make_a_retrain_due(tmp_path, landing
     assert "15 accepted images are new or changed since the catalog" in text
     assert "Retrain: **due**" in text
 
+    # The pipeline's own ingest never asks for another pipeline.
+    inner = ingest_flow(str(cfg), standalone=False)["new_data"]
+    assert inner["new_since_training"] == 15 and not inner["retrain_due"]
+
+    # A newer run that never finished (crashed, cancelled) trained on nothing: the baseline
+    # stays the finished one.
+    _train_on(cfg, after["ingest_id"], "run-20260102-000000", finished=False)
+    crashed = ingest_flow(str(cfg))["new_data"]
+    assert crashed["trained_run_id"] == done and crashed["new_since_training"] == 15
+
 
 def test_a_training_in_progress_holds_the_retrain_back(tmp_path, landing_src, make_config):
-    src, _ = landing_src
+    src, land = landing_src
     root = tmp_path / "root"
     cfg = make_config(tmp_path / "tiny.yaml", root, src, **{"retrain.min_new_images": 10})
+    _train_on(cfg, ingest_flow(str(cfg))["ingest_id"], "run-20260101-000000")
+    land()
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time; from tasks.lock import root_lock\n"
