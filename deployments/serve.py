@@ -30,7 +30,7 @@ def build_deployments(config_path: str, cron: str | None) -> list:
     from prefect.events import DeploymentEventTrigger
 
     from flows.config import load_config
-    from tasks.new_data import root_resource_id
+    from flows.ingest import root_resource_id
 
     params = {"config_path": config_path}
     # Two trainings never overlap: a second run waits for the first (ENQUEUE).

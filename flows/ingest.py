@@ -7,10 +7,10 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.config import check_inputs, load_config
 from tasks.ingest import ingest_source
-from tasks.new_data import emit_ingest_completed, new_data
+from tasks.new_data import emit_ingest_completed, new_data, root_resource_id
 from tasks.reports import ingest_report, new_data_report
 
-__all__ = ["ingest_flow"]
+__all__ = ["ingest_flow", "root_resource_id"]  # the event's resource id, for serve.py
 
 
 @flow(name="kiln-ingest", log_prints=True)

@@ -34,7 +34,7 @@ from tasks.layout import Layout
 from tasks.lock import root_busy
 from tasks.logs import task_logger
 
-__all__ = ["INGEST_COMPLETED", "NewData", "emit_ingest_completed", "new_data"]
+__all__ = ["INGEST_COMPLETED", "NewData", "emit_ingest_completed", "new_data", "root_resource_id"]
 
 INGEST_COMPLETED = "kiln.ingest.completed"
 _IDENTITY = ["source", "key", "sha256", "caption"]
