@@ -401,7 +401,10 @@ def _free_streaming_shared_memory():
     from streaming.base.shared import SharedMemory
 
     for obj in gc.get_objects():
-        if isinstance(obj, SharedMemory):
-            obj.cleanup()
-        elif isinstance(obj, shared_memory.SharedMemory):
-            obj.close()
+        try:
+            if isinstance(obj, SharedMemory):
+                obj.cleanup()
+            elif isinstance(obj, shared_memory.SharedMemory):
+                obj.close()
+        except ReferenceError:  # a weakref.proxy whose object is gone: nothing to close
+            continue
