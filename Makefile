@@ -44,10 +44,10 @@ chromium:
 # so a module's fixtures are built once). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= auto
 test: $(STAMP) chromium
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not integration"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not e2e and not integration"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -242,7 +242,13 @@ def plan(
     from pathlib import Path
 
     from flows.config import ConfigError, check_inputs, load_config
-    from tasks.plan import format_plan, make_plan, save_plan, topology_processes
+    from tasks.plan import (
+        format_plan,
+        local_processes,
+        make_plan,
+        save_plan,
+        topology_processes,
+    )
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
@@ -254,6 +260,8 @@ def plan(
             cfg.train, procs, cfg.launch.gpu_hour_usd,
             img_per_s=img_per_s, measure_steps=measure_steps,
             val_samples=_val_samples(cfg),
+            processes_per_machine=local_processes(
+                cfg.launch.accelerate_config, cfg.launch.num_processes),
         )  # fmt: skip
     except (ConfigError, ValueError, OSError) as e:
         raise KilnError(str(e)) from e

@@ -186,6 +186,17 @@ class ModelConfig(Strict):
         }
     )
 
+    @model_validator(mode="after")
+    def _zero_snr_needs_v_prediction(self) -> ModelConfig:
+        s = self.noise_scheduler
+        if s.get("rescale_betas_zero_snr") and s.get("prediction_type", "epsilon") != "v_prediction":
+            raise ValueError(
+                "train.model.noise_scheduler: rescale_betas_zero_snr needs prediction_type "
+                "v_prediction (at zero SNR the noise is the input, so an epsilon target "
+                "teaches nothing and min-SNR weights divide by zero; Lin et al. 2024)"
+            )
+        return self
+
 
 class StageConfig(Strict):
     resolution: int = Field(gt=0)

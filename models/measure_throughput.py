@@ -21,6 +21,7 @@ from PIL import Image
 from streaming import MDSWriter
 
 from models.config import StageRun, TrainConfig
+from models.cpu_threads import cpu_threads_per_process
 
 __all__ = ["measure_stage", "write_synthetic_shards"]
 
@@ -40,13 +41,32 @@ def write_synthetic_shards(
 
 
 def measure_stage(
-    train: TrainConfig, stage_index: int, steps: int = 20, work_dir: str | None = None
+    train: TrainConfig,
+    stage_index: int,
+    steps: int = 20,
+    work_dir: str | None = None,
+    local_processes: int = 1,
 ) -> dict:
     """Train `steps` optimizer steps of stage `stage_index` on synthetic data; return rates.
 
+    Without a GPU the steps run on the threads one of `local_processes` training processes
+    gets from `accelerate launch` (`models.cpu_threads`), so the rate is the one a launch sees.
+
     Returns img_per_s (this device), mfu, data_wait_frac, peak_mem_gb, flops_per_sample,
-    device and the settings measured.
+    device, cpu_threads and the settings measured.
     """
+    threads_before = torch.get_num_threads()
+    cpu_threads = None
+    if not torch.cuda.is_available():
+        cpu_threads = cpu_threads_per_process(local_processes)
+        torch.set_num_threads(cpu_threads)
+    try:
+        return _measure(train, stage_index, steps, work_dir) | {"cpu_threads": cpu_threads}
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _measure(train: TrainConfig, stage_index: int, steps: int, work_dir: str | None) -> dict:
     from accelerate import Accelerator
 
     from models.metrics import MetricsSink

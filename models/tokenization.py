@@ -16,12 +16,18 @@ import logging
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-# The served model ships without the rest of Kiln, so the prompt cut lives in its module.
-from kiln_pyfunc import truncate_prompts
-
 __all__ = ["CaptionTokenizer", "fast_tokenizer", "truncate_prompts"]
 
 log = logging.getLogger(__name__)
+
+
+def truncate_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[str]:
+    """`kiln_pyfunc.truncate_prompts`: the served model ships without the rest of Kiln, so the
+    prompt cut lives in its module. Imported here on first use, because that module imports
+    MLflow (1.5 s), which a training process does not otherwise need."""
+    from kiln_pyfunc import truncate_prompts as cut
+
+    return cut(tokenizer, prompts)
 
 
 def fast_tokenizer(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:

@@ -7,7 +7,9 @@ checks, with no learned model, whether
 * both named colours are present (`colour_match`): enough pixels close to each named palette
   colour, the background's own colour excluded;
 * they stand in the named relation (`relation_match`): the centroids of the two colours' pixels
-  are ordered as "above", "below", "left of" or "right of" says.
+  are ordered as "above", "below", "left of" or "right of" says;
+* the background is the named one (`background_match`): the median colour of the image's
+  border is nearer to it than to the other two backgrounds (white, grey, black).
 
 Chance rates are empirical: the same images scored against a derangement of the captions
 (each image against another image's caption). A model that ignores its text scores the same
@@ -53,6 +55,7 @@ class Caption:
 class ImageScore:
     colour_match: bool
     relation_match: bool
+    background_match: bool = False
 
 
 def parse_caption(text: str) -> Caption:
@@ -83,9 +86,25 @@ def _labels(img: Image.Image) -> np.ndarray:
     return lab
 
 
+def _background(img: Image.Image) -> str:
+    """The demo background nearest to the median colour of the image's border (1/16 of a side,
+    at least one pixel, on each edge)."""
+    px = np.asarray(img.convert("RGB"), dtype=np.float32)
+    k = max(1, px.shape[0] // 16, px.shape[1] // 16)
+    border = np.concatenate(
+        [px[:k].reshape(-1, 3), px[-k:].reshape(-1, 3), px[:, :k].reshape(-1, 3),
+         px[:, -k:].reshape(-1, 3)]
+    )  # fmt: skip
+    names = list(BACKGROUNDS)
+    rgb = np.array([BACKGROUNDS[n] for n in names], dtype=np.float32)
+    return names[int(np.linalg.norm(rgb - np.median(border, axis=0), axis=1).argmin())]
+
+
 def score_image(img: Image.Image, caption: str | Caption) -> ImageScore:
-    """Whether `img` shows the caption's two colours, and in the caption's relation."""
+    """Whether `img` shows the caption's two colours, in the caption's relation, on the
+    caption's background."""
     cap = parse_caption(caption) if isinstance(caption, str) else caption
+    background = _background(img) == cap.background
     lab = _labels(img)
     h, w = lab.shape
     # The background's own colour (black on black) cannot count as a shape.
@@ -98,7 +117,7 @@ def score_image(img: Image.Image, caption: str | Caption) -> ImageScore:
         masks.append(mask)
     present = [m.mean() >= MIN_SHARE for m in masks]
     if not all(present):
-        return ImageScore(False, False)
+        return ImageScore(False, False, background)
     ys = [np.nonzero(m)[0].mean() / h for m in masks]
     xs = [np.nonzero(m)[1].mean() / w for m in masks]
     rel = {
@@ -107,12 +126,12 @@ def score_image(img: Image.Image, caption: str | Caption) -> ImageScore:
         "left of": xs[0] < xs[1],
         "right of": xs[0] > xs[1],
     }[cap.relation]
-    return ImageScore(True, bool(rel))
+    return ImageScore(True, bool(rel), background)
 
 
 def faithfulness(images: list[Image.Image], captions: list[str]) -> dict:
-    """`colour_match` and `relation_match` rates of `images` against their `captions`, and
-    the same rates against the captions rolled by one (`*_chance`).
+    """`colour_match`, `relation_match` and `background_match` rates of `images` against their
+    `captions`, and the same rates against the captions rolled by one (`*_chance`).
 
     Raises:
         ValueError: lengths differ, fewer than two images, or a caption is not demo-style.
@@ -134,4 +153,6 @@ def faithfulness(images: list[Image.Image], captions: list[str]) -> dict:
         "colour_match_chance": rate(wrong, "colour_match"),
         "relation_match": rate(right, "relation_match"),
         "relation_match_chance": rate(wrong, "relation_match"),
+        "background_match": rate(right, "background_match"),
+        "background_match_chance": rate(wrong, "background_match"),
     }

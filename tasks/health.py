@@ -7,7 +7,8 @@ Checks, in order of cost:
 3. free disk under the run folder against an estimate of the checkpoints (weights, AdamW
    moments, EMA, times `train.keep_checkpoints`, plus one export);
 4. a collective: `accelerate launch -m models.healthcheck` all-reduces across every launched
-   process, bounded by `launch.health_timeout_s`.
+   process, bounded by `launch.health_timeout_s` (skipped for a one-process topology: there
+   is nothing to all-reduce, and the stage's own launch would fail as fast).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prefect.cache_policies import NO_CACHE
 from models.config import GpuLimitConfig, TrainConfig
 from tasks.launch import LaunchError, accelerate_command, run_launch
 from tasks.logs import task_logger
+from tasks.plan import topology_processes
 
 __all__ = [
     "HealthCheckError",
@@ -143,7 +145,11 @@ def preflight(
     check_gpus(accelerate_config, num_processes)
     check_storage(run, shard_dirs)
     check_disk(run, train)
-    report = check_collective(accelerate_config, num_processes, run / "health", timeout_s,
-                              gpu_limit)  # fmt: skip
+    if topology_processes(accelerate_config, num_processes) == 1:
+        # One process: no collective to form, and the stage's own launch fails as fast.
+        report = {"world_size": 1, "collective": "skipped: one process, nothing to all-reduce"}
+    else:
+        report = check_collective(accelerate_config, num_processes, run / "health", timeout_s,
+                                  gpu_limit)  # fmt: skip
     log.info("pre-flight health check passed: %s", report)
     return report

@@ -17,7 +17,7 @@ import yaml
 
 from models.config import TrainConfig
 
-__all__ = ["StagePlan", "format_plan", "make_plan", "topology_processes"]
+__all__ = ["StagePlan", "format_plan", "local_processes", "make_plan", "topology_processes"]
 
 
 @dataclass
@@ -45,6 +45,16 @@ def topology_processes(accelerate_config: str, override: int | None) -> int:
     return int(cfg.get("num_processes") or 1)
 
 
+def local_processes(accelerate_config: str, num_processes: int | None = None) -> int:
+    """Processes a launch with this config starts on each machine."""
+    machines = 1
+    if Path(accelerate_config).is_file():
+        cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
+        machines = max(1, int(cfg.get("num_machines") or 1))
+    total = topology_processes(accelerate_config, num_processes)
+    return max(1, -(-total // machines))
+
+
 def make_plan(
     train: TrainConfig,
     num_processes: int,
@@ -53,6 +63,7 @@ def make_plan(
     img_per_s: float | None = None,
     measure_steps: int | None = None,
     val_samples: list[int] | None = None,
+    processes_per_machine: int | None = None,
 ) -> dict:
     """Per-stage plan and totals; exactly one of `img_per_s` and `measure_steps`.
 
@@ -61,6 +72,9 @@ def make_plan(
     `4 * val_timesteps * min(split, val_max_samples)` UNet forwards (EMA and raw weights,
     right and shuffled captions), at a third of a training sample each (a training sample is
     a forward and a backward, about three forwards).
+
+    Without a GPU, a measurement uses the CPU threads each training process of the launch
+    will get: `processes_per_machine` of them share the cores (default `num_processes`).
     """
     from models.flops import train_flops_per_sample
 
@@ -73,8 +87,14 @@ def make_plan(
         from models.measure_throughput import measure_stage
 
         for i in range(len(train.stages)):
-            m = measure_stage(train, i, steps=measure_steps)
-            rates.append((m["img_per_s"], f"measured on {m['device']}, {measure_steps} steps"))
+            m = measure_stage(
+                train,
+                i,
+                steps=measure_steps,
+                local_processes=processes_per_machine or num_processes,
+            )
+            on = m["device"] + (f" ({m['cpu_threads']} threads)" if m["cpu_threads"] else "")
+            rates.append((m["img_per_s"], f"measured on {on}, {measure_steps} steps"))
     else:
         # Scale by the UNet's FLOPs alone: its config is in the YAML (no download needed), and
         # it dominates the cost of every stage.

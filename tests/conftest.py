@@ -10,24 +10,42 @@ import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Two test workers share the cores (`make test`), each launching training processes of its
+# own: one thread per process (tests, `accelerate launch`es, `kiln plan`'s measurement;
+# models/cpu_threads.py) instead of every process claiming every core. Set before torch loads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROMPTS = REPO / "tests" / "data" / "prompts.csv"  # 12 prompts of our own, DrawBench's columns
 
 
-# The longest files (about 6, 4, 3 and 2.5 minutes on 2 cores), started first.
-LONGEST_FIRST = ("test_learning.py", "test_scheduler.py", "test_e2e.py", "test_flows.py")
+# The slowest files, slowest first (seconds on 2 busy cores, 2026-11-24: 450, 308, 233, 199,
+# 193, 137, 86, 66, 63, 62, 61, 56). `make test` hands whole files to its two workers in this
+# order (`--dist loadfile --no-loadscope-reorder`: xdist's default reorder puts the files with
+# the most tests first, which started the one-test learning file last, alone for 5 minutes).
+SLOWEST_FIRST = (
+    "tests/models/test_train.py",
+    "tests/test_learning.py",
+    "tests/test_scheduler.py",
+    "tests/tasks/test_launch.py",
+    "tests/test_e2e.py",
+    "tests/flows/test_flows.py",
+    "tests/human_eval/test_e2e_rate.py",
+    "tests/flows/test_evaluate_metrics.py",
+    "tests/test_cli.py",
+    "tests/models/test_tiny_vae.py",
+    "tests/models/test_validation.py",
+    "tests/flows/test_retrain.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):
-    """The longest files, then the other files with end-to-end tests, then the rest:
-    `make test` runs the files on two workers (`--dist loadfile`), and a long file that
-    starts last would run alone at the end. A scheduling hint only; the order is stable, so
-    each file's tests stay together and in order."""
-    slow = {item.path for item in items if item.get_closest_marker("e2e")}
+    """The slowest files first, longest first, then the rest in their usual order: a
+    scheduling hint for the two workers (a long file that starts last runs alone at the end).
+    The sort is stable, so each file's tests stay together and in order."""
 
-    def rank(item) -> tuple[int, int]:
-        name = item.path.name
-        first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-        return first, item.path not in slow
+    def rank(item) -> int:
+        rel = item.path.relative_to(REPO).as_posix()
+        return SLOWEST_FIRST.index(rel) if rel in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
     items.sort(key=rank)
 

@@ -105,7 +105,7 @@ def test_plan_for_tiny_from_a_given_rate_and_from_a_measurement(tmp_path, tiny_c
         main, ["plan", "--config", str(tiny_config), "--root", str(root), "--measure-steps", "4"]
     )
     assert measured.exit_code == 0, measured.output
-    assert "measured on cpu" in measured.output
+    assert "measured on cpu (" in measured.output, "with the threads a launch gets"
     plan = json.loads((root / "runs" / "plan.json").read_text())
     assert all(s["img_per_s"] > 0 and s["wall_hours"] > 0 for s in plan["stages"])
 

@@ -21,7 +21,10 @@ def tiny():
 
 
 def _with_prediction(comps, kind):
-    sched = DDPMScheduler.from_config(comps.noise_scheduler.config, prediction_type=kind)
+    """SD2's schedule (the tiny preset's zero terminal SNR is for v-prediction only)."""
+    sched = DDPMScheduler.from_config(
+        comps.noise_scheduler.config, prediction_type=kind, rescale_betas_zero_snr=False
+    )
     return type(comps)(comps.unet, comps.vae, comps.text_encoder, comps.tokenizer, sched)
 
 
@@ -77,10 +80,10 @@ def test_targets_and_min_snr_weights_follow_the_definitions(tiny):
     _, comps = tiny
     x0, noise = torch.randn(3, 4, 4, 4), torch.randn(3, 4, 4, 4)
     t = torch.tensor([1, 100, 999])
-    ab = comps.noise_scheduler.alphas_cumprod[t]
-    snr = ab / (1 - ab)
     eps = _with_prediction(comps, "epsilon").noise_scheduler
     v = _with_prediction(comps, "v_prediction").noise_scheduler
+    ab = eps.alphas_cumprod[t]
+    snr = ab / (1 - ab)
     assert torch.equal(diffusion_target(eps, x0, noise, t), noise)
     want_v = ab.sqrt().view(3, 1, 1, 1) * noise - (1 - ab).sqrt().view(3, 1, 1, 1) * x0
     torch.testing.assert_close(diffusion_target(v, x0, noise, t), want_v)
@@ -89,6 +92,13 @@ def test_targets_and_min_snr_weights_follow_the_definitions(tiny):
     torch.testing.assert_close(w_v, torch.clamp(snr, max=5.0) / (snr + 1))
     # Low-noise steps (huge SNR) are down-weighted; high-noise ones keep their weight.
     assert w_eps[0] < 0.01 and w_eps[-1] == pytest.approx(1.0)
+    # The tiny preset's own schedule: zero SNR at the last step, where the v target is -x0
+    # and the min-SNR weight is 0, not a division by zero.
+    zero = comps.noise_scheduler
+    assert zero.config.prediction_type == "v_prediction" and zero.alphas_cumprod[-1] == 0
+    torch.testing.assert_close(diffusion_target(zero, x0, noise, t)[-1], -x0[-1])
+    w_zero = min_snr_weight(zero, t, 5.0)
+    assert torch.isfinite(w_zero).all() and w_zero[-1] == 0
     sample = _with_prediction(comps, "sample").noise_scheduler
     with pytest.raises(ValueError, match="prediction_type 'sample'"):
         diffusion_target(sample, x0, noise, t)

@@ -123,19 +123,6 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards)
 
 
 @pytest.mark.integration
-def test_completed_stage_is_not_retrained(tmp_path, tiny_shards):
-    cfg_path, root, version = tiny_shards
-    cfg = load_config(cfg_path)
-    stages = [cfg.train.stages[0].model_copy(update={"max_steps": 1, "batch_size": 2})]
-    out = tmp_path / "once"
-    _launch(_stage(cfg_path, root, version, out, stages=stages))
-    before = (out / "manifest.json").stat().st_mtime_ns
-    proc = _launch(out / "stage.yaml")
-    assert "already complete" in proc.stdout + proc.stderr
-    assert (out / "manifest.json").stat().st_mtime_ns == before
-
-
-@pytest.mark.integration
 @pytest.mark.parametrize("bad", ["stage_index: 7", "train: {}"])
 def test_bad_stage_file_fails_clearly(tmp_path, tiny_shards, bad):
     cfg_path, root, version = tiny_shards
@@ -366,6 +353,16 @@ def test_diverged_stage_fails_and_stays_failed(tmp_path, tiny_shards):
     assert msg in again.stderr
     assert "resumed" not in (out / "metrics.jsonl").read_text(), "the relaunch trained again"
     assert not (out / "manifest.json").exists() and not (out / "final").exists()
+
+
+@pytest.mark.integration
+def test_completed_stage_is_not_retrained(clean_run):
+    """A relaunch of a finished stage (as a Prefect retry after the export does) trains
+    nothing and leaves its manifest as it was."""
+    before = (clean_run / "manifest.json").stat().st_mtime_ns
+    proc = _launch(clean_run / "stage.yaml")
+    assert "already complete" in proc.stdout + proc.stderr
+    assert (clean_run / "manifest.json").stat().st_mtime_ns == before
 
 
 @pytest.mark.integration

@@ -24,9 +24,11 @@ def test_true_images_match_their_captions_far_above_chance(demo):
     full = faithfulness(images, captions)
     assert full["colour_match"] == 1.0 and full["relation_match"] == 1.0
     assert full["colour_match_chance"] < 0.2 and full["relation_match_chance"] < 0.1
+    assert full["background_match"] == 1.0 and full["background_match_chance"] < 0.6
     # At the tiny preset's 32 px, as the model generates them.
     small = faithfulness([i.resize((32, 32), Image.BICUBIC) for i in images], captions)
     assert small["colour_match"] >= 0.9 and small["relation_match"] >= 0.9
+    assert small["background_match"] == 1.0
 
 
 def test_noise_scores_at_chance(demo):
@@ -36,6 +38,15 @@ def test_noise_scores_at_chance(demo):
     r = faithfulness(noise, captions)
     assert r["colour_match"] < 0.3
     assert abs(r["colour_match"] - r["colour_match_chance"]) < 0.15
+
+
+def test_background_is_read_from_the_border():
+    img = Image.new("RGB", (32, 32), (15, 12, 20))  # near black
+    img.paste((250, 250, 250), (6, 6, 26, 26))  # a big white square inside
+    caption = "a blue circle above a red square on a {} background"
+    assert score_image(img, caption.format("black")).background_match
+    assert not score_image(img, caption.format("grey")).background_match
+    assert not score_image(img, caption.format("white")).background_match
 
 
 def test_relation_is_read_from_the_pixels():

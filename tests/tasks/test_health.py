@@ -72,3 +72,19 @@ def test_collective_that_cannot_form_fails_fast(tmp_path):
         check_collective(str(tmp_path / "two-node.yaml"), None, tmp_path / "h", timeout_s=12)
     report = check_collective(str(TOPO / "cpu-ddp-2.yaml"), None, tmp_path / "ok", 120)
     assert report["world_size"] == 2 and report["backend"] == "gloo"
+
+
+def test_a_one_process_topology_has_no_collective_to_check(tmp_path, tiny_shards):
+    """No all-reduce launch for one process (the stage's own launch fails as fast); the
+    other checks still run."""
+    from tasks.health import preflight
+
+    _, root, version = tiny_shards
+    train = load_config(REPO / "configs" / "tiny.yaml").train
+    good = str(root / "shards" / version / "32")
+    report = preflight.fn(train, str(TOPO / "single.yaml"), None, str(tmp_path / "run"), [good])
+    assert report["world_size"] == 1 and report["collective"].startswith("skipped")
+    assert not (tmp_path / "run" / "health").exists(), "nothing was launched"
+    with pytest.raises(HealthCheckError, match="cannot read the dataset index"):
+        preflight.fn(train, str(TOPO / "single.yaml"), None, str(tmp_path / "run"),
+                     [str(tmp_path / "nowhere")])  # fmt: skip

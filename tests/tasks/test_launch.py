@@ -59,6 +59,40 @@ def test_accelerate_command_checks_the_topology(tmp_path):
     assert cmd[cmd.index("--num_processes") + 1] == "2"
 
 
+def test_a_cpu_launch_gets_the_threads_the_planner_measures_with(tmp_path, monkeypatch, caplog):
+    """accelerate gives a CPU process 1 thread unless the config says `use_cpu`; Kiln passes
+    the count `kiln plan` measures with, and the launched process really runs with it."""
+    from models.cpu_threads import _cores, cpu_threads_per_process
+
+    one = tmp_path / "one.yaml"
+    one.write_text("distributed_type: 'NO'\nnum_processes: 1\n")
+    two_nodes = tmp_path / "two-nodes.yaml"
+    two_nodes.write_text("distributed_type: MULTI_GPU\nnum_processes: 4\nnum_machines: 2\n")
+
+    def threads(cmd):
+        return int(cmd[cmd.index("--num_cpu_threads_per_process") + 1])
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = _cores()
+    assert threads(accelerate_command(str(one), "m", [])) == cores == cpu_threads_per_process(1)
+    assert threads(accelerate_command(str(two_nodes), "m", [])) == max(1, cores // 2)
+    assert threads(accelerate_command(str(one), "m", [], num_processes=2)) == max(1, cores // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an operator's choice wins
+    assert threads(accelerate_command(str(one), "m", [])) == 3 == cpu_threads_per_process(2)
+
+    # The real launch: a module that reports the threads torch got.
+    (tmp_path / "kiln_threads_probe.py").write_text(
+        "import json, os, torch\n"
+        "print('PROBE', json.dumps([torch.get_num_threads(), os.environ['OMP_NUM_THREADS']]))\n"
+    )
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    with caplog.at_level("INFO"):
+        run_launch(accelerate_command(str(one), "kiln_threads_probe", []))
+    probe = next(r.getMessage() for r in caplog.records if "PROBE" in r.getMessage())
+    assert json.loads(probe.split("PROBE", 1)[1]) == [2, "2"]
+
+
 def _stage_run(tiny_shards, out, **faults):
     from flows.config import load_config
     from models.config import FaultInjection, StageRun
