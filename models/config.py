@@ -189,7 +189,8 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _zero_snr_needs_v_prediction(self) -> ModelConfig:
         s = self.noise_scheduler
-        if s.get("rescale_betas_zero_snr") and s.get("prediction_type", "epsilon") != "v_prediction":
+        v_pred = s.get("prediction_type", "epsilon") == "v_prediction"
+        if s.get("rescale_betas_zero_snr") and not v_pred:
             raise ValueError(
                 "train.model.noise_scheduler: rescale_betas_zero_snr needs prediction_type "
                 "v_prediction (at zero SNR the noise is the input, so an epsilon target "
