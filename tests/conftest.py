@@ -18,23 +18,24 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROMPTS = REPO / "tests" / "data" / "prompts.csv"  # 12 prompts of our own, DrawBench's columns
 
 
-# The slowest files, slowest first (seconds on 2 busy cores, 2026-11-24: 450, 308, 233, 199,
-# 193, 137, 86, 66, 63, 62, 61, 56). `make test` hands whole files to its two workers in this
-# order (`--dist loadfile --no-loadscope-reorder`: xdist's default reorder puts the files with
-# the most tests first, which started the one-test learning file last, alone for 5 minutes).
+# The slowest files, slowest first (seconds with two workers on 2 cores, 2026-11-24: 401, about
+# 290, 222, 169, 167, 92, 70, 57, 50, 48, 46, 43). `make test` hands whole files to its workers
+# in this order (`--dist loadfile --no-loadscope-reorder`: xdist's default reorder puts the
+# files with the most tests first, which started the one-test learning file last, alone for 5
+# minutes).
 SLOWEST_FIRST = (
     "tests/models/test_train.py",
     "tests/test_learning.py",
     "tests/test_scheduler.py",
-    "tests/tasks/test_launch.py",
     "tests/test_e2e.py",
+    "tests/tasks/test_launch.py",
     "tests/flows/test_flows.py",
     "tests/human_eval/test_e2e_rate.py",
-    "tests/flows/test_evaluate_metrics.py",
-    "tests/test_cli.py",
-    "tests/models/test_tiny_vae.py",
     "tests/models/test_validation.py",
+    "tests/flows/test_evaluate_metrics.py",
+    "tests/models/test_tiny_vae.py",
     "tests/flows/test_retrain.py",
+    "tests/flows/test_run_config.py",
 )
 
 
