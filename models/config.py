@@ -194,7 +194,8 @@ class ModelConfig(Strict):
             raise ValueError(
                 "train.model.noise_scheduler: rescale_betas_zero_snr needs prediction_type "
                 "v_prediction (at zero SNR the noise is the input, so an epsilon target "
-                "teaches nothing and min-SNR weights divide by zero; Lin et al. 2024)"
+                "teaches nothing and min-SNR weights divide by zero; Lin et al. 2024); "
+                f"received prediction_type {s.get('prediction_type', 'epsilon')!r}"
             )
         return self
 

@@ -30,7 +30,10 @@ def _cores() -> int:
 def cpu_threads_per_process(local_processes: int) -> int:
     """`OMP_NUM_THREADS` when set (an operator's or a test suite's choice), else this
     machine's cores divided among its `local_processes` training processes (at least 1)."""
-    env = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
+    try:
+        env = int(os.environ.get("OMP_NUM_THREADS", "").strip())
+    except ValueError:  # unset, empty, or OpenMP's list form ("4,2"): divide the cores
+        env = 0
+    if env > 0:
+        return env
     return max(1, _cores() // max(1, local_processes))

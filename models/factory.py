@@ -98,9 +98,40 @@ def vae_scale_factor(vae: AutoencoderKL) -> int:
     return 2 ** (len(vae.config.block_out_channels) - 1)
 
 
+# The schedule settings that change what a UNet's output means, with diffusers' defaults.
+_OBJECTIVE_KEYS = {"prediction_type": "epsilon", "rescale_betas_zero_snr": False}
+
+
+def schedule_mismatch(init_from: str, cfg: ModelConfig) -> list[str]:
+    """How the noise schedule saved with the pipeline at `init_from` differs from `cfg`'s in
+    what the UNet predicts (prediction type, zero terminal SNR); [] when it does not, or when
+    no scheduler config is saved there."""
+    path = Path(init_from) / "scheduler" / "scheduler_config.json"
+    if not path.is_file():
+        return []
+    saved = json.loads(path.read_text())
+    return [
+        f"{k}: {saved.get(k, d)!r} there, {cfg.noise_scheduler.get(k, d)!r} here"
+        for k, d in _OBJECTIVE_KEYS.items()
+        if saved.get(k, d) != cfg.noise_scheduler.get(k, d)
+    ]
+
+
 def build_unet(cfg: ModelConfig, init_from: str | None = None) -> UNet2DConditionModel:
-    """A fresh UNet from its dict, or the previous stage's weights from `init_from`/unet."""
+    """A fresh UNet from its dict, or the previous stage's weights from `init_from`/unet.
+
+    A UNet trained with another objective (a warm start from a model of an older preset) is
+    loaded with a warning: training goes on with this config's objective and re-learns the
+    output, as SD 2's 768-v model was fine-tuned from an epsilon one.
+    """
     if init_from:
+        diffs = schedule_mismatch(init_from, cfg)
+        if diffs:
+            log.warning(
+                "the UNet at %s was trained with another objective (%s); training continues "
+                "with train.model.noise_scheduler's, so its first steps re-learn the output",
+                init_from, "; ".join(diffs),
+            )  # fmt: skip
         return UNet2DConditionModel.from_pretrained(init_from, subfolder="unet")
     return UNet2DConditionModel.from_config(cfg.unet)
 

@@ -7,8 +7,8 @@ Checks, in order of cost:
 3. free disk under the run folder against an estimate of the checkpoints (weights, AdamW
    moments, EMA, times `train.keep_checkpoints`, plus one export);
 4. a collective: `accelerate launch -m models.healthcheck` all-reduces across every launched
-   process, bounded by `launch.health_timeout_s` (skipped for a one-process topology: there
-   is nothing to all-reduce, and the stage's own launch would fail as fast).
+   process, bounded by `launch.health_timeout_s` (skipped for one process on a machine
+   without a GPU: there is no collective to form and no device to probe).
 """
 
 from __future__ import annotations
@@ -129,6 +129,12 @@ def check_collective(
     return json.loads((out / "health.json").read_text())
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 @task(name="preflight-health-check", cache_policy=NO_CACHE)
 def preflight(
     train: TrainConfig,
@@ -145,9 +151,9 @@ def preflight(
     check_gpus(accelerate_config, num_processes)
     check_storage(run, shard_dirs)
     check_disk(run, train)
-    if topology_processes(accelerate_config, num_processes) == 1:
-        # One process: no collective to form, and the stage's own launch fails as fast.
-        report = {"world_size": 1, "collective": "skipped: one process, nothing to all-reduce"}
+    if topology_processes(accelerate_config, num_processes) == 1 and not _has_gpu():
+        # One CPU process: no collective to form and no device to probe.
+        report = {"world_size": 1, "collective": "skipped: one CPU process, nothing to all-reduce"}
     else:
         report = check_collective(accelerate_config, num_processes, run / "health", timeout_s,
                                   gpu_limit)  # fmt: skip

@@ -45,7 +45,8 @@ def pytest_collection_modifyitems(config, items):
     The sort is stable, so each file's tests stay together and in order."""
 
     def rank(item) -> int:
-        rel = item.path.relative_to(REPO).as_posix()
+        path = item.path.resolve()
+        rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else ""
         return SLOWEST_FIRST.index(rel) if rel in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
     items.sort(key=rank)

@@ -52,6 +52,7 @@ def test_defaults_from_minimal_config(tmp_path):
         ("shards.bucket_stages", [32, 99], "shards.bucket_stages"),
         ("shards.remote", "gs://bucket/kiln", "shards.remote"),
         ("shards.remote", "s3:///kiln", "shards.remote"),
+        ("train.model.noise_scheduler.prediction_type", "epsilon", "needs prediction_type"),
     ],
 )
 def test_bad_value_names_field_and_value(tmp_path, dotted, value, expect):

@@ -10,6 +10,6 @@ def test_threads_divide_the_cores_unless_omp_num_threads_says(monkeypatch):
     assert cpu_threads_per_process(0) == cores
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
     assert cpu_threads_per_process(1) == cpu_threads_per_process(8) == 5
-    for junk in ("", "0", "two", "-1"):
+    for junk in ("", "0", "two", "-1", "4,2", "\u00b2"):
         monkeypatch.setenv("OMP_NUM_THREADS", junk)
         assert cpu_threads_per_process(1) == cores, junk

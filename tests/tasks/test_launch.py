@@ -59,6 +59,9 @@ def test_accelerate_command_checks_the_topology(tmp_path):
     assert cmd[cmd.index("--num_processes") + 1] == "2"
 
 
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the thread count is for CPU launches"
+)
 def test_a_cpu_launch_gets_the_threads_the_planner_measures_with(tmp_path, monkeypatch, caplog):
     """accelerate gives a CPU process 1 thread unless the config says `use_cpu`; Kiln passes
     the count `kiln plan` measures with, and the launched process really runs with it."""
@@ -79,18 +82,21 @@ def test_a_cpu_launch_gets_the_threads_the_planner_measures_with(tmp_path, monke
     assert threads(accelerate_command(str(one), "m", [], num_processes=2)) == max(1, cores // 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # an operator's choice wins
     assert threads(accelerate_command(str(one), "m", [])) == 3 == cpu_threads_per_process(2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")  # OpenMP's nested form: divide the cores
+    assert threads(accelerate_command(str(one), "m", [])) == cores
 
     # The real launch: a module that reports the threads torch got.
     (tmp_path / "kiln_threads_probe.py").write_text(
         "import json, os, torch\n"
         "print('PROBE', json.dumps([torch.get_num_threads(), os.environ['OMP_NUM_THREADS']]))\n"
     )
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    # Unset, accelerate alone would give this one-process launch 1 thread; Kiln's count wins.
+    monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with caplog.at_level("INFO"):
         run_launch(accelerate_command(str(one), "kiln_threads_probe", []))
     probe = next(r.getMessage() for r in caplog.records if "PROBE" in r.getMessage())
-    assert json.loads(probe.split("PROBE", 1)[1]) == [2, "2"]
+    assert json.loads(probe.split("PROBE", 1)[1]) == [cores, str(cores)]
 
 
 def _stage_run(tiny_shards, out, **faults):
