@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     p.add_argument("--quick", action="store_true", help="CI size (about 2 minutes)")
     p.add_argument("--resolution", type=int, default=32)
-    p.add_argument("--measure-steps", type=int, default=10)
+    p.add_argument("--measure-steps", type=int, default=40)
     p.add_argument("--keep", default=None, help="Work in this folder and keep it")
     args = p.parse_args(argv)
     size = QUICK if args.quick else FULL

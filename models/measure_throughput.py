@@ -52,8 +52,10 @@ def measure_stage(
     Without a GPU the steps run on the threads one of `local_processes` training processes
     gets from `accelerate launch` (`models.cpu_threads`), so the rate is the one a launch sees.
 
-    Returns img_per_s (this device), mfu, data_wait_frac, peak_mem_gb, flops_per_sample,
-    device, cpu_threads and the settings measured.
+    Returns img_per_s (this device), val_forward_s (one validation forward of one sample: the
+    passes at the start and the end on a small synthetic split, the end's counted), mfu,
+    data_wait_frac, peak_mem_gb, flops_per_sample, device, cpu_threads and the settings
+    measured.
     """
     threads_before = torch.get_num_threads()
     cpu_threads = None
@@ -86,9 +88,15 @@ def _measure(train: TrainConfig, stage_index: int, steps: int, work_dir: str | N
         # Enough samples that the whole measurement is one epoch: an epoch boundary restarts
         # the streaming iterator, which on a 2-batch set cost more than the steps (4x too slow).
         write_synthetic_shards(tmp / "shards", stage.resolution, max(per_step * (steps + 2), 8))
+        # A small validation split: the passes at the start and the end give the cost of one
+        # validation forward, which the plan multiplies out (it had assumed a third of a
+        # training sample, 2.5x too much on a CPU).
+        n_val = min(cfg.val_max_samples, max(8, stage.batch_size))
+        write_synthetic_shards(tmp / "val", stage.resolution, n_val, seed=1)
+        cfg.eval_every = 10**9
         run = StageRun(
             train=cfg, stage_index=stage_index, shards=str(tmp / "shards"),
-            output_dir=str(tmp / "out"),
+            output_dir=str(tmp / "out"), val_shards=str(tmp / "val"),
         )  # fmt: skip
         (tmp / "out").mkdir()
         accelerator = Accelerator(
@@ -108,6 +116,9 @@ def _measure(train: TrainConfig, stage_index: int, steps: int, work_dir: str | N
         lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
         perf = next(x for x in lines if x.get("event") == "perf")
         last = [x for x in lines if "samples_per_s" in x][-1]
+        val = [x for x in lines if "val/eval_s" in x][-1]  # the end's pass: warmed up
+        weights = sum(f"{w}/val/loss" in val for w in ("raw", "ema"))
+        forwards = weights * 2 * cfg.val_timesteps * n_val  # right and shuffled captions
     if accelerator.device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated() / 1e9
     else:  # peak resident set of this process (Linux reports KiB)
@@ -120,6 +131,7 @@ def _measure(train: TrainConfig, stage_index: int, steps: int, work_dir: str | N
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "precision": accelerator.mixed_precision,
         "img_per_s": last["samples_per_s"],
+        "val_forward_s": val["val/eval_s"] / forwards,
         "mfu": last["mfu"],
         "data_wait_frac": last["data_wait_frac"],
         "peak_mem_gb": round(peak_mem, 3),

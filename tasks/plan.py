@@ -32,6 +32,7 @@ class StagePlan:
     cost_usd: float
     rate_source: str
     eval_hours: float = 0.0  # the validation passes' share of wall_hours
+    val_forward_s: float | None = None  # measured cost of one validation forward (one sample)
 
 
 def topology_processes(accelerate_config: str, override: int | None) -> int:
@@ -70,8 +71,9 @@ def make_plan(
     `val_samples` (each stage's validation split size, from shards.json) adds the held-out
     evaluations' time: at the start, every `train.eval_every` steps and at the end, each
     `4 * val_timesteps * min(split, val_max_samples)` UNet forwards (EMA and raw weights,
-    right and shuffled captions), at a third of a training sample each (a training sample is
-    a forward and a backward, about three forwards).
+    right and shuffled captions), each at the measured cost of one validation forward
+    (`--measure-steps`), or at a third of a training sample (`--img-per-s`: a training sample
+    is a forward and a backward, about three forwards).
 
     Without a GPU, a measurement uses the CPU threads each training process of the launch
     will get: `processes_per_machine` of them share the cores (default `num_processes`).
@@ -83,6 +85,7 @@ def make_plan(
     if img_per_s is not None and img_per_s <= 0:
         raise ValueError(f"--img-per-s must be positive, got {img_per_s}")
     rates: list[tuple[float, str]] = []
+    val_forward_s: list[float | None] = [None] * len(train.stages)
     if measure_steps is not None:
         from models.measure_throughput import measure_stage
 
@@ -95,6 +98,7 @@ def make_plan(
             )
             on = m["device"] + (f" ({m['cpu_threads']} threads)" if m["cpu_threads"] else "")
             rates.append((m["img_per_s"], f"measured on {on}, {measure_steps} steps"))
+            val_forward_s[i] = m["val_forward_s"]
     else:
         # Scale by the UNet's FLOPs alone: its config is in the YAML (no download needed), and
         # it dominates the cost of every stage.
@@ -114,7 +118,11 @@ def make_plan(
         global_rate = rate * num_processes
         n_val = min(val_samples[i], train.val_max_samples) if val_samples else 0
         evals = 2 + (s.max_steps - 1) // train.eval_every if train.eval_every else 2
-        eval_h = evals * 4 * train.val_timesteps * n_val / 3 / global_rate / 3600
+        forwards = evals * 4 * train.val_timesteps * n_val
+        if val_forward_s[i] is not None:  # measured; each process evaluates its share
+            eval_h = forwards * val_forward_s[i] / num_processes / 3600
+        else:  # a third of a training sample (a forward and a backward, about three forwards)
+            eval_h = forwards / 3 / global_rate / 3600
         wall_h = samples / global_rate / 3600 + eval_h
         stages.append(
             StagePlan(
@@ -122,7 +130,7 @@ def make_plan(
                 img_per_s_per_device=round(rate, 3), img_per_s=round(global_rate, 3),
                 wall_hours=wall_h, gpu_hours=wall_h * num_processes,
                 cost_usd=wall_h * num_processes * gpu_hour_usd, rate_source=source,
-                eval_hours=eval_h,
+                eval_hours=eval_h, val_forward_s=val_forward_s[i],
             )
         )  # fmt: skip
     total = {

@@ -108,6 +108,7 @@ def test_plan_for_tiny_from_a_given_rate_and_from_a_measurement(tmp_path, tiny_c
     assert "measured on cpu (" in measured.output, "with the threads a launch gets"
     plan = json.loads((root / "runs" / "plan.json").read_text())
     assert all(s["img_per_s"] > 0 and s["wall_hours"] > 0 for s in plan["stages"])
+    assert all(s["val_forward_s"] > 0 for s in plan["stages"]), "a validation pass measured"
 
     both = runner.invoke(main, ["plan", "--config", str(tiny_config), "--img-per-s", "1",
                                 "--measure-steps", "4"])  # fmt: skip
