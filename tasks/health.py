@@ -22,7 +22,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from models.config import GpuLimitConfig, TrainConfig
-from tasks.launch import LaunchError, accelerate_command, run_launch
+from tasks.launch import LaunchError, accelerate_command, cuda_available, run_launch
 from tasks.logs import task_logger
 from tasks.plan import topology_processes
 
@@ -129,12 +129,6 @@ def check_collective(
     return json.loads((out / "health.json").read_text())
 
 
-def _has_gpu() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 @task(name="preflight-health-check", cache_policy=NO_CACHE)
 def preflight(
     train: TrainConfig,
@@ -151,7 +145,7 @@ def preflight(
     check_gpus(accelerate_config, num_processes)
     check_storage(run, shard_dirs)
     check_disk(run, train)
-    if topology_processes(accelerate_config, num_processes) == 1 and not _has_gpu():
+    if topology_processes(accelerate_config, num_processes) == 1 and not cuda_available():
         # One CPU process: no collective to form and no device to probe.
         report = {"world_size": 1, "collective": "skipped: one CPU process, nothing to all-reduce"}
     else:

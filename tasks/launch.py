@@ -39,6 +39,7 @@ __all__ = [
     "LaunchError",
     "StageDiverged",
     "accelerate_command",
+    "cuda_available",
     "launch_generate",
     "launch_precompute",
     "launch_stage",
@@ -81,13 +82,14 @@ def accelerate_command(
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
     if num_processes:
         cmd += ["--num_processes", str(num_processes)]
-    if not _cuda_available():
+    if not cuda_available():
         threads = cpu_threads_per_process(local_processes(accelerate_config, num_processes))
         cmd += ["--num_cpu_threads_per_process", str(threads)]
     return cmd + ["-m", module, *args]
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
+    """Whether this machine's torch sees a GPU (the launch and the health check ask)."""
     import torch
 
     return torch.cuda.is_available()
