@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -154,17 +155,28 @@ class VaeComponent(Component):
 
 
 class TokenizerConfig(Strict):
-    """`builtin: bytes` builds a byte-level CLIP tokenizer offline; else load `pretrained`."""
+    """`builtin: bytes` builds a byte-level CLIP tokenizer offline; else load `pretrained`.
+
+    `words` (builtin only): words that become single tokens on top of the bytes, as a real
+    BPE vocabulary has its common words. A byte-level tokenizer spells "red" as three tokens,
+    and a frozen random text encoder then gives the UNet letters to decode; a word token gives
+    it one vector per colour (the tiny preset lists the demo captions' words)."""
 
     builtin: Literal["bytes"] | None = None
     pretrained: str | None = None
     subfolder: str | None = None
     model_max_length: int = Field(77, gt=1)
+    words: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _one_source(self) -> TokenizerConfig:
         if (self.builtin is None) == (self.pretrained is None):
             raise ValueError("set exactly one of 'builtin' or 'pretrained'")
+        if self.words and self.pretrained is not None:
+            raise ValueError("'words' extends the builtin tokenizer; a pretrained one has its own")
+        bad = [w for w in self.words if not re.fullmatch(r"[a-z]{2,}", w)]
+        if bad:
+            raise ValueError(f"tokenizer words must be lower-case letters, 2 or more: {bad}")
         return self
 
 

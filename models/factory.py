@@ -57,17 +57,44 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, map(chr, cs), strict=True))
 
 
-@lru_cache(maxsize=1)
-def _byte_vocab_dir() -> str:
-    """Write a byte-level CLIP vocab (no merges) once per process; returns its folder."""
-    chars = list(_bytes_to_unicode().values())
+def _suffix_merges(words: tuple[str, ...], chars: dict[int, str]) -> list[tuple[str, str]]:
+    """BPE merges that make each of `words` one token: built from the word's end ("e d</w>",
+    then "r ed</w>"). Every merged token ends a word, so in any word only its last two tokens
+    can merge, and a listed word always ends as one token whatever the merges' order."""
+    merges: list[tuple[str, str]] = []
+    seen: set[tuple[str, str]] = set()
+    for word in words:
+        sym = [chars[b] for b in word.encode("utf-8")]
+        suffix = sym[-1] + "</w>"
+        for c in reversed(sym[:-1]):
+            pair = (c, suffix)
+            if pair not in seen:
+                seen.add(pair)
+                merges.append(pair)
+            suffix = c + suffix
+    return merges
+
+
+@lru_cache(maxsize=8)
+def _byte_vocab_dir(words: tuple[str, ...] = ()) -> str:
+    """Write a byte-level CLIP vocab once per process and word list; returns its folder.
+
+    Every byte is a token (and every byte ending a word); `words` (lower case, no spaces) are
+    single tokens on top, with ids after the two special tokens, so that adding words keeps
+    every byte's id."""
+    table = _bytes_to_unicode()
+    chars = list(table.values())
     vocab = {c: i for i, c in enumerate(chars)}
     vocab.update({c + "</w>": i + len(chars) for i, c in enumerate(chars)})
     vocab["<|startoftext|>"] = len(vocab)
     vocab["<|endoftext|>"] = len(vocab)
+    merges = _suffix_merges(words, table)
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
     d = Path(tempfile.mkdtemp(prefix="kiln-tokenizer-"))
     (d / "vocab.json").write_text(json.dumps(vocab))
-    (d / "merges.txt").write_text("#version: 0.2\n")
+    lines = ["#version: 0.2", *(f"{a} {b}" for a, b in merges)]
+    (d / "merges.txt").write_text("\n".join(lines) + "\n")
     return str(d)
 
 
@@ -77,7 +104,7 @@ def build_tokenizer(cfg: TokenizerConfig) -> CLIPTokenizerFast:
     A hub tokenizer without `tokenizer.json` (SD2's) is converted from its vocab and merges."""
     if cfg.pretrained:
         return CLIPTokenizerFast.from_pretrained(cfg.pretrained, subfolder=cfg.subfolder or "")
-    d = _byte_vocab_dir()
+    d = _byte_vocab_dir(tuple(cfg.words))
     return CLIPTokenizerFast(
         vocab_file=f"{d}/vocab.json",
         merges_file=f"{d}/merges.txt",

@@ -90,11 +90,15 @@ def make_plan(
         from models.measure_throughput import measure_stage
 
         for i in range(len(train.stages)):
+            share = None  # one process's share of the split the run will evaluate
+            if val_samples and val_samples[i]:
+                share = -(-min(val_samples[i], train.val_max_samples) // num_processes)
             m = measure_stage(
                 train,
                 i,
                 steps=measure_steps,
                 local_processes=processes_per_machine or num_processes,
+                val_samples=share,
             )
             on = m["device"] + (f" ({m['cpu_threads']} threads)" if m["cpu_threads"] else "")
             rates.append((m["img_per_s"], f"measured on {on}, {measure_steps} steps"))

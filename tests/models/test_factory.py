@@ -24,6 +24,49 @@ def test_byte_tokenizer_is_offline_and_lossless():
     assert len(tok) == 514
 
 
+def test_listed_words_are_single_tokens_and_every_byte_keeps_its_id(tmp_path):
+    from transformers import CLIPTokenizerFast
+
+    words = ["red", "green", "blue", "black", "background", "of", "on"]
+    plain = build_tokenizer(TokenizerConfig(builtin="bytes", model_max_length=77))
+    tok = build_tokenizer(TokenizerConfig(builtin="bytes", model_max_length=77, words=words))
+    text = "a red circle on a black background left of green"
+    pieces = tok.convert_ids_to_tokens(tok(text).input_ids)
+    for w in ("red", "black", "background", "on", "of", "green"):
+        assert f"{w}</w>" in pieces, pieces
+    # Unlisted words are bytes, as before; so are listed ones inside other words.
+    assert tok("circle reddish").input_ids == plain("circle reddish").input_ids
+    assert tok.decode(tok(text).input_ids, skip_special_tokens=True) == text
+    assert plain.bos_token_id == tok.bos_token_id and plain.eos_token_id == tok.eos_token_id
+    # The exported pipeline saves the tokenizer: it must load back the same.
+    tok.save_pretrained(tmp_path / "tok")
+    again = CLIPTokenizerFast.from_pretrained(tmp_path / "tok")
+    assert again(text).input_ids == tok(text).input_ids
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"builtin": "bytes", "words": ["Red"]}, "lower-case letters"),
+        ({"builtin": "bytes", "words": [True]}, "valid string"),  # YAML's bare `on`
+        ({"pretrained": "x", "words": ["red"]}, "pretrained one has its own"),
+    ],
+)
+def test_bad_tokenizer_words_are_clear_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        TokenizerConfig(**spec)
+
+
+def test_tiny_preset_tokenizer_spells_its_demo_words_as_words():
+    """The tiny preset's captions reach the UNet as one token per word (docs/benchmarks.md:
+    colours were never learned from bytes) and its text encoder has a row for every token."""
+    cfg = load_config(REPO / "configs" / "tiny.yaml").train.model
+    tok = build_tokenizer(cfg.tokenizer)
+    ids = tok("a red circle above a small blue square on a white background").input_ids
+    assert len(ids) == 12 + 2  # 12 words, BOS and EOS
+    assert cfg.text_encoder.config["vocab_size"] >= len(tok)
+
+
 def test_tiny_components_are_seeded_and_consistent():
     cfg = load_config(REPO / "configs" / "tiny.yaml").train.model
     a = build_components(cfg, seed=0)

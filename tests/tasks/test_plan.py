@@ -1,0 +1,46 @@
+"""`tasks.plan.make_plan` with `measure_stage` replaced by a recorder: which validation split
+the plan asks the measurement for, and how it multiplies the measured cost out."""
+
+from pathlib import Path
+
+import pytest
+
+from flows.config import load_config
+from tasks import plan as plan_module
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    calls = []
+
+    def fake_measure(train, i, *, steps, local_processes, val_samples=None):
+        calls.append({"stage": i, "val_samples": val_samples, "local": local_processes})
+        return {"img_per_s": 100.0, "val_forward_s": 0.001, "device": "cpu", "cpu_threads": 1}
+
+    import models.measure_throughput as mt
+
+    monkeypatch.setattr(mt, "measure_stage", fake_measure)
+    return calls
+
+
+def test_the_measurement_evaluates_one_process_share_of_the_real_split(recorded):
+    train = load_config(REPO / "configs" / "tiny.yaml").train
+    train.val_max_samples = 100
+    out = plan_module.make_plan(
+        train, 2, 0.0, measure_steps=4, val_samples=[37, 500, 0], processes_per_machine=2
+    )
+    # 37 images over 2 processes: 19 each; 500 is capped at val_max_samples first; an empty
+    # split is measured at the default size.
+    assert [c["val_samples"] for c in recorded] == [19, 50, None]
+    s0 = out["stages"][0]
+    evals = 2 + (train.stages[0].max_steps - 1) // train.eval_every
+    expected = evals * 4 * train.val_timesteps * 37 * 0.001 / 2 / 3600
+    assert s0["eval_hours"] == pytest.approx(expected)
+
+
+def test_without_split_sizes_the_measurement_picks_its_own(recorded):
+    train = load_config(REPO / "configs" / "tiny.yaml").train
+    plan_module.make_plan(train, 1, 0.0, measure_steps=4)
+    assert [c["val_samples"] for c in recorded] == [None] * len(train.stages)
