@@ -72,7 +72,8 @@ def _cli(args: list[str], env: dict, cwd: Path, timeout: float = 120) -> str:
 
 @pytest.fixture
 def prefect_server(tmp_path):
-    """A real `prefect server start` on 127.0.0.1, scheduler loop every 2 s."""
+    """A real `prefect server start` on 127.0.0.1, scheduler loop every 2 s (the env is also
+    the worker's)."""
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
@@ -81,6 +82,10 @@ def prefect_server(tmp_path):
         "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        # A run that waits for its deployment's concurrency slot (ENQUEUE) retries every 3 s,
+        # not 30, and the worker polls every 2 s, not 10: the same behaviour, ~40 s less idle.
+        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "3",
+        "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_LOGGING_LEVEL": "INFO",
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
     }
