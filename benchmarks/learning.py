@@ -41,10 +41,11 @@ from tasks.demo_data import _render, write_demo_dataset  # noqa: E402
 from tasks.faithfulness import faithfulness  # noqa: E402
 
 FULL = {"n": 2000, "steps": 3000, "eval_every": 250, "held_out": 64, "gen_steps": 20}
-# CI's size: what it asserts (the loss falls, the text matters) shows within 400 steps; the
-# VAE's fit is shortened too (colour fidelity is the full run's business, not an assert).
-QUICK = {"n": 400, "steps": 400, "eval_every": 200, "held_out": 24, "gen_steps": 10,
-         "vae_fit_steps": 300, "measure_steps": 12}  # fmt: skip
+# CI's size: what it asserts (the loss falls, the text matters) shows within 300 steps (the
+# full run's gap is 0.39 at step 250); the VAE's fit is shortened too (colour fidelity is the
+# full run's business, not an assert).
+QUICK = {"n": 400, "steps": 300, "eval_every": 150, "held_out": 24, "gen_steps": 10,
+         "vae_fit_steps": 200, "measure_steps": 12}  # fmt: skip
 
 
 def _kiln(args: list[str], env: dict, log: Path) -> float:

@@ -70,10 +70,12 @@ def _cli(args: list[str], env: dict, cwd: Path, timeout: float = 120) -> str:
     return p.stdout
 
 
-@pytest.fixture
-def prefect_server(tmp_path):
+@pytest.fixture(scope="module")
+def prefect_server(tmp_path_factory):
     """A real `prefect server start` on 127.0.0.1, scheduler loop every 2 s (the env is also
-    the worker's)."""
+    the worker's). One server for the module's tests (each starts in 10-15 s): they create
+    different deployments, and each filters runs by its own deployment's id."""
+    tmp_path = tmp_path_factory.mktemp("prefect-server")
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
