@@ -129,17 +129,19 @@ def _curve(metrics: Path, out: Path) -> None:
     fig.savefig(out, dpi=110)
 
 
-def _vae_round_trip(pipeline: Path, n: int, seed: int = 20_011) -> dict:
+def _vae_round_trip(pipeline: Path, n: int, side: int, seed: int = 20_011) -> dict:
     """Caption faithfulness of demo images after the pipeline's VAE alone (encode, decode the
     posterior mean): the ceiling for the generated images' scores. A colour the VAE loses
-    cannot come out of the UNet either (issue 16: at 400 fit steps it lost most)."""
+    cannot come out of the UNet either (issue 16: at 400 fit steps it lost most). Clean
+    renders at the stage's side, without the JPEG and resize of the shards: a slightly
+    optimistic ceiling."""
     import numpy as np
     import torch
     from diffusers import AutoencoderKL
     from PIL import Image
 
     rng = random.Random(seed)
-    pairs = [_render(rng, (32, 32)) for _ in range(n)]
+    pairs = [_render(rng, (side, side)) for _ in range(n)]
     vae = AutoencoderKL.from_pretrained(pipeline, subfolder="vae").eval()
     x = torch.tensor(np.stack([np.asarray(img) for img, _ in pairs]), dtype=torch.float32)
     x = x.permute(0, 3, 1, 2) / 127.5 - 1
@@ -238,7 +240,7 @@ def _run(work: Path, size: dict, args) -> dict:
         for i in range(len(captions))
     ]
     faith = faithfulness(images, captions)
-    vae_faith = _vae_round_trip(stage / "final", size["held_out"])
+    vae_faith = _vae_round_trip(stage / "final", size["held_out"], args.resolution)
     if args.curve:
         _curve(stage / "metrics.jsonl", Path(args.curve))
     if args.samples:

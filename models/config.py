@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -127,7 +128,9 @@ class VaeFitConfig(Strict):
     encodes with it (the `tiny` preset: a randomly initialised VAE gives noise-like latents,
     and a diffusion model trained on them samples noise). See `models/tiny_vae.py`."""
 
-    steps: int = Field(400, gt=0, description="Optimizer steps (AdamW).")
+    steps: int = Field(
+        800, gt=0, description="Optimizer steps (AdamW); 400 lost colours (docs/architecture.md)."
+    )
     batch_size: int = Field(16, gt=0, description="Random crops per step.")
     resolution: int = Field(32, gt=0, description="Side of the square training crops.")
     learning_rate: float = Field(3.0e-3, gt=0)
@@ -158,15 +161,24 @@ class TokenizerConfig(Strict):
     """`builtin: bytes` builds a byte-level CLIP tokenizer offline; else load `pretrained`.
 
     `words` (builtin only): words that become single tokens on top of the bytes, as a real
-    BPE vocabulary has its common words. A byte-level tokenizer spells "red" as three tokens,
-    and a frozen random text encoder then gives the UNet letters to decode; a word token gives
-    it one vector per colour (the tiny preset lists the demo captions' words)."""
+    BPE vocabulary has its common words (the tiny preset lists the demo captions' words). The
+    merges are built from each word's end (`models.factory`), so a listed word is one token
+    wherever it stands alone, and also where it ends a longer word ("bored" is "b", "o",
+    "red"), as in any BPE vocabulary with only an end-of-word marker; elsewhere bytes stay
+    bytes."""
 
     builtin: Literal["bytes"] | None = None
     pretrained: str | None = None
     subfolder: str | None = None
     model_max_length: int = Field(77, gt=1)
     words: list[str] = Field(default_factory=list)
+
+    @field_validator("words", mode="before")
+    @classmethod
+    def _no_yaml_booleans(cls, v: Any) -> Any:
+        if isinstance(v, list) and any(isinstance(w, bool) for w in v):
+            raise ValueError('YAML reads a bare on, off, yes or no as true/false: quote it ("on")')
+        return v
 
     @model_validator(mode="after")
     def _one_source(self) -> TokenizerConfig:
@@ -178,6 +190,15 @@ class TokenizerConfig(Strict):
         if bad:
             raise ValueError(f"tokenizer words must be lower-case letters, 2 or more: {bad}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_empty_words(self, handler) -> dict[str, Any]:
+        """No `words` key when there are none: the dump is hashed into dataset versions and
+        encoder keys, which must not change for configs written before `words` existed."""
+        data = handler(self)
+        if not self.words:
+            data.pop("words", None)
+        return data
 
 
 class ModelConfig(Strict):

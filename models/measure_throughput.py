@@ -101,7 +101,8 @@ def _measure(
         # Enough samples that the whole measurement is one epoch: an epoch boundary restarts
         # the streaming iterator, which on a 2-batch set cost more than the steps (4x too slow).
         write_synthetic_shards(tmp / "shards", stage.resolution, max(per_step * (steps + 2), 8))
-        # A small validation split: the passes at the start and the end give the cost of one
+        # A validation split of the run's size (one process's share, up to MAX_MEASURED_VAL;
+        # else small): the passes at the start and the end give the cost of one
         # validation forward, which the plan multiplies out (it had assumed a third of a
         # training sample, 2.5x too much on a CPU).
         n_val = min(cfg.val_max_samples, val_samples or max(8, stage.batch_size))

@@ -90,7 +90,9 @@ def make_plan(
         from models.measure_throughput import measure_stage
 
         for i in range(len(train.stages)):
-            share = None  # one process's share of the split the run will evaluate
+            # One process's share of the split the run will evaluate (an even split: the
+            # evaluation deals batches round-robin, so the busiest rank can hold a batch more).
+            share = None
             if val_samples and val_samples[i]:
                 share = -(-min(val_samples[i], train.val_max_samples) // num_processes)
             m = measure_stage(

@@ -34,8 +34,11 @@ def test_listed_words_are_single_tokens_and_every_byte_keeps_its_id(tmp_path):
     pieces = tok.convert_ids_to_tokens(tok(text).input_ids)
     for w in ("red", "black", "background", "on", "of", "green"):
         assert f"{w}</w>" in pieces, pieces
-    # Unlisted words are bytes, as before; so are listed ones inside other words.
+    # Unlisted words are bytes, as before; so are listed ones at the start of other words.
     assert tok("circle reddish").input_ids == plain("circle reddish").input_ids
+    # A listed word that ends a longer one is its token there too (BPE with only an
+    # end-of-word marker cannot tell): documented in TokenizerConfig.
+    assert tok.tokenize("bored") == ["b", "o", "red</w>"]
     assert tok.decode(tok(text).input_ids, skip_special_tokens=True) == text
     assert plain.bos_token_id == tok.bos_token_id and plain.eos_token_id == tok.eos_token_id
     # The exported pipeline saves the tokenizer: it must load back the same.
@@ -48,7 +51,7 @@ def test_listed_words_are_single_tokens_and_every_byte_keeps_its_id(tmp_path):
     ("spec", "message"),
     [
         ({"builtin": "bytes", "words": ["Red"]}, "lower-case letters"),
-        ({"builtin": "bytes", "words": [True]}, "valid string"),  # YAML's bare `on`
+        ({"builtin": "bytes", "words": [True]}, 'quote it \\("on"\\)'),  # YAML's bare `on`
         ({"pretrained": "x", "words": ["red"]}, "pretrained one has its own"),
     ],
 )
@@ -57,9 +60,20 @@ def test_bad_tokenizer_words_are_clear_errors(spec, message):
         TokenizerConfig(**spec)
 
 
+def test_a_tokenizer_without_words_dumps_as_before():
+    """The dump is hashed into dataset versions and encoder keys: configs that list no words
+    (sd2-base's) must keep their versions and precomputed latents."""
+    cfg = load_config(REPO / "configs" / "sd2-base.yaml").train.model
+    assert "words" not in cfg.tokenizer.model_dump()
+    assert "words" not in cfg.model_dump(mode="json")["tokenizer"]
+    assert TokenizerConfig(builtin="bytes").model_dump() == {
+        "builtin": "bytes", "pretrained": None, "subfolder": None, "model_max_length": 77,
+    }  # fmt: skip
+
+
 def test_tiny_preset_tokenizer_spells_its_demo_words_as_words():
-    """The tiny preset's captions reach the UNet as one token per word (docs/benchmarks.md:
-    colours were never learned from bytes) and its text encoder has a row for every token."""
+    """The tiny preset's captions reach the UNet as one token per word (docs/architecture.md,
+    "The tiny preset's text encoder") and its text encoder has a row for every token."""
     cfg = load_config(REPO / "configs" / "tiny.yaml").train.model
     tok = build_tokenizer(cfg.tokenizer)
     ids = tok("a red circle above a small blue square on a white background").input_ids

@@ -14,8 +14,9 @@ from models.factory import build_components, sampling_scheduler
 from models.tokenization import truncate_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-# Mostly words the tiny tokenizer does not list, so they are bytes and the cut falls inside
-# "crimson" (the listed demo words are one token each: docs/architecture.md).
+# Mostly words the tiny tokenizer does not list, so they are mostly bytes and the cut falls
+# inside "crimson" (the listed demo words are one token each, also where one ends a longer
+# word: "crimson" ends in "on"; models.config.TokenizerConfig).
 LONG = "a crimson circle beside a small cobalt square on a grassy meadow " * 4
 
 
