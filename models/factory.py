@@ -145,12 +145,39 @@ def schedule_mismatch(init_from: str, cfg: ModelConfig) -> list[str]:
     ]
 
 
+# The text-encoder settings that change what the UNet's cross-attention reads.
+_ENCODER_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings")
+
+
+def encoder_mismatch(init_from: str, cfg: ModelConfig) -> list[str]:
+    """How the text encoder and tokenizer saved with the pipeline at `init_from` differ from
+    the ones `cfg` builds from its dicts (the tiny preset's: a warm start from a model of an
+    older preset); [] when they agree, when nothing is saved there, or when `cfg` loads a
+    pretrained encoder (whose config is not read here)."""
+    out = []
+    saved_cfg = Path(init_from) / "text_encoder" / "config.json"
+    if cfg.text_encoder.config is not None and saved_cfg.is_file():
+        saved = json.loads(saved_cfg.read_text())
+        here = CLIPTextConfig(**cfg.text_encoder.config).to_dict()
+        out += [f"text_encoder.{k}: {saved.get(k)!r} there, {here.get(k)!r} here"
+                for k in _ENCODER_KEYS if saved.get(k) != here.get(k)]  # fmt: skip
+    saved_tok = Path(init_from) / "tokenizer"
+    if cfg.tokenizer.builtin is not None and saved_tok.is_dir():
+        there = len(CLIPTokenizerFast.from_pretrained(saved_tok))
+        here = len(build_tokenizer(cfg.tokenizer))
+        if there != here:
+            out.append(f"tokenizer: {there} tokens there, {here} here")
+    return out
+
+
 def build_unet(cfg: ModelConfig, init_from: str | None = None) -> UNet2DConditionModel:
     """A fresh UNet from its dict, or the previous stage's weights from `init_from`/unet.
 
     A UNet trained with another objective (a warm start from a model of an older preset) is
     loaded with a warning: training goes on with this config's objective and re-learns the
-    output, as SD 2's 768-v model was fine-tuned from an epsilon one.
+    output, as SD 2's 768-v model was fine-tuned from an epsilon one. So is one trained on
+    another text encoder's states (the tiny preset's changed in issue 16): its text
+    conditioning is learned again.
     """
     if init_from:
         diffs = schedule_mismatch(init_from, cfg)
@@ -158,6 +185,13 @@ def build_unet(cfg: ModelConfig, init_from: str | None = None) -> UNet2DConditio
             log.warning(
                 "the UNet at %s was trained with another objective (%s); training continues "
                 "with train.model.noise_scheduler's, so its first steps re-learn the output",
+                init_from, "; ".join(diffs),
+            )  # fmt: skip
+        diffs = encoder_mismatch(init_from, cfg)
+        if diffs:
+            log.warning(
+                "the UNet at %s was trained on another text encoder (%s); training continues "
+                "with train.model's, so its text conditioning is learned again",
                 init_from, "; ".join(diffs),
             )  # fmt: skip
         return UNet2DConditionModel.from_pretrained(init_from, subfolder="unet")

@@ -9,6 +9,7 @@ from models.factory import (
     build_components,
     build_tokenizer,
     build_unet,
+    encoder_mismatch,
     schedule_mismatch,
     vae_scale_factor,
 )
@@ -123,3 +124,26 @@ def test_a_unet_trained_with_another_objective_loads_with_a_warning(tmp_path, ca
     with caplog.at_level("WARNING", logger="kiln.factory"):
         build_unet(cfg, str(tmp_path / "old"))
     assert any("trained with another objective" in r.getMessage() for r in caplog.records)
+
+
+def test_a_unet_trained_on_another_text_encoder_loads_with_a_warning(tmp_path, caplog):
+    """A warm start from a model of the previous tiny preset (byte tokens, 2 random layers)."""
+    from models.export import write_pipeline
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml").train.model
+    te = {**cfg.text_encoder.config, "num_hidden_layers": 2, "vocab_size": 514}
+    old = cfg.model_copy(update={
+        "text_encoder": cfg.text_encoder.model_copy(update={"config": te}),
+        "tokenizer": cfg.tokenizer.model_copy(update={"words": []}),
+    })  # fmt: skip
+    comps = build_components(old, seed=0)
+    write_pipeline(comps, comps.unet, tmp_path / "old")
+    assert encoder_mismatch(str(tmp_path / "old"), old) == []
+    assert encoder_mismatch(str(tmp_path / "old"), cfg) == [
+        "text_encoder.vocab_size: 514 there, 600 here",
+        "text_encoder.num_hidden_layers: 2 there, 0 here",
+        "tokenizer: 514 tokens there, 592 here",
+    ]
+    with caplog.at_level("WARNING", logger="kiln.factory"):
+        build_unet(cfg, str(tmp_path / "old"))
+    assert any("trained on another text encoder" in r.getMessage() for r in caplog.records)
