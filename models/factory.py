@@ -180,20 +180,16 @@ def build_unet(cfg: ModelConfig, init_from: str | None = None) -> UNet2DConditio
     conditioning is learned again.
     """
     if init_from:
-        diffs = schedule_mismatch(init_from, cfg)
-        if diffs:
-            log.warning(
-                "the UNet at %s was trained with another objective (%s); training continues "
-                "with train.model.noise_scheduler's, so its first steps re-learn the output",
-                init_from, "; ".join(diffs),
-            )  # fmt: skip
-        diffs = encoder_mismatch(init_from, cfg)
-        if diffs:
-            log.warning(
-                "the UNet at %s was trained on another text encoder (%s); training continues "
-                "with train.model's, so its text conditioning is learned again",
-                init_from, "; ".join(diffs),
-            )  # fmt: skip
+        for mismatch, what, consequence in (
+            (schedule_mismatch, "with another objective",
+             "train.model.noise_scheduler's, so its first steps re-learn the output"),
+            (encoder_mismatch, "on another text encoder",
+             "train.model's, so its text conditioning is learned again"),
+        ):  # fmt: skip
+            diffs = mismatch(init_from, cfg)
+            if diffs:
+                log.warning("the UNet at %s was trained %s (%s); training continues with %s",
+                            init_from, what, "; ".join(diffs), consequence)  # fmt: skip
         return UNet2DConditionModel.from_pretrained(init_from, subfolder="unet")
     return UNet2DConditionModel.from_config(cfg.unet)
 
