@@ -52,19 +52,26 @@ def _keys(out, rank):
     ]
 
 
-@pytest.mark.integration
-def test_two_cpu_processes_train_on_different_samples_with_identical_weights(tmp_path, tiny_shards):
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, tiny_shards):
+    """Two CPU processes over gloo, 4 steps of 4 images a rank, with validation mid-stage too
+    (each rank evaluates its share, EMA swapped in and out). Read by two tests."""
     cfg_path, root, version = tiny_shards
-    out = tmp_path / "ddp"
+    out = tmp_path_factory.mktemp("ddp") / "stage"
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
-    # Validation mid-stage too: each rank evaluates its share, EMA swapped in and out.
     val = root / "shards" / version / "32-val"  # the shard step's held-out split
     stage_yaml = _stage(
         cfg_path, root, version, out, stages=stages, log_sample_keys=True, eval_every=2,
         val_max_samples=6, val_timesteps=2, run_opts={"val_shards": str(val)},
     )  # fmt: skip
     _launch(stage_yaml, "cpu-ddp-2.yaml")
+    return out
+
+
+@pytest.mark.integration
+def test_two_cpu_processes_train_on_different_samples_with_identical_weights(ddp_run):
+    out = ddp_run
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["num_processes"] == 2
     assert [e["step"] for e in manifest["val_history"]] == [0, 2, 4]
@@ -122,20 +129,21 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards)
         assert all(torch.equal(wa[k], wb[k]) for k in wa), f"{sub} differs after resume"
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("bad", ["stage_index: 7", "train: {}"])
 def test_bad_stage_file_fails_clearly(tmp_path, tiny_shards, bad):
+    """The script's own entry point, in this process: it refuses the file before it builds
+    anything (every other test here launches it for real)."""
+    from models.config import ConfigError
+    from models.train import main
+
     cfg_path, root, version = tiny_shards
     stage_yaml = _stage(cfg_path, root, version, tmp_path / "s")
     data = yaml.safe_load(stage_yaml.read_text())
     data.update(yaml.safe_load(bad))
     stage_yaml.write_text(yaml.safe_dump(data))
-    proc = subprocess.run(
-        [sys.executable, "-m", "models.train", "--config", str(stage_yaml)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "invalid config" in proc.stderr
+    with pytest.raises(ConfigError, match="invalid config"):
+        main(["--config", str(stage_yaml)])
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["stage.yaml"]
 
 
 @pytest.mark.integration
@@ -204,45 +212,19 @@ def test_fsdp_shard_grad_op_trains_and_exports(tmp_path, tiny_shards):
 
 
 @pytest.mark.integration
-def test_ema_export_and_start_step(tmp_path, tiny_shards):
-    """The export holds the EMA weights; before `ema.start_step` the EMA just tracks the raw
-    weights (MosaicML started EMA late in the last stage to save compute)."""
-    cfg_path, root, version = tiny_shards
-    cfg = load_config(cfg_path)
-    stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
-    weights = {}
-    for name, start in (("late", 100), ("early", 0)):
-        out = tmp_path / name
-        ema = cfg.train.ema.model_copy(update={"enabled": True, "decay": 0.9, "start_step": start})
-        _launch(_stage(cfg_path, root, version, out, stages=stages, ema=ema))
-        f = "diffusion_pytorch_model.safetensors"
-        weights[name] = (load_file(out / "final" / "unet" / f),
-                         load_file(out / "final-raw" / "unet" / f))  # fmt: skip
-        assert json.loads((out / "manifest.json").read_text())["ema"] is True
-    exported, raw = weights["late"]
-    for k in raw:  # before start_step the EMA copies the raw weights (s - (s - p), to 1 ulp)
-        torch.testing.assert_close(exported[k], raw[k], atol=1e-6, rtol=1e-6)
-    exported, raw = weights["early"]
-    assert any(not torch.equal(exported[k], raw[k]) for k in raw), "export holds EMA weights"
-    assert all(torch.equal(raw[k], weights["late"][1][k]) for k in raw), "EMA never feeds back"
-
-
-@pytest.mark.integration
-def test_one_and_two_processes_see_the_same_global_sample_order(tmp_path, tiny_shards):
+def test_one_and_two_processes_see_the_same_global_sample_order(tmp_path, tiny_shards, ddp_run):
     """Elastic determinism: at the same global batch size, the union of the ranks' batches
-    at every step is the single process's batch (streaming's canonical-node shuffle)."""
+    at every step is the single process's batch (streaming's canonical-node shuffle). The two
+    processes are `ddp_run`'s (4 images a rank; its validation passes read another split)."""
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path)
-    runs = {}
-    for name, procs, per_rank in (("one", 1, 8), ("two", 2, 4)):
-        stages = [cfg.train.stages[0].model_copy(update={"max_steps": 5, "batch_size": per_rank})]
-        out = tmp_path / name
-        topo = "single.yaml" if procs == 1 else "cpu-ddp-2.yaml"
-        _launch(_stage(cfg_path, root, version, out, stages=stages, log_sample_keys=True), topo)
-        runs[name] = [_keys(out, r) for r in range(procs)]
-    one = [sorted(rec["keys"]) for rec in runs["one"][0]]
-    two = [sorted(a["keys"] + b["keys"]) for a, b in zip(*runs["two"], strict=True)]
-    assert len(one) == len(two) == 5
+    stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 8})]
+    out = tmp_path / "one"
+    _launch(_stage(cfg_path, root, version, out, stages=stages, log_sample_keys=True))
+    one = [sorted(rec["keys"]) for rec in _keys(out, 0)]
+    two = [sorted(a["keys"] + b["keys"]) for a, b in zip(_keys(ddp_run, 0), _keys(ddp_run, 1),
+                                                         strict=True)]  # fmt: skip
+    assert len(one) == len(two) == 4
     assert one == two
 
 
@@ -366,31 +348,44 @@ def test_completed_stage_is_not_retrained(clean_run):
 
 
 @pytest.mark.integration
-def test_kill_at_the_last_step_keeps_the_loss_history(tmp_path, tiny_shards, clean_run):
-    """SIGKILLed right after the last step's checkpoint: the relaunch resumes at max_steps,
-    trains nothing, and its manifest still holds every window's loss and the last metrics."""
-    out = tmp_path / "killed"
-    stage_yaml = _short_stage(*tiny_shards, out, {"kill_at_steps": [4]})
-    _launch(stage_yaml, ok=False)
-    assert not (out / "manifest.json").exists()
-    _launch(stage_yaml)
-    clean = json.loads((clean_run / "manifest.json").read_text())
-    resumed = json.loads((out / "manifest.json").read_text())
-    assert len(clean["losses"]) == 4
-    assert resumed["losses"] == clean["losses"]
-    assert resumed["metrics"]["loss"] == clean["metrics"]["loss"] == clean["losses"][-1]
-    assert resumed["metrics"].keys() == clean["metrics"].keys()
-    _same_export(clean_run, out)
+def test_ema_export_and_start_step(tmp_path, tiny_shards, clean_run):
+    """The export holds the EMA weights; before `ema.start_step` the EMA just tracks the raw
+    weights (MosaicML started EMA late in the last stage to save compute). `clean_run` is the
+    same stage with EMA from step 0."""
+    cfg = load_config(tiny_shards[0])
+    assert cfg.train.ema.enabled and cfg.train.ema.start_step == 0  # clean_run's EMA
+    late = tmp_path / "late"
+    _launch(_short_stage(*tiny_shards, late, ema=cfg.train.ema.model_copy(
+        update={"start_step": 100})))  # fmt: skip
+    f = "diffusion_pytorch_model.safetensors"
+    weights = {out.name: (load_file(out / "final" / "unet" / f),
+                          load_file(out / "final-raw" / "unet" / f))
+               for out in (late, clean_run)}  # fmt: skip
+    assert json.loads((late / "manifest.json").read_text())["ema"] is True
+    exported, raw = weights["late"]
+    for k in raw:  # before start_step the EMA copies the raw weights (s - (s - p), to 1 ulp)
+        torch.testing.assert_close(exported[k], raw[k], atol=1e-6, rtol=1e-6)
+    exported, raw = weights[clean_run.name]
+    assert any(not torch.equal(exported[k], raw[k]) for k in raw), "export holds EMA weights"
+    assert all(torch.equal(raw[k], weights["late"][1][k]) for k in raw), "EMA never feeds back"
 
 
 @pytest.mark.integration
-def test_kill_anywhere_in_the_export_then_relaunch_completes(tmp_path, tiny_shards, clean_run):
-    """One SIGKILL at each point of the export, one launch each: every relaunch gets past what
-    the previous one left (a stale final/ included), and the last one completes."""
+def test_kills_at_the_last_step_and_anywhere_in_the_export_then_relaunch_completes(
+    tmp_path, tiny_shards, clean_run
+):
+    """SIGKILLed right after the last step's checkpoint, then at each point of the export, one
+    launch each: every relaunch resumes at max_steps and trains nothing, gets past what the
+    previous one left (a stale final/ included), and the last one completes with every
+    window's loss and the last metrics, as the uninterrupted run."""
     from diffusers import StableDiffusionPipeline
 
-    out = tmp_path / "export"
-    stage_yaml = _short_stage(*tiny_shards, out, {"kill_in_export": EXPORT_POINTS})
+    out = tmp_path / "killed"
+    faults = {"kill_at_steps": [4], "kill_in_export": EXPORT_POINTS}
+    stage_yaml = _short_stage(*tiny_shards, out, faults)
+    _launch(stage_yaml, ok=False)
+    assert (out / ".fault-fired-4").exists() and (out / "checkpoints" / "step-00000004").is_dir()
+    assert not (out / "final-raw").exists() and not (out / "manifest.json").exists()
     left_behind = {
         "after_raw": "final-raw",
         "after_final_tmp": ".final.tmp",
@@ -405,7 +400,12 @@ def test_kill_anywhere_in_the_export_then_relaunch_completes(tmp_path, tiny_shar
     _launch(stage_yaml)
     manifest = json.loads((out / "manifest.json").read_text())
     clean = json.loads((clean_run / "manifest.json").read_text())
-    assert manifest["final_step"] == 4 and manifest["losses"] == clean["losses"]
+    assert manifest["final_step"] == 4 and len(clean["losses"]) == 4
+    assert manifest["losses"] == clean["losses"], "the loss history survives every relaunch"
+    assert manifest["metrics"]["loss"] == clean["metrics"]["loss"] == clean["losses"][-1]
+    assert manifest["metrics"].keys() == clean["metrics"].keys()
+    events = [json.loads(x).get("event") for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert events.count("resumed") == 5, "each relaunch resumed at step 4"
     assert not list(out.glob(".*.tmp")), "temporary folders left behind"
     _same_export(clean_run, out)
     pipe = StableDiffusionPipeline.from_pretrained(out / "final")
