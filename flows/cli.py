@@ -41,14 +41,18 @@ class KilnError(click.ClickException):
             click.echo(f"kiln: error: {line}", err=True, file=file)
 
 
-def _call(flow: str, config_path: str, steps: tuple[str, ...] = (), **kwargs):
+def _call(
+    flow: str, config_path: str, steps: tuple[str, ...] = (), exclusive: bool = False, **kwargs
+):
     """Validate the config once, then run a flow on it; expected failures end in one line.
 
     Before any flow run starts (and before Prefect is even imported), the schema is validated
     and the input checks of `steps` run (`flows.config.check_inputs`: the source is listable,
     the topology exists, the tracking folder is writable, the prompts are readable), so a typo
-    or a missing file never reaches Prefect. The flow (`"module:name"`) is imported after
-    them: importing the flows (torch, Prefect) takes seconds. The flow gets the validated
+    or a missing file never reaches Prefect. An `exclusive` flow (one that takes the root's
+    training lock, tasks/lock.py) fails here too when another process holds it. The flow
+    (`"module:name"`) is imported after them: importing the flows (torch, Prefect) takes
+    seconds. The flow gets the validated
     config, frozen under `<root>/configs/<hash>.yaml` with `--root`/`--source` applied, not the
     user's file, which may change while it runs.
 
@@ -57,10 +61,14 @@ def _call(flow: str, config_path: str, steps: tuple[str, ...] = (), **kwargs):
     """
     from flows.config import check_inputs, config_hash, load_config, write_snapshot
     from tasks.layout import Layout
+    from tasks.lock import busy_reason
 
     try:
         cfg = load_config(config_path, root=kwargs.pop("root"), source=kwargs.pop("source", None))
         check_inputs(cfg, steps)
+        busy = exclusive and busy_reason(Path(cfg.storage.root))
+        if busy:
+            raise KilnError(busy)
         frozen = write_snapshot(cfg, Layout(Path(cfg.storage.root)).config(config_hash(cfg)))
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         raise KilnError(str(e)) from e
@@ -165,6 +173,7 @@ def run(config_path: str, source: str | None, root: str | None, allow_failed_gat
         "flows.pipeline:kiln_pipeline",
         config_path,
         ("ingest", "train", "evaluate", "register"),
+        exclusive=True,
         root=root,
         source=source,
         allow_failed_gate=allow_failed_gate,
@@ -214,7 +223,7 @@ def train(
 ) -> None:
     """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
     _, result = _call(
-        "flows.train:train_flow", config_path, ("train",), root=root,
+        "flows.train:train_flow", config_path, ("train",), exclusive=True, root=root,
         dataset_version=dataset_version, run_id=run_id,
     )  # fmt: skip
     _show({k: v for k, v in result.items() if k != "stages"})

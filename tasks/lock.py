@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
-__all__ = ["RootBusy", "root_busy", "root_lock"]
+__all__ = ["RootBusy", "busy_reason", "root_busy", "root_lock"]
 
 _held: dict[str, int] = {}  # lock path -> depth, in this process
 _guard = threading.Lock()
@@ -73,17 +73,7 @@ def root_lock(root: Path, what: str) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         if not _try_exclusive(fd):
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
-            try:
-                h = json.loads(holder)
-                who = (f"{h.get('what')} (pid {h.get('pid')} on {h.get('host')}, "
-                       f"since {h.get('since')})")  # fmt: skip
-            except ValueError:
-                who = "another process"
-            raise RootBusy(
-                f"{root} is in use by {who}: wait for it to finish, or give this run another "
-                "storage.root (--root)"
-            ) from None
+            raise RootBusy(_busy_message(root, fd)) from None
         info = {"what": what, "pid": os.getpid(), "host": socket.gethostname(),
                 "since": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
         os.ftruncate(fd, 0)
@@ -97,6 +87,38 @@ def root_lock(root: Path, what: str) -> Iterator[None]:
                 _held.pop(path, None)
             os.ftruncate(fd, 0)
             fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _busy_message(root: Path, fd: int) -> str:
+    """Who holds the lock open on `fd` (the holder writes it), and what to do."""
+    holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
+    try:
+        h = json.loads(holder)
+        who = (f"{h.get('what')} (pid {h.get('pid')} on {h.get('host')}, "
+               f"since {h.get('since')})")  # fmt: skip
+    except ValueError:
+        who = "another process"
+    return (f"{root} is in use by {who}: wait for it to finish, or give this run another "
+            "storage.root (--root)")  # fmt: skip
+
+
+def busy_reason(root: Path) -> str | None:
+    """The message `root_lock` would raise now, or None when no other process holds the
+    lock: a probe for the CLI, which fails at once instead of after a Prefect server start.
+    The flow still takes the lock itself (a probe is no reservation)."""
+    path = Path(root) / ".kiln-train.lock"
+    if not path.is_file() or not root_busy(root):
+        return None
+    with _guard:
+        if str(path.resolve()) in _held:
+            return None  # this process's own: root_lock re-enters
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if not os.pread(fd, 1, 0):
+            return None  # an instant's probe by another process, not a holder
+        return _busy_message(Path(root), fd)
     finally:
         os.close(fd)
 

@@ -161,9 +161,6 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         "retrain.min_new_images": 10,
     }  # fmt: skip
     cfg = make_config(tmp_path / "tiny.yaml", root, src, **small)
-    # The first model, trained in this process and promoted: the champion to continue from.
-    first = kiln_pipeline(str(cfg))
-    promote_flow(str(cfg), first=True)
     warm = {**small, "train.init_from_model": "models:/kiln-t2i@champion"}
     retrain = make_config(tmp_path / "retrain.yaml", root, src, **warm)
     data = yaml.safe_load(retrain.read_text())
@@ -171,8 +168,9 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     retrain.write_text(yaml.safe_dump(data))
 
     # The shipped nightly-ingest and weekly-retrain deployments, pointed at the test configs.
-    # The ingest's schedule is made due once, 30 s from now; the retrain keeps its cron (next
-    # Sunday: never due here) and its new-data trigger.
+    # The ingest's schedule is made due once, 30 s from now (after the deploy, before the
+    # first training ends); the retrain keeps its cron (next Sunday: never due here) and its
+    # new-data trigger.
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in spec["deployments"]}
     ingest, weekly = deps["nightly-ingest"], deps["weekly-retrain"]
@@ -193,6 +191,14 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
 
     # 1. The server's scheduler service creates the scheduled ingest by itself.
     _wait("the scheduled ingest run", lambda: _states(api, ingest_id, manual_only=False), 90)
+
+    # Meanwhile the first model is trained in this process and promoted: the champion to
+    # continue from. No worker runs yet, so the scheduled ingest, due during this training,
+    # waits for it (the minutes it takes are not spent idle waiting for the schedule).
+    first = kiln_pipeline(str(cfg))
+    promote_flow(str(cfg), first=True)
+    assert not [r for r in _states(api, ingest_id, manual_only=False)
+                if r["state_type"] not in ("SCHEDULED", "PENDING")], "nothing ran yet"  # fmt: skip
 
     # 2. A real worker, started outside the project folder, runs it (the pull step moves the
     # run into the checkout). Nothing new since the champion's training: no retrain.

@@ -42,7 +42,7 @@ def test_a_second_holder_fails_at_once_and_a_killed_one_frees_the_root(tmp_path)
 
 
 @pytest.mark.integration
-def test_kiln_train_on_a_busy_root_fails_at_once_and_touches_nothing(
+def test_kiln_train_and_run_on_a_busy_root_fail_at_once_and_touch_nothing(
     tmp_path, demo_src, make_config
 ):
     root = tmp_path / "root"
@@ -53,14 +53,25 @@ def test_kiln_train_on_a_busy_root_fails_at_once_and_touches_nothing(
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
     try:
         assert holder.stdout.readline().strip() == "held"
-        proc = subprocess.run(
-            [sys.executable, "-m", "flows.cli", "train", "--config", str(cfg)],
-            capture_output=True, text=True, env=env, timeout=300,
-        )  # fmt: skip
+        procs = [
+            subprocess.run(
+                [sys.executable, "-m", "flows.cli", cmd, "--config", str(cfg)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=300,
+            )  # fmt: skip
+            for cmd in ("train", "run")
+        ]
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)
-    assert proc.returncode == 1, proc.stderr[-2000:]
-    last = [ln for ln in proc.stderr.splitlines() if ln.startswith("kiln: error:")][-1]
-    assert f"is in use by kiln train run-x (pid {holder.pid}" in last
-    assert not (root / "runs").exists() and not (root / "mlflow.db").exists(), "nothing touched"
+    for proc in procs:
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        (line,) = proc.stderr.splitlines()  # one line, no traceback
+        assert line.startswith(f"kiln: error: {root} is in use by kiln train run-x (pid "
+                               f"{holder.pid} on ")  # fmt: skip
+        assert line.endswith("or give this run another storage.root (--root)")
+    # Refused before any flow run: no Prefect server, database or run folder was made.
+    assert not (tmp_path / "prefect").exists(), "a Prefect server was started"
+    assert sorted(p.name for p in root.iterdir()) == [".kiln-train.lock"], "nothing touched"
