@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tasks.lock import RootBusy, root_lock
+from tasks.lock import RootBusy, busy_reason, root_lock
 
 HOLD = """
 import sys, time
@@ -31,12 +31,14 @@ def test_a_second_holder_fails_at_once_and_a_killed_one_frees_the_root(tmp_path)
         assert time.monotonic() - t0 < 5, "fails at once, does not wait"
         msg = str(e.value)
         assert f"kiln train run-x (pid {holder.pid} on" in msg and "another storage.root" in msg
+        assert busy_reason(tmp_path) == msg, "the CLI's probe names the holder the same way"
     finally:
         os.kill(holder.pid, signal.SIGKILL)
         holder.wait(timeout=30)
     # The kernel dropped the dead holder's lock; the same process may nest (a train subflow).
+    assert busy_reason(tmp_path) is None
     with root_lock(tmp_path, "kiln train run-y"), root_lock(tmp_path, "nested train subflow"):
-        pass
+        assert busy_reason(tmp_path) is None, "this process's own lock re-enters"
     with root_lock(tmp_path, "again"):  # released on exit
         pass
 
