@@ -22,6 +22,11 @@ one. Overridden or used here:
 - A shard's `raw_data`, `column_names`, `column_encodings`, `column_sizes`, `dirname` and
   `split`, and `streaming.base.format.mds.encodings._get_coder` (private): the MDS layout,
   read once per shard (`_plan`).
+- `streaming.base.dataset.get_shm_prefix` (the name `StreamingDataset.__init__` calls),
+  replaced for every dataset in a process that imports this module by `agreed_shm_prefix`,
+  which uses the private `_check_self`, `_check_and_find_retrying` and `_get_path`,
+  `_pack_locals` and `_unpack_locals` of `streaming.base.shared.prefix`: the ranks of a node
+  agree on the shared-memory prefix before the local leader registers it.
 """
 
 from __future__ import annotations
@@ -33,9 +38,14 @@ import struct
 from collections import OrderedDict
 
 import numpy as np
+import streaming.base.dataset as _streaming_dataset
 from streaming import StreamingDataset
+from streaming.base.constant import LOCALS, SHM_TO_CLEAN
+from streaming.base.shared import SharedMemory
+from streaming.base.shared import prefix as _prefix
+from torch import distributed as dist
 
-__all__ = ["MDSReader", "release_shared_memory"]
+__all__ = ["MDSReader", "agreed_shm_prefix", "release_shared_memory"]
 
 
 class MDSReader(StreamingDataset):
@@ -256,3 +266,54 @@ def release_shared_memory(dataset: StreamingDataset) -> None:
 
     for v in list(vars(dataset).values()):
         visit(v)
+
+
+def agreed_shm_prefix(streams_local, streams_remote, world, retry: int = 100):
+    """streaming's `get_shm_prefix`, with the ranks of each node agreeing on the prefix.
+
+    streaming has every rank look for the first free shared-memory prefix on its own, before
+    its barrier. When another job on the machine registers one between two ranks' looks, they
+    pick different prefixes, and a non-leader rank fails: "shared memory prefix=N was not
+    registered by local leader" (seen in this test suite, with a dataset of the other test
+    worker's opening at that moment). Here every rank's pick is gathered, and the ranks of a
+    node all take that node's largest, which was free when its rank looked; then, as in
+    streaming, the local leader registers it and the other ranks check it.
+
+    Returns:
+        (the prefix, its `SharedMemory` of the registered locals), as streaming's.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return _prefix.get_shm_prefix(streams_local, streams_remote, world, retry)
+    _prefix._check_self(streams_local)
+    mine = max(
+        _prefix._check_and_find_retrying(streams_local, streams_remote, shm_name=name, retry=retry)
+        for name in SHM_TO_CLEAN
+    )
+    picks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(picks, (world.node, mine))
+    prefix_int = max(p for node, p in picks if node == world.node)
+    name = _prefix._get_path(prefix_int, LOCALS)
+    if world.is_local_leader:
+        data = _prefix._pack_locals(streams_local, prefix_int)
+        shm = SharedMemory(name, True, len(data))
+        shm.buf[: len(data)] = data
+    dist.barrier()
+    if not world.is_local_leader:
+        try:
+            shm = SharedMemory(name, False)
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"shared memory prefix {prefix_int} was not registered by this node's leader "
+                "rank: do all ranks pass the same `local` folders?"
+            ) from None
+        their_locals, their_prefix = _prefix._unpack_locals(bytes(shm.buf))
+        if streams_local != their_locals or prefix_int != their_prefix:
+            raise RuntimeError(
+                f"the leader rank registered {their_locals} at prefix {their_prefix}; this "
+                f"rank expected {streams_local} at {prefix_int}"
+            )
+    return prefix_int, shm
+
+
+# Every StreamingDataset created in this process (MDSReader and plain ones) agrees on its prefix.
+_streaming_dataset.get_shm_prefix = agreed_shm_prefix

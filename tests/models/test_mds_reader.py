@@ -1,6 +1,7 @@
 """The MDS reader (`models.mds_reader`): samples read as views of the mapped shard file."""
 
 import numpy as np
+import pytest
 from streaming import MDSWriter, StreamingDataset
 
 from models.mds_reader import MDSReader
@@ -36,3 +37,75 @@ def test_mapped_reads_match_streamings_reader(tmp_path, tiny_shards):
                     assert bytes(got[k]) == v, (i, k)
                 else:
                     assert got[k] == v, (i, k)
+
+
+# Two ranks over gloo look for a shared-memory prefix, and rank 1 finds rank 0's pick taken (as
+# when another job's dataset registers it between the two looks: it failed this suite once).
+RACE = """
+import json, sys
+from torch import distributed as dist
+dist.init_process_group("gloo")
+from streaming.base.shared import prefix as P
+from streaming.base.world import World
+import models.mds_reader as reader
+
+if dist.get_rank() == 1:
+    look = P._check_and_find_retrying
+    P._check_and_find_retrying = lambda *a, **k: look(*a, **k) + 1
+get = reader.agreed_shm_prefix if sys.argv[1] == "kiln" else P.get_shm_prefix
+try:
+    prefix, shm = get([sys.argv[2]], [None], World.detect())
+    out = {"prefix": prefix}
+except RuntimeError as e:
+    out = {"error": str(e)}
+dist.barrier()
+print(json.dumps(out), flush=True)
+"""
+
+
+@pytest.mark.integration
+def test_ranks_agree_on_the_shared_memory_prefix_when_another_job_takes_one(tmp_path):
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    results = {}
+    for impl in ("streaming", "kiln"):
+        local = tmp_path / impl  # distinct locals: the two runs do not collide
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RACE, impl, str(local)],
+                cwd=repo,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={
+                    **os.environ,
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port),
+                    "WORLD_SIZE": "2",
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r),
+                    "LOCAL_WORLD_SIZE": "2",
+                    "PYTHONPATH": str(repo),
+                },
+            )  # fmt: skip
+            for r in (0, 1)
+        ]
+        outs = [p.communicate(timeout=120) for p in procs]
+        for p, (_, err) in zip(procs, outs, strict=True):
+            assert p.returncode == 0, err[-3000:]
+        results[impl] = [json.loads(out.splitlines()[-1]) for out, _ in outs]
+    # streaming's own: the leader registered its pick, rank 1 looked for another.
+    assert "prefix" in results["streaming"][0]
+    assert "was not registered by local leader" in results["streaming"][1]["error"]
+    # Kiln's: both ranks take the node's largest pick.
+    a, b = results["kiln"]
+    assert a == b and a["prefix"] == results["streaming"][0]["prefix"] + 1
