@@ -18,17 +18,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROMPTS = REPO / "tests" / "data" / "prompts.csv"  # 12 prompts of our own, DrawBench's columns
 
 
-# The slowest files, slowest first (seconds with two workers on 2 cores, 2026-11-24: 401, about
-# 290, 222, 169, 167, 92, 70, 57, 50, 48, 46, 43). `make test` hands whole files to its workers
-# in this order (`--dist loadfile --no-loadscope-reorder`: xdist's default reorder puts the
-# files with the most tests first, which started the one-test learning file last, alone for 5
-# minutes).
+# The slowest files, slowest first (worker-seconds with two workers on 2 cores, 2026-11-24,
+# before the last merges: 278, 175, 165, 158, 135, 80, 66, 53, 43, 40, 38, 35). `make test`
+# hands whole files to its workers in this order (`--dist loadfile --no-loadscope-reorder`:
+# xdist's default reorder puts the files with the most tests first, which started the one-test
+# learning file last, alone for 5 minutes).
 SLOWEST_FIRST = (
     "tests/models/test_train.py",
-    "tests/test_learning.py",
     "tests/test_scheduler.py",
     "tests/test_e2e.py",
     "tests/tasks/test_launch.py",
+    "tests/test_learning.py",
     "tests/flows/test_flows.py",
     "tests/human_eval/test_e2e_rate.py",
     "tests/models/test_validation.py",
