@@ -52,9 +52,8 @@ def _call(
     or a missing file never reaches Prefect. An `exclusive` flow (one that takes the root's
     training lock, tasks/lock.py) fails here too when another process holds it. The flow
     (`"module:name"`) is imported after them: importing the flows (torch, Prefect) takes
-    seconds. The flow gets the validated
-    config, frozen under `<root>/configs/<hash>.yaml` with `--root`/`--source` applied, not the
-    user's file, which may change while it runs.
+    seconds. The flow gets the validated config, frozen under `<root>/configs/<hash>.yaml`
+    with `--root`/`--source` applied, not the user's file, which may change while it runs.
 
     Returns:
         (the validated config, the flow's result).
