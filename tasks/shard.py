@@ -50,8 +50,6 @@ import numpy as np
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from streaming import MDSWriter
-from streaming.base.util import merge_index
 
 from tasks.decode import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.layout import Layout, is_published
@@ -195,6 +193,8 @@ def _write_part(out: Path, uids: list, rendered: dict, rows: dict, r: int, size_
         tokenize = _caption_tokenizer(tokenizer)
         columns.update(token_ids_column(tokenize.max_length))
         ids = tokenize([rows[u]["caption"] for u in uids]).numpy().astype(np.int32)
+    from streaming import MDSWriter  # here, not at import: `import streaming` takes seconds
+
     with MDSWriter(out=str(out), columns=columns, size_limit=size_limit) as w:
         for i, uid in enumerate(uids):
             img, top, left = rendered[uid][r]
@@ -562,6 +562,8 @@ def _merge_and_check(folder: Path, size: tuple[int, int], expected: int,
     """Merge a folder's finished parts into one index.json, then read it back and check it."""
     indexes = sorted(str(p / "index.json") for p in folder.glob("part-*")
                      if (p / "index.json").is_file())  # fmt: skip
+    from streaming.base.util import merge_index
+
     merge_index(indexes, str(folder), keep_local=True, download_timeout=60)
     _check_readback(folder, size, expected, ids_len)
 

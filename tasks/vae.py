@@ -17,7 +17,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from models.config import TrainConfig, VaeComponent
-from models.tiny_vae import ensure_fitted_vae, read_images
 from tasks.layout import Layout
 from tasks.logs import task_logger
 
@@ -46,6 +45,10 @@ def stage_image_folders(layout: Layout, version: str, resolutions: list[int]) ->
 @task(name="fit-vae", cache_policy=NO_CACHE)
 def fit_vae(vae: VaeComponent, root: str, version: str, resolutions: list[int]) -> str:
     """The folder of the VAE fitted on dataset `version` (trained now unless cached)."""
+    # torch and diffusers load here, not when the flows import this module: a flow run that
+    # never fits (a retrain with nothing new) starts seconds sooner.
+    from models.tiny_vae import ensure_fitted_vae, read_images
+
     layout = Layout(Path(root))
     folders = stage_image_folders(layout, version, resolutions)
     out = ensure_fitted_vae(
