@@ -193,8 +193,9 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     _wait("the scheduled ingest run", lambda: _states(api, ingest_id, manual_only=False), 90)
 
     # Meanwhile the first model is trained in this process and promoted: the champion to
-    # continue from. No worker runs yet, so the scheduled ingest, due during this training,
-    # waits for it (the minutes it takes are not spent idle waiting for the schedule).
+    # continue from. No worker runs yet, so the scheduled ingest (due during this training on
+    # a loaded machine, or soon after it) waits for one: the training, not the test, fills
+    # the time until the schedule comes due.
     first = kiln_pipeline(str(cfg))
     promote_flow(str(cfg), first=True)
     assert not [r for r in _states(api, ingest_id, manual_only=False)
