@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from models.process_exit import run_then_exit
+
 __all__ = ["main"]
 
 log = logging.getLogger("kiln.healthcheck")
@@ -59,4 +61,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)  # without interpreter teardown: models/process_exit.py
