@@ -17,43 +17,48 @@ import csv
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-import torch
 from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from models.config import EvalMetricsConfig
-from models.eval_metrics import (
-    FID_RESIZE,
-    MetricUnavailable,
-    clip_resize,
-    clip_score,
-    decode_images,
-    fid,
-    hub_snapshot,
-    images_as_uint8,
-    load_clip,
-    load_inception,
-    read_val_split,
-    weights_sha256,
-)
 from tasks.launch import launch_generate
 from tasks.layout import is_published
 from tasks.logs import task_logger
 from tasks.registry import artifacts_url
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["compute_study_metrics", "log_study_metrics", "metrics_lineage", "metrics_report"]
 
 
+# torch and models.eval_metrics are imported where the metrics are computed: every flow-run
+# process that imports flows.evaluate (a deployment's pipeline or retrain) would otherwise pay
+# about 2 s of torch's import before its first step.
+
+
 def _device() -> torch.device:
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
     if not name:
         return {"skipped": "evaluate.metrics.clip_model is not set (a local CLIP folder or hub id)"}
+    from models.eval_metrics import (
+        clip_resize,
+        clip_score,
+        hub_snapshot,
+        images_as_uint8,
+        load_clip,
+        weights_sha256,
+    )
+
     model, processor = load_clip(name)
     model.to(_device())
     images = images_as_uint8(study_dir / it["path"] for it in items)
@@ -76,6 +81,17 @@ def _write_captions(path: Path, captions: list[str]) -> None:
 
 def _fid(study_dir: Path, cfg: EvalMetricsConfig, val_dir: Path, generate: dict,
          feature: torch.nn.Module | None) -> dict:  # fmt: skip
+    from models.eval_metrics import (
+        FID_RESIZE,
+        MetricUnavailable,
+        decode_images,
+        fid,
+        images_as_uint8,
+        load_inception,
+        read_val_split,
+        weights_sha256,
+    )
+
     if feature is not None:
         weights = {"weights": f"given module {type(feature).__name__}", "sha256": None}
         resize = "the given feature module's own"
@@ -127,6 +143,10 @@ def compute_study_metrics(
         fid_feature: FID's feature extractor instead of the Inception weights (an nn.Module
             with `num_features`, taking uint8 images): a seam for tests and other networks.
     """
+    import torch
+
+    from models.eval_metrics import MetricUnavailable
+
     log = task_logger(__name__)
     study = Path(study_dir)
     result: dict = {"study_id": study.name}
