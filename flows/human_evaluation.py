@@ -106,11 +106,11 @@ def create_comparison_task(
     name: str | None, seed: int,
 ) -> str:  # fmt: skip
     """Create (or find) the comparison; idempotent, so a retried flow reuses it."""
-    store = RatingStore.open(root, url)
-    cid, created = create_comparison(
-        store, load_study(study_a, root), load_study(study_b, root),
-        raters_per_pair=k, gold=gold, name=name, seed=seed,
-    )  # fmt: skip
+    with RatingStore.open(root, url) as store:
+        cid, created = create_comparison(
+            store, load_study(study_a, root), load_study(study_b, root),
+            raters_per_pair=k, gold=gold, name=name, seed=seed,
+        )  # fmt: skip
     get_run_logger().info("comparison %s %s", cid, "created" if created else "exists")
     return cid
 
@@ -119,14 +119,14 @@ def create_comparison_task(
 def wait_for_votes(root: str, url: str | None, cid: str, wait_s: float, poll_s: float) -> dict:
     """Poll the store until every pair has K votes or `wait_s` has passed."""
     log = get_run_logger()
-    store = RatingStore.open(root, url)
     deadline = time.monotonic() + wait_s
-    while True:
-        done, target = store.progress(cid)
-        if done >= target or time.monotonic() >= deadline:
-            break
-        log.info("%s: %d of %d votes; next check in %.0f s", cid, done, target, poll_s)
-        time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+    with RatingStore.open(root, url) as store:
+        while True:
+            done, target = store.progress(cid)
+            if done >= target or time.monotonic() >= deadline:
+                break
+            log.info("%s: %d of %d votes; next check in %.0f s", cid, done, target, poll_s)
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
     if done < target:
         log.warning("%s: deadline reached with %d of %d votes; reporting those", cid, done,
                     target)  # fmt: skip
@@ -135,9 +135,10 @@ def wait_for_votes(root: str, url: str | None, cid: str, wait_s: float, poll_s: 
 
 @task(name="build-human-eval-report", cache_policy=NO_CACHE)
 def report_task(root: str, url: str | None, cid: str, min_gold: float, n: int, seed: int) -> dict:
-    store = RatingStore.open(root, url)
     out = Path(root) / "human_eval" / cid
-    return build_report(store, cid, out, min_gold_accuracy=min_gold, n_resamples=n, seed=seed)
+    with RatingStore.open(root, url) as store:
+        return build_report(store, cid, out, min_gold_accuracy=min_gold, n_resamples=n,
+                            seed=seed)  # fmt: skip
 
 
 def _with_human_eval(description: str | None, report: dict) -> str:

@@ -51,7 +51,9 @@ def _load(config_path: str, root: str | None):
         cfg = load_config(config_path, root=root)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    return cfg, RatingStore.open(cfg.storage.root, cfg.human_eval.database_url)
+    store = RatingStore.open(cfg.storage.root, cfg.human_eval.database_url)
+    click.get_current_context().call_on_close(store.close)  # however the command ends
+    return cfg, store
 
 
 @click.command()

@@ -202,7 +202,15 @@ class RatingStore:
         return cls(url or default_url(root))
 
     def close(self) -> None:
+        """Close the connections: on SQLite, the last one folds the write-ahead log back into
+        the database file, so that a copy of `ratings.db` alone holds every vote."""
         self.engine.dispose()
+
+    def __enter__(self) -> RatingStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @contextmanager
     def session(self) -> Iterator[Session]:

@@ -1,30 +1,34 @@
 """End a finished command's process without Python's interpreter teardown.
 
 Python's teardown clears every module that torch, diffusers, transformers, streaming and
-MLflow have imported, one object at a time: about 1-1.5 CPU-seconds per process, measured on
-2 CPU cores, against 0.1 s for `os._exit`. Every stage, generation and precompute launch pays
-it once per rank, and a short training stage or a CLI command spends more time tearing down
-than training or working. `run_then_exit` keeps what teardown does that matters and skips the
-rest:
+MLflow have imported, one object at a time: about 1.3 CPU-seconds per process on this
+project's 2-core machine (benchmarks/process_exit.py). Every stage, generation and precompute
+launch pays it once per rank, and a short training stage or a CLI command spends more time
+tearing down than training or working. `run_then_exit` keeps what Python's exit does that
+matters and skips the rest:
 
 - threads are shut down as Python does it: the `threading` exit callbacks run (executors
   and streaming's prepare threads are told to stop), then non-daemon threads are joined;
 - every `atexit` callback runs, in Python's order: MLflow ending its runs and flushing
   asynchronous logging, streaming unlinking its shared memory, multiprocessing reaping its
   children, logging flushing its handlers;
-- the standard streams are flushed.
+- one garbage collection, as Python's exit runs before the teardown: what only cyclic garbage
+  still holds is closed (an unclosed SQLite connection, whose write-ahead log would stay);
+- the standard streams are flushed (a failed flush makes the status 120, as Python's).
 
-What is skipped is freeing memory the kernel reclaims anyway. Only a `main` that returns
-takes this path: an exception leaves as usual, with its traceback and exit status 1.
+What is skipped is freeing memory the kernel reclaims anyway. Only a `main` that returns or
+raises `SystemExit` takes this path: another exception leaves as usual, with its traceback
+and exit status 1.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
+import gc
 import os
 import sys
 import threading
+import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -43,15 +47,29 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
         code = 0
     except SystemExit as e:
         code = e.code
-    # The two steps Python's own finalization takes first (Py_FinalizeEx): `_shutdown` runs
-    # the callbacks of `threading._register_atexit` and then joins non-daemon threads; joining
-    # them without those callbacks would wait forever on an executor still referenced.
-    threading._shutdown()
-    atexit._run_exitfuncs()
     if code is not None and not isinstance(code, int):  # SystemExit("message"), as Python
-        sys.stderr.write(f"{code}\n")
+        if sys.stderr is not None:
+            sys.stderr.write(f"{code}\n")
         code = 1
+    # The steps Python's own exit takes before it tears down modules (Py_FinalizeEx):
+    # `_shutdown` runs the callbacks of `threading._register_atexit`, then joins non-daemon
+    # threads (joining them without those callbacks would wait forever on an executor still
+    # referenced); the `atexit` callbacks; a garbage collection, which closes what only
+    # cyclic garbage still holds (a SQLAlchemy engine's SQLite connection, say: unclosed, its
+    # write-ahead log is left beside the database).
+    try:
+        threading._shutdown()
+    except BaseException:  # as Python's exit: reported, and the exit goes on
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    gc.collect()
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # closed, or a broken pipe
+        if stream is None:  # started with the stream closed
+            continue
+        try:
             stream.flush()
-    os._exit(code or 0)
+        except ValueError:  # closed by the program
+            pass
+        except OSError:  # a broken pipe, a full disk: output was lost, as Python says
+            code = code or 120
+    os._exit((code or 0) & 0xFF)
