@@ -60,7 +60,8 @@ def run_then_exit(main: Callable[[], object]) -> NoReturn:
     try:
         threading._shutdown()
     except BaseException:  # as Python's exit: reported, and the exit goes on
-        traceback.print_exc()
+        if sys.stderr is not None:
+            traceback.print_exc()
     atexit._run_exitfuncs()
     gc.collect()
     for stream in (sys.stdout, sys.stderr):
