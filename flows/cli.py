@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 
 from flows.cli_options import CONFIG, ROOT
-from models.process_exit import run_then_exit
+from tasks.process_exit import run_then_exit
 
 __all__ = ["main"]
 

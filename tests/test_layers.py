@@ -33,10 +33,7 @@ def test_imports_point_down(layer):
             if mod in OURS:
                 assert mod in ALLOWED[layer], f"{path.relative_to(REPO)} imports {mod}"
             if layer == "flows" and mod == "models":
-                # The orchestrator shares the train schema only, and the process exit of a
-                # finished command (standard library only); it never runs ML code.
-                assert full in ("models.config", "models.process_exit"), (
-                    f"{path.relative_to(REPO)} imports {full}"
-                )
+                # The orchestrator shares the train schema only; it never runs ML code.
+                assert full == "models.config", f"{path.relative_to(REPO)} imports {full}"
             if layer in ("models", "data_quality", "human_eval"):
                 assert mod != "prefect", f"{path.relative_to(REPO)} imports prefect"
