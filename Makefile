@@ -62,7 +62,6 @@ benchmark: $(STAMP)
 	$(BIN)/python benchmarks/ingest.py --out benchmarks/results/ingest.json
 	$(BIN)/python benchmarks/loader.py --out benchmarks/results/loader.json
 	$(BIN)/python benchmarks/train_throughput.py --out benchmarks/results/train_throughput_cpu.json --steps 12
-	$(BIN)/python benchmarks/process_exit.py --out benchmarks/results/process_exit.json
 
 clean:
 	rm -rf kiln-data $(DEMO_DATA) .pytest_cache

@@ -18,7 +18,6 @@ from pathlib import Path
 import click
 
 from flows.cli_options import CONFIG, ROOT
-from tasks.process_exit import run_then_exit
 
 __all__ = ["main"]
 
@@ -485,10 +484,8 @@ _add_human_eval_commands()
 
 
 def entry() -> None:
-    """The `kiln` console script: `main`, then the process ends without Python's interpreter
-    teardown of the modules a command imported (0.4 s for a Prefect-only command, 1.3 s once
-    torch is in; models/process_exit.py, benchmarks/process_exit.py)."""
-    run_then_exit(main)
+    """The `kiln` console script."""
+    main()
 
 
 if __name__ == "__main__":

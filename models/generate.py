@@ -20,7 +20,6 @@ import torch
 from accelerate import PartialState
 from diffusers import StableDiffusionPipeline
 
-from models.process_exit import run_then_exit
 from models.tokenization import truncate_prompts
 
 __all__ = ["generate_images", "load_pipeline", "main", "read_prompts"]
@@ -144,4 +143,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(main)  # without interpreter teardown: models/process_exit.py
+    main()

@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from models.process_exit import run_then_exit
 
 __all__ = ["main"]
 
@@ -61,4 +60,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(main)  # without interpreter teardown: models/process_exit.py
+    main()

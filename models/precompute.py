@@ -36,7 +36,6 @@ from models.config import StageRun, load_yaml_model
 from models.decoding import decode_pixels
 from models.factory import build_components
 from models.loader import dataset_buckets
-from models.process_exit import run_then_exit
 from models.stale_streaming_files import clean_stale_streaming
 
 __all__ = ["LATENT_COLUMNS", "encode_batch", "main"]
@@ -168,4 +167,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(main)  # without interpreter teardown: models/process_exit.py
+    main()

@@ -47,7 +47,6 @@ from models.flops import device_peak_flops, device_stats, train_flops_per_sample
 from models.loader import build_loader, precomputed_columns
 from models.loss import denoising_loss
 from models.metrics import MetricsSink, system_metrics
-from models.process_exit import run_then_exit
 from models.samples import maybe_sample_grid, sample_grid, sample_grids
 from models.stale_streaming_files import clean_stale_streaming
 from models.validation import build_validator
@@ -527,4 +526,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(main)  # without interpreter teardown: models/process_exit.py
+    main()

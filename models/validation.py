@@ -49,7 +49,6 @@ from models.collation import KilnCollate
 from models.decoding import width_height
 from models.loader import TRAINING_COLUMNS, ImageCaptionDataset, _stored_ids_match, dataset_buckets
 from models.loss import diffusion_target, encode_latents, encode_text
-from models.process_exit import run_then_exit
 
 __all__ = [
     "EvalSet",
@@ -439,4 +438,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_then_exit(main)  # without interpreter teardown: models/process_exit.py
+    main()

@@ -37,3 +37,34 @@ def test_imports_point_down(layer):
                 assert full == "models.config", f"{path.relative_to(REPO)} imports {full}"
             if layer in ("models", "data_quality", "human_eval"):
                 assert mod != "prefect", f"{path.relative_to(REPO)} imports prefect"
+
+
+# Entry points exit as Python does: a private CPython exit hook or os._exit skips the
+# interpreter's teardown (atexit order, buffered files, SQLite's WAL) for no lasting gain.
+PRIVATE_EXITS = {
+    ("threading", "_shutdown"),
+    ("atexit", "_run_exitfuncs"),
+    ("atexit", "_clear"),
+    ("os", "_exit"),
+    ("sys", "_exit"),
+}
+
+
+def _product_files():
+    yield REPO / "kiln_pyfunc.py"
+    for layer in sorted(ALLOWED):
+        yield from (REPO / layer).rglob("*.py")
+
+
+def test_no_private_interpreter_exit():
+    for path in _product_files():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                hit = (node.value.id, node.attr) in PRIVATE_EXITS
+                where = f"{path.relative_to(REPO)}:{node.lineno}"
+                assert not hit, f"{where} uses {node.value.id}.{node.attr}"
+            if isinstance(node, ast.ImportFrom) and node.module in {"os", "threading", "atexit"}:
+                for a in node.names:
+                    hit = (node.module, a.name) in PRIVATE_EXITS
+                    assert not hit, f"{path.relative_to(REPO)}:{node.lineno} imports {a.name}"
