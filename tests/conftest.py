@@ -18,38 +18,42 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROMPTS = REPO / "tests" / "data" / "prompts.csv"  # 12 prompts of our own, DrawBench's columns
 
 
-# The slowest files, slowest first (worker-seconds with two workers on 2 cores, 2026-11-24,
-# before the last merges: 278, 175, 165, 158, 135, 80, 66, 53, 43, 40, 38, 35). `make test`
-# hands whole files to its workers in this order (`--dist loadfile --no-loadscope-reorder`:
-# xdist's default reorder puts the files with the most tests first, which started the one-test
-# learning file last, alone for 5 minutes).
-SLOWEST_FIRST = (
-    "tests/models/test_train.py",
-    "tests/test_scheduler.py",
-    "tests/test_e2e.py",
-    "tests/tasks/test_launch.py",
-    "tests/test_learning.py",
-    "tests/flows/test_flows.py",
-    "tests/human_eval/test_e2e_rate.py",
-    "tests/models/test_validation.py",
-    "tests/flows/test_evaluate_metrics.py",
-    "tests/models/test_tiny_vae.py",
-    "tests/flows/test_retrain.py",
-    "tests/flows/test_run_config.py",
-)
+def _weight(item) -> int:
+    """0 for end-to-end tests, 1 for integration tests, 2 for the rest (their markers)."""
+    if item.get_closest_marker("e2e"):
+        return 0
+    return 1 if item.get_closest_marker("integration") else 2
 
 
 def pytest_collection_modifyitems(config, items):
-    """The slowest files first, longest first, then the rest in their usual order: a
-    scheduling hint for the two workers (a long file that starts last runs alone at the end).
-    The sort is stable, so each file's tests stay together and in order."""
+    """End-to-end files first, then integration files, then unit tests: a scheduling hint for
+    the test workers (`--dist loadfile --no-loadscope-reorder` hands out whole files in this
+    order), so that a long file never starts last and runs alone at the end. It reads only the
+    markers the tests carry anyway; the sort is stable, so each file's tests stay together."""
+    weight: dict = {}
+    for item in items:
+        weight[item.path] = min(weight.get(item.path, 2), _weight(item))
+    items.sort(key=lambda item: weight[item.path])
 
-    def rank(item) -> int:
-        path = item.path.resolve()
-        rel = path.relative_to(REPO).as_posix() if path.is_relative_to(REPO) else ""
-        return SLOWEST_FIRST.index(rel) if rel in SLOWEST_FIRST else len(SLOWEST_FIRST)
 
-    items.sort(key=rank)
+# A module or session fixture that fails is re-raised, with its whole traceback, in every test
+# that uses it. The first such test reports it in full; the others say where to look.
+_FAILED_FIXTURES: dict[int, tuple[BaseException, str]] = {}
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if call.when != "setup" or call.excinfo is None or not report.failed:
+        return report
+    exc = call.excinfo.value
+    first = _FAILED_FIXTURES.setdefault(id(exc), (exc, item.nodeid))[1]
+    if first != item.nodeid:
+        report.longrepr = (
+            f"a shared fixture failed before this test ran, in {first} (its traceback is "
+            f"reported there): {call.excinfo.exconly().splitlines()[0][:300]}"
+        )
+    return report
 
 
 @pytest.fixture(scope="session")
@@ -123,6 +127,15 @@ def landing_src(tmp_path, demo_src):
     return src, land
 
 
+TEST_STAGES = [
+    {"resolution": 32, "batch_size": 8, "learning_rate": 5.0e-4, "max_steps": 12,
+     "warmup_steps": 2},
+    {"resolution": 48, "batch_size": 8, "learning_rate": 3.0e-4, "max_steps": 8},
+    {"resolution": 64, "batch_size": 4, "learning_rate": 2.0e-4, "max_steps": 8,
+     "gradient_accumulation_steps": 2},
+]  # fmt: skip
+
+
 def _write_tiny_config(
     path: Path, root: Path, source: Path | str, prompts: Path, **overrides
 ) -> Path:
@@ -136,6 +149,12 @@ def _write_tiny_config(
     # every test that trains in a root of its own): 30 steps give a VAE that works, and no test
     # here judges image quality (the learning test runs the preset's own fit).
     cfg["train"]["model"]["vae"]["fit"]["steps"] = 30
+    # The tests check mechanics, not what the model draws: a few steps per stage (the preset
+    # trains long enough for its samples to follow their captions; tests/test_newcomer.py
+    # runs it as `make demo` does).
+    cfg["train"] |= {"stages": TEST_STAGES, "checkpoint_every": 10, "eval_every": 10,
+                     "log_every": 5}  # fmt: skip
+    cfg["evaluate"]["num_inference_steps"] = 4
     for dotted, value in overrides.items():
         node = cfg
         *parents, leaf = dotted.split(".")

@@ -1,0 +1,49 @@
+"""The suite's own hooks (tests/conftest.py): file order by marker, one report per failed
+shared fixture. Run in a separate pytest process on a folder of its own."""
+
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _pytest(folder: Path, *args: str) -> str:
+    shutil.copy(REPO / "tests" / "conftest.py", folder / "conftest.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
+         "--rootdir", str(folder), "-c", "/dev/null", *args, str(folder)],
+        capture_output=True, text=True, cwd=folder, timeout=120,
+    )  # fmt: skip
+    return proc.stdout + proc.stderr
+
+
+def test_a_failed_module_fixture_is_reported_once(tmp_path):
+    (tmp_path / "test_shared.py").write_text(textwrap.dedent("""
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def expensive():
+            raise RuntimeError("the shared run failed: exit 1")
+
+        def test_one(expensive): pass
+        def test_two(expensive): pass
+        def test_three(expensive): pass
+    """))
+    out = _pytest(tmp_path, "-q")
+    assert "3 errors" in out, out
+    assert out.count('raise RuntimeError("the shared run failed') == 1, out
+    assert out.count("a shared fixture failed before this test ran, in") == 2, out
+    assert "test_shared.py::test_one (its traceback is reported there)" in out
+
+
+def test_files_run_end_to_end_first_then_integration_then_unit(tmp_path):
+    marks = {"a_unit": "", "b_integration": "integration", "c_e2e": "e2e"}
+    for name, mark in marks.items():
+        head = f"import pytest\npytestmark = pytest.mark.{mark}\n" if mark else ""
+        (tmp_path / f"test_{name}.py").write_text(head + "def test_it():\n    pass\n")
+    out = _pytest(tmp_path, "-v", "-o", "markers=e2e\nintegration")
+    order = [ln.split("::")[0] for ln in out.splitlines() if "::test_it PASSED" in ln]
+    assert order == ["test_c_e2e.py", "test_b_integration.py", "test_a_unit.py"], out
