@@ -5,12 +5,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kiln-installed
 DEMO_DATA ?= demo-data
 CONFIG ?= configs/tiny.yaml
-# The DrawBench prompts: a copy beside the checkout when there is one (this team's CI has
-# ../shared); otherwise Kiln fetches them once from the Hugging Face Hub (tasks/prompts.py).
-KILN_DRAWBENCH_CSV ?= $(wildcard $(abspath ../shared/data/drawbench.csv))
-export KILN_DRAWBENCH_CSV
 
-.PHONY: install chromium demo test test-fast lint format benchmark clean
+.PHONY: install chromium demo demo-compare test test-fast lint format benchmark clean
 
 # Create the venv if missing and install the project with the pinned constraints.
 $(STAMP): pyproject.toml constraints.txt
@@ -22,8 +18,28 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kiln demo-data $(DEMO_DATA) --n 60
+	$(BIN)/kiln demo-data $(DEMO_DATA) --n 400
 	$(BIN)/kiln run --config $(CONFIG) --source $(DEMO_DATA)
+
+# After `make demo`: a second model, the tiny preset stopped early (configs/tiny-short.yaml), its
+# study on the same prompts, and a blind A/B comparison of the demo's model (A) with it (B).
+# Prints the rating links, then serves the rating app until Ctrl-C; the last lines say how to
+# read the result.
+RATERS ?= 1
+demo-compare: $(STAMP)
+	$(BIN)/kiln train --config configs/tiny-short.yaml
+	@set -e; \
+	short=$$($(BIN)/kiln evaluate --config configs/tiny-short.yaml \
+		| $(BIN)/python -c 'import json, sys; print(json.load(sys.stdin)["study_id"])'); \
+	cid=$$($(BIN)/kiln compare --config $(CONFIG) --a models:/kiln-t2i@candidate --b $$short \
+		--raters-per-pair $(RATERS)); \
+	echo; echo "Blind comparison $$cid: the demo's model against the one trained a tenth as long."; \
+	echo "Rating links (one per rater; the app serves them below):"; \
+	$(BIN)/kiln rate invite --config $(CONFIG) --comparison $$cid --raters $(RATERS); \
+	echo "Vote on about 30 pairs (keys 1, 2, 3 and Enter), then in another terminal:"; \
+	echo "  $(BIN)/kiln rate report --config $(CONFIG) --comparison $$cid"; \
+	echo "and open kiln-data/human_eval/$$cid/preference.png. Ctrl-C stops the app."; \
+	$(BIN)/kiln rate serve --config $(CONFIG)
 
 # The rating app's browser test drives Debian's Chromium through Playwright (Playwright's own
 # browser download needs the network). Installed here when missing, where apt-get exists.

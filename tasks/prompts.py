@@ -1,7 +1,8 @@
-"""The DrawBench prompts: a given CSV, or a public copy fetched once from the Hugging Face Hub.
+"""The evaluation prompts: a given CSV, or DrawBench fetched once from the Hugging Face Hub.
 
-Kiln does not ship the 200 DrawBench prompts (Saharia et al. 2022). `evaluate.prompts_csv`
-names a local CSV (columns `Prompts,Category`) when a team has one; when it is unset, Kiln
+`evaluate.prompts_csv` names a local CSV (columns `Prompts,Category`): the tiny preset's own
+prompts (`configs/prompts/tiny.csv`, shipped with Kiln), or a team's file. Kiln does not ship
+the 200 DrawBench prompts (Saharia et al. 2022); when `evaluate.prompts_csv` is unset, Kiln
 reads `KILN_DRAWBENCH_CSV` if that names a file (the Makefile points it at a copy beside the
 checkout when there is one), and otherwise fetches the parquet conversion of the public
 dataset `shunk031/DrawBench` with `huggingface_hub` on first use. The hub's cache keeps the
