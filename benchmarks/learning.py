@@ -135,7 +135,7 @@ def _curve(metrics: Path, out: Path) -> None:
 def _vae_round_trip(pipeline: Path, n: int, side: int, seed: int = 20_011) -> dict:
     """Caption faithfulness of demo images after the pipeline's VAE alone (encode, decode the
     posterior mean): the ceiling for the generated images' scores. A colour the VAE loses
-    cannot come out of the UNet either (issue 16: at 400 fit steps it lost most). Clean
+    cannot come out of the UNet either (at 400 fit steps it lost most). Clean
     renders at the stage's side, without the JPEG and resize of the shards: a slightly
     optimistic ceiling."""
     import numpy as np
@@ -293,7 +293,7 @@ def _run(work: Path, size: dict, args) -> dict:
             "val_loss_drop": ">= 0.30",
             "cond_gap_ci_low": "> 0",
             "colour_match": "clearly above colour_match_chance",
-            "background_match": "reported (not an aim of issue 16)",
+            "background_match": "reported (not an aim)",
             "vae_round_trip_colour_match": "reported: the ceiling for colour_match",
             "plan_over_actual": "within 0.9..1.1",
         },

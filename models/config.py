@@ -324,7 +324,7 @@ class TrainConfig(Strict):
         description="Peak TFLOP/s per device for MFU; default a GPU table or a "
         "measured matmul peak on CPU.",
     )
-    # -- the learning signal (issue 16): held-out loss and sample grids while training --
+    # -- the learning signal: held-out loss and sample grids while training --
     eval_every: int | None = Field(
         500,
         gt=0,

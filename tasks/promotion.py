@@ -41,7 +41,7 @@ __all__ = [
 CHAMPION = "champion"
 PREVIOUS = "previous-champion"
 QUESTIONS = ("quality", "alignment")
-VAL_LOSS = "ema/val/loss"  # the training run's held-out loss (issue 16), when both have it
+VAL_LOSS = "ema/val/loss"  # the training run's held-out loss, when both have it
 
 
 class PromotionRefused(RuntimeError):
