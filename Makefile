@@ -25,6 +25,8 @@ demo: $(STAMP)
 # study on the same prompts, and a blind A/B comparison of the demo's model (A) with it (B).
 # Prints the rating links, then serves the rating app until Ctrl-C; the last lines say how to
 # read the result.
+# RATE_PORT: the app's port (default: the config's human_eval.port); GOLD: attention checks per
+# rater (default: the config's human_eval.gold_per_rater).
 RATERS ?= 1
 demo-compare: $(STAMP)
 	$(BIN)/kiln train --config configs/tiny-short.yaml
@@ -32,14 +34,15 @@ demo-compare: $(STAMP)
 	short=$$($(BIN)/kiln evaluate --config configs/tiny-short.yaml \
 		| $(BIN)/python -c 'import json, sys; print(json.load(sys.stdin)["study_id"])'); \
 	cid=$$($(BIN)/kiln compare --config $(CONFIG) --a models:/kiln-t2i@candidate --b $$short \
-		--raters-per-pair $(RATERS)); \
+		--raters-per-pair $(RATERS) $(if $(GOLD),--gold $(GOLD))); \
 	echo; echo "Blind comparison $$cid: the demo's model against the one trained a tenth as long."; \
 	echo "Rating links (one per rater; the app serves them below):"; \
-	$(BIN)/kiln rate invite --config $(CONFIG) --comparison $$cid --raters $(RATERS); \
+	$(BIN)/kiln rate invite --config $(CONFIG) --comparison $$cid --raters $(RATERS) \
+		$(if $(RATE_PORT),--port $(RATE_PORT)); \
 	echo "Vote on about 30 pairs (keys 1, 2, 3 and Enter), then in another terminal:"; \
 	echo "  $(BIN)/kiln rate report --config $(CONFIG) --comparison $$cid"; \
 	echo "and open kiln-data/human_eval/$$cid/preference.png. Ctrl-C stops the app."; \
-	$(BIN)/kiln rate serve --config $(CONFIG)
+	$(BIN)/kiln rate serve --config $(CONFIG) $(if $(RATE_PORT),--port $(RATE_PORT))
 
 # The rating app's browser test drives Debian's Chromium through Playwright (Playwright's own
 # browser download needs the network). Installed here when missing, where apt-get exists.

@@ -21,7 +21,8 @@ def _pytest(folder: Path, *args: str) -> str:
 
 
 def test_a_failed_module_fixture_is_reported_once(tmp_path):
-    (tmp_path / "test_shared.py").write_text(textwrap.dedent("""
+    (tmp_path / "test_shared.py").write_text(
+        textwrap.dedent("""
         import pytest
 
         @pytest.fixture(scope="module")
@@ -31,7 +32,8 @@ def test_a_failed_module_fixture_is_reported_once(tmp_path):
         def test_one(expensive): pass
         def test_two(expensive): pass
         def test_three(expensive): pass
-    """))
+    """)
+    )
     out = _pytest(tmp_path, "-q")
     assert "3 errors" in out, out
     assert out.count('raise RuntimeError("the shared run failed') == 1, out

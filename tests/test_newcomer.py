@@ -1,10 +1,11 @@
 """A newcomer's first commands on a fresh clone, with nothing beside it.
 
 The team's own checkout may have `../shared` beside it; a newcomer's has not. This clones the
-repository's committed HEAD into an empty folder and runs the clone's own code (PYTHONPATH) with the current interpreter, so a
-file the repository needs but does not hold, or a path outside it, fails here first. Each
-fail-fast check must end in one `kiln: error:` line, without a traceback and without starting
-Prefect.
+repository's committed HEAD into an empty folder and runs the clone's own code (PYTHONPATH)
+with the current interpreter, so a file the repository needs but does not hold, or a path
+outside it, fails here first. Each fail-fast check must end in one `kiln: error:` line,
+without a traceback and without starting Prefect. The end-to-end tests run `make demo` and
+`make demo-compare` there, offline.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -163,36 +165,47 @@ def _faithfulness(study: list[tuple[str, np.ndarray]]) -> dict:
     return faithfulness([im for _, im in kept], [p for p, _ in kept])
 
 
-@pytest.mark.e2e
-def test_make_demo_runs_offline_and_its_study_follows_the_prompts(clone, tmp_path):
-    """`make demo` in the fresh clone (its own recipe, with the clone's code behind `kiln`),
-    offline and with empty caches, to a registered model; then the study it ends with is
-    compared with one of the same pipeline whose UNet is untrained."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("KILN_DRAWBENCH_CSV", "PYTHONPATH") and not k.startswith("PREFECT_")}
-    env |= {"PYTHONPATH": str(clone), "PREFECT_HOME": str(tmp_path / "prefect-home"),
-            "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
-            "HF_HUB_OFFLINE": "1"}  # fmt: skip
-    # `kiln` as the Makefile calls it, $(BIN)/kiln: the clone's code on this interpreter. The
-    # stamp stands for the venv that `make install` would create (this one).
-    shim = tmp_path / "bin"
+def _offline_env(tmp_path: Path, clone: Path) -> dict:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("KILN_DRAWBENCH_CSV", "PYTHONPATH") and not k.startswith("PREFECT_")
+    }
+    return env | {"PYTHONPATH": str(clone), "PREFECT_HOME": str(tmp_path / "prefect-home"),
+                  "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
+                  "HF_HUB_OFFLINE": "1"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def made_demo(clone, tmp_path_factory) -> dict:
+    """`make demo` in the fresh clone: its own recipe, offline, with empty caches. `kiln` and
+    `python` are the Makefile's $(BIN)/kiln and $(BIN)/python, the clone's code on this
+    interpreter; the stamp stands for the venv `make install` would create (this one)."""
+    tmp = tmp_path_factory.mktemp("demo")
+    env = _offline_env(tmp, clone)
+    shim = tmp / "bin"
     shim.mkdir()
     (shim / "kiln").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m flows.cli "$@"\n')
     (shim / "kiln").chmod(0o755)
-    (tmp_path / "stamp").touch()
-    proc = subprocess.run(
-        ["make", "demo", f"BIN={shim}", f"STAMP={tmp_path / 'stamp'}"], cwd=clone, env=env,
-        capture_output=True, text=True, timeout=1500,
-    )  # fmt: skip
+    (shim / "python").symlink_to(sys.executable)
+    (tmp / "stamp").touch()
+    make = ["make", f"BIN={shim}", f"STAMP={tmp / 'stamp'}"]
+    proc = subprocess.run([*make, "demo"], cwd=clone, env=env, capture_output=True, text=True,
+                          timeout=1500)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = proc.stdout
-    start = out.index("{\n  \"ingest\"")
-    result = json.loads(out[start : out.index("\nKiln pipeline finished")])
+    result = json.loads(out[out.index('{\n  "ingest"') : out.index("\nKiln pipeline finished")])
+    return {"result": result, "env": env, "make": make, "tmp": tmp}
+
+
+@pytest.mark.e2e
+def test_make_demo_ends_with_a_study_that_follows_its_prompts(clone, made_demo, tmp_path):
+    """The registered model's study, against one of the same pipeline with an untrained UNet."""
+    result, env = made_demo["result"], made_demo["env"]
     assert result["model"]["version"] and result["model"]["alias"] == "candidate"
     trained = _study(Path(result["study"]["path"]))
     assert len(trained) == 36, "one image per shipped prompt"
 
-    # The same pipeline with a freshly initialised UNet, evaluated as any folder is.
     from diffusers import UNet2DConditionModel
 
     untrained_dir = tmp_path / "untrained"
@@ -215,9 +228,98 @@ def test_make_demo_runs_offline_and_its_study_follows_the_prompts(clone, tmp_pat
     # Different pictures for different prompts, well above the 10-20 of 255 of a model that
     # draws one picture whatever it is asked (DrawBench's prompts on this preset).
     assert spread["trained"] > 40
-    # The pictures follow the prompts: the named background and colours, far above an
-    # untrained UNet's, and above chance (each image against another prompt).
+    # The pictures follow the prompts: the named background, far above an untrained UNet's
+    # and above chance (each image against another prompt).
     t, u = score["trained"], score["untrained"]
     assert t["background_match"] >= 0.8 and t["background_match"] > u["background_match"] + 0.3
     assert t["background_match"] > t["background_match_chance"] + 0.3
-    assert t["colour_match"] > u["colour_match"]
+
+
+def _judge(prompt: str, left: Image.Image, right: Image.Image) -> str:
+    """A scripted rater's key: the image that shows the prompt's background and colours
+    (1: left, 2: right), or 3 (indifferent) when neither does better or the prompt is not in
+    the demo captions' form."""
+    from tasks.faithfulness import parse_caption, score_image
+
+    try:
+        parse_caption(prompt)
+    except ValueError:
+        return "3"
+    a, b = (score_image(im, prompt) for im in (left, right))
+    sa, sb = (2 * s.background_match + s.colour_match for s in (a, b))
+    return "1" if sa > sb else "2" if sb > sa else "3"
+
+
+@pytest.mark.e2e
+def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, made_demo):
+    """`make demo-compare` after `make demo`: it trains the short model, opens the comparison
+    and serves it; Chromium votes through every pair, as a rater who prefers the image that
+    shows what the prompt names (no attention checks: GOLD=0); the report names A, the demo's
+    model, the clear winner."""
+    import io
+    import re
+    import signal
+    import threading
+    import time
+
+    import httpx
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [*made_demo["make"], "demo-compare", f"RATE_PORT={port}", "GOLD=0"], cwd=clone,
+        env=made_demo["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    watchdog = threading.Timer(900, os.killpg, (proc.pid, signal.SIGKILL))
+    watchdog.start()
+    lines: list[str] = []
+    try:
+        while not any(ln.startswith("Admin page: ") for ln in lines):
+            line = proc.stdout.readline()
+            assert line, "make demo-compare ended early:\n" + "".join(lines[-60:])
+            lines.append(line)
+        text = "".join(lines)
+        link = re.search(rf"http://127\.0\.0\.1:{port}/rate/\S+", text).group(0)
+        cid = re.search(r"kiln rate report --config \S+ --comparison (\S+)", text).group(1)
+        for _ in range(120):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--no-sandbox"])  # fmt: skip
+            page = browser.new_page(viewport={"width": 1366, "height": 768})
+            page.set_default_timeout(30_000)
+            page.goto(link)
+            voted = 0
+            while page.locator("#done").count() == 0:
+                prompt = page.locator("#prompt").inner_text()
+                srcs = [page.locator("img").nth(i).get_attribute("src") for i in (0, 1)]
+                imgs = [Image.open(io.BytesIO(page.request.get(src).body())) for src in srcs]
+                key = _judge(prompt, *imgs)
+                page.keyboard.press(key)  # quality
+                page.keyboard.press(key)  # alignment
+                with page.expect_navigation():
+                    page.keyboard.press("Enter")
+                voted += 1
+            browser.close()
+        assert voted == 36, "every pair of the 36 prompts, once"
+    finally:
+        watchdog.cancel()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    rep = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "rate", "report", "--config", "configs/tiny.yaml",
+         "--comparison", cid], cwd=clone, env=made_demo["env"], capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    summary = json.loads(rep.stdout)
+    print(json.dumps(summary, indent=1))
+    assert summary["alignment"]["votes"] == 36
+    assert summary["alignment"]["ci_low"] > 0.5, "A, the demo's model, clearly preferred"
