@@ -34,7 +34,7 @@ def _run(cmd: list[str], env: dict, cwd: Path) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON output path")
-    p.add_argument("--n", type=int, default=60, help="Demo images")
+    p.add_argument("--n", type=int, default=400, help="Demo images (as `make demo`)")
     args = p.parse_args()
     kiln = str(Path(sys.executable).parent / "kiln")
     with tempfile.TemporaryDirectory() as tmp:
