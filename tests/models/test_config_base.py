@@ -62,3 +62,12 @@ def test_the_short_demo_variant_differs_from_the_tiny_preset_only_in_its_stages(
     assert steps(short) * 5 <= steps(tiny)
     short["train"].pop("stages"), tiny["train"].pop("stages")
     assert short == tiny
+
+
+def test_the_retraining_recipe_is_the_base_recipe_warm_started_on_one_stage():
+    base = read_yaml(REPO / "configs" / "sd2-base.yaml")
+    retrain = read_yaml(REPO / "configs" / "sd2-retrain.yaml")
+    assert retrain["train"].pop("init_from_model") == "models:/kiln-t2i@champion"
+    assert [s["resolution"] for s in retrain["train"].pop("stages")] == [1024]
+    base["train"].pop("stages")
+    assert retrain == base
