@@ -261,6 +261,7 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
     import signal
     import threading
     import time
+    from urllib.parse import urljoin
 
     import httpx
     from playwright.sync_api import sync_playwright
@@ -300,7 +301,8 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
             while page.locator("#done").count() == 0:
                 prompt = page.locator("#prompt").inner_text()
                 srcs = [page.locator("img").nth(i).get_attribute("src") for i in (0, 1)]
-                imgs = [Image.open(io.BytesIO(page.request.get(src).body())) for src in srcs]
+                imgs = [Image.open(io.BytesIO(page.request.get(urljoin(page.url, src)).body()))
+                        for src in srcs]  # fmt: skip
                 key = _judge(prompt, *imgs)
                 page.keyboard.press(key)  # quality
                 page.keyboard.press(key)  # alignment
