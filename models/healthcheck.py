@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-
 __all__ = ["main"]
 
 log = logging.getLogger("kiln.healthcheck")
