@@ -30,7 +30,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,7 +40,7 @@ from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 
-from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from models.checkpoint import TrainState, resume, save_due_checkpoint
 from models.config import StageRun, load_yaml_model
 from models.divergence import (
     DIVERGED,
@@ -70,26 +70,12 @@ __all__ = [
     "check_identical_weights",
     "log_window",
     "main",
-    "resume",
     "save_and_export",
-    "save_due_checkpoint",
     "train_loop",
     "train_step",
 ]
 
 log = logging.getLogger("kiln.train")
-
-
-@dataclass
-class TrainState:
-    """Where the stage's training stands; checkpointed with the models, so it spans launches."""
-
-    step: int = 0
-    loader_state: dict | None = None
-    losses: list[float] = field(default_factory=list)  # logged window means, over all launches
-    last_log_step: int = 0  # the step of losses[-1]
-    elapsed_s: float = 0.0  # training wall time over every launch of the stage (logged windows)
-    val: list[dict] = field(default_factory=list)  # each validation's metrics, over all launches
 
 
 def build_models(run: StageRun, accelerator: Accelerator):
@@ -327,51 +313,6 @@ def _sample_keys_log(ctx: TrainContext) -> Iterator[Callable[[int, dict], None]]
     path = ctx.out / f"samples-rank{ctx.accelerator.process_index}.jsonl"
     with open(path, "a", buffering=1) as f:
         yield lambda step, batch: f.write(json.dumps({"step": step, "keys": batch["key"]}) + "\n")
-
-
-# -- checkpointing ------------------------------------------------------------------------------
-
-
-def resume(ctx: TrainContext) -> TrainState:
-    """The state of the newest complete checkpoint in `checkpoints/`, restored into the
-    models, optimizer, RNGs, loader and metrics sink; a fresh state when there is none."""
-    path = latest_checkpoint(ctx.out / "checkpoints")
-    if path is None:
-        return TrainState()
-    saved = load_checkpoint(ctx.accelerator, path)
-    # The loss history and the last window's metrics feed the manifest (final loss, plan vs
-    # actual); a launch that resumes at max_steps logs nothing new.
-    state = TrainState(
-        step=saved["step"],
-        loader_state=saved["loader"],
-        losses=list(saved.get("losses", [])),
-        last_log_step=saved.get("last_log_step", 0),
-        elapsed_s=saved.get("elapsed_s", 0.0),
-        val=list(saved.get("val", [])),
-    )
-    ctx.sink.last = dict(saved.get("metrics", {}))
-    ctx.loader.load_state_dict(state.loader_state)
-    log.info("resumed from %s at step %d", path, state.step)
-    ctx.sink.event("resumed", step=state.step, checkpoint=str(path))
-    return state
-
-
-def save_due_checkpoint(ctx: TrainContext, state: TrainState) -> None:
-    """Checkpoint every `checkpoint_every` steps and at the stage's last step: Accelerate's
-    state plus the loader position and the histories the manifest needs."""
-    cfg = ctx.run.train
-    if state.step % cfg.checkpoint_every and state.step != ctx.run.stage.max_steps:
-        return
-    extra = {
-        "loader": ctx.loader.state_dict(),
-        "elapsed_s": state.elapsed_s,
-        "losses": state.losses,
-        "last_log_step": state.last_log_step,
-        "metrics": ctx.sink.last,
-        "val": state.val,
-    }
-    save_checkpoint(ctx.accelerator, ctx.out / "checkpoints", state.step, extra,
-                    cfg.keep_checkpoints)  # fmt: skip
 
 
 # -- the metrics window's MFU -------------------------------------------------------------------
