@@ -6,6 +6,10 @@ streaming loader state, and the training script's own extras: the loss history a
 logged metrics, which the manifest needs even when a launch resumes at the last step). It is
 written under a temporary name and renamed only when complete, and `kiln_state.json` is the
 last file written, so a folder without it is never resumed from.
+
+The training loop's two checkpoint steps are `resume` (at the start of a launch) and
+`save_due_checkpoint` (after an optimizer step); `TrainState` is what they carry from one
+launch of a stage to the next.
 """
 
 from __future__ import annotations
@@ -13,11 +17,23 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
 
-__all__ = ["latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+if TYPE_CHECKING:
+    from models.train import TrainContext
+
+__all__ = [
+    "TrainState",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "resume",
+    "save_checkpoint",
+    "save_due_checkpoint",
+]
 
 log = logging.getLogger(__name__)
 STATE_FILE = "kiln_state.json"
@@ -64,3 +80,60 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
     """Restore Accelerate's state from `path` and return the Kiln state (step, loader, extras)."""
     accelerator.load_state(str(path))
     return json.loads((path / STATE_FILE).read_text())
+
+
+# -- the training state ---------------------------------------------------------------------------
+
+
+@dataclass
+class TrainState:
+    """Where the stage's training stands; checkpointed with the models, so it spans launches."""
+
+    step: int = 0
+    loader_state: dict | None = None
+    losses: list[float] = field(default_factory=list)  # logged window means, over all launches
+    last_log_step: int = 0  # the step of losses[-1]
+    elapsed_s: float = 0.0  # training wall time over every launch of the stage (logged windows)
+    val: list[dict] = field(default_factory=list)  # each validation's metrics, over all launches
+
+
+def resume(ctx: TrainContext) -> TrainState:
+    """The state of the newest complete checkpoint in `checkpoints/`, restored into the
+    models, optimizer, RNGs, loader and metrics sink; a fresh state when there is none."""
+    path = latest_checkpoint(ctx.out / "checkpoints")
+    if path is None:
+        return TrainState()
+    saved = load_checkpoint(ctx.accelerator, path)
+    # The loss history and the last window's metrics feed the manifest (final loss, plan vs
+    # actual); a launch that resumes at max_steps logs nothing new.
+    state = TrainState(
+        step=saved["step"],
+        loader_state=saved["loader"],
+        losses=list(saved.get("losses", [])),
+        last_log_step=saved.get("last_log_step", 0),
+        elapsed_s=saved.get("elapsed_s", 0.0),
+        val=list(saved.get("val", [])),
+    )
+    ctx.sink.last = dict(saved.get("metrics", {}))
+    ctx.loader.load_state_dict(state.loader_state)
+    log.info("resumed from %s at step %d", path, state.step)
+    ctx.sink.event("resumed", step=state.step, checkpoint=str(path))
+    return state
+
+
+def save_due_checkpoint(ctx: TrainContext, state: TrainState) -> None:
+    """Checkpoint every `checkpoint_every` steps and at the stage's last step: Accelerate's
+    state plus the loader position and the histories the manifest needs."""
+    cfg = ctx.run.train
+    if state.step % cfg.checkpoint_every and state.step != ctx.run.stage.max_steps:
+        return
+    extra = {
+        "loader": ctx.loader.state_dict(),
+        "elapsed_s": state.elapsed_s,
+        "losses": state.losses,
+        "last_log_step": state.last_log_step,
+        "metrics": ctx.sink.last,
+        "val": state.val,
+    }
+    save_checkpoint(ctx.accelerator, ctx.out / "checkpoints", state.step, extra,
+                    cfg.keep_checkpoints)  # fmt: skip

@@ -76,23 +76,12 @@ def generate_images(
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pipeline", required=True, help="Exported StableDiffusionPipeline folder")
-    p.add_argument("--prompts", required=True, help="CSV with Prompts,Category columns")
-    p.add_argument("--out", required=True, help="Study folder: images/ and study.json")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--steps", type=int, default=25)
-    p.add_argument("--guidance", type=float, default=7.5)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--limit", type=int, default=None, help="Only the first N prompts")
-    p.add_argument("--model-ref", default="", help="Recorded in study.json (e.g. run id)")
-    args = p.parse_args(argv)
+    """Generate every (prompt, seed) image still missing from `--out`, then `study.json`."""
+    args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-
     state = PartialState(cpu=not torch.cuda.is_available())
     out = Path(args.out)
-    images = out / "images"
-    images.mkdir(parents=True, exist_ok=True)
+    (out / "images").mkdir(parents=True, exist_ok=True)
     prompts = read_prompts(args.prompts, args.limit)
     items = [
         {"index": i, **row, "seed": seed, "path": f"images/{i:04d}-s{seed}.png"}
@@ -103,43 +92,69 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     with state.split_between_processes(items) as mine:
         todo = [it for it in mine if not (out / it["path"]).is_file()]
-        for start in range(0, len(todo), args.batch_size):
-            batch = todo[start : start + args.batch_size]
-            images = generate_images(
-                pipe,
-                [it["prompt"] for it in batch],  # study.json keeps the prompts as written
-                [it["seed"] for it in batch],
-                args.steps,
-                args.guidance,
-            )
-            for it, img in zip(batch, images, strict=True):
-                tmp = out / (it["path"] + ".tmp")
-                img.save(tmp, format="PNG")
-                tmp.replace(out / it["path"])
+        _generate_into(pipe, todo, out, args)
         log.info("rank %d generated %d images", state.process_index, len(todo))
     state.wait_for_everyone()
     if state.is_main_process:
-        missing = [it["path"] for it in items if not (out / it["path"]).is_file()]
-        if missing:
-            raise RuntimeError(
-                f"{len(missing)} images missing after generation, e.g. {missing[:3]}"
-            )
-        study = {
-            "study_id": out.name,
-            "model": {"pipeline": str(Path(args.pipeline).resolve()), "ref": args.model_ref},
-            "prompts_csv": str(Path(args.prompts).resolve()),
-            "settings": {
-                "seeds": args.seeds,
-                "num_inference_steps": args.steps,
-                "guidance_scale": args.guidance,
-                "resolution": pipe.unet.config.sample_size * pipe.vae_scale_factor,
-            },
-            "generated_s": round(time.perf_counter() - t0, 2),
-            "items": items,
-        }
-        tmp = out / "study.json.tmp"
-        tmp.write_text(json.dumps(study, indent=2))
-        tmp.replace(out / "study.json")
+        _write_study(out, args, pipe, items, round(time.perf_counter() - t0, 2))
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pipeline", required=True, help="Exported StableDiffusionPipeline folder")
+    p.add_argument("--prompts", required=True, help="CSV with Prompts,Category columns")
+    p.add_argument("--out", required=True, help="Study folder: images/ and study.json")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--steps", type=int, default=25)
+    p.add_argument("--guidance", type=float, default=7.5)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--limit", type=int, default=None, help="Only the first N prompts")
+    p.add_argument("--model-ref", default="", help="Recorded in study.json (e.g. run id)")
+    return p.parse_args(argv)
+
+
+def _generate_into(pipe: StableDiffusionPipeline, todo: list[dict], out: Path, args) -> None:
+    """Generate `todo`'s images in batches, each PNG renamed into place when complete."""
+    for start in range(0, len(todo), args.batch_size):
+        batch = todo[start : start + args.batch_size]
+        images = generate_images(
+            pipe,
+            [it["prompt"] for it in batch],  # study.json keeps the prompts as written
+            [it["seed"] for it in batch],
+            args.steps,
+            args.guidance,
+        )
+        for it, img in zip(batch, images, strict=True):
+            tmp = out / (it["path"] + ".tmp")
+            img.save(tmp, format="PNG")
+            tmp.replace(out / it["path"])
+
+
+def _write_study(out: Path, args, pipe, items: list[dict], generated_s: float) -> None:
+    """Write `study.json` last, once every image is on disk.
+
+    Raises:
+        RuntimeError: when an image is missing.
+    """
+    missing = [it["path"] for it in items if not (out / it["path"]).is_file()]
+    if missing:
+        raise RuntimeError(f"{len(missing)} images missing after generation, e.g. {missing[:3]}")
+    study = {
+        "study_id": out.name,
+        "model": {"pipeline": str(Path(args.pipeline).resolve()), "ref": args.model_ref},
+        "prompts_csv": str(Path(args.prompts).resolve()),
+        "settings": {
+            "seeds": args.seeds,
+            "num_inference_steps": args.steps,
+            "guidance_scale": args.guidance,
+            "resolution": pipe.unet.config.sample_size * pipe.vae_scale_factor,
+        },
+        "generated_s": generated_s,
+        "items": items,
+    }
+    tmp = out / "study.json.tmp"
+    tmp.write_text(json.dumps(study, indent=2))
+    tmp.replace(out / "study.json")
 
 
 if __name__ == "__main__":

@@ -289,26 +289,8 @@ def build_loader(
     if not 0 <= cfg.hflip <= 1:  # validated in TrainConfig, but a copy can bypass that
         raise ValueError(f"hflip is a probability in [0, 1], got {cfg.hflip!r}")
     streams, sizes = _streams(local, remote, mix or [], resolution)
-    single = len(streams) == 1
-    dataset = ImageCaptionDataset(
-        local=local if single else None,
-        remote=remote if single else None,
-        streams=None if single else streams,
-        batching_method="per_stream" if sizes else "random",
-        caption_dropout=cfg.caption_dropout,
-        hflip=cfg.hflip,
-        seed=cfg.seed,
-        batch_size=batch_size,
-        shuffle=True,
-        shuffle_seed=cfg.shuffle_seed + stage_index,
-        shuffle_algo=cfg.shuffle_algo,
-        predownload=cfg.predownload,
-        cache_limit=cfg.cache_limit,
-        epoch_size=epoch_size,
-    )
-    if cfg.hflip and "latent_mean" in getattr(dataset.shards[0], "column_names", ()):
-        log.warning("hflip=%s is not applied: these shards hold precomputed latents, which "
-                    "are never flipped", cfg.hflip)  # fmt: skip
+    dataset = _dataset(cfg, local, remote, streams, bool(sizes), batch_size, stage_index,
+                       epoch_size)  # fmt: skip
     collate = KilnCollate(tokenizer, sizes or resolution)
     if token_ids and _stored_ids_match(dataset, collate.ids):
         dataset.columns = TRAINING_COLUMNS - {"caption"}  # only tokenizing needs the captions
@@ -326,3 +308,38 @@ def build_loader(
         # and then starts a new iterator) would sample different noise than the original.
         generator=torch.Generator().manual_seed(cfg.seed),
     )
+
+
+def _dataset(
+    cfg: TrainConfig,
+    local: str,
+    remote: str | None,
+    streams: list,
+    bucketed: bool,
+    batch_size: int,
+    stage_index: int,
+    epoch_size: int | None,
+) -> ImageCaptionDataset:
+    """The stage's dataset: `local` (and `remote`) alone, or `streams` when there are several;
+    a bucketed one batches per stream, so every batch has one image shape."""
+    single = len(streams) == 1
+    dataset = ImageCaptionDataset(
+        local=local if single else None,
+        remote=remote if single else None,
+        streams=None if single else streams,
+        batching_method="per_stream" if bucketed else "random",
+        caption_dropout=cfg.caption_dropout,
+        hflip=cfg.hflip,
+        seed=cfg.seed,
+        batch_size=batch_size,
+        shuffle=True,
+        shuffle_seed=cfg.shuffle_seed + stage_index,
+        shuffle_algo=cfg.shuffle_algo,
+        predownload=cfg.predownload,
+        cache_limit=cfg.cache_limit,
+        epoch_size=epoch_size,
+    )
+    if cfg.hflip and "latent_mean" in getattr(dataset.shards[0], "column_names", ()):
+        log.warning("hflip=%s is not applied: these shards hold precomputed latents, which "
+                    "are never flipped", cfg.hflip)  # fmt: skip
+    return dataset

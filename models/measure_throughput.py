@@ -82,11 +82,6 @@ def measure_stage(
 def _measure(
     train: TrainConfig, stage_index: int, steps: int, work_dir: str | None, val_samples: int | None
 ) -> dict:
-    from accelerate import Accelerator
-
-    from models.metrics import MetricsSink
-    from models.train import build_dataloader, build_models, train_loop
-
     if steps < 4:
         raise ValueError(f"steps must be at least 4 (warm-up plus a measured window), got {steps}")
     stage = train.stages[stage_index]
@@ -94,46 +89,23 @@ def _measure(
     window = max(2, steps // 2)
     cfg.log_every = window
     cfg.checkpoint_every = 10**9
+    cfg.eval_every = 10**9
     cfg.stages[stage_index] = stage.model_copy(update={"max_steps": steps, "warmup_steps": 0})
     with tempfile.TemporaryDirectory(dir=work_dir) as tmp:
         tmp = Path(tmp)
-        per_step = stage.batch_size * stage.gradient_accumulation_steps
-        # Enough samples that the whole measurement is one epoch: an epoch boundary restarts
-        # the streaming iterator, which on a 2-batch set cost more than the steps (4x too slow).
-        write_synthetic_shards(tmp / "shards", stage.resolution, max(per_step * (steps + 2), 8))
-        # A validation split of the run's size (one process's share, up to MAX_MEASURED_VAL;
-        # else small): the passes at the start and the end give the cost of one
-        # validation forward, which the plan multiplies out (it had assumed a third of a
-        # training sample, 2.5x too much on a CPU).
-        n_val = min(cfg.val_max_samples, val_samples or max(8, stage.batch_size))
-        n_val = max(1, min(n_val, MAX_MEASURED_VAL))
-        write_synthetic_shards(tmp / "val", stage.resolution, n_val, seed=1)
-        cfg.eval_every = 10**9
+        n_val = _write_measured_data(tmp, stage, cfg, steps, val_samples)
         run = StageRun(
             train=cfg, stage_index=stage_index, shards=str(tmp / "shards"),
             output_dir=str(tmp / "out"), val_shards=str(tmp / "val"),
         )  # fmt: skip
         (tmp / "out").mkdir()
-        accelerator = Accelerator(
-            gradient_accumulation_steps=stage.gradient_accumulation_steps,
-            cpu=not torch.cuda.is_available(),
-            dynamo_backend="inductor" if cfg.compile else "no",
-        )
-        sink = MetricsSink(tmp / "out", None, None, "plan", True)
-        comps, optimizer, sched, ema, dtype = build_models(run, accelerator)
-        loader = build_dataloader(run, comps)
-        if accelerator.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        train_loop(
-            run, accelerator, comps, optimizer, sched, ema, loader, dtype, sink, checkpoints=False
-        )
-        loader.dataset.release()  # `kiln plan` measures every stage in one process
+        accelerator = _train_steps(run)
         lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
-        perf = next(x for x in lines if x.get("event") == "perf")
-        last = [x for x in lines if "samples_per_s" in x][-1]
-        val = [x for x in lines if "val/eval_s" in x][-1]  # the end's pass: warmed up
-        weights = sum(f"{w}/val/loss" in val for w in ("raw", "ema"))
-        forwards = weights * 2 * cfg.val_timesteps * n_val  # right and shuffled captions
+    perf = next(x for x in lines if x.get("event") == "perf")
+    last = [x for x in lines if "samples_per_s" in x][-1]
+    val = [x for x in lines if "val/eval_s" in x][-1]  # the end's pass: warmed up
+    weights = sum(f"{w}/val/loss" in val for w in ("raw", "ema"))
+    forwards = weights * 2 * cfg.val_timesteps * n_val  # right and shuffled captions
     if accelerator.device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated() / 1e9
     else:  # peak resident set of this process (Linux reports KiB)
@@ -154,3 +126,45 @@ def _measure(
         "peak_flops_per_device": perf["peak_flops_per_device"],
         "peak_source": perf["peak_source"],
     }
+
+
+def _write_measured_data(tmp: Path, stage, cfg: TrainConfig, steps: int,
+                         val_samples: int | None) -> int:  # fmt: skip
+    """The synthetic training set (`tmp/shards`) and validation split (`tmp/val`); returns the
+    validation split's size."""
+    per_step = stage.batch_size * stage.gradient_accumulation_steps
+    # Enough samples that the whole measurement is one epoch: an epoch boundary restarts
+    # the streaming iterator, which on a 2-batch set cost more than the steps (4x too slow).
+    write_synthetic_shards(tmp / "shards", stage.resolution, max(per_step * (steps + 2), 8))
+    # A validation split of the run's size (one process's share, up to MAX_MEASURED_VAL;
+    # else small): the passes at the start and the end give the cost of one
+    # validation forward, which the plan multiplies out (it had assumed a third of a
+    # training sample, 2.5x too much on a CPU).
+    n_val = min(cfg.val_max_samples, val_samples or max(8, stage.batch_size))
+    n_val = max(1, min(n_val, MAX_MEASURED_VAL))
+    write_synthetic_shards(tmp / "val", stage.resolution, n_val, seed=1)
+    return n_val
+
+
+def _train_steps(run: StageRun):
+    """Run the stage's training loop in this process, without checkpoints; returns the
+    Accelerator it ran under."""
+    from accelerate import Accelerator
+
+    from models.metrics import MetricsSink
+    from models.train import TrainContext, build_dataloader, build_models, train_loop
+
+    accelerator = Accelerator(
+        gradient_accumulation_steps=run.stage.gradient_accumulation_steps,
+        cpu=not torch.cuda.is_available(),
+        dynamo_backend="inductor" if run.train.compile else "no",
+    )
+    sink = MetricsSink(Path(run.output_dir), None, None, "plan", True)
+    comps, optimizer, sched, ema, dtype = build_models(run, accelerator)
+    loader = build_dataloader(run, comps)
+    if accelerator.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    ctx = TrainContext(run, accelerator, comps, optimizer, sched, ema, dtype, loader, sink)
+    train_loop(ctx, checkpoints=False)
+    loader.dataset.release()  # `kiln plan` measures every stage in one process
+    return accelerator

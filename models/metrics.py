@@ -18,7 +18,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["MetricsSink", "system_metrics"]
+import torch
+
+from models.flops import device_stats
+
+__all__ = ["MetricsSink", "MetricsWindow", "system_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,76 @@ class MetricsSink:
             self._client.log_batch(self._run_id, metrics=batch)
         except Exception as e:  # noqa: BLE001 - metrics.jsonl still has them
             log.warning("MLflow logging failed at step %d (kept in metrics.jsonl): %s", step, e)
+
+
+class MetricsWindow:
+    """The figures of one logging window, between two rows of training metrics.
+
+    It accumulates the window's wall time, the time spent waiting for data, the micro-batch
+    losses and the optimizer steps; `log` turns them into one row (the rank-averaged loss,
+    throughput, MFU, device hours and cost) and starts the next window.
+
+    Args:
+        accelerator: The run's Accelerator (the loss all-reduce, the device, the world size).
+        sink: Where the row goes.
+        flops_per_sample: Training FLOPs of one sample (`models.flops`).
+        peak_flops_total: The peak FLOP/s of every device in use together.
+        samples_per_step: Samples of one optimizer step over all processes.
+        gpu_hour_usd: Price of one device-hour.
+    """
+
+    def __init__(self, accelerator, sink: MetricsSink, flops_per_sample: float,
+                 peak_flops_total: float, samples_per_step: int, gpu_hour_usd: float):  # fmt: skip
+        self.accelerator, self.sink = accelerator, sink
+        self.flops_per_sample, self.peak_flops_total = flops_per_sample, peak_flops_total
+        self.samples_per_step, self.gpu_hour_usd = samples_per_step, gpu_hour_usd
+        self._reset(time.perf_counter())
+
+    def _reset(self, start: float) -> None:
+        self.start, self.wait_s, self.loss_sum, self.loss_n, self.steps = start, 0.0, 0.0, 0, 0
+
+    def add_wait(self, seconds: float) -> None:
+        """Time the loop spent waiting for the next batch."""
+        self.wait_s += seconds
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """One micro-batch's loss (a host sync, once per micro-batch)."""
+        self.loss_sum += loss.detach().float().item()
+        self.loss_n += 1
+
+    def exclude(self, seconds: float) -> None:
+        """Keep `seconds` (a validation pass, a sample grid) out of the window's step time."""
+        self.start += seconds
+
+    def log(self, state, lr: float, grad_norm: float) -> float:
+        """Log the window's row at `state.step`, add its wall time to `state.elapsed_s` and
+        start the next window. Returns the loss averaged over the window and every rank."""
+        accelerator = self.accelerator
+        mean_loss = accelerator.reduce(
+            torch.tensor(self.loss_sum / self.loss_n, device=accelerator.device), "mean"
+        ).item()
+        now = time.perf_counter()
+        dt = now - self.start
+        state.elapsed_s += dt
+        steps = self.steps  # fewer than log_every right after a resume
+        rate = self.samples_per_step * steps / dt
+        dev_hours = state.elapsed_s * accelerator.num_processes / 3600
+        self.sink.log(
+            state.step,
+            loss=mean_loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            step_time_s=dt / steps,
+            samples_per_s=rate,
+            samples_per_s_per_device=rate / accelerator.num_processes,
+            data_wait_frac=min(1.0, self.wait_s / dt),
+            mfu=rate * self.flops_per_sample / self.peak_flops_total,
+            gpu_hours=dev_hours,
+            cost_usd=dev_hours * self.gpu_hour_usd,
+            **device_stats(accelerator.device),
+        )
+        self._reset(now)
+        return mean_loss
 
 
 @contextmanager

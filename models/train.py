@@ -28,56 +28,54 @@ import logging
 import math
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 from accelerate import Accelerator
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 
-from models.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from models.config import DIVERGED, StageRun, load_yaml_model
+from models.checkpoint import TrainState, resume, save_due_checkpoint
+from models.config import StageRun, load_yaml_model
+from models.divergence import (
+    DIVERGED,
+    TrainingDiverged,
+    divergence,
+    fail_diverged,
+    raise_if_diverged,
+)
 from models.export import export_unet, write_pipeline
 from models.factory import Components, build_components, vae_scale_factor
 from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
-from models.flops import device_peak_flops, device_stats, train_flops_per_sample
-from models.loader import build_loader, precomputed_columns
+from models.flops import device_peak_flops, train_flops_per_sample
+from models.loader import KilnLoader, build_loader, precomputed_columns
 from models.loss import denoising_loss
-from models.metrics import MetricsSink, system_metrics
+from models.metrics import MetricsSink, MetricsWindow, system_metrics
 from models.samples import maybe_sample_grid, sample_grid, sample_grids
 from models.stale_streaming_files import clean_stale_streaming
 from models.validation import build_validator
 
 __all__ = [
     "DIVERGED",
+    "TrainContext",
+    "TrainState",
     "TrainingDiverged",
     "build_dataloader",
     "build_models",
     "check_identical_weights",
+    "log_window",
     "main",
     "save_and_export",
     "train_loop",
+    "train_step",
 ]
 
 log = logging.getLogger("kiln.train")
-
-
-class TrainingDiverged(FloatingPointError):
-    """The loss or the gradient norm went non-finite. The message names the step and the last
-    finite loss; `<output_dir>/DIVERGED.json` keeps it for every relaunch."""
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    loader_state: dict | None = None
-    losses: list[float] = field(default_factory=list)  # logged window means, over all launches
-    last_log_step: int = 0  # the step of losses[-1]
-    elapsed_s: float = 0.0  # training wall time over every launch of the stage (logged windows)
-    val: list[dict] = field(default_factory=list)  # each validation's metrics, over all launches
 
 
 def build_models(run: StageRun, accelerator: Accelerator):
@@ -160,161 +158,187 @@ def build_dataloader(run: StageRun, comps: Components):
                         stage_index=run.stage_index, remote=remote, mix=mix)  # fmt: skip
 
 
-def train_loop(
-    run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink,
-    checkpoints: bool = True,
-):  # fmt: skip
+@dataclass
+class TrainContext:
+    """Everything one stage's training steps use, built once by the script's phases."""
+
+    run: StageRun
+    accelerator: Accelerator
+    comps: Components
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: AcceleratedScheduler
+    ema: EMAModel | None
+    weight_dtype: torch.dtype
+    loader: KilnLoader
+    sink: MetricsSink
+
+    @property
+    def out(self) -> Path:
+        """The stage's output folder."""
+        return Path(self.run.output_dir)
+
+
+def train_loop(ctx: TrainContext, checkpoints: bool = True) -> TrainState:
     """Optimizer steps until `max_steps`, checkpointing and resuming through `checkpoints/`.
 
-    `checkpoints=False` (throughput measurement only) neither resumes nor saves nor samples.
+    Args:
+        ctx: The stage's models, loader and metrics sink.
+        checkpoints: False (throughput measurement only) neither resumes nor saves nor
+            draws sample grids.
+
+    Returns:
+        The training state at the stage's last step.
     """
-    cfg, stage = run.train, run.stage
-    out = Path(run.output_dir)
-    ckpt_root = out / "checkpoints"
-    state = TrainState()
-    perf = _perf_setup(run, accelerator, comps, sink)
-    val = build_validator(run, accelerator, comps, ema, weight_dtype)  # None: no val split
-    resume = latest_checkpoint(ckpt_root) if checkpoints else None
-    if resume is not None:
-        saved = load_checkpoint(accelerator, resume)
-        state.step, state.loader_state = saved["step"], saved["loader"]
-        state.elapsed_s = saved.get("elapsed_s", 0.0)
-        # The loss history and the last window's metrics feed the manifest (final loss, plan
-        # vs actual); a launch that resumes at max_steps logs nothing new.
-        state.losses = list(saved.get("losses", []))
-        state.last_log_step = saved.get("last_log_step", 0)
-        state.val = list(saved.get("val", []))
-        sink.last = dict(saved.get("metrics", {}))
-        loader.load_state_dict(state.loader_state)
-        log.info("resumed from %s at step %d", resume, state.step)
-        sink.event("resumed", step=state.step, checkpoint=str(resume))
-    keys_file = None
-    if cfg.log_sample_keys:
-        # Line-buffered: a SIGKILL must not lose the lineage of steps already trained.
-        path = out / f"samples-rank{accelerator.process_index}.jsonl"
-        keys_file = open(path, "a", buffering=1)  # noqa: SIM115
-    samples_per_step = (
-        stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
-    )
-    grad_norm, norm_known = float("nan"), False
-    # Per logging window: wall time, data wait, loss sum, micro-batches, optimizer steps.
-    t_last, wait_s, loss_sum, loss_n, window_steps = time.perf_counter(), 0.0, 0.0, 0, 0
-    empty_epochs = 0
+    run, accelerator, max_steps = ctx.run, ctx.accelerator, ctx.run.stage.max_steps
+    perf = _perf_setup(ctx)
+    val = build_validator(run, accelerator, ctx.comps, ctx.ema, ctx.weight_dtype)  # None: no split
+    state = resume(ctx) if checkpoints else TrainState()
+    window = _metrics_window(ctx, perf)
     if val is not None and checkpoints and state.step == 0:
         # The starting point of the curve: the weights the stage begins from (random, the
         # previous stage's or a warm start's), comparable with every later evaluation.
-        t_last += val.run(state, sink)
-    while state.step < stage.max_steps:
-        got_batch = False
-        t_fetch = time.perf_counter()
-        for batch in loader:
-            got_batch = True
-            wait_s += time.perf_counter() - t_fetch
-            with accelerator.accumulate(comps.unet):
-                loss = denoising_loss(comps, batch, weight_dtype, accelerator.device, cfg)
-                loss = nan_loss(run.faults, state.step + 1, loss)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    norm = accelerator.clip_grad_norm_(comps.unet.parameters(), cfg.max_grad_norm)
-                    norm_known = norm is not None
-                    grad_norm = float(norm) if norm_known else float("nan")
-                optimizer.step()
-                lr_scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-            loss_sum += loss.detach().float().item()
-            loss_n += 1
-            if keys_file:
-                keys_file.write(json.dumps({"step": state.step, "keys": batch["key"]}) + "\n")
-            if accelerator.sync_gradients:
-                if ema is not None:
-                    ema.step(comps.unet.parameters())
-                state.step += 1
-                window_steps += 1
-                sink.heartbeat(state.step)
-                # The norm is of the all-reduced gradients (FSDP: a global norm), so every rank
-                # agrees, and float(norm) above already waited for it: a check per step at no
-                # extra sync. A NaN loss on any rank makes it NaN, and the weights with it.
-                # fp16's loss scaler skips an overflowing step by itself: not a divergence.
-                diverged = None
-                skipped = accelerator.optimizer_step_was_skipped
-                if norm_known and not math.isfinite(grad_norm) and not skipped:
-                    diverged = f"gradient norm {grad_norm}"
-                log_now = state.step % cfg.log_every == 0 or state.step == stage.max_steps
-                if log_now:
-                    mean_loss = accelerator.reduce(
-                        torch.tensor(loss_sum / loss_n, device=accelerator.device), "mean"
-                    ).item()
-                    now = time.perf_counter()
-                    dt = now - t_last
-                    state.elapsed_s += dt
-                    steps = window_steps  # fewer than log_every right after a resume
-                    rate = samples_per_step * steps / dt
-                    dev_hours = state.elapsed_s * accelerator.num_processes / 3600
-                    sink.log(
-                        state.step,
-                        loss=mean_loss,
-                        lr=lr_scheduler.get_last_lr()[0],
-                        grad_norm=grad_norm,
-                        step_time_s=dt / steps,
-                        samples_per_s=rate,
-                        samples_per_s_per_device=rate / accelerator.num_processes,
-                        data_wait_frac=min(1.0, wait_s / dt),
-                        mfu=rate * perf["flops_per_sample"] / perf["peak_flops_total"],
-                        gpu_hours=dev_hours,
-                        cost_usd=dev_hours * run.gpu_hour_usd,
-                        **device_stats(accelerator.device),
-                    )
-                    t_last, wait_s, loss_sum, loss_n, window_steps = now, 0.0, 0.0, 0, 0
-                    # Reduced across ranks: every rank takes the same branch.
-                    if not math.isfinite(mean_loss):
-                        diverged = f"window loss {mean_loss}"
-                    else:
-                        state.losses.append(mean_loss)
-                        state.last_log_step = state.step
-                if diverged is not None:  # before the checkpoint: the NaN state is never saved
-                    _diverge(accelerator, out, sink, state, diverged)
-                if val is not None and val.due(state.step):  # before the checkpoint, which keeps it
-                    t_last += val.run(state, sink)  # kept out of the next window's step time
-                if checkpoints:  # before the checkpoint, so a resume never skips a grid
-                    t_last += maybe_sample_grid(run, accelerator, comps, ema, state.step, sink)
-                if checkpoints and (
-                    state.step % cfg.checkpoint_every == 0 or state.step == stage.max_steps
-                ):
-                    extra = {
-                        "loader": loader.state_dict(),
-                        "elapsed_s": state.elapsed_s,
-                        "losses": state.losses,
-                        "last_log_step": state.last_log_step,
-                        "metrics": sink.last,
-                        "val": state.val,
-                    }
-                    save_checkpoint(accelerator, ckpt_root, state.step, extra, cfg.keep_checkpoints)
-                step_fault(run.faults, state.step, out)
-                if state.step >= stage.max_steps:
-                    break
-            t_fetch = time.perf_counter()
-        empty_epochs = 0 if got_batch else empty_epochs + 1
-        if empty_epochs >= 2:
-            raise RuntimeError(
-                f"the stage's dataset {run.shards} yields no full batch of {stage.batch_size} "
-                f"per process on {accelerator.num_processes} processes"
-            )
-    if keys_file:
-        keys_file.close()
+        window.exclude(val.run(state, ctx.sink))
+    with _sample_keys_log(ctx) as log_keys:
+        for batch in _batches(ctx, state, window):
+            loss, grad_norm = train_step(ctx, batch, state.step)
+            window.add_loss(loss)
+            log_keys(state.step, batch)
+            if not accelerator.sync_gradients:
+                continue  # a gradient-accumulation micro-batch: no optimizer step yet
+            if ctx.ema is not None:
+                ctx.ema.step(ctx.comps.unet.parameters())
+            state.step += 1
+            window.steps += 1
+            ctx.sink.heartbeat(state.step)
+            mean_loss = log_window(ctx, state, window, grad_norm)
+            # Every hook below runs before the checkpoint: the diverged state is never saved,
+            # a resume finds the validation it keeps, and never skips a grid.
+            cause = divergence(grad_norm, accelerator.optimizer_step_was_skipped, mean_loss)
+            if cause is not None:
+                fail_diverged(accelerator, ctx.out, ctx.sink, state, cause)
+            if val is not None and val.due(state.step):
+                window.exclude(val.run(state, ctx.sink))  # off the next window's step time
+            if checkpoints:
+                window.exclude(maybe_sample_grid(run, accelerator, ctx.comps, ctx.ema,
+                                                 state.step, ctx.sink))  # fmt: skip
+                save_due_checkpoint(ctx, state)
+            step_fault(run.faults, state.step, ctx.out)
+            if state.step >= max_steps:
+                break
     if val is not None:
-        val.finish(state, sink)
+        val.finish(state, ctx.sink)
         val.evalset.close()
     return state
 
 
-def _perf_setup(run: StageRun, accelerator: Accelerator, comps: Components, sink) -> dict:
+def train_step(ctx: TrainContext, batch: dict, step: int) -> tuple[torch.Tensor, float | None]:
+    """One micro-batch: the loss, its backward, and on the micro-batch that ends a gradient
+    accumulation, the clipped optimizer and LR-schedule step.
+
+    Args:
+        ctx: The stage's models.
+        batch: The loader's batch, on the host.
+        step: The optimizer steps done so far (the fault seams count from 1).
+
+    Returns:
+        The micro-batch's loss, and the gradient norm before clipping when this micro-batch
+        stepped the optimizer and the accelerator reports it, else None.
+    """
+    accelerator, cfg, grad_norm = ctx.accelerator, ctx.run.train, None
+    with accelerator.accumulate(ctx.comps.unet):
+        loss = denoising_loss(ctx.comps, batch, ctx.weight_dtype, accelerator.device, cfg)
+        loss = nan_loss(ctx.run.faults, step + 1, loss)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            norm = accelerator.clip_grad_norm_(ctx.comps.unet.parameters(), cfg.max_grad_norm)
+            grad_norm = None if norm is None else float(norm)
+        # Inside `accumulate`, Accelerate's prepared optimizer and scheduler only act on the
+        # micro-batch that syncs the gradients.
+        ctx.optimizer.step()
+        ctx.lr_scheduler.step()
+        ctx.optimizer.zero_grad(set_to_none=True)
+    return loss, grad_norm
+
+
+def log_window(
+    ctx: TrainContext, state: TrainState, window: MetricsWindow, grad_norm: float | None
+) -> float | None:
+    """Log the metrics window when it ends at `state.step` (every `log_every` steps and at the
+    last); a finite window loss joins the loss history. Returns the window loss, or None when
+    no window ended."""
+    step, cfg = state.step, ctx.run.train
+    if step % cfg.log_every and step != ctx.run.stage.max_steps:
+        return None
+    lr = ctx.lr_scheduler.get_last_lr()[0]
+    mean_loss = window.log(state, lr, float("nan") if grad_norm is None else grad_norm)
+    if math.isfinite(mean_loss):
+        state.losses.append(mean_loss)
+        state.last_log_step = step
+    return mean_loss
+
+
+def _batches(ctx: TrainContext, state: TrainState, window: MetricsWindow) -> Iterator[dict]:
+    """The loader's batches, epoch after epoch while the stage has steps left; the wait for
+    each batch goes to the metrics window.
+
+    Raises:
+        RuntimeError: when two epochs in a row yield no batch (the dataset is too small).
+    """
+    empty_epochs = 0
+    while state.step < ctx.run.stage.max_steps:
+        got_batch = False
+        t_fetch = time.perf_counter()
+        for batch in ctx.loader:
+            got_batch = True
+            window.add_wait(time.perf_counter() - t_fetch)
+            yield batch
+            t_fetch = time.perf_counter()  # the step, its hooks and checkpoint are not wait
+        empty_epochs = 0 if got_batch else empty_epochs + 1
+        if empty_epochs >= 2:
+            raise RuntimeError(
+                f"the stage's dataset {ctx.run.shards} yields no full batch of "
+                f"{ctx.run.stage.batch_size} per process on {ctx.accelerator.num_processes} "
+                "processes"
+            )
+
+
+@contextmanager
+def _sample_keys_log(ctx: TrainContext) -> Iterator[Callable[[int, dict], None]]:
+    """A function that records each batch's sample keys with its step, when
+    `train.log_sample_keys` is on (`samples-rank<N>.jsonl`), else one that does nothing."""
+    if not ctx.run.train.log_sample_keys:
+        yield lambda step, batch: None
+        return
+    # Line-buffered: a SIGKILL must not lose the lineage of steps already trained.
+    path = ctx.out / f"samples-rank{ctx.accelerator.process_index}.jsonl"
+    with open(path, "a", buffering=1) as f:
+        yield lambda step, batch: f.write(json.dumps({"step": step, "keys": batch["key"]}) + "\n")
+
+
+# -- the metrics window's MFU -------------------------------------------------------------------
+
+
+def _perf_setup(ctx: TrainContext) -> dict:
     """FLOPs per sample (counted once, on meta copies) and the peak of the devices in use.
 
     Runs under `fork_rng`: measuring the CPU peak draws random matrices, and the global RNG
     must be exactly where set_seed or the checkpoint left it, or a resumed run diverges.
     """
     with torch.random.fork_rng(devices=[]):
-        return _perf_measure(run, accelerator, comps, sink)
+        return _perf_measure(ctx.run, ctx.accelerator, ctx.comps, ctx.sink)
+
+
+def _metrics_window(ctx: TrainContext, perf: dict) -> MetricsWindow:
+    """A metrics window with the stage's FLOPs per sample, device peak and price."""
+    stage, num_processes = ctx.run.stage, ctx.accelerator.num_processes
+    return MetricsWindow(
+        ctx.accelerator,
+        ctx.sink,
+        flops_per_sample=perf["flops_per_sample"],
+        peak_flops_total=perf["peak_flops_total"],
+        samples_per_step=stage.batch_size * stage.gradient_accumulation_steps * num_processes,
+        gpu_hour_usd=ctx.run.gpu_hour_usd,
+    )
 
 
 def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, sink) -> dict:
@@ -342,36 +366,6 @@ def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, si
         flops / 1e12, peak / 1e12, source,
     )  # fmt: skip
     return perf
-
-
-def _diverge(accelerator: Accelerator, out: Path, sink, state: TrainState, what: str) -> NoReturn:
-    """Mark the stage failed (DIVERGED.json, written atomically) and raise on every rank."""
-    if state.losses:
-        last = f"last finite loss {state.losses[-1]!r} (step {state.last_log_step})"
-    else:
-        last = "no finite loss was logged before it"
-    msg = (
-        f"training diverged at step {state.step}: {what}; {last}. Nothing was exported and "
-        f"the diverged state was not checkpointed. Every relaunch fails with this message "
-        f"until {out / DIVERGED} is deleted: fix the cause (a lower learning rate, say) first."
-    )
-    if accelerator.is_main_process:
-        record = {
-            "step": state.step,
-            "cause": what,
-            "last_finite_loss": state.losses[-1] if state.losses else None,
-            "last_finite_step": state.last_log_step if state.losses else None,
-            "message": msg,
-        }
-        tmp = out / f".{DIVERGED}.tmp"
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(out / DIVERGED)
-        sink.event("diverged", step=state.step, message=msg)
-    log.error(msg)
-    # Every rank got here at the same step (see train_loop): wait for the marker, so that a
-    # rank raising first cannot have the launcher tear the main process down before it.
-    accelerator.wait_for_everyone()
-    raise TrainingDiverged(msg)
 
 
 def _param_checksum(module: torch.nn.Module) -> float:
@@ -414,25 +408,9 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
     """
     out = Path(run.output_dir)
     accelerator.wait_for_everyone()
-    unet = accelerator.unwrap_model(comps.unet)
-    perturb_weights(run.faults, unet, accelerator.process_index)
-    # Every rank reports a checksum of its weights: DDP must have kept them identical.
-    sums = accelerator.gather(
-        torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64)
-    )
-    checksums = [float(x) for x in sums.cpu().tolist()]
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
-    if not fsdp:  # FSDP ranks hold different shards; every rank checks, so all raise together
-        check_identical_weights(checksums)
-    # Under FSDP each rank holds shards: gather the full state dict (a collective, so every
-    # rank calls it) and rebuild a plain UNet from it on the main process.
-    full_state = accelerator.get_state_dict(comps.unet) if fsdp else None
+    unet, checksums = _agreed_unet(run, accelerator, comps)
     if not accelerator.is_main_process:
         return
-    if fsdp:
-        plain = type(unet).from_config(unet.config)
-        plain.load_state_dict(full_state)
-        unet = plain
     export = export_unet(unet, ema)
     if ema is not None:
         raw_tmp = out / ".final-raw.tmp"
@@ -445,17 +423,52 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
     kill_in_export(run.faults, "after_final_tmp", out)
     _replace_dir(tmp, out / "final")
     kill_in_export(run.faults, "after_final", out)
-    manifest = {
-        "resolution": run.stage.resolution,
+    manifest = _manifest(run, accelerator, ema, state, sink, checksums)
+    manifest_tmp = out / ".manifest.json.tmp"
+    manifest_tmp.write_text(json.dumps(manifest, indent=2))
+    kill_in_export(run.faults, "after_manifest_tmp", out)
+    manifest_tmp.replace(out / "manifest.json")
+    log.info("exported %s", out / "final")
+
+
+def _agreed_unet(run, accelerator, comps) -> tuple[torch.nn.Module | None, list[float]]:
+    """The full trained UNet (on the main process; None under FSDP elsewhere) and every rank's
+    weight checksum, once the ranks are shown to agree. A collective: every rank calls it.
+
+    Raises:
+        RuntimeError: when DDP ranks hold different weights.
+    """
+    unet = accelerator.unwrap_model(comps.unet)
+    perturb_weights(run.faults, unet, accelerator.process_index)
+    # Every rank reports a checksum of its weights: DDP must have kept them identical.
+    sums = accelerator.gather(
+        torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64)
+    )
+    checksums = [float(x) for x in sums.cpu().tolist()]
+    if accelerator.distributed_type != DistributedType.FSDP:
+        # FSDP ranks hold different shards; every rank checks, so all raise together.
+        check_identical_weights(checksums)
+        return unet, checksums
+    # Under FSDP each rank holds shards: gather the full state dict (a collective, so every
+    # rank calls it) and rebuild a plain UNet from it on the main process.
+    full_state = accelerator.get_state_dict(comps.unet)
+    if not accelerator.is_main_process:
+        return None, checksums
+    plain = type(unet).from_config(unet.config)
+    plain.load_state_dict(full_state)
+    return plain, checksums
+
+
+def _manifest(run, accelerator, ema, state, sink, checksums: list[float]) -> dict:
+    """The stage's manifest: what was trained, where the export is, and its metrics."""
+    out, stage = Path(run.output_dir), run.stage
+    per_step = stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
+    return {
+        "resolution": stage.resolution,
         "final_step": state.step,
-        "samples_seen": state.step
-        * run.stage.batch_size
-        * run.stage.gradient_accumulation_steps
-        * accelerator.num_processes,
+        "samples_seen": state.step * per_step,
         "export": str(out / "final"),
-        "raw_unet": str(out / "final-raw" / "unet")
-        if ema is not None
-        else str(out / "final" / "unet"),
+        "raw_unet": str(out / "final-raw" / "unet" if ema is not None else out / "final" / "unet"),
         "ema": ema is not None,
         "num_processes": accelerator.num_processes,
         "param_checksums": checksums,
@@ -465,14 +478,10 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
         "val_history": state.val,
         "samples": [str(p) for p in sample_grids(out)],
     }
-    manifest_tmp = out / ".manifest.json.tmp"
-    manifest_tmp.write_text(json.dumps(manifest, indent=2))
-    kill_in_export(run.faults, "after_manifest_tmp", out)
-    manifest_tmp.replace(out / "manifest.json")
-    log.info("exported %s", out / "final")
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Train, export and mark complete the stage of `--config` (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--config", required=True, help="Resolved stage.yaml (models.config.StageRun)"
@@ -481,11 +490,31 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     run: StageRun = load_yaml_model(StageRun, args.config)
     out = Path(run.output_dir)
-    if (out / DIVERGED).is_file():  # checked first: a diverged stage never becomes a success
-        raise TrainingDiverged(json.loads((out / DIVERGED).read_text())["message"])
+    raise_if_diverged(out)  # checked first: a diverged stage never becomes a success
     if (out / "manifest.json").is_file():
         log.info("stage %dpx already complete: %s", run.stage.resolution, out / "final")
         return
+    accelerator = _accelerator(run)
+    sink = MetricsSink(out, run.tracking_uri, run.mlflow_run_id, f"stage{run.stage.resolution}",
+                       accelerator.is_main_process)  # fmt: skip
+    # CPU, memory (and GPU) use into the stage's MLflow run, stopped however the stage ends.
+    with system_metrics(run.tracking_uri, run.mlflow_run_id, accelerator.is_main_process):
+        comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
+        # After the (identically seeded) model build: each rank now draws its own noise and
+        # timesteps. A resumed run restores these RNG states from the checkpoint instead.
+        set_seed(run.train.seed + run.stage_index, device_specific=True)
+        loader = build_dataloader(run, comps)
+        ctx = TrainContext(run, accelerator, comps, optimizer, lr_scheduler, ema, weight_dtype,
+                           loader, sink)  # fmt: skip
+        state = train_loop(ctx)
+        sample_grid(run, accelerator, comps, ema, state.step, sink)  # listed in the manifest
+        save_and_export(run, accelerator, comps, ema, state, sink)
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def _accelerator(run: StageRun) -> Accelerator:
+    """The stage's Accelerator, with the output folder made and stale streaming files gone."""
     accelerator = Accelerator(
         gradient_accumulation_steps=run.stage.gradient_accumulation_steps,
         # Without a GPU, Accelerate sets up gloo DDP only when told it runs on CPU; otherwise
@@ -495,34 +524,14 @@ def main(argv: list[str] | None = None) -> None:
         dynamo_backend="inductor" if run.train.compile else "no",
     )
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
+        Path(run.output_dir).mkdir(parents=True, exist_ok=True)
     # A killed earlier launch may have left streaming's shared memory and lock files behind
     # (models/stale_streaming_files.py). One process per machine removes those no live
     # process holds.
     if accelerator.is_local_main_process:
         clean_stale_streaming()
     accelerator.wait_for_everyone()
-    sink = MetricsSink(
-        out,
-        run.tracking_uri,
-        run.mlflow_run_id,
-        f"stage{run.stage.resolution}",
-        accelerator.is_main_process,
-    )
-    # CPU, memory (and GPU) use into the stage's MLflow run, stopped however the stage ends.
-    with system_metrics(run.tracking_uri, run.mlflow_run_id, accelerator.is_main_process):
-        comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
-        # After the (identically seeded) model build: each rank now draws its own noise and
-        # timesteps. A resumed run restores these RNG states from the checkpoint instead.
-        set_seed(run.train.seed + run.stage_index, device_specific=True)
-        loader = build_dataloader(run, comps)
-        state = train_loop(
-            run, accelerator, comps, optimizer, lr_scheduler, ema, loader, weight_dtype, sink
-        )
-        sample_grid(run, accelerator, comps, ema, state.step, sink)  # listed in the manifest
-        save_and_export(run, accelerator, comps, ema, state, sink)
-        accelerator.wait_for_everyone()
-    accelerator.end_training()
+    return accelerator
 
 
 if __name__ == "__main__":

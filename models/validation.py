@@ -338,6 +338,20 @@ def build_validator(run, accelerator, comps, ema, weight_dtype) -> Validator | N
                      cfg.eval_every, stage.max_steps, cfg.channels_last)  # fmt: skip
 
 
+def _weights_validator(run, weights: str | None) -> Validator:
+    """A validator of the stage's split for the UNet in `weights` (an exported pipeline
+    folder; None: the config's seeded fresh UNet), in fp32, on this process's device."""
+    from accelerate import Accelerator
+
+    from models.factory import build_components
+
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    comps = build_components(run.train.model, seed=run.train.seed, init_unet_from=weights)
+    for module in (comps.unet, comps.vae, comps.text_encoder):
+        module.to(accelerator.device)
+    return build_validator(run, accelerator, comps, None, torch.float32)
+
+
 def bootstrap_cond_gap(
     export_dir: str | Path, manifest: dict, n_boot: int = 2000, level: float = 0.95, seed: int = 0
 ) -> dict:
@@ -362,10 +376,8 @@ def bootstrap_cond_gap(
     Raises:
         ValueError: when the stage had no validation split.
     """
-    from accelerate import Accelerator
 
     from models.config import StageRun, load_yaml_model
-    from models.factory import build_components
 
     export_dir = Path(export_dir)
     run: StageRun = load_yaml_model(StageRun, export_dir.parent / "stage.yaml")
@@ -374,11 +386,7 @@ def bootstrap_cond_gap(
             f"{export_dir.parent / 'stage.yaml'} sets no val_shards: the stage had no "
             "validation split (shards.val_fraction), so there is no gap to test"
         )
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    comps = build_components(run.train.model, seed=run.train.seed, init_unet_from=str(export_dir))
-    for module in (comps.unet, comps.vae, comps.text_encoder):
-        module.to(accelerator.device)
-    validator = build_validator(run, accelerator, comps, None, torch.float32)
+    validator = _weights_validator(run, str(export_dir))
     table = validator.tables()["raw"]  # the export's weights, whatever they are
     validator.evalset.close()
     gaps = (table[..., 1] - table[..., 0]).mean(dim=1).numpy()
@@ -412,10 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
 
-    from accelerate import Accelerator
-
     from models.config import StageRun, load_yaml_model
-    from models.factory import build_components
 
     parser = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="Resolved stage.yaml (StageRun)")
@@ -425,16 +430,12 @@ def main(argv: list[str] | None = None) -> None:
     run: StageRun = load_yaml_model(StageRun, args.config)
     if run.val_shards is None:
         raise SystemExit(f"{args.config} sets no val_shards: there is nothing to evaluate")
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    comps = build_components(run.train.model, seed=run.train.seed, init_unet_from=args.weights)
-    for module in (comps.unet, comps.vae, comps.text_encoder):
-        module.to(accelerator.device)
-    validator = build_validator(run, accelerator, comps, None, torch.float32)
+    validator = _weights_validator(run, args.weights)
     metrics = validator.evaluate()
     validator.evalset.close()
-    if accelerator.is_main_process:
+    if validator.accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(metrics, indent=2))
-    accelerator.wait_for_everyone()
+    validator.accelerator.wait_for_everyone()
 
 
 if __name__ == "__main__":
