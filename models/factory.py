@@ -176,7 +176,7 @@ def build_unet(cfg: ModelConfig, init_from: str | None = None) -> UNet2DConditio
     A UNet trained with another objective (a warm start from a model of an older preset) is
     loaded with a warning: training goes on with this config's objective and re-learns the
     output, as SD 2's 768-v model was fine-tuned from an epsilon one. So is one trained on
-    another text encoder's states (the tiny preset's changed in issue 16): its text
+    another text encoder's states (an older tiny preset's, say): its text
     conditioning is learned again.
     """
     if init_from:
