@@ -7,7 +7,8 @@ access checks are dependencies (`rater_from_token`, `admin_from_token`), so no h
 forget one. A rater sees the prompt, its category and two images labelled A (left) and B
 (right); which study made which image is never on the page, and left/right is drawn per task
 and stored with the vote. Images are served by an unguessable id looked up in the database,
-so no URL part ever reaches the file system. The form posts as
+so no URL part ever reaches the file system, and as a PNG encoded afresh from the pixels: no
+file time (Last-Modified, ETag), text, EXIF or time chunk tells two studies apart. The form posts as
 application/x-www-form-urlencoded, parsed here (no python-multipart needed); a page works
 without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
 """
@@ -15,6 +16,7 @@ without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import secrets
 from pathlib import Path
@@ -29,11 +31,12 @@ from fastapi.responses import (
     Response,
 )
 from fastapi.templating import Jinja2Templates
+from PIL import Image as PILImage
 
 from human_eval.report import gold_accuracy
 from human_eval.store import QUESTIONS, Rater, RatingStore
 
-__all__ = ["create_app", "main"]
+__all__ = ["blind_png", "create_app", "main"]
 
 log = logging.getLogger("kiln.human_eval")
 HERE = Path(__file__).resolve().parent
@@ -50,6 +53,22 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-store",
 }
+
+
+def blind_png(path: str | Path) -> bytes:
+    """The image's pixels as a new RGB PNG with the same encoder settings for every image.
+
+    The pixels go through a bare array into a new image, so nothing of the file's `info`
+    (text, EXIF, ICC profile, dpi) reaches the encoder: the bytes are IHDR, IDAT and IEND,
+    a function of the pixels alone, whichever study, tool or day wrote the file.
+    """
+    import numpy as np
+
+    with PILImage.open(path) as im:
+        pixels = np.asarray(im.convert("RGB"))
+    out = io.BytesIO()
+    PILImage.fromarray(pixels).save(out, format="PNG", compress_level=6)
+    return out.getvalue()
 
 
 def _store(request: Request) -> RatingStore:
@@ -114,11 +133,13 @@ def _rating_router(templates: Jinja2Templates) -> APIRouter:
     @router.get("/image/{image_id}")
     def image(
         image_id: str, rater: Rater = Depends(rater_from_token), store=Depends(_store)
-    ) -> FileResponse:
+    ) -> Response:
         path = store.image_path(rater.comparison_id, image_id)
         if path is None:
             raise HTTPException(status_code=404, detail="no such image")
-        return FileResponse(path, media_type="image/png", headers={"Cache-Control": "private"})
+        # Not a FileResponse: its Last-Modified and ETag come from the file's time and size.
+        body = blind_png(path)
+        return Response(body, media_type="image/png", headers={"Cache-Control": "private"})
 
     return router
 
