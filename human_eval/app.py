@@ -33,7 +33,7 @@ from fastapi.responses import (
 from fastapi.templating import Jinja2Templates
 from PIL import Image as PILImage
 
-from human_eval.report import gold_accuracy
+from human_eval.report import gold_accuracy, summarize_comparison
 from human_eval.store import QUESTIONS, Rater, RatingStore
 
 __all__ = ["blind_png", "create_app", "main"]
@@ -149,16 +149,20 @@ def _admin_router(templates: Jinja2Templates) -> APIRouter:
 
     @router.get("", response_class=HTMLResponse)
     def admin_page(request: Request, store: RatingStore = Depends(_store)):
-        rows = [_progress(store, c) for c in store.comparisons()]
-        return templates.TemplateResponse(request, "admin.html", {"comparisons": rows})
+        settings = request.app.state.report_settings
+        rows = [_progress(store, c, settings) for c in store.comparisons()]
+        ctx = {"comparisons": rows, "settings": settings}
+        return templates.TemplateResponse(request, "admin.html", ctx)
 
     return router
 
 
-def _progress(store: RatingStore, cmp) -> dict:
-    """A comparison's progress per category and per rater, for the admin page."""
+def _progress(store: RatingStore, cmp, settings: dict) -> dict:
+    """A comparison's progress per category and per rater, and its result so far (the
+    report's own statistics, with the report's settings), for the admin page."""
     pairs = [p for p in store.pairs(cmp.id) if not p.gold]
     all_votes = store.votes(cmp.id)
+    result = summarize_comparison(store, cmp.id, votes=all_votes, **settings)
     votes = [v for v in all_votes if v["question"] == "quality"]
     cats: dict[str, dict] = {}
     for p in pairs:
@@ -176,14 +180,36 @@ def _progress(store: RatingStore, cmp) -> dict:
         raters.append({"rater": r.pseudonym, "done": done, "gold": f"{correct}/{n}"})
     return {"comparison": cmp, "categories": dict(sorted(cats.items())), "raters": raters,
             "votes": sum(c["votes"] for c in cats.values()),
-            "target": sum(c["target"] for c in cats.values())}  # fmt: skip
+            "target": sum(c["target"] for c in cats.values()), "result": result,
+            "questions": {q: {"alpha": r["alpha"], "groups": {"overall": r["overall"],
+                                                              **r["categories"]}}
+                          for q, r in result["questions"].items()}}  # fmt: skip
 
 
-def create_app(store: RatingStore) -> FastAPI:
-    """The rating app over `store` (every route reads it from `app.state`)."""
+def _fmt(x: float | None) -> str:
+    """A rate on the admin page: three decimals, "-" where undefined (NaN or None)."""
+    return "-" if x is None or x != x else f"{x:.3f}"
+
+
+def create_app(
+    store: RatingStore,
+    *,
+    min_gold_accuracy: float = 0.0,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> FastAPI:
+    """The rating app over `store` (every route reads it from `app.state`).
+
+    The admin page's running result uses the report's settings: give it those of
+    `kiln rate report` (human_eval.min_gold_accuracy, bootstrap_resamples, seed), and it
+    shows the numbers the report would write now.
+    """
     templates = Jinja2Templates(directory=str(HERE / "templates"))  # autoescape on for .html
+    templates.env.globals["fmt"] = _fmt
     app = FastAPI(title="Kiln human evaluation", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
+    app.state.report_settings = {"min_gold_accuracy": min_gold_accuracy,
+                                 "n_resamples": n_resamples, "seed": seed}  # fmt: skip
     app.include_router(_rating_router(templates))
     app.include_router(_admin_router(templates))
 
@@ -216,11 +242,15 @@ def create_app(store: RatingStore) -> FastAPI:
     return app
 
 
-def serve(store: RatingStore, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Run the app with uvicorn until interrupted."""
+def serve(store: RatingStore, host: str = "127.0.0.1", port: int = 8765, **report_settings) -> None:
+    """Run the app with uvicorn until SIGINT or SIGTERM (uvicorn stops on both).
+
+    `report_settings`: `create_app`'s min_gold_accuracy, n_resamples and seed.
+    """
     import uvicorn
 
-    uvicorn.run(create_app(store), host=host, port=port, log_level="warning")
+    app = create_app(store, **report_settings)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def main(argv: list[str] | None = None) -> None:

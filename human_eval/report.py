@@ -33,7 +33,7 @@ from human_eval.store import QUESTIONS, RatingStore
 
 __all__ = [
     "NO_VOTES", "build_report", "gold_accuracy", "plot_preference", "preference_figure",
-    "ranking", "summarize",
+    "ranking", "summarize", "summarize_comparison",
 ]  # fmt: skip
 
 NO_VOTES = "no votes"
@@ -130,6 +130,22 @@ def summarize(
         },
         "settings": {"bootstrap_resamples": n_resamples, "seed": seed, "ci_level": 0.95},
     }
+
+
+def summarize_comparison(
+    store: RatingStore,
+    comparison_id: str,
+    *,
+    min_gold_accuracy: float = 0.0,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    votes: list[dict] | None = None,
+) -> dict:
+    """`summarize` over a comparison's votes in the store, as the report and the admin page
+    show them (every category of its pairs listed, `min_votes_per_pair` over all pairs)."""
+    votes = store.votes(comparison_id) if votes is None else votes
+    return summarize(votes, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples,
+                     seed=seed, **_pairs_of(store, comparison_id))  # fmt: skip
 
 
 def ranking(store: RatingStore, *, min_gold_accuracy: float = 0.0, seed: int = 0) -> dict | None:
@@ -241,8 +257,8 @@ def build_report(
         "comparison": cmp.id, "study_a": cmp.study_a, "study_b": cmp.study_b,
         "model_a": cmp.model_a, "model_b": cmp.model_b,
         "raters_per_pair": cmp.raters_per_pair, "gold_per_rater": cmp.gold_per_rater,
-        **summarize(votes, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples,
-                    seed=seed, **_pairs_of(store, cmp.id)),
+        **summarize_comparison(store, cmp.id, min_gold_accuracy=min_gold_accuracy,
+                               n_resamples=n_resamples, seed=seed, votes=votes),
     }  # fmt: skip
     bt = ranking(store, min_gold_accuracy=min_gold_accuracy, seed=seed)
     if bt is not None:
