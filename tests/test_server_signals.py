@@ -1,4 +1,5 @@
-"""Every `kiln` command that serves stops its whole process tree on SIGTERM and SIGINT.
+"""Every `kiln` command that serves (ui, mlflow-ui, rate serve) stops its whole process tree
+on SIGTERM and SIGINT.
 
 Real processes: the command is started as `python -m flows.cli ...` on a free port of
 127.0.0.1, its process tree is listed once it answers, and the signal goes to the `kiln`
@@ -55,6 +56,7 @@ def _listening(port: int) -> bool:
 
 
 COMMANDS = {
+    "ui": (lambda cfg, port: ["ui", "--port", port], "/api/health"),
     "mlflow-ui": (lambda cfg, port: ["mlflow-ui", "--config", cfg, "--port", port], "/health"),
     "rate serve": (lambda cfg, port: ["rate", "serve", "--config", cfg, "--port", port],
                    "/healthz"),
