@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from human_eval.report import build_report
-from human_eval.store import RatingStore
+from human_eval.store import Pair, RatingStore, Task
 from human_eval.studies import create_comparison, load_study
 
 from .conftest import free_port, many_prompts, start_server, stop, write_study
@@ -44,15 +44,23 @@ def served(tmp_path, make_config):
     store.close()
 
 
-def _vote(client, base, token, rng, p_left: float) -> bool:
-    """Answer the rater's next task over HTTP: left with `p_left`, else right or (10%) tie.
-    A rater who answers at random also fails gold checks, and may be left out."""
+def _vote(client, base, token, store, rng, careful: bool) -> bool:
+    """Answer the rater's next task over HTTP: the left image more often than not, ties now
+    and then. A gold check (looked up in the store, as a careful rater would spot it) is
+    answered right by a careful rater and wrongly by a careless one, who is then left out."""
     page = client.get(f"{base}/rate/{token}")
     m = re.search(r'name="task_id" value="(\d+)"', page.text)
     if m is None:
         return False
-    p = [p_left, 0.9 - p_left, 0.1]
-    answers = {q: rng.choice(["left", "right", "tie"], p=p) for q in ("quality", "alignment")}
+    answers = {q: rng.choice(["left", "right", "tie"], p=[0.6, 0.3, 0.1])
+               for q in ("quality", "alignment")}  # fmt: skip
+    with store.session() as s:
+        task = s.get(Task, int(m.group(1)))
+        gold, left = s.get(Pair, task.pair_id).gold, task.left
+    if gold:  # the gold pair's right answer is A, wherever A is shown
+        a_side = "left" if left == "a" else "right"
+        b_side = "right" if left == "a" else "left"
+        answers["alignment"] = a_side if careful else b_side
     r = client.post(f"{base}/rate/{token}/vote", data={"task_id": m.group(1), **answers})
     assert r.status_code == 303
     return True
@@ -115,10 +123,13 @@ def test_admin_page_shows_the_reports_numbers_as_votes_come_in(served, tmp_path)
         for _round in range(3):
             for i, token in enumerate(served["tokens"]):
                 for _ in range(4):
-                    _vote(client, base, token, rng, p_left=0.45 if i == 2 else 0.7)
+                    _vote(client, base, token, store, rng, careful=i < 2)
             report = check()
             seen.append(report["questions"]["quality"]["overall"]["votes"])
-    assert seen == sorted(seen) and seen[-1] > seen[0] > 0  # the page follows the votes
+    # The page followed the votes: some after the first round, at the end every pair rated by
+    # the two careful raters (the careless one's votes left out once gold-checked).
+    assert seen[0] > 0 and seen[-1] == 2 * 10
     overall = report["questions"]["quality"]["overall"]
     assert overall["ci_low"] <= overall["pref"] <= overall["ci_high"]
     assert len(report["questions"]["quality"]["categories"]) == 5
+    assert report["raters"]["excluded_ids"] == ["r003"]  # the careless rater, once gold-checked
