@@ -431,7 +431,55 @@ def mlflow_ui(config_path: str, root: str | None, port: int) -> None:
         cfg = load_config(config_path, root=root)
     except ConfigError as e:
         raise KilnError(str(e)) from e
-    raise SystemExit(_mlflow_ui(cfg.tracking_uri, port, runner=subprocess.call))
+    raise SystemExit(_mlflow_ui(cfg.tracking_uri, port, runner=_stops_its_tree(subprocess.call)))
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stops_its_tree(call):
+    """`call` (subprocess.call) that, on SIGTERM or SIGINT, stops every process it started,
+    their children included, and returns 0, as a server stopped on request does.
+
+    `mlflow ui` serves from a uvicorn child with worker processes of its own and does not
+    pass SIGTERM on: stopping only `mlflow ui` (as systemd, Docker or a process manager
+    would) left uvicorn serving, orphaned. The tree is listed in the handler, while its
+    parent still holds it together; a member still up after 10 s is killed.
+    """
+    import contextlib
+    import signal
+
+    def run(argv, **kwargs):
+        import psutil
+
+        tree: list = []
+
+        def stop(signum, _frame):
+            for sig in (signal.SIGTERM, signal.SIGINT):  # one stop at a time
+                signal.signal(sig, signal.SIG_IGN)
+            tree.extend(psutil.Process().children(recursive=True))
+            for proc in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):  # gone already
+                    proc.terminate()
+            raise _Stopped(signum)
+
+        handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return call(argv, **kwargs)
+        except _Stopped:
+            _, alive = psutil.wait_procs(tree, timeout=10)
+            for proc in alive:
+                proc.kill()
+            psutil.wait_procs(alive, timeout=10)
+            return 0
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    return run
 
 
 def _mlflow_ui(tracking_uri: str, port: int, runner) -> int:

@@ -39,9 +39,16 @@ __all__ = ["category_slug", "human_eval_flow", "is_model_ref", "mlflow_metrics",
 
 
 def is_model_ref(ref: str) -> bool:
-    """A registered model URI (models:/name@alias, models:/name/3) or an exported pipeline
-    folder (model_index.json), rather than a study."""
-    return ref.startswith("models:/") or (Path(ref) / "model_index.json").is_file()
+    """A registered model URI (models:/name@alias, models:/name/3) or a folder that is not a
+    study, rather than a study. A folder without study.json is taken for a pipeline, so that
+    one without model_index.json either is named as neither (`_pipeline_identity`) instead of
+    being looked up as a study id."""
+    if ref.startswith("models:/"):
+        return True
+    folder = Path(ref)
+    return (folder / "model_index.json").is_file() or (
+        folder.is_dir() and not (folder / "study.json").is_file()
+    )
 
 
 def _pipeline_identity(folder: Path) -> str:
@@ -54,9 +61,13 @@ def _pipeline_identity(folder: Path) -> str:
     from models.config import stable_hash
 
     if not (folder / "model_index.json").is_file():
+        # A stage's raw weights (final-raw/) sit beside its export (final/): point at it.
+        export = folder.parent / "final"
+        hint = f" (did you mean {export}?)" if (export / "model_index.json").is_file() else ""
         raise FileNotFoundError(
-            f"{folder} is not an exported pipeline (no model_index.json): pass a study id, "
-            "models:/NAME@ALIAS, models:/NAME/VERSION or a folder written by `kiln train`"
+            f"{folder} is not an exported pipeline (no model_index.json) nor a study (no "
+            f"study.json){hint}: pass a study id, models:/NAME@ALIAS, models:/NAME/VERSION or "
+            "a pipeline folder written by `kiln train` (a stage's final/)"
         )
     files = sorted(p for p in folder.rglob("*") if p.is_file())
     stats = [(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files]

@@ -145,7 +145,9 @@ def serve(config_path: str, root: str | None, host: str | None, port: int | None
     host, port = host or cfg.human_eval.host, port or cfg.human_eval.port
     click.echo(f"Rating app at http://{host}:{port}/rate/<token> (kiln rate invite)")
     click.echo(f"Admin page: http://{host}:{port}/admin/{store.admin_token()}")
-    run_app(store, host, port)
+    he = cfg.human_eval  # the admin page's running result: the report's settings
+    run_app(store, host, port, min_gold_accuracy=he.min_gold_accuracy,
+            n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
 
 
 @rate.command()

@@ -7,7 +7,8 @@ access checks are dependencies (`rater_from_token`, `admin_from_token`), so no h
 forget one. A rater sees the prompt, its category and two images labelled A (left) and B
 (right); which study made which image is never on the page, and left/right is drawn per task
 and stored with the vote. Images are served by an unguessable id looked up in the database,
-so no URL part ever reaches the file system. The form posts as
+so no URL part ever reaches the file system, and as a PNG encoded afresh from the pixels: no
+file time (Last-Modified, ETag), text, EXIF or time chunk tells two studies apart. The form posts as
 application/x-www-form-urlencoded, parsed here (no python-multipart needed); a page works
 without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
 """
@@ -15,6 +16,7 @@ without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import secrets
 from pathlib import Path
@@ -29,11 +31,12 @@ from fastapi.responses import (
     Response,
 )
 from fastapi.templating import Jinja2Templates
+from PIL import Image as PILImage
 
-from human_eval.report import gold_accuracy
+from human_eval.report import gold_accuracy, summarize_comparison
 from human_eval.store import QUESTIONS, Rater, RatingStore
 
-__all__ = ["create_app", "main"]
+__all__ = ["blind_png", "create_app", "main"]
 
 log = logging.getLogger("kiln.human_eval")
 HERE = Path(__file__).resolve().parent
@@ -50,6 +53,22 @@ SECURITY_HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Cache-Control": "no-store",
 }
+
+
+def blind_png(path: str | Path) -> bytes:
+    """The image's pixels as a new RGB PNG with the same encoder settings for every image.
+
+    The pixels go through a bare array into a new image, so nothing of the file's `info`
+    (text, EXIF, ICC profile, dpi) reaches the encoder: the bytes are IHDR, IDAT and IEND,
+    a function of the pixels alone, whichever study, tool or day wrote the file.
+    """
+    import numpy as np
+
+    with PILImage.open(path) as im:
+        pixels = np.asarray(im.convert("RGB"))
+    out = io.BytesIO()
+    PILImage.fromarray(pixels).save(out, format="PNG", compress_level=6)
+    return out.getvalue()
 
 
 def _store(request: Request) -> RatingStore:
@@ -114,11 +133,13 @@ def _rating_router(templates: Jinja2Templates) -> APIRouter:
     @router.get("/image/{image_id}")
     def image(
         image_id: str, rater: Rater = Depends(rater_from_token), store=Depends(_store)
-    ) -> FileResponse:
+    ) -> Response:
         path = store.image_path(rater.comparison_id, image_id)
         if path is None:
             raise HTTPException(status_code=404, detail="no such image")
-        return FileResponse(path, media_type="image/png", headers={"Cache-Control": "private"})
+        # Not a FileResponse: its Last-Modified and ETag come from the file's time and size.
+        body = blind_png(path)
+        return Response(body, media_type="image/png", headers={"Cache-Control": "private"})
 
     return router
 
@@ -128,16 +149,20 @@ def _admin_router(templates: Jinja2Templates) -> APIRouter:
 
     @router.get("", response_class=HTMLResponse)
     def admin_page(request: Request, store: RatingStore = Depends(_store)):
-        rows = [_progress(store, c) for c in store.comparisons()]
-        return templates.TemplateResponse(request, "admin.html", {"comparisons": rows})
+        settings = request.app.state.report_settings
+        rows = [_progress(store, c, settings) for c in store.comparisons()]
+        ctx = {"comparisons": rows, "settings": settings}
+        return templates.TemplateResponse(request, "admin.html", ctx)
 
     return router
 
 
-def _progress(store: RatingStore, cmp) -> dict:
-    """A comparison's progress per category and per rater, for the admin page."""
+def _progress(store: RatingStore, cmp, settings: dict) -> dict:
+    """A comparison's progress per category and per rater, and its result so far (the
+    report's own statistics, with the report's settings), for the admin page."""
     pairs = [p for p in store.pairs(cmp.id) if not p.gold]
     all_votes = store.votes(cmp.id)
+    result = summarize_comparison(store, cmp.id, votes=all_votes, **settings)
     votes = [v for v in all_votes if v["question"] == "quality"]
     cats: dict[str, dict] = {}
     for p in pairs:
@@ -155,14 +180,36 @@ def _progress(store: RatingStore, cmp) -> dict:
         raters.append({"rater": r.pseudonym, "done": done, "gold": f"{correct}/{n}"})
     return {"comparison": cmp, "categories": dict(sorted(cats.items())), "raters": raters,
             "votes": sum(c["votes"] for c in cats.values()),
-            "target": sum(c["target"] for c in cats.values())}  # fmt: skip
+            "target": sum(c["target"] for c in cats.values()), "result": result,
+            "questions": {q: {"alpha": r["alpha"], "groups": {"overall": r["overall"],
+                                                              **r["categories"]}}
+                          for q, r in result["questions"].items()}}  # fmt: skip
 
 
-def create_app(store: RatingStore) -> FastAPI:
-    """The rating app over `store` (every route reads it from `app.state`)."""
+def _fmt(x: float | None) -> str:
+    """A rate on the admin page: three decimals, "-" where undefined (NaN or None)."""
+    return "-" if x is None or x != x else f"{x:.3f}"
+
+
+def create_app(
+    store: RatingStore,
+    *,
+    min_gold_accuracy: float = 0.0,
+    n_resamples: int = 2000,
+    seed: int = 0,
+) -> FastAPI:
+    """The rating app over `store` (every route reads it from `app.state`).
+
+    The admin page's running result uses the report's settings: give it those of
+    `kiln rate report` (human_eval.min_gold_accuracy, bootstrap_resamples, seed), and it
+    shows the numbers the report would write now.
+    """
     templates = Jinja2Templates(directory=str(HERE / "templates"))  # autoescape on for .html
+    templates.env.globals["fmt"] = _fmt
     app = FastAPI(title="Kiln human evaluation", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
+    app.state.report_settings = {"min_gold_accuracy": min_gold_accuracy,
+                                 "n_resamples": n_resamples, "seed": seed}  # fmt: skip
     app.include_router(_rating_router(templates))
     app.include_router(_admin_router(templates))
 
@@ -195,11 +242,15 @@ def create_app(store: RatingStore) -> FastAPI:
     return app
 
 
-def serve(store: RatingStore, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Run the app with uvicorn until interrupted."""
+def serve(store: RatingStore, host: str = "127.0.0.1", port: int = 8765, **report_settings) -> None:
+    """Run the app with uvicorn until SIGINT or SIGTERM (uvicorn stops on both).
+
+    `report_settings`: `create_app`'s min_gold_accuracy, n_resamples and seed.
+    """
     import uvicorn
 
-    uvicorn.run(create_app(store), host=host, port=port, log_level="warning")
+    app = create_app(store, **report_settings)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,8 +31,12 @@ from human_eval.stats import (
 )
 from human_eval.store import QUESTIONS, RatingStore
 
-__all__ = ["build_report", "gold_accuracy", "plot_preference", "ranking", "summarize"]
+__all__ = [
+    "NO_VOTES", "build_report", "gold_accuracy", "plot_preference", "preference_figure",
+    "ranking", "summarize", "summarize_comparison",
+]  # fmt: skip
 
+NO_VOTES = "no votes"
 CSV_COLUMNS = [
     "vote_id", "rater", "pair_id", "prompt_index", "seed", "category", "prompt", "gold",
     "question", "answer", "left", "served_at", "voted_at", "excluded",
@@ -60,15 +64,20 @@ def excluded_raters(votes: list[dict], min_gold_accuracy: float) -> dict[str, fl
 
 
 def _cell(votes: list[dict], n_resamples: int, seed: int) -> dict:
+    """A's preference over `votes`; without votes its numbers are NaN (null in report.json)
+    and `note` says "no votes", so that no reader takes an empty cell for 0."""
     scores = scores_of([v["answer"] for v in votes])
     rate, ties = preference(scores)
     prompts = [v["prompt_index"] for v in votes]
     low, high = bootstrap_ci(scores, prompts, n_resamples=n_resamples, seed=seed)
-    return {
+    cell = {
         "pref": rate, "ci_low": low, "ci_high": high, "tie_share": ties,
         "votes": len(votes), "pairs": len({v["pair_id"] for v in votes}),
         "prompts": len(set(prompts)),
     }  # fmt: skip
+    if not votes:
+        cell["note"] = NO_VOTES
+    return cell
 
 
 def summarize(
@@ -78,18 +87,22 @@ def summarize(
     n_resamples: int = 2000,
     seed: int = 0,
     pair_ids: list[int] | None = None,
+    categories: list[str] | None = None,
 ) -> dict:
     """The statistics of one comparison's votes (plain rows, as `RatingStore.votes` gives).
 
     `pair_ids` (the comparison's non-gold pairs) gives each question's `min_votes_per_pair`:
     the fewest kept votes any pair has, 0 while a pair is unrated. The promotion gate reads it.
+    `categories` (those of the comparison's pairs) lists a category without kept votes too,
+    as a cell marked "no votes".
     """
     excluded = excluded_raters(votes, min_gold_accuracy)
     kept = [v for v in votes if not v["gold"] and v["rater"] not in excluded]
     questions = {}
     for q in QUESTIONS:
         qv = [v for v in kept if v["question"] == q]
-        by_cat: dict[str, list[dict]] = defaultdict(list)
+        by_cat: dict[str, list[dict]] = {c or "-": [] for c in categories or []}
+        by_cat = defaultdict(list, by_cat)
         for v in qv:
             by_cat[v["category"] or "-"].append(v)
         units: dict[int, list[str]] = defaultdict(list)
@@ -119,6 +132,22 @@ def summarize(
     }
 
 
+def summarize_comparison(
+    store: RatingStore,
+    comparison_id: str,
+    *,
+    min_gold_accuracy: float = 0.0,
+    n_resamples: int = 2000,
+    seed: int = 0,
+    votes: list[dict] | None = None,
+) -> dict:
+    """`summarize` over a comparison's votes in the store, as the report and the admin page
+    show them (every category of its pairs listed, `min_votes_per_pair` over all pairs)."""
+    votes = store.votes(comparison_id) if votes is None else votes
+    return summarize(votes, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples,
+                     seed=seed, **_pairs_of(store, comparison_id))  # fmt: skip
+
+
 def ranking(store: RatingStore, *, min_gold_accuracy: float = 0.0, seed: int = 0) -> dict | None:
     """Bradley-Terry strengths of every model in the store's comparisons, per question.
 
@@ -146,7 +175,19 @@ def ranking(store: RatingStore, *, min_gold_accuracy: float = 0.0, seed: int = 0
 
 def plot_preference(report: dict, path: Path) -> Path:
     """Per-category bars of A's preference with CI whiskers and a 0.5 line, a panel per
-    question (Agg backend: no display needed)."""
+    question (Agg backend: no display needed). A group without votes gets no bar, only the
+    words "no votes": an empty bar at 0 would read as "B always preferred"."""
+    fig = preference_figure(report)
+    import matplotlib.pyplot as plt  # after preference_figure chose the Agg backend
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def preference_figure(report: dict):
+    """The matplotlib figure `plot_preference` saves (close it with `plt.close`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,23 +198,29 @@ def plot_preference(report: dict, path: Path) -> Path:
         cells = {"overall": report["questions"][q]["overall"],
                  **report["questions"][q]["categories"]}  # fmt: skip
         names = list(cells)
-        rate = np.array([cells[n]["pref"] for n in names], dtype=float)
-        low = np.array([cells[n]["ci_low"] for n in names], dtype=float)
-        high = np.array([cells[n]["ci_high"] for n in names], dtype=float)
-        err = np.nan_to_num(np.vstack([rate - low, high - rate]))
-        colours = ["#444444"] + ["#4c78a8"] * (len(names) - 1)
-        ax.bar(range(len(names)), np.nan_to_num(rate), yerr=err, capsize=4, color=colours)
+        for i, name in enumerate(names):
+            c = cells[name]
+            if not c["votes"]:
+                ax.text(i, 0.5, NO_VOTES, rotation=90, ha="center", va="center", color="#777777")
+                continue
+            rate = float(c["pref"])
+            err = np.nan_to_num([[rate - float(c["ci_low"])], [float(c["ci_high"]) - rate]])
+            ax.bar(i, rate, yerr=err, capsize=4, color="#444444" if i == 0 else "#4c78a8")
         ax.axhline(0.5, color="#d62728", linestyle="--", linewidth=1)
         ax.set_xticks(range(len(names)), names, rotation=35, ha="right")
+        ax.set_xlim(-0.6, len(names) - 0.4)
         ax.set_ylim(0, 1)
         ax.set_title(f"{q}: A preferred (ties half), 95% CI")
     np.atleast_1d(axes)[0].set_ylabel("A's preference rate")
     fig.suptitle(f"{report['comparison']}: {report['study_a']} (A) vs {report['study_b']} (B)")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
+
+
+def _pairs_of(store: RatingStore, comparison_id: str) -> dict:
+    """`summarize`'s view of a comparison's regular pairs: their ids and categories."""
+    pairs = [p for p in store.pairs(comparison_id) if not p.gold]
+    return {"pair_ids": [p.id for p in pairs], "categories": sorted({p.category for p in pairs})}
 
 
 def _write_csv(votes: list[dict], excluded: list[str], path: Path) -> None:
@@ -210,8 +257,8 @@ def build_report(
         "comparison": cmp.id, "study_a": cmp.study_a, "study_b": cmp.study_b,
         "model_a": cmp.model_a, "model_b": cmp.model_b,
         "raters_per_pair": cmp.raters_per_pair, "gold_per_rater": cmp.gold_per_rater,
-        **summarize(votes, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples,
-                    seed=seed, pair_ids=[p.id for p in store.pairs(cmp.id) if not p.gold]),
+        **summarize_comparison(store, cmp.id, min_gold_accuracy=min_gold_accuracy,
+                               n_resamples=n_resamples, seed=seed, votes=votes),
     }  # fmt: skip
     bt = ranking(store, min_gold_accuracy=min_gold_accuracy, seed=seed)
     if bt is not None:

@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.logs import task_logger
 
 __all__ = [
+    "EXPERIMENT_DESCRIPTION",
     "EXPERIMENT_KIND",
     "LOCAL_MLFLOW_UI",
     "ModelVersionNotFound",
@@ -50,6 +51,14 @@ __all__ = [
 # MLflow 3's UI opens an experiment without this tag on its GenAI (traces) page; tagged as
 # model development it opens on the runs table, where Kiln's runs are.
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# The description the MLflow UI shows on the experiment's page (its `mlflow.note.content` tag).
+EXPERIMENT_NOTE = "mlflow.note.content"
+EXPERIMENT_DESCRIPTION = (
+    "Kiln: text-to-image diffusion training. One run per `kiln train` or `kiln run` (params, "
+    "loss and validation metrics, samples per stage, the exported pipeline), a quality run "
+    "per ingest (Data Docs), and human evaluation results on the candidate's run. Registered "
+    "versions carry the aliases `candidate`, `champion` and `previous-champion`."
+)
 # Where `kiln mlflow-ui` serves a local tracking store by default (flows/cli.py, --port).
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
 # The quality summary's counts, logged as metrics of the quality run.
@@ -105,15 +114,19 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
     Either way it is tagged as model development (`EXPERIMENT_KIND`), so the MLflow UI opens
     on its runs. An experiment made before Kiln tagged it gets the tag now; a kind that a
     person chose in the UI is left alone (only a missing or UI-inferred kind is replaced).
+    It gets Kiln's description (`EXPERIMENT_DESCRIPTION`) unless it has one already.
     """
     key, kind = EXPERIMENT_KIND
     exp = client.get_experiment_by_name(name)
     if exp is None:
         location = Path(artifact_root).resolve().as_uri() if artifact_root else None
-        return client.create_experiment(name, artifact_location=location, tags={key: kind})
+        tags = {key: kind, EXPERIMENT_NOTE: EXPERIMENT_DESCRIPTION}
+        return client.create_experiment(name, artifact_location=location, tags=tags)
     current = exp.tags.get(key)
     if current is None or current.endswith("inferred") or current.endswith("inferred_type"):
         client.set_experiment_tag(exp.experiment_id, key, kind)
+    if not exp.tags.get(EXPERIMENT_NOTE):
+        client.set_experiment_tag(exp.experiment_id, EXPERIMENT_NOTE, EXPERIMENT_DESCRIPTION)
     return exp.experiment_id
 
 

@@ -38,10 +38,14 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -181,6 +185,35 @@ def _stage_stats(path: Path) -> dict:
     }
 
 
+# streaming's notices on every part it writes and every index it merges: routine, nothing a
+# user acts on, and they filled a run's log. Only these two are dropped; its other records pass.
+_STREAMING_NOTICES = re.compile(
+    r"Directory .* exists and not empty\. But continue to mkdir"
+    r"|A temporary folder .* is created to store index files"
+)
+
+
+class _DropStreamingNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _STREAMING_NOTICES.match(record.getMessage())
+
+
+@contextmanager
+def _quiet_streaming() -> Iterator[None]:
+    """Drop `_STREAMING_NOTICES` while streaming writes or merges. A logger's filter sees only
+    its own records, so it goes on streaming's uploader logger and on the root logger, which
+    `merge_index` logs its temporary folder to (`logging.warning`)."""
+    loggers = [logging.getLogger("streaming.base.storage.upload"), logging.getLogger()]
+    drop = _DropStreamingNotices()
+    for lg in loggers:
+        lg.addFilter(drop)
+    try:
+        yield
+    finally:
+        for lg in loggers:
+            lg.removeFilter(drop)
+
+
 def _stage_of(target) -> int:
     return target if isinstance(target, int) else int(target[0])
 
@@ -195,7 +228,7 @@ def _write_part(out: Path, uids: list, rendered: dict, rows: dict, r: int, size_
         ids = tokenize([rows[u]["caption"] for u in uids]).numpy().astype(np.int32)
     from streaming import MDSWriter  # here, not at import: `import streaming` takes seconds
 
-    with MDSWriter(out=str(out), columns=columns, size_limit=size_limit) as w:
+    with _quiet_streaming(), MDSWriter(out=str(out), columns=columns, size_limit=size_limit) as w:
         for i, uid in enumerate(uids):
             img, top, left = rendered[uid][r]
             row = rows[uid]
@@ -564,7 +597,8 @@ def _merge_and_check(folder: Path, size: tuple[int, int], expected: int,
                      if (p / "index.json").is_file())  # fmt: skip
     from streaming.base.util import merge_index
 
-    merge_index(indexes, str(folder), keep_local=True, download_timeout=60)
+    with _quiet_streaming():
+        merge_index(indexes, str(folder), keep_local=True, download_timeout=60)
     _check_readback(folder, size, expected, ids_len)
 
 

@@ -14,7 +14,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from flows.config import load_config
 from flows.rate_cli import cli
+from human_eval.report import build_report
 from human_eval.store import RatingStore
 
 from .conftest import PROMPTS, free_port, start_server, stop, write_study
@@ -48,7 +50,9 @@ def served(tmp_path, make_config):
     link = re.search(r"http://\S+", invite.stdout).group(0)
     port = data["human_eval"]["port"]
     proc, _ = start_server(["flows.rate_cli", "rate", "serve", *common], port)
-    yield {"link": link, "root": root, "cid": cid, "token": link.rsplit("/", 1)[1]}
+    admin = f"http://127.0.0.1:{port}/admin/{RatingStore.open(root).admin_token()}"
+    yield {"link": link, "root": root, "cid": cid, "token": link.rsplit("/", 1)[1],
+           "admin": admin, "config": cfg}  # fmt: skip
     stop(proc)
 
 
@@ -61,6 +65,9 @@ def _check_page(page, dialogs):
     for secret in SECRETS:
         assert secret not in html, secret
     assert page.locator("img").count() == 2  # nothing injected
+    # Both images decode in the browser (served re-encoded, without metadata).
+    page.wait_for_function("Array.from(document.images).every(i => i.complete && "
+                           "i.naturalWidth === 512 && i.naturalHeight === 512)")  # fmt: skip
     assert not dialogs
     # A laptop screen (1366 x 768) shows the whole task with 512 px images: no scrolling.
     assert page.evaluate("document.documentElement.scrollHeight <= window.innerHeight")
@@ -115,6 +122,10 @@ def test_rate_with_keyboard_and_clicks_in_chromium(served, tmp_path):
             answered[task] = (q, a)
         assert page.locator("#done").inner_text() == "Thank you"
         page.screenshot(path=shots / "done.png")
+        page.goto(served["admin"])  # the operator's view of the same votes
+        result = page.locator("table.result[data-question=quality] tr[data-group=overall]")
+        on_admin = {k: result.locator(f"td.{k}").inner_text() for k in ("pref", "votes")}
+        page.screenshot(path=shots / "admin.png", full_page=True)
         browser.close()
     assert seen_xss and not dialogs  # the XSS prompt was shown, as text, and ran nothing
 
@@ -130,4 +141,13 @@ def test_rate_with_keyboard_and_clicks_in_chromium(served, tmp_path):
         shown = answered[task][0 if v["question"] == "quality" else 1]
         expect = {"left": left, "right": "b" if left == "a" else "a", "tie": "tie"}[shown]
         assert (v["answer"], v["left"]) == (expect, left)
-    assert len(list(shots.glob("*.png"))) == 11
+    assert len(list(shots.glob("*.png"))) == 12
+
+    # The admin page showed what `kiln rate report` writes (the config's settings).
+    he = load_config(str(served["config"])).human_eval
+    report = build_report(store, served["cid"], tmp_path / "report",
+                          min_gold_accuracy=he.min_gold_accuracy,
+                          n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
+    overall = report["questions"]["quality"]["overall"]
+    assert on_admin == {"pref": overall.get("note") or f"{overall['pref']:.3f}",
+                     "votes": str(overall["votes"])}  # fmt: skip

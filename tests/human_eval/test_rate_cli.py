@@ -138,3 +138,30 @@ def test_a_pipeline_exported_again_gets_a_new_identity(tmp_path):
     weights.write_bytes(b"new weights")
     os.utime(weights, ns=(1, 1))
     assert _pipeline_identity(folder) != first, "exported again: a new study"
+
+
+def test_compare_names_a_folder_that_is_neither_a_pipeline_nor_a_study(setup, tmp_path):
+    config, root = setup
+    common = ["--config", config, "--root", root]
+    stage = tmp_path / "runs" / "run-1" / "stage-64"
+    (stage / "final-raw" / "unet").mkdir(parents=True)
+    (stage / "final-raw" / "unet" / "config.json").write_text("{}")
+    result = _run("compare", *common, "--a", "run-a-1111", "--b", stage / "final-raw")
+    assert result.exit_code == 1
+    message = result.output.strip()
+    assert message == (
+        f"Error: {stage / 'final-raw'} is not an exported pipeline (no model_index.json) nor a "
+        "study (no study.json): pass a study id, models:/NAME@ALIAS, models:/NAME/VERSION or a "
+        "pipeline folder written by `kiln train` (a stage's final/)"
+    )
+    assert "run `kiln evaluate`" not in message
+    (stage / "final").mkdir()
+    (stage / "final" / "model_index.json").write_text("{}")
+    hinted = _run("compare", *common, "--a", "run-a-1111", "--b", stage / "final-raw")
+    assert hinted.exit_code == 1 and f"(did you mean {stage / 'final'}?)" in hinted.output
+    # A study given by its folder is still a study, and a name that is nowhere still says so.
+    b_folder = root / "eval" / "run-b-2222"
+    by_folder = _run("compare", *common, "--a", "run-a-1111", "--b", b_folder, "--gold", "1")
+    assert by_folder.exit_code == 0, by_folder.output
+    missing = _run("compare", *common, "--a", "run-a-1111", "--b", "run-z-9999")
+    assert missing.exit_code == 1 and "no study 'run-z-9999'" in missing.output

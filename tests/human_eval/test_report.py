@@ -107,3 +107,50 @@ def test_report_build_time_200_prompts_5_raters(tmp_path):
     assert report["questions"]["quality"]["overall"]["votes"] == 1000
     print(f"\nreport for 200 prompts x 5 raters x 2 questions: {took:.2f} s")
     assert took < 30
+
+
+def test_a_category_without_votes_is_marked_no_votes_not_drawn_as_zero(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from human_eval.report import preference_figure
+
+    store, cid = _comparison(tmp_path / "root", 20, gold=0)
+    _simulate(store, cid, 2, p_a=0.7, rng=np.random.default_rng(3))
+    text = [p.id for p in store.pairs(cid) if p.category == "Text"]
+    with store.session() as s:  # nobody has rated a Text prompt yet
+        s.query(Vote).filter(Vote.pair_id.in_(text)).delete()
+    out = tmp_path / "out"
+    report = build_report(store, cid, out, n_resamples=200)
+    assert json.loads((out / "report.json").read_text()) == report
+    for q in ("quality", "alignment"):
+        cats = report["questions"][q]["categories"]
+        assert set(cats) == {"Colors", "Counting", "Positional", "Text", "Rare Words"}
+        empty = cats["Text"]
+        assert empty["votes"] == empty["pairs"] == empty["prompts"] == 0
+        assert empty["pref"] is empty["ci_low"] is empty["ci_high"] is empty["tie_share"] is None
+        assert empty["note"] == "no votes"
+        for name, c in cats.items():  # the others as before: numbers, no note
+            if name != "Text":
+                assert c["votes"] == 8 and 0 <= c["pref"] <= 1 and "note" not in c
+        assert "note" not in report["questions"][q]["overall"]
+    fig = preference_figure(report)
+    try:
+        for ax in fig.axes:
+            names = [t.get_text() for t in ax.get_xticklabels()]
+            x = names.index("Text")
+            bars = [b.get_x() + b.get_width() / 2 for b in ax.patches]
+            assert len(bars) == len(names) - 1 and x not in bars  # no bar for Text, not even 0
+            notes = [t for t in ax.texts if t.get_text() == "no votes"]
+            assert [t.get_position()[0] for t in notes] == [x]
+    finally:
+        plt.close(fig)
+
+
+def test_a_comparison_without_votes_reports_no_votes_everywhere(tmp_path):
+    store, cid = _comparison(tmp_path / "root", 5, gold=0)
+    report = build_report(store, cid, tmp_path / "out", n_resamples=100)
+    for q in ("quality", "alignment"):
+        cells = [report["questions"][q]["overall"], *report["questions"][q]["categories"].values()]
+        assert len(cells) == 6
+        assert all(c["pref"] is None and c["note"] == "no votes" for c in cells)
+    assert (tmp_path / "out" / "preference.png").read_bytes()[:4] == b"\x89PNG"

@@ -8,6 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tasks.registry import (
+    EXPERIMENT_DESCRIPTION,
     EXPERIMENT_KIND,
     ensure_experiment,
     log_data_docs,
@@ -42,6 +43,21 @@ def test_experiment_is_tagged_for_model_training_new_or_old(tmp_path, tracking_u
     )
     ensure_experiment(client, "chosen", None)
     assert client.get_experiment(chosen).tags[KEY] == "genai_development", "a choice is kept"
+
+
+def test_experiment_has_kilns_description_unless_a_person_wrote_one(tmp_path, tracking_uri):
+    client = MlflowClient(tracking_uri)
+    new = ensure_experiment(client, "described", str(tmp_path / "d"))
+    note = client.get_experiment(new).tags["mlflow.note.content"]
+    assert note == EXPERIMENT_DESCRIPTION and note.startswith("Kiln: text-to-image")
+    old = client.create_experiment("undescribed", (tmp_path / "u").as_uri())
+    ensure_experiment(client, "undescribed", None)
+    assert client.get_experiment(old).tags["mlflow.note.content"] == EXPERIMENT_DESCRIPTION
+    mine = client.create_experiment(
+        "mine", (tmp_path / "m").as_uri(), tags={"mlflow.note.content": "my notes"}
+    )
+    ensure_experiment(client, "mine", None)
+    assert client.get_experiment(mine).tags["mlflow.note.content"] == "my notes", "kept"
 
 
 def test_ui_url_is_the_tracking_server_without_credentials_or_the_local_ui():

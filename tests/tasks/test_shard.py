@@ -423,3 +423,23 @@ def test_a_stage_held_out_whole_is_a_clear_error(validated):
     cfg = ShardsConfig(val_fraction=0.999, workers=1)
     with pytest.raises(ValueError, match="stage 32px has no training images.*val_fraction"):
         write_shards.fn(cfg, str(root), ingest_id, [32])
+
+
+def test_a_shard_write_logs_none_of_streamings_routine_notices(validated, caplog, capfd):
+    """streaming warns on every part ("Directory ... exists and not empty. But continue to
+    mkdir ...", "A temporary folder ... is created to store index files"): nothing a user
+    acts on, so none of it reaches Kiln's log (or stderr)."""
+    import logging
+
+    root, ingest_id, _ = validated
+    with caplog.at_level(logging.WARNING):
+        res = write_shards.fn(ShardsConfig(size_limit=16384, workers=1), str(root), ingest_id,
+                              [32])  # fmt: skip
+    assert res.stages[32]["shards"] > 1
+    out = capfd.readouterr()
+    text = "\n".join(r.getMessage() for r in caplog.records) + out.out + out.err
+    assert "continue to mkdir" not in text
+    assert "is created to store index files" not in text
+    # Streaming's own records still pass when they are something else: only the two go.
+    logging.getLogger("streaming.base.storage.upload").warning("something else")
+    assert "something else" in caplog.text

@@ -1,0 +1,130 @@
+"""Blindness over HTTP: what a browser gets for an image says nothing of its study or its day.
+
+Two studies with the same pixels, written by different tools on days a day apart (file times,
+text, compressed text, international text, time and EXIF chunks, compression level), are
+served by a real `human_eval.app` process on 127.0.0.1. Both images of a task must come back
+as the same bytes with the same headers (Date aside), with no Last-Modified or ETag, and with
+no metadata chunk in the PNG.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import struct
+import time
+import zlib
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image, PngImagePlugin
+
+from human_eval.store import RatingStore, default_url
+from human_eval.studies import create_comparison, load_study
+
+from .conftest import PROMPTS, free_port, start_server, stop, write_study
+
+pytestmark = pytest.mark.integration
+
+DAY = 24 * 3600
+METADATA_CHUNKS = {b"tEXt", b"iTXt", b"zTXt", b"tIME", b"eXIf", b"iCCP", b"pHYs"}
+
+
+def png_chunks(data: bytes) -> list[tuple[bytes, bytes]]:
+    """(type, payload) of every chunk of a PNG, checking the signature and each CRC."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    chunks, pos = [], 8
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, payload = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
+        assert zlib.crc32(kind + payload) == crc, kind
+        chunks.append((kind, payload))
+        pos += 12 + length
+    return chunks
+
+
+def _tag(folder, model: str, when: float, compress_level: int) -> None:
+    """Rewrite a study's PNGs with its model's metadata, and date every file `when`."""
+    for png in sorted((folder / "images").glob("*.png")):
+        with Image.open(png) as im:
+            im.load()
+            info = PngImagePlugin.PngInfo()
+            info.add_text("model", model)
+            info.add_text("parameters", f"{model}, steps 50", zip=True)
+            info.add_itxt("Comment", f"made by {model}", lang="en")
+            info.add(b"tIME", struct.pack(">HBBBBB", *time.gmtime(when)[:6]))
+            exif = Image.Exif()
+            exif[0x0131] = model  # Software
+            exif[0x0132] = time.strftime("%Y:%m:%d %H:%M:%S", time.gmtime(when))  # DateTime
+            im.save(png, pnginfo=info, exif=exif, compress_level=compress_level)
+        assert {k for k, _ in png_chunks(png.read_bytes())} >= {b"tEXt", b"zTXt", b"iTXt",
+                                                                 b"tIME", b"eXIf"}  # fmt: skip
+    for path in folder.rglob("*"):
+        os.utime(path, (when, when))
+
+
+@pytest.fixture
+def two_days(tmp_path):
+    """A server over a comparison of an old study (A) with a new one (B), same pixels."""
+    root = tmp_path / "root"
+    now = time.time()
+    old = write_study(root, "study-old-1111", prompts=PROMPTS, size=64, model="run-old")
+    new = write_study(root, "study-new-2222", prompts=PROMPTS, size=64, model="run-new")
+    _tag(old, "run-old", now - DAY, compress_level=9)
+    _tag(new, "run-new", now, compress_level=1)
+    assert (old / "images" / "0000-s0.png").stat().st_size != (
+        new / "images" / "0000-s0.png"
+    ).stat().st_size
+    url = default_url(root)
+    store = RatingStore(url)
+    cid, _ = create_comparison(store, load_study(old), load_study(new), raters_per_pair=1,
+                               gold=0)  # fmt: skip
+    [(_, token)] = store.add_raters(cid, 1)
+    port = free_port()
+    proc, base = start_server(["human_eval.app", "--database-url", url, "--port", str(port)], port)
+    yield {"base": base, "token": token, "old": old, "new": new}
+    stop(proc)
+    store.close()
+
+
+def test_both_images_of_a_task_look_the_same_to_the_browser(two_days):
+    base, token = two_days["base"], two_days["token"]
+    with httpx.Client() as client:
+        page = client.get(f"{base}/rate/{token}")
+        assert page.status_code == 200
+        ids = re.findall(rf'src="/rate/{token}/image/([^"]+)"', page.text)
+        assert len(ids) == 2 and ids[0] != ids[1]
+        for image_id in ids:  # an opaque random id: no study, model, file name or size
+            assert re.fullmatch(r"[A-Za-z0-9_-]{16}", image_id), image_id
+            for part in ["study", "1111", "2222", "run-", "0000", ".png"]:
+                assert part not in image_id, image_id
+        left, right = (client.get(f"{base}/rate/{token}/image/{i}") for i in ids)
+
+    for r in (left, right):
+        assert r.status_code == 200 and r.http_version == left.http_version
+        names = {k.lower() for k in r.headers}
+        assert not names & {"last-modified", "etag", "content-disposition", "age", "expires"}
+        assert r.headers["content-type"] == "image/png"
+        assert int(r.headers["content-length"]) == len(r.content)
+        kinds = [k for k, _ in png_chunks(r.content)]
+        assert kinds[0] == b"IHDR" and kinds[-1] == b"IEND"
+        assert set(kinds) == {b"IHDR", b"IDAT", b"IEND"}, kinds
+        assert not set(kinds) & METADATA_CHUNKS
+        for marker in [b"run-old", b"run-new", b"Exif", b"steps"]:
+            assert marker not in r.content
+
+    def without_date(r):
+        return [(k.lower(), v) for k, v in r.headers.multi_items() if k.lower() != "date"]
+
+    assert without_date(left) == without_date(right)
+    # Same pixels in, same bytes out: nothing but the pixels decides what is sent.
+    assert left.content == right.content
+
+    # And the pixels are the study's own: the re-encoding is lossless.
+    served = np.asarray(Image.open(io.BytesIO(left.content)))
+    sources = [np.asarray(Image.open(p).convert("RGB"))
+               for p in sorted((two_days["old"] / "images").glob("*.png"))]  # fmt: skip
+    assert any(np.array_equal(served, src) for src in sources)
