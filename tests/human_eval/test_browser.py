@@ -14,7 +14,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from flows.rate_cli import cli
+from flows.cli import main as cli
 from human_eval.store import RatingStore
 
 from .conftest import PROMPTS, free_port, start_server, stop, write_study
@@ -47,7 +47,7 @@ def served(tmp_path, make_config):
     invite = runner.invoke(cli, ["rate", "invite", *common, "--comparison", cid, "--raters", "1"])
     link = re.search(r"http://\S+", invite.stdout).group(0)
     port = data["human_eval"]["port"]
-    proc, _ = start_server(["flows.rate_cli", "rate", "serve", *common], port)
+    proc, _ = start_server(["flows.cli", "rate", "serve", *common], port)
     yield {"link": link, "root": root, "cid": cid, "token": link.rsplit("/", 1)[1]}
     stop(proc)
 
