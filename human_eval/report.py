@@ -74,9 +74,9 @@ def _cell(votes: list[dict], n_resamples: int, seed: int) -> dict:
 def summarize(
     votes: list[dict],
     *,
-    min_gold_accuracy: float = 0.0,
-    n_resamples: int = 2000,
-    seed: int = 0,
+    min_gold_accuracy: float,
+    n_resamples: int,
+    seed: int,
     pair_ids: list[int] | None = None,
 ) -> dict:
     """The statistics of one comparison's votes (plain rows, as `RatingStore.votes` gives).
@@ -119,7 +119,7 @@ def summarize(
     }
 
 
-def ranking(store: RatingStore, *, min_gold_accuracy: float = 0.0, seed: int = 0) -> dict | None:
+def ranking(store: RatingStore, *, min_gold_accuracy: float, seed: int) -> dict | None:
     """Bradley-Terry strengths of every model in the store's comparisons, per question.
 
     None with fewer than three models (one comparison already says all about two).
@@ -191,9 +191,9 @@ def build_report(
     comparison_id: str,
     out_dir: Path,
     *,
-    min_gold_accuracy: float = 0.0,
-    n_resamples: int = 2000,
-    seed: int = 0,
+    min_gold_accuracy: float,
+    n_resamples: int,
+    seed: int,
 ) -> dict:
     """Write report.json, votes.csv and preference.png for a comparison into `out_dir`.
 
