@@ -1,8 +1,8 @@
 """The blind A/B rating app: FastAPI with server-rendered Jinja2 pages, no front-end build.
 
-    python -m human_eval.app --database-url sqlite:///<root>/human_eval/ratings.db
+    kiln rate serve --config C
 
-(`kiln rate serve` runs the same app.) Routers per concern: rating pages, images, admin;
+Routers per concern: rating pages, images, admin;
 access checks are dependencies (`rater_from_token`, `admin_from_token`), so no handler can
 forget one. A rater sees the prompt, its category and two images labelled A (left) and B
 (right); which study made which image is never on the page, and left/right is drawn per task
@@ -14,7 +14,6 @@ without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import secrets
 from pathlib import Path
@@ -33,7 +32,7 @@ from fastapi.templating import Jinja2Templates
 from human_eval.report import gold_accuracy
 from human_eval.store import QUESTIONS, Rater, RatingStore
 
-__all__ = ["create_app", "main"]
+__all__ = ["create_app", "serve"]
 
 log = logging.getLogger("kiln.human_eval")
 HERE = Path(__file__).resolve().parent
@@ -195,21 +194,8 @@ def create_app(store: RatingStore) -> FastAPI:
     return app
 
 
-def serve(store: RatingStore, host: str = "127.0.0.1", port: int = 8765) -> None:
-    """Run the app with uvicorn until interrupted."""
+def serve(store: RatingStore, host: str, port: int) -> None:
+    """Run the app with uvicorn until interrupted (`kiln rate serve` starts it)."""
     import uvicorn
 
     uvicorn.run(create_app(store), host=host, port=port, log_level="warning")
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Serve the blind A/B rating app.")
-    p.add_argument("--database-url", required=True, help="SQLAlchemy URL of the ratings store")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
-    args = p.parse_args(argv)
-    serve(RatingStore(args.database_url), args.host, args.port)
-
-
-if __name__ == "__main__":
-    main()
