@@ -1,7 +1,8 @@
 """Pipeline configuration: one YAML file describes one pipeline.
 
-The sections' schemas live in `models.config` (and `quality` in `data_quality.rules`), below
-every layer that reads them; this module composes them, loads a file and snapshots it. A bad
+The sections that only flows read (storage, execution, registry, retrain, human_eval) are
+declared here; those that tasks read live below them, in `models.config` (and `quality` in
+`data_quality.rules`). This module composes them, loads a file and snapshots it. A bad
 value fails at load with its dotted path and the value received.
 
 Relative local paths in a file resolve against the file's folder, never the working
@@ -21,19 +22,16 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from data_quality.rules import QualityConfig
 from models.config import (
     ConfigError,
     EvaluateConfig,
-    ExecutionConfig,
+    GateConfig,
     IngestConfig,
     LaunchConfig,
-    RegistryConfig,
-    RetrainConfig,
     ShardsConfig,
-    StorageConfig,
     Strict,
     TrainConfig,
     is_remote,
@@ -51,6 +49,44 @@ __all__ = [
 
 # Repository root (editable install): used to find bundled configs/accelerate/*.yaml.
 PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+
+class StorageConfig(Strict):
+    root: str = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2...).")
+
+    @field_validator("root")
+    @classmethod
+    def _root(cls, v: str) -> str:
+        if is_remote(v):
+            # Sources may be s3://; the root (catalog, shards, runs) is a local or mounted
+            # folder for now.
+            raise ValueError("storage.root must be a local (or mounted) folder")
+        return v
+
+
+class ExecutionConfig(Strict):
+    dask_address: str | None = Field(
+        None, description="Dask scheduler (tcp://host:8786) for ingest partitions; else local."
+    )
+
+
+class RegistryConfig(Strict):
+    tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
+    experiment: str = "kiln"
+    model_name: str = "kiln-t2i"
+    alias: str = "candidate"
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+
+class RetrainConfig(Strict):
+    """When new data makes a retrain due (the ingest flow's `kiln.ingest.completed` event)."""
+
+    min_new_images: int = Field(
+        10_000, ge=1, description="Accepted images new or changed since the last training run "
+        "that make a retrain due (the event's `kiln.retrain-due` label; a deployment trigger "
+        "starts the retrain).",
+    )  # fmt: skip
 
 
 class HumanEvalConfig(Strict):
