@@ -32,7 +32,7 @@ def build_deployments(config_path: str, cron: str | None) -> list:
     from flows.config import load_config
     from flows.ingest import root_resource_id
 
-    params = {"config_path": config_path}
+    params = {"config": config_path}
     # Two trainings never overlap: a second run waits for the first (ENQUEUE).
     one = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
     new_data = DeploymentEventTrigger(

@@ -12,12 +12,19 @@ import os
 import shutil
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import click
 
-from flows.cli_options import CONFIG, ROOT
+from flows.cli_options import (
+    CONFIG,
+    ROOT,
+    ConfigDefault,
+    KilnError,
+    KilnGroup,
+    config_options,
+    load_checked,
+)
 
 __all__ = ["main"]
 
@@ -33,99 +40,37 @@ SOURCE = click.option(
 )
 
 
-class KilnError(click.ClickException):
-    """An expected failure: shown as `kiln: error: ...` lines on stderr, exit code 1."""
-
-    def show(self, file=None) -> None:
-        for line in self.format_message().splitlines() or [""]:
-            click.echo(f"kiln: error: {line}", err=True, file=file)
-
-
 def _call(
-    flow: str, config_path: str, steps: tuple[str, ...] = (), exclusive: bool = False, **kwargs
+    flow: str,
+    config_path: str,
+    root: str | None,
+    steps: tuple[str, ...] = (),
+    *,
+    source: str | None = None,
+    exclusive: bool = False,
+    **kwargs,
 ):
-    """Validate the config once, then run a flow on it; expected failures end in one line.
+    """Load and check the config once, then run a flow on the loaded config.
 
     Before any flow run starts (and before Prefect is even imported), the schema is validated
-    and the input checks of `steps` run (`flows.config.check_inputs`: the source is listable,
-    the topology exists, the tracking folder is writable, the prompts are readable), so a typo
-    or a missing file never reaches Prefect. An `exclusive` flow (one that takes the root's
-    training lock, tasks/lock.py) fails here too when another process holds it. The flow
-    (`"module:name"`) is imported after them: importing the flows (torch, Prefect) takes
-    seconds. The flow gets the validated config, frozen under `<root>/configs/<hash>.yaml`
-    with `--root`/`--source` applied, not the user's file, which may change while it runs.
+    and the input checks of `steps` run (`flows.cli_options.load_checked`), so a typo or a
+    missing file never reaches Prefect. The flow (`"module:name"`) is imported after them:
+    importing the flows (torch, Prefect) takes seconds. The flow gets the loaded config
+    object, not the user's file, which may change while it runs.
 
     Returns:
-        (the validated config, the flow's result).
+        (the loaded config, the flow's result).
     """
-    from flows.config import check_inputs, config_hash, load_config, write_snapshot
-    from tasks.layout import Layout
-    from tasks.lock import busy_reason
-
-    try:
-        cfg = load_config(config_path, root=kwargs.pop("root"), source=kwargs.pop("source", None))
-        check_inputs(cfg, steps)
-        busy = exclusive and busy_reason(Path(cfg.storage.root))
-        if busy:
-            raise KilnError(busy)
-        frozen = write_snapshot(cfg, Layout(Path(cfg.storage.root)).config(config_hash(cfg)))
-    except (ValueError, OSError) as e:  # ConfigError is a ValueError
-        raise KilnError(str(e)) from e
+    cfg = load_checked(config_path, root, steps, source=source, exclusive=exclusive)
     module, name = flow.split(":")
-    fn = getattr(importlib.import_module(module), name)
-    from tasks.health import HealthCheckError
-    from tasks.launch import LaunchError
-    from tasks.lock import RootBusy
-    from tasks.promotion import PromotionRefused
-    from tasks.quality import QualityGateError
-
-    try:
-        return cfg, fn(str(frozen), **kwargs)
-    except (
-        FileNotFoundError,
-        QualityGateError,
-        LaunchError,
-        HealthCheckError,
-        RootBusy,
-        PromotionRefused,
-        ValueError,
-    ) as e:
-        raise KilnError(str(e)) from e
+    return cfg, getattr(importlib.import_module(module), name)(cfg, **kwargs)
 
 
 def _show(result: dict) -> None:
     click.echo(json.dumps(result, indent=2, default=str))
 
 
-class _KilnGroup(click.Group):
-    """Ends an unexpected exception in one line plus a hint, unless `kiln --debug` was given.
-
-    A flow's own failure logs (Prefect's, with the traceback) are still printed while it runs
-    and kept in the UI; what this removes is the second, longer traceback of the same
-    exception that Python prints on the way out.
-    """
-
-    def invoke(self, ctx: click.Context):
-        debug = ctx.params.get("debug", False)
-        try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.Abort, click.UsageError):
-            raise
-        except click.ClickException as e:
-            if debug:
-                traceback.print_exception(e)  # the chain shows the cause's traceback
-            raise
-        except Exception as e:
-            if debug:
-                raise
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise KilnError(
-                f"{type(e).__name__}: {first} (run `kiln --debug {ctx.invoked_subcommand} ...` "
-                "for the traceback)"
-            ) from e
-
-
-@click.group(cls=_KilnGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=KilnGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show the traceback of an error, not one line.")
 def main(debug: bool) -> None:
     """Kiln: train a text-to-image diffusion model from scratch on your own images.
@@ -155,66 +100,54 @@ def demo_data(directory: str, n: int, seed: int) -> None:
     """
     from tasks.demo_data import write_demo_dataset
 
-    try:
-        _show(write_demo_dataset(directory, n=n, seed=seed))
-    except ValueError as e:
-        raise KilnError(str(e)) from e
+    _show(write_demo_dataset(directory, n=n, seed=seed))
 
 
 @main.command()
-@CONFIG
+@config_options
 @SOURCE
-@ROOT
 @ALLOW_FAILED_GATE
 def run(config_path: str, source: str | None, root: str | None, allow_failed_gate: bool) -> None:
     """Run the whole pipeline as one Prefect flow run (a subflow per step)."""
     cfg, result = _call(
-        "flows.pipeline:kiln_pipeline",
-        config_path,
+        "flows.pipeline:kiln_pipeline", config_path, root,
         ("ingest", "train", "evaluate", "register"),
-        exclusive=True,
-        root=root,
-        source=source,
-        allow_failed_gate=allow_failed_gate,
-    )
+        source=source, exclusive=True, allow_failed_gate=allow_failed_gate,
+    )  # fmt: skip
     _show(result)
     _where(cfg, config_path, result)
 
 
 @main.command()
-@CONFIG
+@config_options
 @SOURCE
-@ROOT
 def ingest(config_path: str, source: str | None, root: str | None) -> None:
     """List and decode the source; write <root>/catalog/<ingest_id>/."""
-    _show(_call("flows.ingest:ingest_flow", config_path, ("ingest",), root=root, source=source)[1])
+    _show(_call("flows.ingest:ingest_flow", config_path, root, ("ingest",), source=source)[1])
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option("--ingest-id", default=None, help="Catalog to validate (default: newest).")
 def validate(config_path: str, root: str | None, ingest_id: str | None) -> None:
     """Run the Great Expectations quality gate; quarantine failing rows."""
-    _show(_call("flows.validate:validate_flow", config_path, root=root, ingest_id=ingest_id)[1])
+    _show(_call("flows.validate:validate_flow", config_path, root, ingest_id=ingest_id)[1])
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option("--ingest-id", default=None, help="Validated catalog to shard (default: newest).")
 @ALLOW_FAILED_GATE
 def shard(
     config_path: str, root: str | None, ingest_id: str | None, allow_failed_gate: bool
 ) -> None:
     """Write one MDS dataset per training stage resolution."""
-    _show(_call("flows.shard:shard_flow", config_path, root=root, ingest_id=ingest_id,
+    _show(_call("flows.shard:shard_flow", config_path, root, ("shard",), ingest_id=ingest_id,
                 allow_failed_gate=allow_failed_gate)[1])  # fmt: skip
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option("--dataset-version", default=None, help="Shards to train on (default: newest).")
 @click.option("--run-id", default=None, help="Resume this training run (default: a new run).")
 def train(
@@ -222,15 +155,14 @@ def train(
 ) -> None:
     """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
     _, result = _call(
-        "flows.train:train_flow", config_path, ("train",), exclusive=True, root=root,
+        "flows.train:train_flow", config_path, root, ("train",), exclusive=True,
         dataset_version=dataset_version, run_id=run_id,
     )  # fmt: skip
-    _show({k: v for k, v in result.items() if k != "stages"})
+    _show({k: v for k, v in result.items() if k not in ("stages", "config")})
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option(
     "--measure-steps", type=int, default=None,
     help="Measure each stage's img/s on this machine with N real training steps.",
@@ -247,9 +179,6 @@ def plan(
     The plan is saved to <root>/runs/plan.json; the train flow's summary compares it with the
     actual run.
     """
-    from pathlib import Path
-
-    from flows.config import ConfigError, check_inputs, load_config
     from tasks.plan import (
         format_plan,
         local_processes,
@@ -260,9 +189,8 @@ def plan(
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
+    cfg = load_checked(config_path, root, ("train",))
     try:
-        cfg = load_config(config_path, root=root)
-        check_inputs(cfg, ("train",))
         procs = topology_processes(cfg.launch.accelerate_config, cfg.launch.num_processes)
         result = make_plan(
             cfg.train, procs, cfg.launch.gpu_hour_usd,
@@ -271,7 +199,7 @@ def plan(
             processes_per_machine=local_processes(
                 cfg.launch.accelerate_config, cfg.launch.num_processes),
         )  # fmt: skip
-    except (ConfigError, ValueError, OSError) as e:
+    except OSError as e:  # an unreadable topology or shards.json
         raise KilnError(str(e)) from e
     save_plan(result, Path(cfg.storage.root) / "runs" / "plan.json")
     click.echo(format_plan(result))
@@ -292,8 +220,7 @@ def _val_samples(cfg) -> list[int] | None:
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option("--run-id", default=None, help="Training run to evaluate (default: newest).")
 @click.option(
     "--model",
@@ -302,34 +229,38 @@ def _val_samples(cfg) -> list[int] | None:
     "exported pipeline folder (same prompts, seeds and settings; an existing study is reused).",
 )
 def evaluate(config_path: str, root: str | None, run_id: str | None, model: str | None) -> None:
-    """Generate images for every DrawBench prompt and seed into <root>/eval/<study_id>/."""
-    if model:
-        if run_id:
-            raise KilnError("--model and --run-id exclude each other: pass one")
-        from flows.rate_cli import evaluate_model
+    """Generate images for every DrawBench prompt and seed into <root>/eval/<study_id>/.
 
-        evaluate_model(config_path, root, model)
+    With --model, the study of any registered model or pipeline folder, generated with the
+    config's `evaluate` settings unless it exists (content-addressed); prints its id and path.
+    """
+    if model and run_id:
+        raise KilnError("--model and --run-id exclude each other: pass one")
+    if not model:
+        _show(_call("flows.evaluate:evaluate_flow", config_path, root, ("evaluate",),
+                    run_id=run_id)[1])  # fmt: skip
         return
-    _show(_call("flows.evaluate:evaluate_flow", config_path, ("evaluate",), root=root,
-                run_id=run_id)[1])  # fmt: skip
+    cfg = load_checked(config_path, root, ("evaluate",))
+    from flows.human_evaluation import study_for_model
+
+    study_id = study_for_model(cfg, model)
+    _show({"study_id": study_id, "path": str(Path(cfg.storage.root) / "eval" / study_id)})
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option("--run-id", default=None, help="Training run to register (default: newest).")
 @click.option(
     "--study-id", default=None, help="Evaluation study for the lineage (default: newest)."
 )
 def register(config_path: str, root: str | None, run_id: str | None, study_id: str | None) -> None:
     """Log the final pipeline to MLflow, register a version and set the alias."""
-    _show(_call("flows.register:register_flow", config_path, ("register",), root=root,
+    _show(_call("flows.register:register_flow", config_path, root, ("register",),
                 run_id=run_id, study_id=study_id)[1])  # fmt: skip
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option(
     "--model", required=True,
     help="models:/NAME@ALIAS, models:/NAME/VERSION or an exported pipeline folder.",
@@ -337,34 +268,34 @@ def register(config_path: str, root: str | None, run_id: str | None, study_id: s
 @click.option("--prompt", required=True, help="What to draw.")
 @click.option("--n", "n", type=int, default=4, show_default=True, help="Images (one seed each).")
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
-@click.option("--steps", type=int, default=25, show_default=True, help="Inference steps.")
-@click.option("--guidance", type=float, default=7.5, show_default=True, help="CFG scale.")
+@click.option("--steps", type=int, cls=ConfigDefault, field="evaluate.num_inference_steps",
+              help="Inference steps.")  # fmt: skip
+@click.option("--guidance", type=float, cls=ConfigDefault, field="evaluate.guidance_scale",
+              help="CFG scale.")  # fmt: skip
 @click.option("--out", default="generated", show_default=True, help="Folder for the PNGs.")
 def generate(
-    config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int, steps: int,
-    guidance: float, out: str,
+    config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int,
+    steps: int | None, guidance: float | None, out: str,
 ) -> None:  # fmt: skip
     """Generate PNG files from a registered model (or an export) for one prompt."""
-    from flows.config import load_config
     from tasks.generate_images import generate_images, resolve_pipeline
 
+    cfg = load_checked(config_path, root)
+    ev = cfg.evaluate
+    _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
     try:
-        cfg = load_config(config_path, root=root)
-        _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
-        result = generate_images(folder, prompt, Path(out), n=n, seed=seed, steps=steps,
-                                 guidance_scale=guidance)  # fmt: skip
-    except (ValueError, OSError, LookupError) as e:  # LookupError: no such alias or version
+        result = generate_images(
+            folder, prompt, Path(out), n=n, seed=seed,
+            steps=ev.num_inference_steps if steps is None else steps,
+            guidance_scale=ev.guidance_scale if guidance is None else guidance,
+        )  # fmt: skip
+    except OSError as e:  # an unwritable --out
         raise KilnError(str(e)) from e
-    except Exception as e:  # the registry's own errors (a failed download)
-        if type(e).__name__ == "MlflowException":
-            raise KilnError(f"{model}: {getattr(e, 'message', e)}") from e
-        raise
     _show(result)
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option(
     "--candidate", default=None,
     help="models:/NAME@ALIAS or models:/NAME/VERSION (default: the registry alias, candidate).",
@@ -384,17 +315,16 @@ def promote(
     min_category_pref, and no worse validation loss. The old champion becomes
     `previous-champion`; `kiln rollback` swaps them back.
     """
-    _show(_call("flows.promote:promote_flow", config_path, ("register",), root=root,
+    _show(_call("flows.promote:promote_flow", config_path, root, ("register",),
                 candidate=candidate, first=first, force=force, reason=reason)[1])  # fmt: skip
 
 
 @main.command()
-@CONFIG
-@ROOT
+@config_options
 @click.option("--reason", default=None, help="Why (recorded on both versions).")
 def rollback(config_path: str, root: str | None, reason: str | None) -> None:
     """Swap `champion` and `previous-champion` back."""
-    _show(_call("flows.promote:rollback_flow", config_path, ("register",), root=root,
+    _show(_call("flows.promote:rollback_flow", config_path, root, ("register",),
                 reason=reason)[1])  # fmt: skip
 
 
@@ -515,7 +445,7 @@ def _where(cfg, config_path: str, result: dict) -> None:
         "",
         "Open the UIs:",
         "  Prefect  kiln ui                          -> http://127.0.0.1:4200",
-        f"  MLflow   kiln mlflow-ui --config {config_path} -> http://127.0.0.1:5000",
+        f"  MLflow   kiln mlflow-ui --config {config_path} (prints its address)",
     ]
     click.echo("\n".join(lines))
 

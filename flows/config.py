@@ -1,7 +1,8 @@
 """Pipeline configuration: one YAML file describes one pipeline.
 
-The sections' schemas live in `models.config` (and `quality` in `data_quality.rules`), below
-every layer that reads them; this module composes them, loads a file and snapshots it. A bad
+The sections that only flows read (storage, execution, registry, retrain, human_eval) are
+declared here; those that tasks read live below them, in `models.config` (and `quality` in
+`data_quality.rules`). This module composes them, loads a file and snapshots it. A bad
 value fails at load with its dotted path and the value received.
 
 Relative local paths in a file resolve against the file's folder, never the working
@@ -21,19 +22,16 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from data_quality.rules import QualityConfig
 from models.config import (
     ConfigError,
     EvaluateConfig,
-    ExecutionConfig,
+    GateConfig,
     IngestConfig,
     LaunchConfig,
-    RegistryConfig,
-    RetrainConfig,
     ShardsConfig,
-    StorageConfig,
     Strict,
     TrainConfig,
     is_remote,
@@ -45,12 +43,50 @@ from tasks.prompts import PromptsUnavailable, resolve_prompts
 from tasks.storage import ProbeError, Storage
 
 __all__ = [
-    "PROJECT_DIR", "ConfigError", "PipelineConfig", "check_inputs", "config_hash",
+    "PROJECT_DIR", "ConfigError", "PipelineConfig", "as_config", "check_inputs", "config_hash",
     "encoder_key", "load_config", "run_config", "tracking_folder", "write_snapshot",
 ]  # fmt: skip
 
 # Repository root (editable install): used to find bundled configs/accelerate/*.yaml.
 PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+
+class StorageConfig(Strict):
+    root: str = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2...).")
+
+    @field_validator("root")
+    @classmethod
+    def _root(cls, v: str) -> str:
+        if is_remote(v):
+            # Sources may be s3://; the root (catalog, shards, runs) is a local or mounted
+            # folder for now.
+            raise ValueError("storage.root must be a local (or mounted) folder")
+        return v
+
+
+class ExecutionConfig(Strict):
+    dask_address: str | None = Field(
+        None, description="Dask scheduler (tcp://host:8786) for ingest partitions; else local."
+    )
+
+
+class RegistryConfig(Strict):
+    tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
+    experiment: str = "kiln"
+    model_name: str = "kiln-t2i"
+    alias: str = "candidate"
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+
+class RetrainConfig(Strict):
+    """When new data makes a retrain due (the ingest flow's `kiln.ingest.completed` event)."""
+
+    min_new_images: int = Field(
+        10_000, ge=1, description="Accepted images new or changed since the last training run "
+        "that make a retrain due (the event's `kiln.retrain-due` label; a deployment trigger "
+        "starts the retrain).",
+    )  # fmt: skip
 
 
 class HumanEvalConfig(Strict):
@@ -172,6 +208,8 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
         ConfigError: one line per failing input, naming the field, the value and the fix.
     """
     need = {check for step in steps for check in STEP_INPUTS.get(step, ())}
+    if "shard" in steps and cfg.shards.precompute:  # precompute launches on the topology
+        need.add("topology")
     errors = []
     if "source" in need:
         errors += _check_source_local(cfg)
@@ -368,6 +406,44 @@ def _abs_sqlite(url: str, base: Path) -> str:
     return prefix + str((base / url[len(prefix) :]).resolve())
 
 
+def as_config(
+    config: PipelineConfig | str,
+    steps: tuple[str, ...] = (),
+    *,
+    root: str | None = None,
+    source: str | None = None,
+) -> PipelineConfig:
+    """A flow's config: the loaded one its caller passes, or a path loaded and checked here.
+
+    The CLI and the pipeline load and check the config once and pass the object down; a flow
+    started on its own (a deployment, a test) gets a path, and this is its one load.
+
+    Args:
+        config: A loaded config (already checked by the caller), or a pipeline YAML path.
+        steps: With a path: the steps whose inputs `check_inputs` checks.
+        root: With a path: overrides `storage.root`.
+        source: With a path: overrides `ingest.source`.
+
+    Raises:
+        ConfigError: the file fails validation or an input check.
+        ValueError: `root` or `source` given with a loaded config (apply them when loading).
+    """
+    if isinstance(config, PipelineConfig):
+        if root is not None or source is not None:
+            raise ValueError(
+                f"root={root!r}, source={source!r}: overrides apply to a config path; pass them "
+                "to load_config for a loaded config"
+            )
+        return config
+    cfg = load_config(config, root=root, source=source)
+    check_inputs(cfg, steps)
+    return cfg
+
+
+def _snapshot_text(cfg: PipelineConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
 def write_snapshot(cfg: PipelineConfig, path: Path) -> Path:
     """Write the loaded config (overrides applied, paths absolute) to `path`, atomically.
 
@@ -376,7 +452,7 @@ def write_snapshot(cfg: PipelineConfig, path: Path) -> Path:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    tmp.write_text(_snapshot_text(cfg))
     tmp.replace(path)
     return path
 
@@ -386,11 +462,17 @@ def run_config(cfg: PipelineConfig, snapshot: Path, log: logging.Logger | None =
     snapshots). A step that reads a run (resume, evaluate, register) uses this, so an edit to
     the user's file after the run started changes nothing; the run's own snapshot is the file
     to edit (and pass as `--config`) to change it on purpose.
+
+    A snapshot whose text is `cfg`'s (the pipeline passes on the config its training run
+    wrote) is `cfg` itself: it is not parsed again.
     """
     log = log or logging.getLogger(__name__)
     if not snapshot.is_file():
         log.warning("no config snapshot at %s (a run from before snapshots): using the given "
                     "config", snapshot)  # fmt: skip
+        return cfg
+    text = snapshot.read_text()
+    if text == _snapshot_text(cfg):
         return cfg
     snap = load_config(snapshot)
     if config_hash(snap) != config_hash(cfg):

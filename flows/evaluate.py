@@ -14,7 +14,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import check_inputs, load_config, run_config
+from flows.config import PipelineConfig, as_config, check_inputs, run_config
 from models.config import stable_hash
 from tasks.contact_sheet import write_contact_sheets
 from tasks.launch import launch_generate
@@ -44,35 +44,29 @@ def study_id_for(model_ident: str, ev) -> str:
 
 
 @flow(name="kiln-evaluate", log_prints=True)
-def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None = None) -> dict:
+def evaluate_flow(
+    config: PipelineConfig | str, root: str | None = None, run_id: str | None = None
+) -> dict:
     """Write `<root>/eval/<study_id>/{images/,study.json}` for a training run's final export.
 
     Args:
-        config_path: Pipeline YAML: finds the root; the settings come from the run's snapshot.
-        root: Overrides `storage.root`.
+        config: The loaded config (checked by the caller), or a pipeline YAML path: finds the
+            root; the settings come from the run's snapshot.
+        root: With a path: overrides `storage.root`.
         run_id: Training run to evaluate; default the newest.
     """
-    cfg = load_config(config_path, root=root)
-    layout = Layout(Path(cfg.storage.root))
+    given = as_config(config, root=root)
+    layout = Layout(Path(given.storage.root))
     run_id, record = layout.finished_run(run_id, "evaluate")
-    cfg = run_config(cfg, layout.run_config(run_id), get_run_logger())
-    check_inputs(cfg, ("evaluate",))
+    cfg = run_config(given, layout.run_config(run_id), get_run_logger())
+    if cfg is not given or not isinstance(config, PipelineConfig):
+        check_inputs(cfg, ("evaluate",))  # the run's own settings (resolves its prompts)
     ev = cfg.evaluate
     study_id = study_id_for(run_id, ev)
     study = launch_generate(
-        record["export"],
-        ev.prompts_csv,
-        str(layout.study(study_id)),
-        accelerate_config=cfg.launch.accelerate_config,
-        seeds=ev.seeds,
-        num_inference_steps=ev.num_inference_steps,
-        guidance_scale=ev.guidance_scale,
-        batch_size=ev.batch_size,
-        limit=ev.limit,
-        model_ref=run_id,
-        gpu_limit=cfg.launch.gpu_limit,
-        num_processes=cfg.launch.num_processes,
-    )
+        record["export"], ev.prompts_csv, str(layout.study(study_id)),
+        evaluate=ev, launch=cfg.launch, model_ref=run_id,
+    )  # fmt: skip
     study_dir = layout.study(study_id)
     sheets = write_contact_sheets(study_dir, study["items"])
     final_res = cfg.train.stages[-1].resolution
@@ -83,15 +77,11 @@ def evaluate_flow(config_path: str, root: str | None = None, run_id: str | None 
         str(layout.val_shards(record["dataset_version"], final_res)),
         generate={
             "pipeline": record["export"],
+            # FID's images: one seed for each of its own prompts, the rest as the study's
             "settings": {
-                "accelerate_config": cfg.launch.accelerate_config,
-                "seeds": ev.seeds[:1],
-                "num_inference_steps": ev.num_inference_steps,
-                "guidance_scale": ev.guidance_scale,
-                "batch_size": ev.batch_size,
+                "evaluate": ev.model_copy(update={"seeds": ev.seeds[:1], "limit": None}),
+                "launch": cfg.launch,
                 "model_ref": run_id,
-                "num_processes": cfg.launch.num_processes,
-                "gpu_limit": cfg.launch.gpu_limit,
             },
         },
     )

@@ -1,6 +1,6 @@
 """Human evaluation flow: create a comparison, wait for the votes, report, log to MLflow.
 
-    human_eval_flow(config_path, study_a, study_b, wait_s=...)
+    human_eval_flow(config, study_a, study_b, wait_s=...)
 
 The wait is a polling task with a deadline (`wait_s`, checked every `poll_s`), not a Prefect
 pause: collection takes days, and a polling task needs no one to resume it in the UI. It
@@ -30,7 +30,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.config import PipelineConfig, check_inputs, load_config
+from flows.config import PipelineConfig, as_config
 from human_eval.report import build_report
 from human_eval.store import QUESTIONS, RatingStore
 from human_eval.studies import create_comparison, load_study
@@ -83,6 +83,8 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     `kiln evaluate --run-id` writes; another version is downloaded from the registry; a
     pipeline folder is named by a hash of its path.
 
+    `cfg` has passed `check_inputs` for the `evaluate` step (its prompts file is resolved).
+
     Raises:
         ValueError: a URI that is not models:/NAME@ALIAS or models:/NAME/VERSION.
     """
@@ -91,7 +93,6 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     from tasks.layout import Layout
     from tasks.registry import registered_pipeline
 
-    check_inputs(cfg, ("evaluate",))  # resolves the prompts file
     ev, layout = cfg.evaluate, Layout(Path(cfg.storage.root))
     if ref.startswith("models:/"):
         ident, pipeline = registered_pipeline(cfg.tracking_uri, layout.root, ref)
@@ -101,13 +102,8 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     study_id = study_id_for(ident, ev)
     out = layout.study(study_id)
     if not (out / "study.json").is_file():
-        launch_generate.fn(
-            str(pipeline()), ev.prompts_csv, str(out),
-            accelerate_config=cfg.launch.accelerate_config, seeds=ev.seeds,
-            num_inference_steps=ev.num_inference_steps, guidance_scale=ev.guidance_scale,
-            batch_size=ev.batch_size, limit=ev.limit, model_ref=ident,
-            num_processes=cfg.launch.num_processes, gpu_limit=cfg.launch.gpu_limit,
-        )  # fmt: skip
+        launch_generate.fn(str(pipeline()), ev.prompts_csv, str(out), evaluate=ev,
+                           launch=cfg.launch, model_ref=ident)  # fmt: skip
     return study_id
 
 
@@ -275,7 +271,7 @@ def _markdown(report: dict, wait: dict, chart_url: str | None = None) -> str:
 
 @flow(name="kiln-human-eval", log_prints=True)
 def human_eval_flow(
-    config_path: str,
+    config: PipelineConfig | str,
     study_a: str,
     study_b: str,
     root: str | None = None,
@@ -288,17 +284,18 @@ def human_eval_flow(
     """Compare study A (the candidate) with study B, wait for votes, report and log.
 
     Args:
-        config_path: Pipeline YAML (storage root, `human_eval` and `registry` sections).
+        config: The loaded config, or a pipeline YAML path (storage root, `human_eval` and
+            `registry` sections).
         study_a: Study id under `<root>/eval/` or a study folder: the candidate.
         study_b: The model it would replace.
-        root: Overrides `storage.root`.
+        root: With a path: overrides `storage.root`.
         wait_s: How long to wait for every pair's K votes (0: report what there is now).
         poll_s: Seconds between checks while waiting.
         raters_per_pair: K (default `human_eval.raters_per_pair`).
         gold: Attention checks per rater (default `human_eval.gold_per_rater`).
         name: Comparison id (default a hash of the studies and settings).
     """
-    cfg = load_config(config_path, root=root)
+    cfg = as_config(config, root=root)
     he, r = cfg.human_eval, cfg.storage.root
     k = raters_per_pair or he.raters_per_pair
     n_gold = he.gold_per_rater if gold is None else gold

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import check_inputs, load_config
+from flows.config import PipelineConfig, as_config
 from tasks.ingest import ingest_source
 from tasks.new_data import emit_ingest_completed, new_data, root_resource_id
 from tasks.reports import ingest_report, new_data_report
@@ -15,21 +15,23 @@ __all__ = ["ingest_flow", "root_resource_id"]  # the event's resource id, for se
 
 @flow(name="kiln-ingest", log_prints=True)
 def ingest_flow(
-    config_path: str, root: str | None = None, source: str | None = None, standalone: bool = True
+    config: PipelineConfig | str,
+    root: str | None = None,
+    source: str | None = None,
+    standalone: bool = True,
 ) -> dict:
     """List the source, decode every image, write accepted and quarantine tables, and emit
     `kiln.ingest.completed` (tasks/new_data.py), which starts a retrain when enough new
     images arrived since the last training.
 
     Args:
-        config_path: Pipeline YAML.
-        root: Overrides `storage.root`.
-        source: Overrides `ingest.source` (a local folder or s3://bucket/prefix).
+        config: The loaded config (checked by the caller), or a pipeline YAML path.
+        root: With a path: overrides `storage.root`.
+        source: With a path: overrides `ingest.source` (a local folder or s3://bucket/prefix).
         standalone: False when a pipeline runs this ingest as its first step: its event then
             never makes a retrain due (the pipeline is the training).
     """
-    cfg = load_config(config_path, root=root, source=source)
-    check_inputs(cfg, ("ingest",))
+    cfg = as_config(config, ("ingest",), root=root, source=source)
     result = ingest_source(
         cfg.ingest,
         cfg.storage.root,

@@ -1,26 +1,26 @@
 """The whole pipeline as one Prefect flow run, with a subflow per step.
 
-The config is loaded and checked once, and written to the new training run's folder
-(`<root>/runs/<run_id>/config.yaml`, overrides applied); every step reads that snapshot, so
-editing the file during a multi-day run changes nothing in it.
+The config is loaded and checked once (by the CLI, or here when a deployment passes a path)
+and the loaded object is passed to every step, so editing the file during a multi-day run
+changes nothing in it. The train step writes it to the training run's folder
+(`<root>/runs/<run_id>/config.yaml`), and evaluate and register use the config it trained with.
 """
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, check_inputs, load_config, write_snapshot
+from flows.config import PipelineConfig, as_config
 from flows.evaluate import evaluate_flow
 from flows.ingest import ingest_flow
 from flows.register import register_flow
 from flows.shard import shard_flow
 from flows.train import train_flow
 from flows.validate import validate_flow
-from tasks.layout import Layout, new_run_id
+from tasks.layout import new_run_id
 from tasks.lock import root_lock
 from tasks.reports import pipeline_report
 
@@ -29,7 +29,7 @@ __all__ = ["kiln_pipeline"]
 
 @flow(name="kiln-pipeline", log_prints=True)
 def kiln_pipeline(
-    config_path: str,
+    config: PipelineConfig | str,
     root: str | None = None,
     source: str | None = None,
     allow_failed_gate: bool = False,
@@ -38,7 +38,7 @@ def kiln_pipeline(
     """ingest -> validate -> shard -> train (all stages) -> evaluate -> register.
 
     Args:
-        config_path: Pipeline YAML.
+        config: The loaded config (checked by the caller), or a pipeline YAML path.
         root: Overrides `storage.root`.
         source: Overrides `ingest.source`.
         allow_failed_gate: Go on past a failed quality gate (recorded in shards.json).
@@ -46,8 +46,7 @@ def kiln_pipeline(
             accepted image is new or changed since the newest finished training (a retrain
             queued behind another, or the weekly cron the night after a triggered one).
     """
-    cfg = load_config(config_path, root=root, source=source)
-    check_inputs(cfg, ("ingest", "train", "evaluate"))
+    cfg = as_config(config, ("ingest", "train", "evaluate", "register"), root=root, source=source)
     run_id = new_run_id()
     # The whole pipeline holds the root's training lock (its train subflow re-enters it):
     # a second `kiln run` on this root fails at once instead of racing on the same folders.
@@ -58,22 +57,21 @@ def kiln_pipeline(
 def _pipeline(
     cfg: PipelineConfig, run_id: str, allow_failed_gate: bool, only_new_data: bool
 ) -> dict:
-    snap = str(write_snapshot(cfg, Layout(Path(cfg.storage.root)).run_config(run_id)))
-    ingest = ingest_flow(snap, standalone=False)
+    ingest = ingest_flow(cfg, standalone=False)
     fresh = ingest["new_data"]
     last = fresh["trained_run_id"]
     if only_new_data and last and fresh["new_since_training"] == 0:
         why = (f"no accepted image is new or changed since run {last} trained on catalog "
                f"{fresh['trained_ingest_id']}: nothing to retrain on")  # fmt: skip
         get_run_logger().info(why)
-        shutil.rmtree(Layout(Path(cfg.storage.root)).run(run_id), ignore_errors=True)
         return {"ingest": ingest, "skipped": why}
     gate = {"ingest_id": ingest["ingest_id"], "allow_failed_gate": allow_failed_gate}
-    quality = validate_flow(snap, **gate)
-    shards = shard_flow(snap, **gate)
-    run = train_flow(snap, dataset_version=shards["dataset_version"], run_id=run_id)
-    study = evaluate_flow(snap, run_id=run_id)
-    model = register_flow(snap, run_id=run_id, study_id=study["study_id"])
+    quality = validate_flow(cfg, **gate)
+    shards = shard_flow(cfg, **gate)
+    run = train_flow(cfg, dataset_version=shards["dataset_version"], run_id=run_id)
+    trained = run.pop("config")  # the config the run trained with (its snapshot's)
+    study = evaluate_flow(trained, run_id=run_id)
+    model = register_flow(trained, run_id=run_id, study_id=study["study_id"])
     result = {
         "ingest": ingest,
         "quality": quality,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import load_config
+from flows.config import PipelineConfig, as_config
 from tasks.promotion import PromotionRefused, promote, rollback
 
 __all__ = ["promote_flow", "rollback_flow"]
@@ -29,7 +29,7 @@ def _markdown(title: str, record: dict) -> str:
 
 @flow(name="kiln-promote", log_prints=True)
 def promote_flow(
-    config_path: str,
+    config: PipelineConfig | str,
     candidate: str | None = None,
     first: bool = False,
     force: bool = False,
@@ -39,13 +39,13 @@ def promote_flow(
     in `registry.gate` passes.
 
     Args:
-        config_path: Pipeline YAML (registry and gate settings).
+        config: The loaded config, or a pipeline YAML path (registry and gate settings).
         candidate: models:/NAME@ALIAS or models:/NAME/VERSION.
         first: Promote with no champion yet (nothing to compare against).
         force: Promote past a refused gate; needs `reason`.
         reason: Why, recorded on the version.
     """
-    cfg = load_config(config_path)
+    cfg = as_config(config)
     ref = candidate or f"models:/{cfg.registry.model_name}@{cfg.registry.alias}"
     try:
         record = promote(cfg.tracking_uri, ref, cfg.registry.gate, first=first, force=force,
@@ -62,9 +62,9 @@ def promote_flow(
 
 
 @flow(name="kiln-rollback", log_prints=True)
-def rollback_flow(config_path: str, reason: str | None = None) -> dict:
+def rollback_flow(config: PipelineConfig | str, reason: str | None = None) -> dict:
     """Swap `champion` and `previous-champion` of `registry.model_name`."""
-    cfg = load_config(config_path)
+    cfg = as_config(config)
     record = rollback(cfg.tracking_uri, cfg.registry.model_name, reason)
     create_markdown_artifact(key="rollback", description=f"{cfg.registry.model_name} rolled back",
                              markdown=_markdown("Rollback", record))  # fmt: skip

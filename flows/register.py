@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import config_hash, load_config, run_config
+from flows.config import PipelineConfig, as_config, config_hash, run_config
 from tasks.layout import Layout
 from tasks.registry import register_model
 from tasks.reports import model_card, registered_report
@@ -42,7 +42,7 @@ def _val_metrics(record: dict) -> dict[str, float]:
 
 @flow(name="kiln-register", log_prints=True)
 def register_flow(
-    config_path: str,
+    config: PipelineConfig | str,
     root: str | None = None,
     run_id: str | None = None,
     study_id: str | None = None,
@@ -50,12 +50,13 @@ def register_flow(
     """Register the run's final export as a new version of `registry.model_name`.
 
     Args:
-        config_path: Pipeline YAML: finds the root; the settings come from the run's snapshot.
-        root: Overrides `storage.root`.
+        config: The loaded config (checked by the caller), or a pipeline YAML path: finds the
+            root; the settings come from the run's snapshot.
+        root: With a path: overrides `storage.root`.
         run_id: Training run; default the newest.
         study_id: Evaluation study recorded in the lineage; default the newest, if any.
     """
-    cfg = load_config(config_path, root=root)
+    cfg = as_config(config, root=root)
     layout = Layout(Path(cfg.storage.root))
     run_id, record = layout.finished_run(run_id, "register")
     cfg = run_config(cfg, layout.run_config(run_id), get_run_logger())

@@ -17,7 +17,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import load_config
+from flows.config import PipelineConfig, as_config, check_inputs
 from flows.human_evaluation import create_comparison_task, study_for_model
 from flows.pipeline import kiln_pipeline
 
@@ -25,19 +25,21 @@ __all__ = ["retrain_flow"]
 
 
 @flow(name="kiln-retrain", log_prints=True)
-def retrain_flow(config_path: str, root: str | None = None, event_root: str | None = None) -> dict:
+def retrain_flow(
+    config: PipelineConfig | str, root: str | None = None, event_root: str | None = None
+) -> dict:
     """Retrain from the champion, register the candidate, open its comparison. Nothing is
     trained when no image is new since the last training (returns `{"skipped": why}`).
 
     Args:
-        config_path: A retraining YAML (configs/sd2-retrain.yaml): `train.init_from_model`
-            names the model to continue from.
-        root: Overrides `storage.root`.
+        config: A retraining config (configs/sd2-retrain.yaml), loaded or its path:
+            `train.init_from_model` names the model to continue from.
+        root: With a path: overrides `storage.root`.
         event_root: Set by the new-data trigger: the storage root whose ingest emitted
             `kiln.ingest.completed`. An event from another root (a developer's ingest on the
             same Prefect server) retrains nothing.
     """
-    cfg = load_config(config_path, root=root)
+    cfg = as_config(config, root=root)
     log = get_run_logger()
     if event_root is not None and Path(event_root) != Path(cfg.storage.root):
         why = (f"the new-data event came from root {event_root}; this retrain trains "
@@ -46,16 +48,18 @@ def retrain_flow(config_path: str, root: str | None = None, event_root: str | No
         return {"skipped": why}
     if not cfg.train.init_from_model:
         raise ValueError(
-            f"{config_path}: train.init_from_model is not set, so this would train from "
+            "train.init_from_model is not set, so this would train from "
             "scratch; use the kiln-pipeline flow for that, or set it to "
             f"models:/{cfg.registry.model_name}@champion"
         )
-    result = kiln_pipeline(config_path, root=root, only_new_data=True)
+    check_inputs(cfg, ("ingest", "train", "evaluate", "register"))
+    result = kiln_pipeline(cfg, only_new_data=True)
     if "skipped" in result:
         create_markdown_artifact(key="retrain", description="nothing new to retrain on",
                                  markdown=f"## No retrain\n\n{result['skipped']}.")  # fmt: skip
         return result
     he, r = cfg.human_eval, cfg.storage.root
+    name = Path(config).name if isinstance(config, str) else "CONFIG"
     champion = f"models:/{cfg.registry.model_name}@champion"
     champ_study = study_for_model(cfg, champion)
     cid = create_comparison_task(r, he.database_url, result["study"]["study_id"], champ_study,
@@ -69,10 +73,10 @@ def retrain_flow(config_path: str, root: str | None = None, event_root: str | No
             f"## Candidate `{result['model']['uri_by_alias']}` (v{result['model']['version']})\n\n"
             f"Warm-started from `{cfg.train.init_from_model}`; comparison `{cid}` against "
             f"`{champion}` (study `{champ_study}`) is open.\n\n"
-            f"1. `kiln rate invite --config {Path(config_path).name} --comparison {cid} "
+            f"1. `kiln rate invite --config {name} --comparison {cid} "
             "--raters 8`\n"
             "2. when the votes are in: the `human-eval` deployment, or `kiln rate report`\n"
-            f"3. `kiln promote --config {Path(config_path).name}`: the gate reads the report"
+            f"3. `kiln promote --config {name}`: the gate reads the report"
         ),
     )
     return {**result, "comparison": cid, "champion_study": champ_study}

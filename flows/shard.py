@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import check_inputs, encoder_key, load_config
+from flows.config import PipelineConfig, as_config, encoder_key
 from models.config import StageRun
 from tasks.launch import launch_precompute
 from tasks.layout import Layout
@@ -21,7 +21,7 @@ __all__ = ["shard_flow"]
 
 @flow(name="kiln-shard", log_prints=True)
 def shard_flow(
-    config_path: str,
+    config: PipelineConfig | str,
     root: str | None = None,
     ingest_id: str | None = None,
     allow_failed_gate: bool = False,
@@ -31,13 +31,13 @@ def shard_flow(
     latents, and publish the version to `shards.remote` when it is set.
 
     Args:
-        config_path: Pipeline YAML.
-        root: Overrides `storage.root`.
+        config: The loaded config (checked by the caller), or a pipeline YAML path.
+        root: With a path: overrides `storage.root`.
         ingest_id: Validated catalog to shard; default the newest ingest.
         allow_failed_gate: Shard a catalog that failed the quality gate (or has no verdict);
             the override is recorded in the dataset's shards.json.
     """
-    cfg = load_config(config_path, root=root)
+    cfg = as_config(config, ("shard",), root=root)
     layout = Layout(Path(cfg.storage.root))
     ingest_id = ingest_id or layout.latest("catalog", "shard")
     result = write_shards(
@@ -52,7 +52,6 @@ def shard_flow(
         allow_failed_gate=allow_failed_gate,
     )
     if cfg.shards.precompute:
-        check_inputs(cfg, ("train",))
         # The latents are encoded with the VAE that training will load (a `fit` one: fitted
         # on this version, cached, and found again by the train flow under the same key).
         # A warm start encodes with the VAE of the model it starts from (flows/train.py).
@@ -60,9 +59,10 @@ def shard_flow(
             from flows.train import resolve_warm_start
 
             warm = resolve_warm_start(cfg, layout)["folder"]
-            cfg.train = vae_from_pipeline(cfg.train, warm)
+            train = vae_from_pipeline(cfg.train, warm)
         else:
-            cfg.train = resolve_fitted_vae(cfg.train, cfg.storage.root, result.dataset_version)
+            train = resolve_fitted_vae(cfg.train, cfg.storage.root, result.dataset_version)
+        cfg = cfg.model_copy(update={"train": train})  # the caller's config stays as given
         for i, stage in enumerate(cfg.train.stages):
             version, res = result.dataset_version, stage.resolution
             images = layout.shards(version, res)
@@ -73,9 +73,8 @@ def shard_flow(
             spec = StageRun(train=cfg.train, stage_index=i, shards=str(images),
                             output_dir=str(out.parent), val_shards=val and str(val))  # fmt: skip
             launch_precompute.with_options(name=f"precompute-{res}px")(
-                spec, str(out), cfg.launch.accelerate_config,
-                text=cfg.shards.precompute_text, num_processes=cfg.launch.num_processes,
-                val_out_dir=val_out and str(val_out), gpu_limit=cfg.launch.gpu_limit,
+                spec, str(out), cfg.launch, text=cfg.shards.precompute_text,
+                val_out_dir=val_out and str(val_out),
             )  # fmt: skip
             result.stages[res]["latents"] = str(out)
             if val_out:

@@ -4,10 +4,12 @@ Stage k+1 starts from stage k's EMA (or raw) weights. Each stage task is retried
 `launch.max_restarts` times; a retry resumes from the stage's newest complete checkpoint.
 Passing an existing `run_id` resumes a whole interrupted run: finished stages are skipped.
 
-The config is loaded once and written to `<root>/runs/<run_id>/config.yaml`; a resumed run,
-evaluation and registration read that snapshot, so edits to the user's file never change a
-run that has started. The run's MLflow run ends FINISHED when every stage is trained, and
-FAILED (KILLED on cancellation) when the flow fails; registration logs into it later.
+The config is written once to `<root>/runs/<run_id>/config.yaml` (with the fitted VAE's
+folder); a resumed run, evaluation and registration use that snapshot, so edits to the user's
+file never change a run that has started. The flow returns the config it trained with under
+`"config"`, which the pipeline passes on to evaluate and register. The run's MLflow run ends
+FINISHED when every stage is trained, and FAILED (KILLED on cancellation) when the flow fails;
+registration logs into it later.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.config import (
     PipelineConfig,
+    as_config,
     check_inputs,
     encoder_key,
-    load_config,
     run_config,
     write_snapshot,
 )
@@ -165,7 +167,7 @@ def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str])
 
 @flow(name="kiln-train", log_prints=True)
 def train_flow(
-    config_path: str,
+    config: PipelineConfig | str,
     root: str | None = None,
     dataset_version: str | None = None,
     run_id: str | None = None,
@@ -173,27 +175,34 @@ def train_flow(
     """Train every stage and export a StableDiffusionPipeline per stage.
 
     Args:
-        config_path: Pipeline YAML; a resumed run uses its own snapshot instead.
-        root: Overrides `storage.root`.
+        config: The loaded config (checked by the caller), or a pipeline YAML path; a resumed
+            run uses its own snapshot instead.
+        root: With a path: overrides `storage.root`.
         dataset_version: Shards to train on; default the newest.
         run_id: Resume this run; default a new `run-<UTC timestamp>`.
+
+    Returns:
+        The run record (run.json), and under `"config"` the config the run trained with.
     """
-    cfg = load_config(config_path, root=root)
+    checked = isinstance(config, PipelineConfig)
+    cfg = as_config(config, root=root)
     layout = Layout(Path(cfg.storage.root))
     run_id = run_id or new_run_id()
     # One training writer per root: a second `kiln train`/`kiln run` fails here, at once,
     # naming the first, before it touches LATEST, a run folder or an MLflow run.
     with root_lock(layout.root, f"training run {run_id}"):
-        return _train_locked(cfg, layout, run_id, dataset_version)
+        return _train_locked(cfg, layout, run_id, dataset_version, checked)
 
 
 def _train_locked(
-    cfg: PipelineConfig, layout: Layout, run_id: str, dataset_version: str | None
+    cfg: PipelineConfig, layout: Layout, run_id: str, dataset_version: str | None, checked: bool
 ) -> dict:
     snapshot = layout.run_config(run_id)
-    if snapshot.is_file():  # a resumed run (or the pipeline's) keeps the config it started with
-        cfg = run_config(cfg, snapshot, get_run_logger())
-    check_inputs(cfg, ("train",))
+    if snapshot.is_file():  # a resumed run keeps the config it started with
+        run_cfg = run_config(cfg, snapshot, get_run_logger())
+        checked, cfg = checked and run_cfg is cfg, run_cfg
+    if not checked:  # a path loaded here, or a resumed run's own snapshot
+        check_inputs(cfg, ("train",))
     version = dataset_version or layout.latest("shards", "train")
     # A `train.model.vae.fit` VAE is fitted on this data (once, cached) and the snapshot names
     # its folder, so every stage, resume and export uses the same weights. A warm start keeps
@@ -205,7 +214,7 @@ def _train_locked(
     else:
         fitted = resolve_fitted_vae(cfg.train, cfg.storage.root, version)
     if fitted is not cfg.train or not snapshot.is_file():
-        cfg.train = fitted
+        cfg = cfg.model_copy(update={"train": fitted})  # the caller's config stays as given
         write_snapshot(cfg, snapshot)
     record = _run_record(cfg, layout, run_id, version, warm)
     if record["dataset_version"] != version and dataset_version is not None:
@@ -229,7 +238,7 @@ def _train_locked(
             )
         raise
     mark_training_run(cfg.tracking_uri, record["mlflow_run_id"], "FINISHED")
-    return record
+    return {**record, "config": cfg}
 
 
 def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
@@ -288,14 +297,7 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
             name=f"train-{stage.resolution}px",
             retries=cfg.launch.max_restarts,
             retry_delay_seconds=2,
-        ).submit(
-            run,
-            cfg.launch.accelerate_config,
-            cfg.launch.num_processes,
-            cfg.launch.hang_timeout_s,
-            cfg.launch.gpu_limit,
-            wait_for=[previous] if previous is not None else None,
-        )
+        ).submit(run, cfg.launch, wait_for=[previous] if previous is not None else None)
         manifest = previous.result()
         raw = out / "final-raw"
         init_from = str(raw if cfg.train.init_from == "raw" and raw.is_dir() else out / "final")

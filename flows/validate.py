@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import load_config
+from flows.config import PipelineConfig, as_config
 from tasks.layout import Layout
 from tasks.quality import validate_catalog
 from tasks.registry import log_data_docs
@@ -23,7 +23,7 @@ __all__ = ["validate_flow"]
 
 @flow(name="kiln-validate", log_prints=True)
 def validate_flow(
-    config_path: str,
+    config: PipelineConfig | str,
     root: str | None = None,
     ingest_id: str | None = None,
     allow_failed_gate: bool = False,
@@ -31,13 +31,13 @@ def validate_flow(
     """Run the catalog suite; quarantine failing rows; fail past quality.max_reject_fraction.
 
     Args:
-        config_path: Pipeline YAML.
-        root: Overrides `storage.root`.
+        config: The loaded config, or a pipeline YAML path.
+        root: With a path: overrides `storage.root`.
         ingest_id: Catalog to validate; default the newest ingest.
         allow_failed_gate: Log a failed gate instead of failing (the verdict still records
             the failure; the pipeline passes this when it is told to shard regardless).
     """
-    cfg = load_config(config_path, root=root)
+    cfg = as_config(config, root=root)
     layout = Layout(Path(cfg.storage.root))
     ingest_id = ingest_id or layout.latest("catalog", "validate")
     try:

@@ -1,21 +1,20 @@
 """The blind A/B rating app: FastAPI with server-rendered Jinja2 pages, no front-end build.
 
-    python -m human_eval.app --database-url sqlite:///<root>/human_eval/ratings.db
+    kiln rate serve --config C
 
-(`kiln rate serve` runs the same app.) Routers per concern: rating pages, images, admin;
-access checks are dependencies (`rater_from_token`, `admin_from_token`), so no handler can
-forget one. A rater sees the prompt, its category and two images labelled A (left) and B
-(right); which study made which image is never on the page, and left/right is drawn per task
-and stored with the vote. Images are served by an unguessable id looked up in the database,
-so no URL part ever reaches the file system, and as a PNG encoded afresh from the pixels: no
-file time (Last-Modified, ETag), text, EXIF or time chunk tells two studies apart. The form posts as
+Routers per concern: rating pages, images, admin; access checks are dependencies
+(`rater_from_token`, `admin_from_token`), so no handler can forget one. A rater sees the
+prompt, its category and two images labelled A (left) and B (right); which study made which
+image is never on the page, and left/right is drawn per task and stored with the vote. Images
+are served by an unguessable id looked up in the database, so no URL part ever reaches the
+file system, and as a PNG encoded afresh from the pixels: no file time (Last-Modified, ETag),
+text, EXIF or time chunk tells two studies apart. The form posts as
 application/x-www-form-urlencoded, parsed here (no python-multipart needed); a page works
 without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import logging
 import secrets
@@ -36,7 +35,7 @@ from PIL import Image as PILImage
 from human_eval.report import gold_accuracy, summarize_comparison
 from human_eval.store import QUESTIONS, Rater, RatingStore
 
-__all__ = ["blind_png", "create_app", "main"]
+__all__ = ["blind_png", "create_app", "serve"]
 
 log = logging.getLogger("kiln.human_eval")
 HERE = Path(__file__).resolve().parent
@@ -194,9 +193,9 @@ def _fmt(x: float | None) -> str:
 def create_app(
     store: RatingStore,
     *,
-    min_gold_accuracy: float = 0.0,
-    n_resamples: int = 2000,
-    seed: int = 0,
+    min_gold_accuracy: float,
+    n_resamples: int,
+    seed: int,
 ) -> FastAPI:
     """The rating app over `store` (every route reads it from `app.state`).
 
@@ -242,25 +241,11 @@ def create_app(
     return app
 
 
-def serve(store: RatingStore, host: str = "127.0.0.1", port: int = 8765, **report_settings) -> None:
-    """Run the app with uvicorn until SIGINT or SIGTERM (uvicorn stops on both).
+def serve(store: RatingStore, host: str, port: int, **report_settings) -> None:
+    """Run the app with uvicorn until SIGINT or SIGTERM (`kiln rate serve` starts it).
 
     `report_settings`: `create_app`'s min_gold_accuracy, n_resamples and seed.
     """
     import uvicorn
 
-    app = create_app(store, **report_settings)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="Serve the blind A/B rating app.")
-    p.add_argument("--database-url", required=True, help="SQLAlchemy URL of the ratings store")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8765)
-    args = p.parse_args(argv)
-    serve(RatingStore(args.database_url), args.host, args.port)
-
-
-if __name__ == "__main__":
-    main()
+    uvicorn.run(create_app(store, **report_settings), host=host, port=port, log_level="warning")

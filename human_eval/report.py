@@ -83,9 +83,9 @@ def _cell(votes: list[dict], n_resamples: int, seed: int) -> dict:
 def summarize(
     votes: list[dict],
     *,
-    min_gold_accuracy: float = 0.0,
-    n_resamples: int = 2000,
-    seed: int = 0,
+    min_gold_accuracy: float,
+    n_resamples: int,
+    seed: int,
     pair_ids: list[int] | None = None,
     categories: list[str] | None = None,
 ) -> dict:
@@ -136,9 +136,9 @@ def summarize_comparison(
     store: RatingStore,
     comparison_id: str,
     *,
-    min_gold_accuracy: float = 0.0,
-    n_resamples: int = 2000,
-    seed: int = 0,
+    min_gold_accuracy: float,
+    n_resamples: int,
+    seed: int,
     votes: list[dict] | None = None,
 ) -> dict:
     """`summarize` over a comparison's votes in the store, as the report and the admin page
@@ -148,7 +148,7 @@ def summarize_comparison(
                      seed=seed, **_pairs_of(store, comparison_id))  # fmt: skip
 
 
-def ranking(store: RatingStore, *, min_gold_accuracy: float = 0.0, seed: int = 0) -> dict | None:
+def ranking(store: RatingStore, *, min_gold_accuracy: float, seed: int) -> dict | None:
     """Bradley-Terry strengths of every model in the store's comparisons, per question.
 
     None with fewer than three models (one comparison already says all about two).
@@ -238,9 +238,9 @@ def build_report(
     comparison_id: str,
     out_dir: Path,
     *,
-    min_gold_accuracy: float = 0.0,
-    n_resamples: int = 2000,
-    seed: int = 0,
+    min_gold_accuracy: float,
+    n_resamples: int,
+    seed: int,
 ) -> dict:
     """Write report.json, votes.csv and preference.png for a comparison into `out_dir`.
 

@@ -1,9 +1,10 @@
-"""The config schema: every pipeline section, and the resolved per-stage file.
+"""The config schema of `train` and the resolved per-stage file, plus the pipeline sections
+that tasks read (ingest, shards, evaluate, launch, the promotion gate).
 
-One home for the schema, below every layer that reads it: `flows/` composes the sections into
-the pipeline config (with `quality`, whose schema is `data_quality.rules.QualityConfig`),
-`tasks/` reads sections, and the training script reads one `stage.yaml` (a :class:`StageRun`)
-and nothing else, so `models.train` never imports the orchestrator.
+They live below every layer that reads them: `tasks/` reads these sections, and the training
+script reads one `stage.yaml` (a :class:`StageRun`) and nothing else, so `models.train` never
+imports the orchestrator. `flows/config.py` holds the sections only flows read (storage,
+execution, registry, retrain, human_eval) and composes the pipeline config.
 """
 
 from __future__ import annotations
@@ -33,19 +34,15 @@ __all__ = [
     "EMAConfig",
     "EvalMetricsConfig",
     "EvaluateConfig",
-    "ExecutionConfig",
     "FaultInjection",
     "GateConfig",
     "GpuLimitConfig",
     "IngestConfig",
     "LaunchConfig",
     "ModelConfig",
-    "RegistryConfig",
-    "RetrainConfig",
     "ShardsConfig",
     "StageConfig",
     "StageRun",
-    "StorageConfig",
     "StreamMix",
     "Strict",
     "TokenizerConfig",
@@ -449,21 +446,7 @@ class StageRun(Strict):
         return self
 
 
-# -- pipeline sections (composed into the pipeline config by `flows.config`) ----------------
-
-
-class StorageConfig(Strict):
-    root: str = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2...).")
-
-    @field_validator("root")
-    @classmethod
-    def _root(cls, v: str) -> str:
-        if is_remote(v):
-            # Sources may be s3://; the root (catalog, shards, runs) is a local or mounted
-            # folder for now.
-            raise ValueError("storage.root must be a local (or mounted) folder")
-        return v
+# -- pipeline sections that tasks read (composed by `flows.config`) -------------------------
 
 
 class IngestConfig(Strict):
@@ -487,12 +470,6 @@ class IngestConfig(Strict):
         89_478_485, gt=0, description="Images over this pixel count are quarantined unread."
     )
     partition_size: int = Field(1000, gt=0, description="Items per decode task.")
-
-
-class ExecutionConfig(Strict):
-    dask_address: str | None = Field(
-        None, description="Dask scheduler (tcp://host:8786) for ingest partitions; else local."
-    )
 
 
 class ShardsConfig(Strict):
@@ -602,14 +579,6 @@ class GateConfig(Strict):
     )
 
 
-class RegistryConfig(Strict):
-    tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
-    experiment: str = "kiln"
-    model_name: str = "kiln-t2i"
-    alias: str = "candidate"
-    gate: GateConfig = Field(default_factory=GateConfig)
-
-
 class GpuLimitConfig(Strict):
     """A Prefect global concurrency limit held around every `accelerate launch`, so runs from
     the UI, schedules and triggers never share the GPUs (tasks/gpu_limit.py)."""
@@ -622,16 +591,6 @@ class GpuLimitConfig(Strict):
         300, ge=60, le=86400, description="Lease of a held slot (the server accepts 60 s to a "
         "day), renewed while the launch runs; a killed holder's slot frees itself after this "
         "long on a Prefect server.",
-    )  # fmt: skip
-
-
-class RetrainConfig(Strict):
-    """When new data makes a retrain due (the ingest flow's `kiln.ingest.completed` event)."""
-
-    min_new_images: int = Field(
-        10_000, ge=1, description="Accepted images new or changed since the last training run "
-        "that make a retrain due (the event's `kiln.retrain-due` label; a deployment trigger "
-        "starts the retrain).",
     )  # fmt: skip
 
 

@@ -28,7 +28,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from models.config import DIVERGED, GpuLimitConfig, StageRun
+from models.config import DIVERGED, EvaluateConfig, GpuLimitConfig, LaunchConfig, StageRun
 from models.cpu_threads import cpu_threads_per_process
 from tasks.gpu_limit import gpu_slot
 from tasks.layout import is_published
@@ -189,17 +189,12 @@ def _run(cmd, logger, tail, env, heartbeat, hang_timeout_s, on_progress, timeout
 
 
 @task(name="launch-stage", cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_diverged)
-def launch_stage(
-    stage: StageRun,
-    accelerate_config: str,
-    num_processes: int | None = None,
-    hang_timeout_s: float | None = None,
-    gpu_limit: GpuLimitConfig | None = None,
-) -> dict:
+def launch_stage(stage: StageRun, launch: LaunchConfig) -> dict:
     """Train one stage: write its stage.yaml, launch `models.train`, return its manifest.
 
-    Idempotent: a relaunch resumes from the newest complete checkpoint, and a finished stage
-    returns its manifest without training again.
+    `launch` gives the topology, the process count, the hang timeout and the GPU limit (the
+    flow sets `retries=launch.max_restarts`). Idempotent: a relaunch resumes from the newest
+    complete checkpoint, and a finished stage returns its manifest without training again.
 
     Raises:
         StageDiverged: The stage diverged, in this launch or an earlier one (not retried; no
@@ -212,8 +207,9 @@ def launch_stage(
     stage_yaml = out / "stage.yaml"
     stage_yaml.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
     cmd = accelerate_command(
-        accelerate_config, "models.train", ["--config", str(stage_yaml)], num_processes
-    )
+        launch.accelerate_config, "models.train", ["--config", str(stage_yaml)],
+        launch.num_processes,
+    )  # fmt: skip
     total = stage.stage.max_steps
     progress_id = None
     if TaskRunContext.get() is not None:  # called as a task, not through .fn()
@@ -230,11 +226,11 @@ def launch_stage(
         run_launch(
             cmd,
             heartbeat=out / "heartbeat",
-            hang_timeout_s=hang_timeout_s,
+            hang_timeout_s=launch.hang_timeout_s,
             on_progress=report if progress_id else None,
             # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
             env={"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
-            gpu_limit=gpu_limit,
+            gpu_limit=launch.gpu_limit,
         )
     except LaunchError:
         _raise_if_diverged(out)
@@ -250,31 +246,36 @@ def launch_generate(
     prompts_csv: str,
     out_dir: str,
     *,
-    accelerate_config: str,
-    seeds: list[int],
-    num_inference_steps: int,
-    guidance_scale: float,
-    batch_size: int,
-    limit: int | None = None,
+    evaluate: EvaluateConfig,
+    launch: LaunchConfig,
     model_ref: str = "",
-    num_processes: int | None = None,
-    gpu_limit: GpuLimitConfig | None = None,
 ) -> dict:
-    """Generate the evaluation images with `models.generate`; returns the study.json content."""
+    """Generate the evaluation images with `models.generate`; returns the study.json content.
+
+    Args:
+        pipeline_dir: The exported pipeline folder.
+        prompts_csv: Prompts file (`evaluate.prompts_csv`, or a subset of it).
+        out_dir: The study folder.
+        evaluate: Seeds, inference steps, guidance, batch size and prompt limit.
+        launch: The topology, process count and GPU limit of the launch.
+        model_ref: The model's identity, recorded in study.json.
+    """
+    ev = evaluate
     args = [
         "--pipeline", pipeline_dir,
         "--prompts", prompts_csv,
         "--out", out_dir,
-        "--seeds", *map(str, seeds),
-        "--steps", str(num_inference_steps),
-        "--guidance", str(guidance_scale),
-        "--batch-size", str(batch_size),
+        "--seeds", *map(str, ev.seeds),
+        "--steps", str(ev.num_inference_steps),
+        "--guidance", str(ev.guidance_scale),
+        "--batch-size", str(ev.batch_size),
         "--model-ref", model_ref,
     ]  # fmt: skip
-    if limit:
-        args += ["--limit", str(limit)]
-    run_launch(accelerate_command(accelerate_config, "models.generate", args, num_processes),
-               gpu_limit=gpu_limit)  # fmt: skip
+    if ev.limit:
+        args += ["--limit", str(ev.limit)]
+    cmd = accelerate_command(launch.accelerate_config, "models.generate", args,
+                             launch.num_processes)  # fmt: skip
+    run_launch(cmd, gpu_limit=launch.gpu_limit)
     return json.loads((Path(out_dir) / "study.json").read_text())
 
 
@@ -282,12 +283,10 @@ def launch_generate(
 def launch_precompute(
     stage: StageRun,
     out_dir: str,
-    accelerate_config: str,
+    launch: LaunchConfig,
     *,
     text: bool = True,
-    num_processes: int | None = None,
     val_out_dir: str | None = None,
-    gpu_limit: GpuLimitConfig | None = None,
 ) -> str:
     """Precompute one stage's latents with `models.precompute`; returns the dataset folder.
 
@@ -302,6 +301,7 @@ def launch_precompute(
     cfg_path.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
     args = ["--config", str(cfg_path), "--out", str(out)] + ([] if text else ["--no-text"])
     args += ["--val-out", val_out_dir] if val_out_dir else []
-    run_launch(accelerate_command(accelerate_config, "models.precompute", args, num_processes),
-               gpu_limit=gpu_limit)  # fmt: skip
+    cmd = accelerate_command(launch.accelerate_config, "models.precompute", args,
+                             launch.num_processes)  # fmt: skip
+    run_launch(cmd, gpu_limit=launch.gpu_limit)
     return str(out)

@@ -260,8 +260,10 @@ def test_offline_without_cached_prompts_names_both_fixes(tmp_path, demo_src):
     repo = Path(__file__).resolve().parent.parent
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
            "HF_HUB_OFFLINE": "1", "KILN_DRAWBENCH_CSV": ""}  # fmt: skip
-    proc, _ = _kiln("evaluate", "--config", str(repo / "configs/tiny.yaml"), "--root",
-                    str(tmp_path / "root"), env=env)  # fmt: skip
+    # A recipe that evaluates on DrawBench: the tiny preset without its own prompts.
+    cfg = tmp_path / "drawbench.yaml"
+    cfg.write_text(f"base: {repo / 'configs/tiny.yaml'}\nevaluate: {{prompts_csv: null}}\n")
+    proc, _ = _kiln("evaluate", "--config", str(cfg), "--root", str(tmp_path / "root"), env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.splitlines()
     assert line.startswith("kiln: error: evaluate.prompts_csv: the DrawBench prompts could not")
@@ -329,3 +331,84 @@ def test_evaluate_takes_a_model_or_a_run_not_both():
          "--run-id", "run-1"],
     )  # fmt: skip
     assert result.exit_code != 0 and "--model and --run-id exclude each other" in result.output
+
+
+def test_a_rate_command_error_is_one_kiln_error_line(tmp_path, make_config):
+    """The rate group fails like every other command: `kiln: error:` on stderr, exit 1."""
+    cfg = make_config(tmp_path / "tiny.yaml", tmp_path / "root", tmp_path)
+    result = CliRunner().invoke(
+        main, ["rate", "report", "--config", str(cfg), "--comparison", "nope"]
+    )
+    assert result.exit_code == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("kiln: error: ") and "no comparison 'nope'" in line
+
+
+def test_defaults_in_help_come_from_the_schema():
+    from flows.config import HumanEvalConfig
+    from models.config import EvaluateConfig
+
+    serve = CliRunner().invoke(main, ["rate", "serve", "--help"]).output
+    assert f"human_eval.port, {HumanEvalConfig().port}]" in serve
+    generate = CliRunner().invoke(main, ["generate", "--help"]).output
+    assert f"evaluate.guidance_scale, {EvaluateConfig().guidance_scale}]" in generate
+
+
+# Runs `kiln run` in a fresh interpreter with counting wrappers around the config's loading
+# and input checks, installed before any flow module imports them.
+COUNT_PARSES = """
+import collections, json, sys
+
+import flows.config as fc
+
+counts = collections.Counter()
+validate = fc.PipelineConfig.model_validate.__func__
+
+
+def counted_validate(cls, *args, **kwargs):
+    counts["parse"] += 1
+    return validate(cls, *args, **kwargs)
+
+
+fc.PipelineConfig.model_validate = classmethod(counted_validate)
+check_inputs = fc.check_inputs
+
+
+def counted_check(*args, **kwargs):
+    counts["check_inputs"] += 1
+    return check_inputs(*args, **kwargs)
+
+
+fc.check_inputs = counted_check
+from flows.cli import main
+
+if __name__ == "__main__":  # ingest's worker processes import this file too
+    try:
+        main(sys.argv[2:], standalone_mode=False)
+    finally:
+        open(sys.argv[1], "w").write(json.dumps(counts))
+"""
+
+
+@pytest.mark.e2e
+def test_kiln_run_parses_the_config_once_and_checks_its_inputs_once(
+    tmp_path, demo_src, make_config
+):
+    import json
+    import os
+
+    cfg = make_config(tmp_path / "tiny.yaml", tmp_path / "root", demo_src)
+    (tmp_path / "count_parses.py").write_text(COUNT_PARSES)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "count_parses.py"), str(tmp_path / "counts.json"),
+         "run", "--config", str(cfg)],
+        capture_output=True, text=True, env=env, timeout=1200,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    counts = json.loads((tmp_path / "counts.json").read_text())
+    assert counts == {"parse": 1, "check_inputs": 1}
+    snapshots = list((tmp_path / "root").rglob("config.yaml"))
+    assert len(snapshots) == 1 and snapshots[0].parent.parent.name == "runs", snapshots
+    assert not (tmp_path / "root" / "configs").exists(), "one snapshot: the run's"

@@ -10,8 +10,8 @@ def test_prefect_yaml_entrypoints_exist_and_pass_config_paths():
     for d in spec["deployments"]:
         file, func = d["entrypoint"].split(":")
         assert f"def {func}(" in (REPO / file).read_text()
-        assert set(d["parameters"]) == {"config_path"}  # others are asked for in the UI
-        assert (REPO / d["parameters"]["config_path"]).is_file()
+        assert set(d["parameters"]) == {"config"}  # others are asked for in the UI
+        assert (REPO / d["parameters"]["config"]).is_file()
 
 
 def test_serve_builds_a_deployment_per_flow():
@@ -24,7 +24,7 @@ def test_serve_builds_a_deployment_per_flow():
     names = {d.name for d in deps}
     assert names == {"retrain", "ingest", "validate", "shard", "train", "evaluate", "register"}
     retrain = next(d for d in deps if d.name == "retrain")
-    assert retrain.parameters == {"config_path": "configs/tiny.yaml"}
+    assert retrain.parameters == {"config": "configs/tiny.yaml"}
     assert retrain.schedules and retrain.schedules[0].schedule.cron == "0 3 * * 0"
 
 
@@ -44,7 +44,7 @@ def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
         assert deps[name]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     weekly = deps["weekly-retrain"]
     assert weekly["entrypoint"] == "flows/retrain.py:retrain_flow" and weekly["schedules"]
-    cfg = load_config(REPO / weekly["parameters"]["config_path"])
+    cfg = load_config(REPO / weekly["parameters"]["config"])
     assert cfg.train.init_from_model == "models:/kiln-t2i@champion"
     assert len(cfg.train.stages) == 1, "one stage at the champion's final resolution"
     assert "schedules" not in deps["from-scratch"], "from scratch is on demand"

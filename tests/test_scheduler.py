@@ -174,10 +174,10 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in spec["deployments"]}
     ingest, weekly = deps["nightly-ingest"], deps["weekly-retrain"]
-    ingest["parameters"]["config_path"] = str(cfg)
+    ingest["parameters"]["config"] = str(cfg)
     soon = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 30))
     ingest["schedules"] = [{"interval": 86400, "anchor_date": soon}]
-    weekly["parameters"]["config_path"] = str(retrain)
+    weekly["parameters"]["config"] = str(retrain)
     assert weekly["triggers"][0]["expect"] == ["kiln.ingest.completed"]
     assert weekly["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     spec["deployments"] = [ingest, weekly]
@@ -334,7 +334,7 @@ def test_serve_cron_schedule_creates_runs(prefect_server, tmp_path, demo_src, ma
             90,
             [serve],
         )
-        assert scheduled[0]["parameters"] == {"config_path": str(cfg)}
+        assert scheduled[0]["parameters"] == {"config": str(cfg)}
     finally:
         serve.terminate()  # before the minute comes round: the pipeline itself is tested elsewhere
         try:

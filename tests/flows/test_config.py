@@ -304,3 +304,30 @@ def test_unset_source_says_how_to_set_it(tmp_path, make_config, demo_src):
     with pytest.raises(ConfigError) as e:
         check_inputs(cfg, ("ingest",))
     assert str(e.value) == "ingest.source: not set (pass --source or set ingest.source)"
+
+
+def test_run_config_reuses_a_config_equal_to_the_snapshot(tmp_path, make_config, demo_src):
+    """The pipeline passes on the config its training run wrote: not parsed again. Another
+    config gives way to the run's snapshot, which is parsed."""
+    from flows.config import run_config
+
+    cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
+    snap = write_snapshot(cfg, tmp_path / "root" / "runs" / "run-1" / "config.yaml")
+    assert run_config(cfg, snap) is cfg
+    edited = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(update={"seeds": [7]})})
+    kept = run_config(edited, snap)
+    assert kept is not edited and kept.evaluate.seeds == cfg.evaluate.seeds
+    assert config_hash(kept) == config_hash(cfg)
+
+
+def test_as_config_loads_a_path_once_and_passes_a_loaded_config_through(
+    tmp_path, make_config, demo_src
+):
+    from flows.config import as_config
+
+    path = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src)
+    cfg = as_config(str(path), ("ingest",), root=str(tmp_path / "other"))
+    assert cfg.storage.root == str(tmp_path / "other")
+    assert as_config(cfg) is cfg
+    with pytest.raises(ValueError, match="overrides apply to a config path"):
+        as_config(cfg, root=str(tmp_path / "elsewhere"))

@@ -14,7 +14,7 @@ import scipy.linalg
 import torch
 from PIL import Image
 
-from models.config import EvalMetricsConfig, TokenizerConfig
+from models.config import EvalMetricsConfig, EvaluateConfig, LaunchConfig, TokenizerConfig
 from models.eval_metrics import clip_score, fid, load_clip, load_inception, weights_sha256
 from tasks.contact_sheet import THUMB, write_contact_sheets
 from tasks.study_metrics import compute_study_metrics, metrics_report
@@ -267,9 +267,12 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
 
     # FID through the same task, with a tiny feature extractor in place of InceptionV3: the
     # validation split against images generated from its captions by the run's export.
-    settings = {"accelerate_config": str(REPO / "configs" / "accelerate" / "single.yaml"),
-                "seeds": [0], "num_inference_steps": 1, "guidance_scale": 7.5,
-                "batch_size": 8}  # fmt: skip
+    settings = {
+        "evaluate": EvaluateConfig(seeds=[0], num_inference_steps=1, batch_size=8),
+        "launch": LaunchConfig(
+            accelerate_config=str(REPO / "configs" / "accelerate" / "single.yaml"), gpu_limit=None
+        ),
+    }
     val_dir = root / "shards" / version / "32-val"
     feature = TinyFeatures()
     metrics = compute_study_metrics.fn(

@@ -98,6 +98,13 @@ def wait_until_up(url: str, proc, timeout: float = 60.0) -> None:
     raise TimeoutError(f"server at {url} not up after {timeout}s")
 
 
+def serve_argv(root: Path, port: int) -> list[str]:
+    """`kiln rate serve` over the root's default ratings store, on 127.0.0.1:port."""
+    config = str(REPO / "configs" / "tiny.yaml")
+    return ["flows.cli", "rate", "serve", "--config", config, "--root", str(root),
+            "--port", str(port)]  # fmt: skip
+
+
 def start_server(argv: list[str], port: int):
     """A real server process on 127.0.0.1:port (argv after `python -m`)."""
     import os

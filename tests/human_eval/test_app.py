@@ -11,7 +11,7 @@ import pytest
 from human_eval.store import RatingStore, default_url
 from human_eval.studies import create_comparison, load_study
 
-from .conftest import PROMPTS, free_port, start_server, stop, write_study
+from .conftest import PROMPTS, free_port, serve_argv, start_server, stop, write_study
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ def app_server(tmp_path_factory):
     cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=2, gold=1)
     tokens = [t for _, t in store.add_raters(cid, 3)]
     port = free_port()
-    proc, base = start_server(["human_eval.app", "--database-url", url, "--port", str(port)], port)
+    proc, base = start_server(serve_argv(root, port), port)
     yield {"base": base, "store": store, "tokens": tokens, "cid": cid, "root": root}
     stop(proc)
     store.close()

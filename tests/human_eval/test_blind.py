@@ -2,7 +2,7 @@
 
 Two studies with the same pixels, written by different tools on days a day apart (file times,
 text, compressed text, international text, time and EXIF chunks, compression level), are
-served by a real `human_eval.app` process on 127.0.0.1. Both images of a task must come back
+served by a real `kiln rate serve` process on 127.0.0.1. Both images of a task must come back
 as the same bytes with the same headers (Date aside), with no Last-Modified or ETag, and with
 no metadata chunk in the PNG.
 """
@@ -24,7 +24,7 @@ from PIL import Image, PngImagePlugin
 from human_eval.store import RatingStore, default_url
 from human_eval.studies import create_comparison, load_study
 
-from .conftest import PROMPTS, free_port, start_server, stop, write_study
+from .conftest import PROMPTS, free_port, serve_argv, start_server, stop, write_study
 
 pytestmark = pytest.mark.integration
 
@@ -84,7 +84,7 @@ def two_days(tmp_path):
                                gold=0)  # fmt: skip
     [(_, token)] = store.add_raters(cid, 1)
     port = free_port()
-    proc, base = start_server(["human_eval.app", "--database-url", url, "--port", str(port)], port)
+    proc, base = start_server(serve_argv(root, port), port)
     yield {"base": base, "token": token, "old": old, "new": new}
     stop(proc)
     store.close()

@@ -20,7 +20,7 @@ import pytest
 from human_eval.store import RatingStore, default_url
 from human_eval.studies import create_comparison, load_study
 
-from .conftest import free_port, many_prompts, start_server, stop, write_study
+from .conftest import free_port, many_prompts, serve_argv, start_server, stop, write_study
 
 pytestmark = pytest.mark.integration
 
@@ -128,7 +128,7 @@ def _check_exact(store, cid):
 def test_50_concurrent_raters_cast_exactly_1000_votes(tmp_path):
     store, url, cid, tokens = _setup(tmp_path / "root")
     port = free_port()
-    proc, base = start_server(["human_eval.app", "--database-url", url, "--port", str(port)], port)
+    proc, base = start_server(serve_argv(tmp_path / "root", port), port)
     try:
         raters, t0, deadline = _run_load(base, tokens)
         _join(raters, deadline)
@@ -145,7 +145,7 @@ def test_50_concurrent_raters_cast_exactly_1000_votes(tmp_path):
 def test_kill_9_mid_load_loses_nothing_and_duplicates_nothing(tmp_path):
     store, url, cid, tokens = _setup(tmp_path / "root")
     port = free_port()
-    argv = ["human_eval.app", "--database-url", url, "--port", str(port)]
+    argv = serve_argv(tmp_path / "root", port)
     proc, base = start_server(argv, port)
     halfway = threading.Event()
     raters, _, deadline = _run_load(base, tokens, lambda n: n >= 300 and halfway.set())

@@ -10,8 +10,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from flows.cli import main as cli
 from flows.config import load_config
-from flows.rate_cli import cli
 from human_eval.store import RatingStore
 
 from .conftest import write_study
@@ -92,7 +92,7 @@ def test_clear_errors(setup):
     assert missing.exit_code == 1 and "run `kiln evaluate`" in missing.output
     model = _run("compare", *common, "--a", "models:/kiln-t2i@champion", "--b", "run-a-1111")
     assert model.exit_code == 1
-    assert "Error: models:/kiln-t2i@champion does not exist in the registry" in model.output
+    assert "kiln: error: models:/kiln-t2i@champion does not exist in the registry" in model.output
     bad_uri = _run("compare", *common, "--a", "models:/kiln-t2i", "--b", "run-a-1111")
     assert bad_uri.exit_code == 1 and "models:/NAME@ALIAS" in bad_uri.output
     unknown = _run("rate", "report", *common, "--comparison", "nope")
@@ -102,23 +102,15 @@ def test_clear_errors(setup):
 
 
 def test_evaluate_model_errors_are_one_line(setup):
-    from flows.rate_cli import evaluate_model
-
     config, root = setup
-    cmd = click.Command(
-        "evaluate", callback=lambda: evaluate_model(config, str(root), "models:/kiln-t2i/x")
-    )
-    result = CliRunner().invoke(cmd, [])
+    result = _run("evaluate", "--config", config, "--root", root, "--model", "models:/kiln-t2i/x")
     assert result.exit_code == 1 and "models:/NAME/VERSION" in result.output
 
 
 def test_a_folder_that_is_not_a_pipeline_is_one_line(setup, tmp_path):
-    from flows.rate_cli import evaluate_model
-
     config, root = setup
     typo = tmp_path / "exprot"
-    cmd = click.Command("evaluate", callback=lambda: evaluate_model(config, str(root), str(typo)))
-    result = CliRunner().invoke(cmd, [])
+    result = _run("evaluate", "--config", config, "--root", root, "--model", typo)
     assert result.exit_code == 1 and "not an exported pipeline" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
 

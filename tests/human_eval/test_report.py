@@ -9,11 +9,16 @@ import time
 import numpy as np
 import pytest
 
+from flows.config import HumanEvalConfig
 from human_eval.report import build_report
 from human_eval.store import RatingStore, Task, Vote, default_url
 from human_eval.studies import create_comparison, load_study
 
 from .conftest import many_prompts, write_study
+
+# The report's settings, as `kiln rate report` passes them, without leaving raters out.
+_HE = HumanEvalConfig()
+SETTINGS = {"min_gold_accuracy": 0.0, "n_resamples": _HE.bootstrap_resamples, "seed": _HE.seed}
 
 
 def _simulate(store, cid, n_raters, p_a, rng, careless=()):
@@ -52,7 +57,7 @@ def test_report_rates_intervals_exclusion_and_outputs(tmp_path):
     rng = np.random.default_rng(0)
     _simulate(store, cid, 5, p_a=0.7, rng=rng, careless={"r005"})
     out = tmp_path / "root" / "human_eval" / cid
-    report = build_report(store, cid, out, min_gold_accuracy=0.8)
+    report = build_report(store, cid, out, **{**SETTINGS, "min_gold_accuracy": 0.8})
     assert json.loads((out / "report.json").read_text()) == report  # strict JSON, no NaN
     assert report["raters"]["excluded"] == 1 and report["raters"]["excluded_ids"] == ["r005"]
     truth = 0.9 * 0.7 + 0.05
@@ -81,7 +86,7 @@ def test_report_rates_intervals_exclusion_and_outputs(tmp_path):
 def test_unknown_comparison_names_the_known_ones(tmp_path):
     store, cid = _comparison(tmp_path / "root", 4, gold=0)
     with pytest.raises(KeyError, match=cid):
-        build_report(store, "nope", tmp_path / "out")
+        build_report(store, "nope", tmp_path / "out", **SETTINGS)
 
 
 def test_three_models_get_a_bradley_terry_ranking(tmp_path):
@@ -91,7 +96,7 @@ def test_three_models_get_a_bradley_terry_ranking(tmp_path):
     rng = np.random.default_rng(1)
     _simulate(store, ab, 3, p_a=0.6, rng=rng)  # a beats b
     _simulate(store, ac, 3, p_a=0.9, rng=rng)  # a beats c by more: order a, b, c
-    report = build_report(store, ab, tmp_path / "out", n_resamples=500)
+    report = build_report(store, ab, tmp_path / "out", **{**SETTINGS, "n_resamples": 500})
     bt = report["bradley_terry"]
     names = [bt["models"][i] for i in bt["quality"]["order"]]
     assert names[0] == "run-a" and set(names) == {"run-a", "run-study-b", "run-study-c"}
@@ -102,7 +107,7 @@ def test_report_build_time_200_prompts_5_raters(tmp_path):
     store, cid = _comparison(tmp_path / "root", 200, gold=0)
     _simulate(store, cid, 5, p_a=0.6, rng=np.random.default_rng(2))
     t0 = time.perf_counter()
-    report = build_report(store, cid, tmp_path / "out")
+    report = build_report(store, cid, tmp_path / "out", **SETTINGS)
     took = time.perf_counter() - t0
     assert report["questions"]["quality"]["overall"]["votes"] == 1000
     print(f"\nreport for 200 prompts x 5 raters x 2 questions: {took:.2f} s")

@@ -147,7 +147,7 @@ def _launch_in_flow(run, retries, hang_timeout_s=None, topology=None):
     @flow(name="test-launch")
     def one_stage():
         task = launch_stage.with_options(retries=retries, retry_delay_seconds=0)
-        return task(run, topology or SINGLE, hang_timeout_s=hang_timeout_s)
+        return task(run, _launch(topology or SINGLE, hang_timeout_s))
 
     return one_stage(return_state=True)
 
@@ -180,6 +180,14 @@ def _progress(key, state):
 SINGLE = str(Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "single.yaml")
 
 
+def _launch(topology: str, hang_timeout_s: float | None = None):
+    """Launch settings on `topology`, with no GPU limit."""
+    from models.config import LaunchConfig
+
+    hang = {"hang_timeout_s": hang_timeout_s} if hang_timeout_s else {}
+    return LaunchConfig(accelerate_config=topology, gpu_limit=None, **hang)
+
+
 def test_sigkills_and_a_stall_resume_bit_exactly_through_task_retries(tmp_path, tiny_shards):
     """SIGKILLed at step 3, stalled at step 4 (no heartbeat: the watchdog kills the launch),
     SIGKILLed at step 5: each task retry resumes from the newest checkpoint, and the run ends
@@ -187,7 +195,7 @@ def test_sigkills_and_a_stall_resume_bit_exactly_through_task_retries(tmp_path, 
     from tasks.launch import launch_stage
 
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    launch_stage.fn(_stage_run(tiny_shards, clean), SINGLE)
+    launch_stage.fn(_stage_run(tiny_shards, clean), _launch(SINGLE))
     state = _launch_in_flow(
         _stage_run(tiny_shards, crashed, kill_at_steps=[3, 5], stall_at_step=4), retries=3,
         hang_timeout_s=20,
@@ -217,7 +225,7 @@ def test_sigkill_of_a_ddp_rank_resumes_bit_exactly(tmp_path, tiny_shards):
 
     ddp = SINGLE.replace("single.yaml", "cpu-ddp-2.yaml")
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
-    launch_stage.fn(_stage_run(tiny_shards, clean), ddp)
+    launch_stage.fn(_stage_run(tiny_shards, clean), _launch(ddp))
     manifest = _launch_in_flow(
         _stage_run(tiny_shards, crashed, kill_at_steps=[3]), retries=1, topology=ddp
     ).result()
@@ -262,5 +270,5 @@ def test_a_diverged_stage_is_not_retried_and_not_relaunched(tmp_path, tiny_shard
     assert '"event": "resumed"' not in (out / "metrics.jsonl").read_text()
     (out / "stage.yaml").unlink()  # written before every launch
     with pytest.raises(StageDiverged, match="training diverged at step 3"):
-        launch_stage.fn(run, SINGLE)
+        launch_stage.fn(run, _launch(SINGLE))
     assert not (out / "stage.yaml").exists(), "a marked stage was prepared for a launch again"
