@@ -42,7 +42,7 @@ def bootstrap_ci(
     scores: np.ndarray,
     clusters: Sequence,
     *,
-    n_resamples: int = 2000,
+    n_resamples: int,
     level: float = 0.95,
     seed: int = 0,
 ) -> tuple[float, float]:
@@ -54,7 +54,7 @@ def bootstrap_ci(
     Args:
         scores: A's score per vote (1, 0, 0.5).
         clusters: the prompt of each vote; votes of one prompt are drawn together.
-        n_resamples: bootstrap resamples (2,000 by default).
+        n_resamples: bootstrap resamples (`human_eval.bootstrap_resamples`).
         level: coverage of the interval.
         seed: the generator's seed; the same inputs and seed give the same interval.
     """

@@ -117,8 +117,8 @@ def create_comparison(
     a: Study,
     b: Study,
     *,
-    raters_per_pair: int = 5,
-    gold: int = 10,
+    raters_per_pair: int,
+    gold: int,
     name: str | None = None,
     seed: int = 0,
 ) -> tuple[str, bool]:

@@ -43,8 +43,8 @@ def generate_images(
     *,
     n: int = 4,
     seed: int = 0,
-    steps: int = 25,
-    guidance_scale: float = 7.5,
+    steps: int,
+    guidance_scale: float,
     batch_size: int = 4,
 ) -> dict:
     """Generate `n` images of `prompt` (seeds `seed .. seed+n-1`) into `out`.

@@ -34,7 +34,7 @@ def test_a_failed_module_fixture_is_reported_once(tmp_path):
         def test_three(expensive): pass
     """)
     )
-    out = _pytest(tmp_path, "-q")
+    out = _pytest(tmp_path, "-q", "-rN")  # no short summary: each report once
     assert "3 errors" in out, out
     assert out.count('raise RuntimeError("the shared run failed') == 1, out
     assert out.count("a shared fixture failed before this test ran, in") == 2, out

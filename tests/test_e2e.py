@@ -38,6 +38,42 @@ SECRETS = {
 }
 
 
+# `kiln run` in a fresh interpreter with counting wrappers around the config's loading and
+# input checks, installed before any flow module imports them.
+COUNT_PARSES = """
+import collections, json, sys
+
+import flows.config as fc
+
+counts = collections.Counter()
+validate = fc.PipelineConfig.model_validate.__func__
+
+
+def counted_validate(cls, *args, **kwargs):
+    counts["parse"] += 1
+    return validate(cls, *args, **kwargs)
+
+
+fc.PipelineConfig.model_validate = classmethod(counted_validate)
+check_inputs = fc.check_inputs
+
+
+def counted_check(*args, **kwargs):
+    counts["check_inputs"] += 1
+    return check_inputs(*args, **kwargs)
+
+
+fc.check_inputs = counted_check
+from flows.cli import main
+
+if __name__ == "__main__":  # ingest's worker processes import this file too
+    try:
+        main(sys.argv[2:], standalone_mode=False)
+    finally:
+        open(sys.argv[1], "w").write(json.dumps(counts))
+"""
+
+
 @pytest.fixture(scope="module")
 def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint):
     """`kiln run` of the demo set from an S3 bucket (moto's server on 127.0.0.1), as a
@@ -55,8 +91,10 @@ def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint):
     # No PREFECT_API_URL: the CLI runs against Prefect's local embedded server, as `make demo`.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(base / "prefect-home")
+    (base / "count_parses.py").write_text(COUNT_PARSES)
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "run", "--config", str(cfg)],
+        [sys.executable, str(base / "count_parses.py"), str(base / "counts.json"),
+         "run", "--config", str(cfg)],
         capture_output=True, text=True, env={**env, **SECRETS}, timeout=1200,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -81,6 +119,15 @@ def test_no_secret_reaches_any_output(pipeline_run):
         data = p.read_bytes()
         leaks += [f"{name} in {p}" for name, v in SECRETS.items() if v.encode() in data]
     assert not leaks, leaks
+
+
+def test_the_run_loaded_its_config_once_and_checked_its_inputs_once(pipeline_run):
+    root, _, _, _ = pipeline_run
+    counts = json.loads((root.parent / "counts.json").read_text())
+    assert counts == {"parse": 1, "check_inputs": 1}
+    snapshots = list(root.rglob("config.yaml"))
+    assert len(snapshots) == 1 and snapshots[0].parent.parent.name == "runs", snapshots
+    assert not (root / "configs").exists(), "one snapshot: the run's"
 
 
 def test_pipeline_result_and_quality_gate(pipeline_run):

@@ -142,9 +142,9 @@ def test_compare_names_a_folder_that_is_neither_a_pipeline_nor_a_study(setup, tm
     assert result.exit_code == 1
     message = result.output.strip()
     assert message == (
-        f"Error: {stage / 'final-raw'} is not an exported pipeline (no model_index.json) nor a "
-        "study (no study.json): pass a study id, models:/NAME@ALIAS, models:/NAME/VERSION or a "
-        "pipeline folder written by `kiln train` (a stage's final/)"
+        f"kiln: error: {stage / 'final-raw'} is not an exported pipeline (no model_index.json) "
+        "nor a study (no study.json): pass a study id, models:/NAME@ALIAS, models:/NAME/VERSION "
+        "or a pipeline folder written by `kiln train` (a stage's final/)"
     )
     assert "run `kiln evaluate`" not in message
     (stage / "final").mkdir()

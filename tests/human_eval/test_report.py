@@ -48,7 +48,8 @@ def _comparison(root, n_prompts, gold, name=None, b="study-b"):
     a = write_study(root, "study-a", prompts=prompts, size=8, model="run-a")
     other = write_study(root, b, prompts=prompts, size=8, colour=(0, 0, 250), model=f"run-{b}")
     store = RatingStore(default_url(root))
-    cid, _ = create_comparison(store, load_study(a), load_study(other), gold=gold, name=name)
+    cid, _ = create_comparison(store, load_study(a), load_study(other), raters_per_pair=5,
+                               gold=gold, name=name)  # fmt: skip
     return store, cid
 
 
@@ -125,7 +126,7 @@ def test_a_category_without_votes_is_marked_no_votes_not_drawn_as_zero(tmp_path)
     with store.session() as s:  # nobody has rated a Text prompt yet
         s.query(Vote).filter(Vote.pair_id.in_(text)).delete()
     out = tmp_path / "out"
-    report = build_report(store, cid, out, n_resamples=200)
+    report = build_report(store, cid, out, **{**SETTINGS, "n_resamples": 200})
     assert json.loads((out / "report.json").read_text()) == report
     for q in ("quality", "alignment"):
         cats = report["questions"][q]["categories"]
@@ -153,7 +154,7 @@ def test_a_category_without_votes_is_marked_no_votes_not_drawn_as_zero(tmp_path)
 
 def test_a_comparison_without_votes_reports_no_votes_everywhere(tmp_path):
     store, cid = _comparison(tmp_path / "root", 5, gold=0)
-    report = build_report(store, cid, tmp_path / "out", n_resamples=100)
+    report = build_report(store, cid, tmp_path / "out", **{**SETTINGS, "n_resamples": 100})
     for q in ("quality", "alignment"):
         cells = [report["questions"][q]["overall"], *report["questions"][q]["categories"].values()]
         assert len(cells) == 6

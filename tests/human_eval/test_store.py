@@ -10,6 +10,8 @@ from human_eval.studies import StudyMismatch, create_comparison, load_study
 
 from .conftest import PROMPTS, write_study
 
+K = {"raters_per_pair": 5, "gold": 10}
+
 
 def _store(root):
     return RatingStore.open(root)
@@ -54,13 +56,13 @@ def test_mismatched_studies_are_refused(two_studies, kwargs, message):
     root, a, _ = two_studies
     other = write_study(root, "run-c-3333", **{"seeds": (0, 1), **kwargs})
     with pytest.raises(StudyMismatch, match=message):
-        create_comparison(_store(root), load_study(a), load_study(other))
+        create_comparison(_store(root), load_study(a), load_study(other), **K)
 
 
 def test_same_study_twice_and_missing_study_are_clear_errors(two_studies):
     root, a, _ = two_studies
     with pytest.raises(StudyMismatch, match="same study"):
-        create_comparison(_store(root), load_study(a), load_study(a))
+        create_comparison(_store(root), load_study(a), load_study(a), **K)
     with pytest.raises(FileNotFoundError, match="run `kiln evaluate`"):
         load_study("nope", root)
 
@@ -76,7 +78,7 @@ def _answer(store, rater, rng, answers=None):
 def test_repeated_vote_is_a_no_op(two_studies):
     root, a, b = two_studies
     store = _store(root)
-    cid, _ = create_comparison(store, load_study(a), load_study(b), gold=0)
+    cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=5, gold=0)
     ((_, token),) = store.add_raters(cid, 1)
     rater = store.rater(token)
     task = store.next_task(rater)
