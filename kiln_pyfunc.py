@@ -55,12 +55,8 @@ def signature():
         ),
         params=ParamSchema(
             [
-                ParamSpec("num_inference_steps", "long", 25),
-                ParamSpec("guidance_scale", "double", 7.5),
-                ParamSpec("seed", "long", 0),
-                ParamSpec("height", "long", 0),
-                ParamSpec("width", "long", 0),
-                ParamSpec("batch_size", "long", 4),
+                ParamSpec(name, "double" if isinstance(v, float) else "long", v)
+                for name, v in DEFAULT_PARAMS.items()
             ]
         ),
     )
