@@ -355,12 +355,7 @@ def _ui_env(port: int, env) -> dict[str, str]:
 @click.option("--port", default=5000, show_default=True, help="Port on 127.0.0.1.")
 def mlflow_ui(config_path: str, root: str | None, port: int) -> None:
     """Serve the MLflow UI (runs, metrics, registry) for the config's tracking URI."""
-    from flows.config import ConfigError, load_config
-
-    try:
-        cfg = load_config(config_path, root=root)
-    except ConfigError as e:
-        raise KilnError(str(e)) from e
+    cfg = load_checked(config_path, root)
     raise SystemExit(_mlflow_ui(cfg.tracking_uri, port, runner=_stops_its_tree(subprocess.call)))
 
 

@@ -108,8 +108,10 @@ def _expected(e: Exception) -> KilnError | None:
     """
     if isinstance(e, KeyError):  # the ratings store's "no such comparison"
         return KilnError(str(e.args[0]) if e.args else "KeyError")
-    if isinstance(e, (ValueError, LookupError, FileNotFoundError)):  # ConfigError: ValueError
+    if isinstance(e, (ValueError, FileNotFoundError)):  # ConfigError is a ValueError
         return KilnError(str(e))
+    if isinstance(e, LookupError) and not isinstance(e, IndexError):  # IndexError: a bug
+        return KilnError(str(e))  # ModelVersionNotFound and its kind: a name that is not there
     from mlflow.exceptions import MlflowException
 
     from tasks.health import HealthCheckError

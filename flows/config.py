@@ -26,11 +26,13 @@ from pydantic import Field, field_validator, model_validator
 
 from data_quality.rules import QualityConfig
 from models.config import (
+    REVEAL_SECRETS,
     ConfigError,
     EvaluateConfig,
     GateConfig,
     IngestConfig,
     LaunchConfig,
+    SecretUri,
     ShardsConfig,
     Strict,
     TrainConfig,
@@ -53,7 +55,9 @@ PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 class StorageConfig(Strict):
     root: str = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
-    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, R2...).")
+    endpoint_url: SecretUri | None = Field(
+        None, description="S3-compatible endpoint (MinIO, R2...)."
+    )
 
     @field_validator("root")
     @classmethod
@@ -72,7 +76,7 @@ class ExecutionConfig(Strict):
 
 
 class RegistryConfig(Strict):
-    tracking_uri: str | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
+    tracking_uri: SecretUri | None = Field(None, description="Default: sqlite:///<root>/mlflow.db")
     experiment: str = "kiln"
     model_name: str = "kiln-t2i"
     alias: str = "candidate"
@@ -92,7 +96,7 @@ class RetrainConfig(Strict):
 class HumanEvalConfig(Strict):
     """The blind A/B rating app and its report (`kiln compare`, `kiln rate ...`)."""
 
-    database_url: str | None = Field(
+    database_url: SecretUri | None = Field(
         None,
         description="SQLAlchemy URL of the ratings store (e.g. postgresql://... for a shared "
         "server). Default: sqlite:///<root>/human_eval/ratings.db (WAL).",
@@ -183,7 +187,7 @@ def encoder_key(cfg: PipelineConfig) -> str:
 
 def config_hash(cfg: PipelineConfig) -> str:
     """Identity of a loaded config: the hash of the snapshot `write_snapshot` writes."""
-    return stable_hash(cfg.model_dump(mode="json"), 16)
+    return stable_hash(cfg.model_dump(mode="json", context=REVEAL_SECRETS), 16)
 
 
 # The inputs each step needs before it starts; `check_inputs` checks them for the given steps.
@@ -441,7 +445,7 @@ def as_config(
 
 
 def _snapshot_text(cfg: PipelineConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json", context=REVEAL_SECRETS), sort_keys=False)
 
 
 def write_snapshot(cfg: PipelineConfig, path: Path) -> Path:

@@ -102,7 +102,8 @@ def serve(config_path: str, root: str | None, host: str | None, port: int | None
     from human_eval.app import serve as run_app
 
     cfg, store = _load(config_path, root)
-    host, port = host or cfg.human_eval.host, port or cfg.human_eval.port
+    host = cfg.human_eval.host if host is None else host
+    port = cfg.human_eval.port if port is None else port
     click.echo(f"Rating app at http://{host}:{port}/rate/<token> (kiln rate invite)")
     click.echo(f"Admin page: http://{host}:{port}/admin/{store.admin_token()}")
     he = cfg.human_eval  # the admin page's running result: the report's settings
@@ -129,7 +130,8 @@ def invite(
     cfg, store = _load(config_path, root)
     if raters < 1:
         raise click.UsageError(f"--raters must be at least 1 (got {raters})")
-    host, port = host or cfg.human_eval.host, port or cfg.human_eval.port
+    host = cfg.human_eval.host if host is None else host
+    port = cfg.human_eval.port if port is None else port
     links = store.add_raters(comparison, raters)
     for pseudonym, token in links:
         click.echo(f"{pseudonym}\thttp://{host}:{port}/rate/{token}")

@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.config import PipelineConfig, as_config, check_inputs
 from flows.human_evaluation import create_comparison_task, study_for_model
 from flows.pipeline import kiln_pipeline
+from tasks.layout import Layout
 
 __all__ = ["retrain_flow"]
 
@@ -59,7 +60,10 @@ def retrain_flow(
                                  markdown=f"## No retrain\n\n{result['skipped']}.")  # fmt: skip
         return result
     he, r = cfg.human_eval, cfg.storage.root
-    name = Path(config).name if isinstance(config, str) else "CONFIG"
+    # The file to pass back: the user's, or (a deployment passes the loaded config) the run's
+    # own snapshot, which loads to the same values.
+    run_id = result["run"]["run_id"]
+    name = config if isinstance(config, str) else Layout(Path(r)).run_config(run_id)
     champion = f"models:/{cfg.registry.model_name}@champion"
     champ_study = study_for_model(cfg, champion)
     cid = create_comparison_task(r, he.database_url, result["study"]["study_id"], champ_study,

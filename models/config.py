@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -21,6 +21,8 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainSerializer,
+    SerializationInfo,
     ValidationError,
     field_validator,
     model_serializer,
@@ -35,11 +37,13 @@ __all__ = [
     "EvalMetricsConfig",
     "EvaluateConfig",
     "FaultInjection",
+    "REVEAL_SECRETS",
     "GateConfig",
     "GpuLimitConfig",
     "IngestConfig",
     "LaunchConfig",
     "ModelConfig",
+    "SecretUri",
     "ShardsConfig",
     "StageConfig",
     "StageRun",
@@ -105,6 +109,17 @@ def redact_uri(uri: str) -> str:
     else:
         return uri  # a database user name alone is no secret
     return urlunsplit(parts._replace(netloc=f"{masked}@{hostport}"))
+
+
+def _redact_in_json(uri: str, info: SerializationInfo) -> str:
+    return uri if (info.context or {}).get("reveal_secrets") else redact_uri(uri)
+
+
+# A URI that may hold credentials (a database password, a token). A JSON dump of the config
+# (a Prefect flow run's parameters, anything logged) masks them; a file that must load back
+# (the run's config snapshot) dumps with `context=REVEAL_SECRETS`.
+SecretUri = Annotated[str, PlainSerializer(_redact_in_json, when_used="json")]
+REVEAL_SECRETS = {"reveal_secrets": True}
 
 
 class Component(Strict):

@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     state.wait_for_everyone()
     if state.is_main_process:
         _write_study(out, args, pipe, items, round(time.perf_counter() - t0, 2))
+    state.wait_for_everyone()
+    state.destroy_process_group()  # or a rank can abort at exit with the group still up
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         (out / "health.json").write_text(json.dumps(report, indent=2))
         log.info("health check passed: %s", report)
     accelerator.wait_for_everyone()
+    accelerator.end_training()  # or a rank can abort at exit with the process group still up
 
 
 if __name__ == "__main__":

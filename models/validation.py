@@ -436,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     if validator.accelerator.is_main_process:
         Path(args.out).write_text(json.dumps(metrics, indent=2))
     validator.accelerator.wait_for_everyone()
+    # Without it the process group outlives the interpreter and a rank aborts at exit.
+    validator.accelerator.end_training()
 
 
 if __name__ == "__main__":

@@ -95,6 +95,32 @@ def test_steps_run_alone_from_an_s3_source(
     assert run.data.tags["kiln.quality_gate"] == "passed"
 
 
+def test_a_flow_run_records_its_config_without_credentials(tmp_path, demo_src, make_config):
+    """A flow given the loaded config (as `kiln run` and its subflows pass it) records it as
+    the run's parameters in Prefect's database: credentials in its URIs are masked there,
+    while the flow itself, and the run's snapshot, use them."""
+    from prefect.client.orchestration import get_client
+
+    from flows.config import _snapshot_text, load_config
+
+    cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
+    cfg.storage.endpoint_url = "http://AKIDKILN:endpoint-s3cr3t@127.0.0.1:9"  # unused: a folder
+    cfg.human_eval.database_url = "postgresql://kiln:db-s3cr3t@127.0.0.1:9/ratings"  # unused
+    state = ingest_flow(cfg, return_state=True)
+    assert state.is_completed(), state
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_flow_run(state.state_details.flow_run_id)
+
+    recorded = asyncio.run(read()).parameters["config"]
+    assert "s3cr3t" not in json.dumps(recorded)
+    assert recorded["storage"]["endpoint_url"] == "http://AKIDKILN:***@127.0.0.1:9"
+    assert recorded["human_eval"]["database_url"] == "postgresql://kiln:***@127.0.0.1:9/ratings"
+    assert recorded["storage"]["root"] == cfg.storage.root, "only the secrets are masked"
+    assert "endpoint-s3cr3t" in _snapshot_text(cfg), "the snapshot loads back to the same config"
+
+
 def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_src, make_config):
     cfg = make_config(
         tmp_path / "c.yaml", tmp_path / "root", demo_src,
