@@ -8,8 +8,8 @@ on a fresh root (one 32 px stage, the tiny preset's fitted VAE), then reports:
 * the conditioning gap at the end, with a bootstrap 95% CI over validation images (aim: the CI
   excludes 0);
 * caption faithfulness on demo captions never trained on, generated through the exported
-  pipeline (`models.generate`, as `kiln evaluate` does) and scored from the pixels
-  (`tasks.faithfulness`), against chance rates from deranged captions;
+  pipeline (`models.study_images`, as `kiln evaluate` does) and scored from the pixels
+  (`flows.faithfulness`), against chance rates from deranged captions;
 * the planner against reality: `kiln plan`'s wall time against the stage's measured one.
 
     python benchmarks/learning.py --out benchmarks/results/learning.json \
@@ -37,8 +37,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tasks.demo_data import _render, write_demo_dataset  # noqa: E402
-from tasks.faithfulness import faithfulness  # noqa: E402
+from flows.demo_data import _render, write_demo_dataset  # noqa: E402
+from flows.faithfulness import faithfulness  # noqa: E402
 
 # The plan measures 200 steps (13 s here; the last 100 count): 40 steps (20 counted, 1.3 s)
 # read 194-223 img/s in three tries on an idle machine, 200 steps 208-211 (docs/benchmarks.md).
@@ -229,7 +229,7 @@ def _run(work: Path, size: dict, args) -> dict:
         w = csv.writer(f)
         w.writerow(["Prompts", "Category"])
         w.writerows([c, "demo"] for c in captions)
-    from models.generate import main as generate
+    from models.study_images import main as generate
 
     generate([
         "--pipeline", str(stage / "final"), "--prompts", str(csv_path), "--out",

@@ -69,7 +69,7 @@ def _naive_render(path: str) -> bytes:
     """The naive shard conversion: full decode, Lanczos resize, centre crop, JPEG encode."""
     from PIL import Image
 
-    from tasks.decode import resize_center_crop
+    from tasks.render import resize_center_crop
 
     with Image.open(path) as img:
         crop, _ = resize_center_crop(img.convert("RGB"), RES)
@@ -82,7 +82,7 @@ def _imagefolder_item(path: str):
     """One ImageFolder-style sample: read, decode, resize, centre-crop, to tensor."""
     from PIL import Image
 
-    from tasks.decode import resize_center_crop
+    from tasks.render import resize_center_crop
 
     with Image.open(path) as img:
         crop, _ = resize_center_crop(img.convert("RGB"), RES)
@@ -96,7 +96,7 @@ def _imagefolder_s3_item(job: tuple[str, str, str]):
     global _S3
     from PIL import Image
 
-    from tasks.decode import resize_center_crop
+    from tasks.render import resize_center_crop
 
     endpoint, bucket, key = job
     if _S3 is None:

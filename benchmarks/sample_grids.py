@@ -1,4 +1,4 @@
-"""The cost of a training sample grid (models/samples.py) against the training step time.
+"""The cost of a training sample grid (models/sample_grid.py) against the training step time.
 
     python benchmarks/sample_grids.py --config configs/tiny.yaml --out grids.json
 
@@ -25,9 +25,9 @@ from accelerate import Accelerator
 from flows.config import load_config
 from models.config import StageRun
 from models.measure_throughput import measure_stage
-from models.metrics import MetricsSink
-from models.samples import sample_grid
+from models.sample_grid import sample_grid
 from models.train import build_models
+from models.train_metrics import MetricsSink
 
 
 def grid_seconds(train, stage_index: int, repeats: int) -> list[float]:

@@ -98,7 +98,7 @@ def demo_data(directory: str, n: int, seed: int) -> None:
     Coloured shapes with matching captions, in varied sizes, plus planted bad items: a
     truncated JPEG, a zero-byte file, text named .jpg, an empty caption and a duplicate.
     """
-    from tasks.demo_data import write_demo_dataset
+    from flows.demo_data import write_demo_dataset
 
     _show(write_demo_dataset(directory, n=n, seed=seed))
 
@@ -278,7 +278,7 @@ def generate(
     steps: int | None, guidance: float | None, out: str,
 ) -> None:  # fmt: skip
     """Generate PNG files from a registered model (or an export) for one prompt."""
-    from tasks.generate_images import generate_images, resolve_pipeline
+    from tasks.export_pngs import generate_images, resolve_pipeline
 
     cfg = load_checked(config_path, root)
     ev = cfg.evaluate

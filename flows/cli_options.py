@@ -114,9 +114,9 @@ def _expected(e: Exception) -> KilnError | None:
         return KilnError(str(e))  # ModelVersionNotFound and its kind: a name that is not there
     from mlflow.exceptions import MlflowException
 
-    from tasks.health import HealthCheckError
     from tasks.launch import LaunchError
     from tasks.lock import RootBusy
+    from tasks.preflight import HealthCheckError
     from tasks.promotion import PromotionRefused
     from tasks.quality import QualityGateError
 

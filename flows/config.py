@@ -172,13 +172,13 @@ class PipelineConfig(Strict):
 def encoder_key(cfg: PipelineConfig) -> str:
     """Identity of the frozen encoders (and text mode) that precomputed latents depend on.
 
-    A fitted VAE enters as its folder (`tasks.vae.resolve_fitted_vae`), whose name hashes
+    A fitted VAE enters as its folder (`tasks.vae_folder.resolve_fitted_vae`), whose name hashes
     what it was fitted from; an unresolved `fit` has no weights yet, so it has no key.
     """
     m = cfg.train.model
     if m.vae.fit is not None:
         raise ValueError("train.model.vae.fit is not resolved to its fitted folder yet; "
-                         "call tasks.vae.resolve_fitted_vae first")  # fmt: skip
+                         "call tasks.vae_folder.resolve_fitted_vae first")  # fmt: skip
     vae = m.vae.model_dump(exclude={"fit"})  # as before `fit` existed: the same keys
     parts = [vae, m.text_encoder.model_dump(), m.tokenizer.model_dump(),
              cfg.shards.precompute_text]  # fmt: skip

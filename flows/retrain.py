@@ -18,8 +18,9 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.config import PipelineConfig, as_config, check_inputs
-from flows.human_evaluation import create_comparison_task, study_for_model
+from flows.human_evaluation import study_for_model
 from flows.pipeline import kiln_pipeline
+from tasks.comparison import create_comparison_task
 from tasks.layout import Layout
 
 __all__ = ["retrain_flow"]

@@ -14,7 +14,7 @@ from tasks.layout import Layout
 from tasks.publish import publish_shards
 from tasks.reports import shards_report
 from tasks.shard import write_shards
-from tasks.vae import resolve_fitted_vae, vae_from_pipeline
+from tasks.vae_folder import resolve_fitted_vae, vae_from_pipeline
 
 __all__ = ["shard_flow"]
 

@@ -29,15 +29,15 @@ from flows.config import (
     write_snapshot,
 )
 from models.config import StageRun
-from tasks.health import preflight
+from tasks.grid_artifact import sample_grid_report
 from tasks.launch import launch_stage
 from tasks.layout import Layout, is_published, new_run_id
 from tasks.lock import root_lock
+from tasks.preflight import preflight
 from tasks.publish import publish_shards
 from tasks.registry import create_training_run, log_run_artifact, mark_training_run
 from tasks.reports import stage_report, write_loss_curves
-from tasks.samples import sample_grid_report
-from tasks.vae import resolve_fitted_vae, vae_from_pipeline
+from tasks.vae_folder import resolve_fitted_vae, vae_from_pipeline
 
 __all__ = ["train_flow"]
 
@@ -95,7 +95,7 @@ def resolve_warm_start(cfg: PipelineConfig, layout: Layout) -> dict:
     """
     from mlflow.exceptions import MlflowException
 
-    from tasks.generate_images import resolve_pipeline
+    from tasks.export_pngs import resolve_pipeline
     from tasks.promotion import PromotionRefused, resolve_version
 
     ref = cfg.train.init_from_model

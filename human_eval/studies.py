@@ -1,6 +1,6 @@
 """Studies (`kiln evaluate` output) and the comparison built from two of them.
 
-A study is `<root>/eval/<study_id>/{images/,study.json}` (models/generate.py writes it): one
+A study is `<root>/eval/<study_id>/{images/,study.json}` (models/study_images.py writes it): one
 image per (prompt, seed). Two studies can be compared only when they hold the same prompts,
 seeds and image size; anything else is refused with the first difference named.
 """

@@ -139,7 +139,7 @@ class Component(Strict):
 class VaeFitConfig(Strict):
     """Train the VAE built from `config` once on the dataset's own images, before anything
     encodes with it (the `tiny` preset: a randomly initialised VAE gives noise-like latents,
-    and a diffusion model trained on them samples noise). See `models/tiny_vae.py`."""
+    and a diffusion model trained on them samples noise). See `models/vae_fit.py`."""
 
     steps: int = Field(
         800, gt=0, description="Optimizer steps (AdamW); 400 lost colours (docs/architecture.md)."

@@ -1,5 +1,5 @@
 """The exported pipeline's format, written by one function: the stage's `final/` export and
-the sample grids' temporary exports (models/samples.py) are the same bytes for the same
+the sample grids' temporary exports (models/sample_grid.py) are the same bytes for the same
 weights, so a grid shows what `kiln evaluate` will load."""
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ def _train_steps(run: StageRun):
     Accelerator it ran under."""
     from accelerate import Accelerator
 
-    from models.metrics import MetricsSink
     from models.train import TrainContext, build_dataloader, build_models, train_loop
+    from models.train_metrics import MetricsSink
 
     accelerator = Accelerator(
         gradient_accumulation_steps=run.stage.gradient_accumulation_steps,

@@ -55,9 +55,9 @@ from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
 from models.flops import device_peak_flops, train_flops_per_sample
 from models.loader import KilnLoader, build_loader, precomputed_columns
 from models.loss import denoising_loss
-from models.metrics import MetricsSink, MetricsWindow, system_metrics
-from models.samples import maybe_sample_grid, sample_grid, sample_grids
+from models.sample_grid import maybe_sample_grid, sample_grid, sample_grids
 from models.stale_streaming_files import clean_stale_streaming
+from models.train_metrics import MetricsSink, MetricsWindow, system_metrics
 from models.validation import build_validator
 
 __all__ = [

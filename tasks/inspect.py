@@ -1,22 +1,32 @@
-"""Inspect one ingest item (an image file with its sidecars, or a whole tar shard).
+"""Inspect one ingest item (an image file with its sidecars, or a whole tar shard), and
+each image in it: metadata, pHash, and a reason code for anything unusable.
 
 Runs in ingest's worker processes (or on Dask workers), so it imports little. Every outcome is
 a list of records, never an exception: each record is either catalog metadata for one image or
 a reason code for quarantine. Records point at the bytes they came from with (object, offset,
-length), so that the shard step can read a tar member back with one ranged read.
+length), so that the shard step can read a tar member back with one ranged read. Every byte
+of an image is decoded (truncation and corruption are caught), and a decompression bomb is
+caught from the header alone, before any pixel is decoded.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import tarfile
+import warnings
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from tasks.decode import _store, inspect_bytes
-from tasks.sources import Item, is_unsafe_key
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
 
-__all__ = ["InspectOptions", "inspect_item"]
+from tasks.render import to_rgb
+from tasks.sources import Item, is_unsafe_key
+from tasks.storage import worker_storage
+
+__all__ = ["InspectOptions", "conversion_steps", "inspect_bytes", "inspect_item", "phash"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +43,91 @@ class InspectOptions:
     def member_extensions(self) -> tuple[str, ...]:
         """The image extensions as WebDataset member suffixes ("jpg"), in preference order."""
         return tuple(e.lower().lstrip(".") for e in self.image_extensions)
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        return int(img.getexif().get(0x0112, 1) or 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block is ignored, as exif_transpose does
+        return 1
+
+
+# DCT basis for the perceptual hash: the 8 lowest frequencies of a 32-point DCT-II.
+_N = 32
+_DCT = np.sqrt(2 / _N) * np.cos(
+    np.pi * (2 * np.arange(_N)[None, :] + 1) * np.arange(8)[:, None] / (2 * _N)
+)
+
+
+def phash(img: Image.Image) -> str:
+    """64-bit perceptual hash (pHash): the sign of the 8x8 lowest DCT frequencies of a 32x32
+    greyscale thumbnail against their median, as 16 hex digits. Hamming distance between two
+    hashes measures visual difference, robust to resizing and recompression."""
+    small = img.convert("L").resize((_N, _N), Image.LANCZOS)
+    low = _DCT @ np.asarray(small, dtype=np.float64) @ _DCT.T
+    bits = (low > np.median(low)).flatten()
+    return f"{int(''.join('1' if b else '0' for b in bits), 2):016x}"
+
+
+def inspect_bytes(data: bytes, max_pixels: int) -> dict:
+    """Metadata of one image from its bytes, or {reason, detail} for quarantine.
+
+    Every byte of the compressed stream is decoded, so truncation and corruption are caught.
+    For JPEG the decode runs in DCT-scaling draft mode: libjpeg still entropy-decodes every
+    block (where truncation and bad Huffman data show up) but skips most of the full-size
+    inverse DCT, which is the bulk of a full decode. The header is checked against
+    `max_pixels` before any pixel is decoded, so a decompression bomb costs nothing.
+    """
+    rec: dict = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if not data:
+        return {**rec, "reason": "empty_file", "detail": "0 bytes"}
+    # We enforce our own pixel limit, so PIL's bomb check must not pre-empt it with an error.
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size
+            if w * h > max_pixels:
+                return {**rec, "reason": "too_many_pixels", "detail": f"{w}x{h} > {max_pixels}"}
+            fmt, mode = img.format, img.mode
+            orientation = _orientation(img)
+            if fmt == "JPEG" and min(w, h) >= 256:
+                img.draft(mode, (w // 8, h // 8))
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # a truncated-file warning is a failure too
+                img.load()
+            if orientation in (5, 6, 7, 8):  # EXIF rotations by 90 degrees swap the sides
+                w, h = h, w
+            conversion = conversion_steps(img, orientation)
+            rgb = to_rgb(ImageOps.exif_transpose(img))
+            ph = phash(rgb)
+    except UnidentifiedImageError:
+        return {**rec, "reason": "not_an_image", "detail": "bytes are not a known image format"}
+    except (OSError, SyntaxError, ValueError, Warning) as e:
+        return {**rec, "reason": "decode_error", "detail": f"{type(e).__name__}: {e}"}
+    except Exception as e:  # noqa: BLE001 - hostile input must never crash the worker
+        return {**rec, "reason": "decode_error", "detail": f"{type(e).__name__}: {e}"}
+    return {
+        **rec,
+        "width": w,
+        "height": h,
+        "format": fmt,
+        "mode": mode,
+        "phash": ph,
+        "conversion": conversion,
+    }
+
+
+def conversion_steps(img: Image.Image, orientation: int = 1) -> str:
+    """What normalisation to RGB will do to this image, e.g. `exif:6,CMYK->RGB`."""
+    steps = [f"exif:{orientation}"] if orientation not in (1, 0) else []
+    mode = img.mode
+    if mode in ("RGBA", "LA", "PA") or (mode == "P" and "transparency" in img.info):
+        steps.append(f"{mode}->RGB(alpha on white)")
+    elif mode in ("I;16", "I;16B", "I;16L", "I"):
+        steps.append(f"{mode}->RGB(16-bit scaled)")
+    elif mode != "RGB":
+        steps.append(f"{mode}->RGB")
+    return ",".join(steps)
 
 
 def _caption(raw: bytes | None) -> tuple[str | None, dict | None]:
@@ -70,7 +165,7 @@ def _record(base: dict, image: bytes, opts: InspectOptions, problem: dict | None
 
 
 def _inspect_file(item: Item, opts: InspectOptions) -> list[dict]:
-    store = _store(opts.source, opts.endpoint_url)
+    store = worker_storage(opts.source, opts.endpoint_url)
     base = {"key": item.key, "object": item.key, "offset": -1}
     try:
         data = store.read_bytes(item.key)
@@ -126,7 +221,7 @@ def _inspect_tar(item: Item, opts: InspectOptions) -> list[dict]:
     current, members = None, {}
     try:
         with (
-            _store(opts.source, opts.endpoint_url).open_stream(item.key) as raw,
+            worker_storage(opts.source, opts.endpoint_url).open_stream(item.key) as raw,
             tarfile.open(fileobj=raw, mode="r|*") as tf,
         ):
             for m in tf:

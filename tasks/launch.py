@@ -250,7 +250,7 @@ def launch_generate(
     launch: LaunchConfig,
     model_ref: str = "",
 ) -> dict:
-    """Generate the evaluation images with `models.generate`; returns the study.json content.
+    """Generate the evaluation images with `models.study_images`; returns the study.json content.
 
     Args:
         pipeline_dir: The exported pipeline folder.
@@ -273,7 +273,7 @@ def launch_generate(
     ]  # fmt: skip
     if ev.limit:
         args += ["--limit", str(ev.limit)]
-    cmd = accelerate_command(launch.accelerate_config, "models.generate", args,
+    cmd = accelerate_command(launch.accelerate_config, "models.study_images", args,
                              launch.num_processes)  # fmt: skip
     run_launch(cmd, gpu_limit=launch.gpu_limit)
     return json.loads((Path(out_dir) / "study.json").read_text())

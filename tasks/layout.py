@@ -54,7 +54,7 @@ class Layout:
         return self.root / "shards" / version / f"{resolution}-val-latents-{encoder_key}"
 
     def vae_cache(self) -> Path:
-        """Fitted VAEs (`train.model.vae.fit`), one folder per key (models/tiny_vae.py)."""
+        """Fitted VAEs (`train.model.vae.fit`), one folder per key (models/vae_fit.py)."""
         return self.root / "vae"
 
     def run(self, run_id: str) -> Path:

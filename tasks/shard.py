@@ -55,10 +55,10 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.decode import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
 from tasks.quality import gate_for_sharding
+from tasks.render import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.runners import partition_runner
 from tasks.sources import CATALOG_COLUMNS
 
@@ -387,7 +387,7 @@ def write_shards(
         endpoint_url: S3-compatible endpoint for an s3:// source.
         dask_address: Run the conversion partitions on this Dask scheduler.
         bucket_stages: Stage resolutions written as aspect-ratio buckets
-            (`tasks.decode.aspect_buckets(resolution, cfg.bucket_step, cfg.bucket_max_aspect)`)
+            (`tasks.render.aspect_buckets(resolution, cfg.bucket_step, cfg.bucket_max_aspect)`)
             instead of squares.
         tokenizer: The model's `TokenizerConfig` as a dict: every sample also stores its
             caption's token ids (`shards.token_ids`); the tokenizer is part of the version.

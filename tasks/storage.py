@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
-__all__ = ["ObjectInfo", "ProbeError", "Storage"]
+__all__ = ["ObjectInfo", "ProbeError", "Storage", "worker_storage"]
 
 
 class ProbeError(OSError):
@@ -264,3 +264,15 @@ class Storage:
 def _raise(e: OSError) -> None:
     # os.walk skips unreadable folders silently by default; a probe must report them.
     raise e
+
+
+_WORKER_STORES: dict[tuple[str, str | None], Storage] = {}
+
+
+def worker_storage(uri: str, endpoint_url: str | None) -> Storage:
+    """One client per worker process and source, reused across images (ingest's and the
+    shard step's worker processes)."""
+    key = (uri, endpoint_url)
+    if key not in _WORKER_STORES:
+        _WORKER_STORES[key] = Storage(uri, endpoint_url)
+    return _WORKER_STORES[key]

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["compute_study_metrics", "log_study_metrics", "metrics_lineage", "metrics_report"]
 
 
-# torch and models.eval_metrics are imported where the metrics are computed: every flow-run
+# torch and models.image_metrics are imported where the metrics are computed: every flow-run
 # process that imports flows.evaluate (a deployment's pipeline or retrain) would otherwise pay
 # about 2 s of torch's import before its first step.
 
@@ -50,7 +50,7 @@ def _device() -> torch.device:
 def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
     if not name:
         return {"skipped": "evaluate.metrics.clip_model is not set (a local CLIP folder or hub id)"}
-    from models.eval_metrics import (
+    from models.image_metrics import (
         clip_resize,
         clip_score,
         hub_snapshot,
@@ -81,7 +81,7 @@ def _write_captions(path: Path, captions: list[str]) -> None:
 
 def _fid(study_dir: Path, cfg: EvalMetricsConfig, val_dir: Path, generate: dict,
          feature: torch.nn.Module | None) -> dict:  # fmt: skip
-    from models.eval_metrics import (
+    from models.image_metrics import (
         FID_RESIZE,
         MetricUnavailable,
         decode_images,
@@ -145,7 +145,7 @@ def compute_study_metrics(
     """
     import torch
 
-    from models.eval_metrics import MetricUnavailable
+    from models.image_metrics import MetricUnavailable
 
     log = task_logger(__name__)
     study = Path(study_dir)

@@ -87,7 +87,7 @@ def prefect_harness(request):
 @pytest.fixture(scope="session")
 def demo_src(tmp_path_factory) -> Path:
     """60 demo files (5 planted bad) in the imagefolder layout; shared, so never modify it."""
-    from tasks.demo_data import write_demo_dataset
+    from flows.demo_data import write_demo_dataset
 
     out = tmp_path_factory.mktemp("demo") / "src"
     write_demo_dataset(out, n=60, seed=0)

@@ -8,7 +8,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "flows": {"flows", "tasks", "models", "data_quality", "human_eval"},
-    "tasks": {"tasks", "models", "data_quality"},
+    "tasks": {"tasks", "models", "data_quality", "human_eval"},
     "models": {"models"},
     "data_quality": {"data_quality"},
     "human_eval": {"human_eval"},

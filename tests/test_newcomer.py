@@ -153,7 +153,7 @@ def _spread(study: list[tuple[str, np.ndarray]]) -> float:
 
 def _faithfulness(study: list[tuple[str, np.ndarray]]) -> dict:
     """The learning benchmark's pixel checks over the prompts in the demo captions' form."""
-    from tasks.faithfulness import faithfulness, parse_caption
+    from flows.faithfulness import faithfulness, parse_caption
 
     def demo_style(prompt: str) -> bool:
         try:
@@ -239,7 +239,7 @@ def _judge(prompt: str, left: Image.Image, right: Image.Image) -> str:
     """A scripted rater's key: the image that shows the prompt's background and colours
     (1: left, 2: right), or 3 (indifferent) when neither does better or the prompt is not in
     the demo captions' form."""
-    from tasks.faithfulness import parse_caption, score_image
+    from flows.faithfulness import parse_caption, score_image
 
     try:
         parse_caption(prompt)

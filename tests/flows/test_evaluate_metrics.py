@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from models.config import EvalMetricsConfig, EvaluateConfig, LaunchConfig, TokenizerConfig
-from models.eval_metrics import clip_score, fid, load_clip, load_inception, weights_sha256
+from models.image_metrics import clip_score, fid, load_clip, load_inception, weights_sha256
 from tasks.contact_sheet import THUMB, write_contact_sheets
 from tasks.study_metrics import compute_study_metrics, metrics_report
 
@@ -128,7 +128,7 @@ def test_fid_matches_scipy_sqrtm(tmp_path):
 
 
 def test_missing_weights_skip_each_metric_with_the_fix_named(tmp_path):
-    from models.eval_metrics import MetricUnavailable
+    from models.image_metrics import MetricUnavailable
 
     with pytest.raises(MetricUnavailable, match="evaluate.metrics.clip_model: no folder"):
         load_clip(str(tmp_path / "no-clip"))

@@ -1,4 +1,4 @@
-"""Tiny studies on disk, in the layout `kiln evaluate` writes (models/generate.py)."""
+"""Tiny studies on disk, in the layout `kiln evaluate` writes (models/study_images.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import time
 import pandas as pd
 import pytest
 
-from models.generate import read_prompts
+from models.study_images import read_prompts
 from tasks.prompts import (
     DRAWBENCH_CATEGORIES,
     DRAWBENCH_FILE,

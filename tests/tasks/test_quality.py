@@ -69,7 +69,7 @@ def _add_images(src, names, caption="a new photo", size=(64, 64), color=(10, 120
 
 
 def test_incremental_runs_decode_only_what_is_new(tmp_path):
-    from tasks.demo_data import write_demo_dataset
+    from flows.demo_data import write_demo_dataset
 
     src, root = tmp_path / "src", tmp_path / "root"
     write_demo_dataset(src, n=20, seed=1)

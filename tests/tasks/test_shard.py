@@ -164,7 +164,7 @@ def test_failed_conversion_publishes_nothing_and_the_next_run_finishes_it(tmp_pa
     partition publishes nothing and the next run redoes only the unfinished partitions."""
     import shutil
 
-    from tasks.demo_data import write_demo_dataset
+    from flows.demo_data import write_demo_dataset
 
     src, root = tmp_path / "src", tmp_path / "root"
     write_demo_dataset(src, n=40, seed=3)
@@ -249,7 +249,7 @@ def test_changed_metadata_gives_a_new_version_with_the_new_metadata(tmp_path, la
 def test_aspect_buckets_cover_the_stage():
     import numpy as np
 
-    from tasks.decode import aspect_buckets, nearest_bucket, nearest_buckets, resize_crop
+    from tasks.render import aspect_buckets, nearest_bucket, nearest_buckets, resize_crop
 
     b = aspect_buckets(1024)
     assert (1024, 1024) in b and {(h, w) for w, h in b} == set(b), "square, and mirrored"
@@ -274,7 +274,7 @@ def test_bucketed_stage_has_one_dataset_per_bucket_and_batches_per_bucket(valida
     from flows.config import PROJECT_DIR, load_config
     from models.factory import build_tokenizer
     from models.loader import build_loader
-    from tasks.decode import aspect_buckets, nearest_bucket
+    from tasks.render import aspect_buckets, nearest_bucket
 
     root, ingest_id, _ = validated
     res = write_shards.fn(

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.demo_data import write_demo_dataset
-from tasks.faithfulness import faithfulness, parse_caption, score_image
+from flows.demo_data import write_demo_dataset
+from flows.faithfulness import faithfulness, parse_caption, score_image
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Pre-flight health check, launched with the same topology as training:
 
-    accelerate launch --config_file TOPOLOGY -m models.healthcheck --out DIR
+    accelerate launch --config_file TOPOLOGY -m models.collective_check --out DIR
 
 Every process checks that it sees its device, then all processes all-reduce a tensor of ones;
 the sum must equal the world size. The main process writes `DIR/health.json`. A collective
@@ -22,7 +22,7 @@ from accelerate import Accelerator
 
 __all__ = ["main"]
 
-log = logging.getLogger("kiln.healthcheck")
+log = logging.getLogger("kiln.collective_check")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,7 @@
 
 Every `train.sample_every` optimizer steps and at the end of each stage, the main process
 writes the pipeline exactly as the stage's export does (`models.export`, EMA weights when EMA
-is on) into a temporary folder, loads it as `kiln evaluate` does (`models.generate`), and
+is on) into a temporary folder, loads it as `kiln evaluate` does (`models.study_images`), and
 generates each (prompt, seed) image with its own seeded generator. A broken export, a wrong
 latent scale or an EMA swap that never happened shows in the grid long before the stage ends.
 
@@ -30,7 +30,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from models.config import StageRun
 from models.export import export_unet, write_pipeline
-from models.generate import generate_images, load_pipeline
+from models.study_images import generate_images, load_pipeline
 
 __all__ = [
     "grid_image",

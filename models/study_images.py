@@ -1,6 +1,6 @@
 """Generate evaluation images for a prompt set (DrawBench), split across processes:
 
-    accelerate launch -m models.generate --pipeline FINAL --prompts drawbench.csv --out STUDY
+    accelerate launch -m models.study_images --pipeline FINAL --prompts drawbench.csv --out STUDY
 
 Each (prompt, seed) pair gets its own generator, so an image depends only on its prompt and
 seed, never on batching or process count. Existing images are kept, so a relaunch after a

@@ -6,7 +6,7 @@ Checks, in order of cost:
 2. storage: every stage's MDS index is readable and the run folder is writable;
 3. free disk under the run folder against an estimate of the checkpoints (weights, AdamW
    moments, EMA, times `train.keep_checkpoints`, plus one export);
-4. a collective: `accelerate launch -m models.healthcheck` all-reduces across every launched
+4. a collective: `accelerate launch -m models.collective_check` all-reduces across every launched
    process, bounded by `launch.health_timeout_s` (skipped for one process on a machine
    without a GPU: there is no collective to form and no device to probe).
 """
@@ -115,8 +115,8 @@ def check_collective(
     timeout_s: float,
     gpu_limit: GpuLimitConfig | None = None,
 ) -> dict:
-    """All-reduce across every process of the topology; returns models.healthcheck's report."""
-    cmd = accelerate_command(accelerate_config, "models.healthcheck", ["--out", str(out)],
+    """All-reduce across every process of the topology; returns models.collective_check's report."""
+    cmd = accelerate_command(accelerate_config, "models.collective_check", ["--out", str(out)],
                              num_processes)  # fmt: skip
     try:
         run_launch(cmd, timeout_s=timeout_s, gpu_limit=gpu_limit)

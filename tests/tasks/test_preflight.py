@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from flows.config import load_config
-from tasks.health import (
+from tasks.preflight import (
     HealthCheckError,
     check_collective,
     check_disk,
@@ -80,7 +80,7 @@ def test_collective_that_cannot_form_fails_fast(tmp_path):
 def test_a_one_process_topology_has_no_collective_to_check(tmp_path, tiny_shards):
     """No all-reduce launch for one CPU process (no collective, no device to probe); the
     other checks still run."""
-    from tasks.health import preflight
+    from tasks.preflight import preflight
 
     _, root, version = tiny_shards
     train = load_config(REPO / "configs" / "tiny.yaml").train

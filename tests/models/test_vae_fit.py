@@ -14,7 +14,7 @@ from diffusers import AutoencoderKL
 from PIL import Image
 
 from models.config import ModelConfig, VaeComponent, VaeFitConfig, load_yaml_model
-from models.tiny_vae import (
+from models.vae_fit import (
     FIT_RECORD,
     ensure_fitted_vae,
     fit_vae,

@@ -41,7 +41,7 @@ __all__ = [
     "reconstruction_mse",
 ]
 
-log = logging.getLogger("kiln.tiny_vae")
+log = logging.getLogger("kiln.vae_fit")
 
 # Beside the weights: the fit's settings, its cost and its reconstruction error.
 FIT_RECORD = "fit.json"

@@ -1,6 +1,6 @@
 """Caption faithfulness of demo-style images, measured from the pixels.
 
-The demo data (`tasks/demo_data.py`) captions each image as "a <colour> <shape> <relation> a
+The demo data (`flows/demo_data.py`) captions each image as "a <colour> <shape> <relation> a
 [small ]<colour> <shape> on a <background> background". For a generated image this module
 checks, with no learned model, whether
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageFilter
 
-from tasks.demo_data import BACKGROUNDS, COLORS
+from flows.demo_data import BACKGROUNDS, COLORS
 
 __all__ = ["Caption", "ImageScore", "faithfulness", "parse_caption", "score_image"]
 
