@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kiln-installed
 DEMO_DATA ?= demo-data
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: install chromium demo demo-compare test test-fast lint format benchmark clean
+.PHONY: install system-packages demo demo-compare test test-fast lint format benchmark clean
 
 # Create the venv if missing and install the project with the pinned constraints.
 $(STAMP): pyproject.toml constraints.txt
@@ -44,25 +44,30 @@ demo-compare: $(STAMP)
 	echo "and open kiln-data/human_eval/$$cid/preference.png. Ctrl-C stops the app."; \
 	$(BIN)/kiln rate serve --config $(CONFIG) $(if $(RATE_PORT),--port $(RATE_PORT))
 
-# The rating app's browser test drives Debian's Chromium through Playwright (Playwright's own
-# browser download needs the network). Installed here when missing, where apt-get exists.
+# Debian packages the tests use, installed when missing, where apt-get exists: Chromium for the
+# rating app's browser test (Playwright's own browser download needs the network), and SLURM
+# with munge for the two-node cluster the multi-node tests start on loopback.
 CHROMIUM ?= /usr/bin/chromium
-chromium:
-	@if [ -x $(CHROMIUM) ]; then :; \
+system-packages:
+	@missing=""; \
+	[ -x $(CHROMIUM) ] || missing="$$missing chromium"; \
+	for b in slurmd slurmctld sbatch munged; do command -v $$b >/dev/null 2>&1 || \
+		PATH="$$PATH:/usr/sbin" command -v $$b >/dev/null 2>&1 || { \
+		missing="$$missing slurmd slurmctld slurm-client munge"; break; }; done; \
+	if [ -z "$$missing" ]; then :; \
 	elif command -v apt-get >/dev/null 2>&1; then \
-		echo "Installing Debian's chromium (for tests/human_eval/test_browser.py)"; \
+		echo "Installing Debian's$$missing (browser and SLURM tests)"; \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; \
+		$$SUDO apt-get update -q && $$SUDO apt-get install -y -q $$missing; \
 	else \
-		echo "make test needs Chromium at $(CHROMIUM) for tests/human_eval/test_browser.py;" \
-			"no apt-get here: install Chromium with your package manager" >&2; \
+		echo "make test needs$$missing (no apt-get here): install them with your package manager" >&2; \
 		exit 1; \
 	fi
 
 # The test files run on one worker per core (pytest-xdist; a file's tests stay on one worker,
 # so a module's fixtures are built once). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= auto
-test: $(STAMP) chromium
+test: $(STAMP) system-packages
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-fast: $(STAMP)

@@ -7,6 +7,8 @@ Only click is imported at module level, so `kiln --help` stays fast.
 
 from __future__ import annotations
 
+import signal
+import threading
 import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -128,6 +130,19 @@ def _expected(e: Exception) -> KilnError | None:
     return None
 
 
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (systemd, Docker, a Prefect worker cancelling the run) exits like Ctrl-C: as an
+    exception in the main thread, so every `finally` runs: a local launch's process group is
+    killed and a SLURM job is cancelled (`scancel`) instead of being left running."""
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):  # fmt: skip
+        signal.signal(signal.SIGTERM, stop)
+
+
 class KilnGroup(click.Group):
     """The one error path of every `kiln` command, subgroups included: an expected failure
     is `kiln: error: <message>`; an unexpected one is one line plus a hint, unless
@@ -140,6 +155,7 @@ class KilnGroup(click.Group):
 
     def invoke(self, ctx: click.Context):
         debug = ctx.params.get("debug", False)
+        _exit_cleanly_on_sigterm()
         try:
             return super().invoke(ctx)
         except (click.exceptions.Exit, click.Abort, click.UsageError):

@@ -154,6 +154,16 @@ class PipelineConfig(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _many_nodes_need_a_cluster(self) -> PipelineConfig:
+        for i, s in enumerate(self.train.stages):
+            if s.num_machines > 1 and self.launch.backend == "local":
+                raise ValueError(
+                    f"train.stages.{i}.num_machines: {s.num_machines} nodes need a cluster "
+                    f"backend; set launch.backend: slurm (received launch.backend local)"
+                )
+        return self
+
     def bucket_stages(self) -> list[int]:
         """Stage resolutions written as aspect-ratio buckets (none unless aspect_buckets)."""
         if not self.shards.aspect_buckets:
@@ -227,6 +237,13 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
         _check_source_remote(cfg)
     if "tracking" in need:
         _check_tracking_server(cfg.tracking_uri)
+    if "train" in steps and cfg.launch.backend == "slurm":
+        from tasks.slurm import SlurmError, check_slurm
+
+        try:  # the cluster's own answer: a bad partition or an impossible node count
+            check_slurm(cfg.launch.slurm, max(s.num_machines for s in cfg.train.stages))
+        except SlurmError as e:
+            raise ConfigError(str(e)) from e
     if "prompts" in need:
         # The prompts are readable now, not after training: a configured file, the copy
         # KILN_DRAWBENCH_CSV names, or DrawBench from the Hub (fetched once, then cached). The

@@ -267,6 +267,8 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
             ],
             cfg.launch.health_timeout_s,
             cfg.launch.gpu_limit,
+            slurm=cfg.launch.slurm if cfg.launch.backend == "slurm" else None,
+            nodes=max(s.num_machines for s in pending),
         )
     if cfg.shards.remote:  # idempotent: makes sure every version trained on is published
         for v in dict.fromkeys([version, *(m.dataset_version for m in cfg.train.mix)]):

@@ -45,6 +45,7 @@ __all__ = [
     "ModelConfig",
     "SecretUri",
     "ShardsConfig",
+    "SlurmConfig",
     "StageConfig",
     "StageRun",
     "StreamMix",
@@ -254,6 +255,10 @@ class StageConfig(Strict):
     gradient_accumulation_steps: int = Field(1, ge=1)
     warmup_steps: int = Field(0, ge=0)
     lr_scheduler: Literal["constant", "cosine"] = "constant"
+    num_machines: int = Field(
+        1, ge=1, description="Nodes this stage trains on (launch.backend slurm for more than 1); "
+        "each runs launch.num_processes (or the topology's count) processes.",
+    )  # fmt: skip
 
 
 class EMAConfig(Strict):
@@ -310,6 +315,15 @@ class TrainConfig(Strict):
     shuffle_seed: int = 1234
     shuffle_algo: Literal["py1e", "py1br", "py1b", "py1s", "py2s", "naive"] = Field(
         "py1e", description="Streaming's shuffle algorithm (py1e: MosaicML's default)."
+    )
+    num_canonical_nodes: int | None = Field(
+        None,
+        gt=0,
+        description="Streaming's canonical node count: the sample order is fixed by it, so "
+        "any split of a stage into nodes and processes sees the same samples in the same "
+        "order. Each stage's num_machines must divide it or be a multiple of it. Null: 1 (64 "
+        "for py1s/py2s), what one node gives; on many nodes set the largest stage's count, so "
+        "each node reads its own shards.",
     )
     predownload: int | None = Field(None, gt=0, description="Samples to read ahead per worker.")
     cache_limit: str | None = Field(
@@ -374,6 +388,24 @@ class TrainConfig(Strict):
             raise ValueError(f"train.mix proportions sum to {total:g}; they must leave the "
                              "current dataset a share (sum < 1)")  # fmt: skip
         return self
+
+    @model_validator(mode="after")
+    def _canonical_nodes_fit(self) -> TrainConfig:
+        canon = self.canonical_nodes()
+        for i, s in enumerate(self.stages):
+            if canon % s.num_machines and s.num_machines % canon:
+                raise ValueError(
+                    f"train.stages.{i}.num_machines: {s.num_machines} nodes neither divide nor "
+                    f"are a multiple of train.num_canonical_nodes ({canon}): streaming cannot "
+                    "split the sample order across them"
+                )
+        return self
+
+    def canonical_nodes(self) -> int:
+        """Streaming's canonical node count for every stage of this run."""
+        if self.num_canonical_nodes is not None:
+            return self.num_canonical_nodes
+        return 64 if self.shuffle_algo in ("py1s", "py2s") else 1
 
     @model_validator(mode="after")
     def _increasing(self) -> TrainConfig:
@@ -609,6 +641,25 @@ class GpuLimitConfig(Strict):
     )  # fmt: skip
 
 
+class SlurmConfig(Strict):
+    """Where and how a stage's job is submitted when `launch.backend` is `slurm`. The cluster
+    is the one the SLURM commands on PATH reach (`SLURM_CONF` as usual)."""
+
+    partition: str | None = Field(None, description="None: the cluster's default partition.")
+    account: str | None = None
+    time_limit: str | None = Field(None, description="sbatch --time, e.g. 2-00:00:00.")
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="sbatch --gpus-per-node; also each node's process count."
+    )
+    sbatch_lines: list[str] = Field(
+        default_factory=list, description="Extra `#SBATCH` lines, e.g. `--exclusive`."
+    )
+    main_process_port: int = Field(
+        29500, gt=0, lt=65536, description="Rendezvous port on the job's first node."
+    )
+    poll_s: float = Field(2.0, gt=0, description="How often the job's state and log are read.")
+
+
 class LaunchConfig(Strict):
     accelerate_config: str = Field(
         "configs/accelerate/single.yaml", description="Accelerate topology YAML."
@@ -629,8 +680,14 @@ class LaunchConfig(Strict):
     )
     gpu_limit: GpuLimitConfig | None = Field(
         default_factory=GpuLimitConfig,
-        description="Global concurrency limit taken around every launch; null: none.",
+        description="Global concurrency limit taken around every local launch; null: none. "
+        "With slurm the cluster's scheduler owns the GPUs.",
     )
+    backend: Literal["local", "slurm"] = Field(
+        "local", description="local: `accelerate launch` on this machine; slurm: one job per "
+        "stage on `num_machines` nodes (the storage root on a shared filesystem).",
+    )  # fmt: skip
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

@@ -335,6 +335,9 @@ def _dataset(
         shuffle=True,
         shuffle_seed=cfg.shuffle_seed + stage_index,
         shuffle_algo=cfg.shuffle_algo,
+        # Fixed, not streaming's count of the nodes it runs on: 2 nodes x 1 process and
+        # 1 node x 2 processes then see the same samples in the same order.
+        num_canonical_nodes=cfg.canonical_nodes(),
         predownload=cfg.predownload,
         cache_limit=cfg.cache_limit,
         epoch_size=epoch_size,

@@ -43,6 +43,7 @@ __all__ = [
     "launch_generate",
     "launch_precompute",
     "launch_stage",
+    "processes_per_machine",
     "run_launch",
 ]
 
@@ -63,8 +64,11 @@ def _raise_if_diverged(out: Path) -> None:
 
 
 def _retry_unless_diverged(task, task_run, state) -> bool:
-    """Prefect's retry condition: retry a crash or a hang, never a diverged stage."""
-    return not isinstance(getattr(state, "data", None), StageDiverged)
+    """Prefect's retry condition: retry a crash, a hang or a lost node, never a diverged stage
+    or a job the cluster refuses (both would fail the same way again)."""
+    from tasks.slurm import SlurmRejected
+
+    return not isinstance(getattr(state, "data", None), (StageDiverged, SlurmRejected))
 
 
 def accelerate_command(
@@ -86,6 +90,14 @@ def accelerate_command(
         threads = cpu_threads_per_process(local_processes(accelerate_config, num_processes))
         cmd += ["--num_cpu_threads_per_process", str(threads)]
     return cmd + ["-m", module, *args]
+
+
+def processes_per_machine(launch: LaunchConfig) -> int:
+    """Training processes on each node: `launch.slurm.gpus_per_node` on a SLURM cluster when
+    set, else `launch.num_processes` or the topology's count."""
+    if launch.backend == "slurm" and launch.slurm.gpus_per_node:
+        return launch.slurm.gpus_per_node
+    return local_processes(launch.accelerate_config, launch.num_processes)
 
 
 def cuda_available() -> bool:
@@ -222,16 +234,25 @@ def launch_stage(stage: StageRun, launch: LaunchConfig) -> dict:
     def report(step: int) -> None:
         update_progress_artifact(progress_id, progress=100.0 * min(step, total) / total)
 
+    watch = {
+        "heartbeat": out / "heartbeat",
+        "hang_timeout_s": launch.hang_timeout_s,
+        "on_progress": report if progress_id else None,
+        # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
+        "env": {"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
+    }
     try:
-        run_launch(
-            cmd,
-            heartbeat=out / "heartbeat",
-            hang_timeout_s=launch.hang_timeout_s,
-            on_progress=report if progress_id else None,
-            # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
-            env={"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
-            gpu_limit=launch.gpu_limit,
-        )
+        if launch.backend == "slurm":
+            from tasks.slurm import run_slurm_job
+
+            rest = ["--config_file", launch.accelerate_config, "-m", "models.train",
+                    "--config", str(stage_yaml)]  # fmt: skip
+            run_slurm_job(rest, nodes=stage.stage.num_machines, slurm=launch.slurm,
+                          processes_per_machine=processes_per_machine(launch), workdir=out,
+                          name=f"stage-{stage.stage.resolution}px", logger=task_logger(__name__),
+                          **watch)  # fmt: skip
+        else:
+            run_launch(cmd, gpu_limit=launch.gpu_limit, **watch)
     except LaunchError:
         _raise_if_diverged(out)
         raise

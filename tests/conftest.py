@@ -447,3 +447,23 @@ def _free_streaming_shared_memory():
                 obj.close()
         except ReferenceError:  # a weakref.proxy whose object is gone: nothing to close
             continue
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real two-node SLURM cluster on loopback (tests/slurm_cluster.py), for the session.
+
+    `make test` installs Debian's SLURM and munge packages; without them (or without root)
+    the tests that need the cluster fail with the reason, never skip."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "slurm_cluster", REPO / "tests" / "slurm_cluster.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    why = mod.slurm_available()
+    if why:
+        pytest.fail(f"no SLURM cluster can start here: {why}")
+    with mod.SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster

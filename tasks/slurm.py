@@ -1,0 +1,276 @@
+"""A stage (or the pre-flight check) as one SLURM job: `sbatch`, then watch it to the end.
+
+The job runs one task per node (`srun --ntasks-per-node=1`); each task is the node entrypoint
+(`models/node_launch.py`), which starts that node's `accelerate launch`. The job's output file
+streams into the Prefect log line by line, the stage's heartbeat keeps the hang watchdog
+working, and a job that is still queued or running when the watch ends for any reason (a
+hang, a timeout, an exception, a cancelled or killed flow run) is cancelled with `scancel`,
+so no job is left behind.
+
+Plain `sbatch`/`scontrol`/`scancel` rather than submitit: the job is one shell command on N
+nodes (no pickled Python callable to ship), the end state needs `scontrol` anyway (submitit
+reads `sacct`, which needs SLURM's accounting database, absent on many clusters), and the
+commands are what an operator reads in the job script Kiln writes next to the stage.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from models.config import SlurmConfig
+from tasks.launch import LaunchError
+
+__all__ = ["SlurmError", "SlurmRejected", "check_slurm", "job_script", "run_slurm_job"]
+
+# End states (`scontrol show job`'s JobState). Any of them but COMPLETED fails the launch, and
+# the stage task's retries resubmit it (resuming from the newest checkpoint) unless the stage
+# diverged: NODE_FAIL, PREEMPTED, a killed rank (FAILED) and TIMEOUT all come back that way.
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+            "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}  # fmt: skip
+
+
+# Pending reasons that no wait resolves: the job asks for more than the partition, account or
+# QOS allows. A cluster without `EnforcePartLimits` accepts such a job and leaves it pending
+# for ever; the stage fails at once instead, as if sbatch had refused it.
+NEVER_RUNS = {"PartitionNodeLimit", "PartitionConfig", "PartitionTimeLimit", "BadConstraints",
+              "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
+              "QOSMaxWallDurationPerJobLimit", "QOSMaxGRESPerJob"}  # fmt: skip
+
+
+class SlurmError(LaunchError):
+    """A SLURM command failed, or the job ended in another state than COMPLETED."""
+
+
+class SlurmRejected(SlurmError):
+    """`sbatch` refused the job (a bad partition, account or node count): resubmitting the same
+    job would be refused the same way, so it is not retried."""
+
+
+def _slurm(argv: list[str], env: dict[str, str] | None = None) -> str:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    except FileNotFoundError:
+        raise SlurmError(
+            f"`{argv[0]}` is not on PATH: launch.backend slurm needs the SLURM client commands "
+            "(sbatch, scontrol, scancel) on this machine"
+        ) from None
+    if proc.returncode != 0:
+        raise SlurmError(f"`{shlex.join(argv)}` failed: {proc.stderr.strip() or proc.stdout}")
+    return proc.stdout
+
+
+def _directives(slurm: SlurmConfig, nodes: int, name: str, log: Path) -> list[str]:
+    lines = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={log}"]
+    if slurm.partition:
+        lines.append(f"--partition={slurm.partition}")
+    if slurm.account:
+        lines.append(f"--account={slurm.account}")
+    if slurm.time_limit:
+        lines.append(f"--time={slurm.time_limit}")
+    if slurm.gpus_per_node:
+        lines.append(f"--gpus-per-node={slurm.gpus_per_node}")
+    return lines + list(slurm.sbatch_lines)
+
+
+def check_slurm(slurm: SlurmConfig, nodes: int) -> None:
+    """Ask the cluster whether it would run a job of `nodes` nodes with these settings
+    (`sbatch --test-only`), so a bad partition or an impossible node count fails before any
+    work, with SLURM's own reason.
+
+    Raises:
+        SlurmRejected: the cluster refuses it.
+        SlurmError: no SLURM commands here, or the controller does not answer.
+    """
+    argv = ["sbatch", "--test-only", *(f"--{d.lstrip('-')}" for d in _directives(
+        slurm, nodes, "kiln-check", Path(os.devnull))), "--wrap", "true"]  # fmt: skip
+    try:
+        _slurm(argv)
+    except SlurmError as e:
+        if "not on PATH" in str(e):
+            raise
+        raise SlurmRejected(f"launch.slurm: the cluster refuses a {nodes}-node job "
+                            f"({str(e).split('failed: ', 1)[-1]})") from None  # fmt: skip
+
+
+def job_script(rest: list[str], *, nodes: int, processes_per_machine: int, slurm: SlurmConfig,
+               name: str, log: Path, workdir: str) -> str:  # fmt: skip
+    """The batch script: one node entrypoint per node, each starting `accelerate launch
+    <rest>` with that node's flags. The rendezvous port is the configured one plus the job
+    id modulo 1000, so two jobs that share a first node do not collide."""
+    header = "".join(f"#SBATCH {d}\n" for d in _directives(slurm, nodes, name, log))
+    node = [sys.executable, "-m", "models.node_launch", "--source", "slurm",
+            "--processes-per-machine", str(processes_per_machine)]  # fmt: skip
+    port = f'--main-process-port "$(( {slurm.main_process_port} + SLURM_JOB_ID % 1000 ))"'
+    return (
+        "#!/bin/bash\n"
+        f"{header}"
+        "# Written by Kiln (tasks/slurm.py); resubmitted as is by a retry.\n"
+        "set -euo pipefail\n"
+        f"cd {shlex.quote(workdir)}\n"
+        "export PYTHONUNBUFFERED=1\n"
+        f"srun --kill-on-bad-exit=1 {shlex.join(node)} {port} -- {shlex.join(rest)}\n"
+    )
+
+
+def _job(job_id: str) -> dict[str, str]:
+    """`scontrol show job`'s fields of the job (JobState, ExitCode, Reason, NodeList...)."""
+    out = _slurm(["scontrol", "show", "job", "-o", job_id])
+    fields = {}
+    for part in out.split():
+        key, eq, value = part.partition("=")
+        if eq:
+            fields.setdefault(key, value)
+    return fields
+
+
+def _cancel(job_id: str, log: logging.Logger | logging.LoggerAdapter) -> None:
+    """scancel the job and wait (up to a minute) until SLURM reports it ended."""
+    with contextlib.suppress(SlurmError):
+        _slurm(["scancel", job_id])
+        log.warning("cancelled SLURM job %s", job_id)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if _job(job_id).get("JobState") in FINISHED:
+                return
+            time.sleep(0.5)
+
+
+class _Tail:
+    """New complete lines of the job's output file, each logged once."""
+
+    def __init__(self, path: Path, log, keep: collections.deque):
+        self.path, self.log, self.keep, self.offset, self.partial = path, log, keep, 0, ""
+
+    def read(self, final: bool = False) -> None:
+        if not self.path.is_file():
+            return
+        with self.path.open("r", errors="replace") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+            self.offset = f.tell()
+        text = self.partial + chunk
+        lines = text.split("\n")
+        self.partial = "" if final else lines.pop()
+        for line in lines:
+            if line or final:
+                self.keep.append(line)
+                self.log.info(line)
+
+
+def run_slurm_job(
+    rest: list[str],
+    *,
+    nodes: int,
+    processes_per_machine: int,
+    slurm: SlurmConfig,
+    workdir: Path,
+    name: str,
+    logger: logging.Logger | logging.LoggerAdapter,
+    heartbeat: Path | None = None,
+    hang_timeout_s: float | None = None,
+    on_progress: Callable[[int], None] | None = None,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Submit `accelerate launch <rest>` on `nodes` nodes and watch it; returns the job id.
+
+    Raises:
+        SlurmRejected: sbatch refused the job (not retried by the stage task).
+        SlurmError: the job ended in another state than COMPLETED, hung (no heartbeat for
+            `hang_timeout_s`) or ran past `timeout_s`; the message has its last output lines.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"slurm-{name}.log"
+    script = workdir / f"slurm-{name}.sh"
+    text = job_script(rest, nodes=nodes, processes_per_machine=processes_per_machine,
+                      slurm=slurm, name=name, log=log_path, workdir=os.getcwd())  # fmt: skip
+    script.write_text(text)
+    offset = log_path.stat().st_size if log_path.is_file() else 0  # a retry appends
+    sbatch_env = {**os.environ, **(env or {})}
+    try:
+        job_id = _slurm(["sbatch", "--parsable", "--open-mode=append", str(script)],
+                        sbatch_env).strip().split(";")[0]  # fmt: skip
+    except SlurmError as e:
+        raise SlurmRejected(f"sbatch refused the job: {str(e).split('failed: ', 1)[-1]}") from e
+    logger.info("submitted SLURM job %s: %d node(s), script %s, output %s", job_id, nodes,
+                script, log_path)  # fmt: skip
+    tail: collections.deque[str] = collections.deque(maxlen=40)
+    reader = _Tail(log_path, logger, tail)
+    reader.offset = offset
+    beat = _Heartbeat(heartbeat, hang_timeout_s, on_progress)
+    state, why, fields = "PENDING", None, {}
+    started = time.time()
+    try:
+        while True:
+            fields = _job(job_id)
+            state = fields.get("JobState", "UNKNOWN")
+            reader.read()
+            if state in FINISHED:
+                break
+            if state == "PENDING" and fields.get("Reason") in NEVER_RUNS:
+                why = f"can never start ({fields['Reason']})"
+                break
+            if state == "RUNNING" and (why := beat.check(_start_time(fields, started))):
+                break
+            if timeout_s and time.time() - started > timeout_s:
+                why = f"still {state} after {timeout_s:g}s"
+                break
+            time.sleep(slurm.poll_s)
+    finally:
+        if state not in FINISHED:
+            if why:
+                logger.error("SLURM job %s %s: cancelling it", job_id, why)
+            _cancel(job_id, logger)
+        reader.read(final=True)
+    if why and why.startswith("can never start"):
+        raise SlurmRejected(f"SLURM job {job_id} {why}: the cluster has no room for {nodes} "
+                            "node(s) with these launch.slurm settings")  # fmt: skip
+    if why or state != "COMPLETED" or fields.get("ExitCode", "0:0") != "0:0":
+        reason = fields.get("Reason", "None")
+        what = why or (f"ended {state} (exit code {fields.get('ExitCode', '?')}"
+                       + (f", {reason}" if reason not in ("None", "") else "") + ")")  # fmt: skip
+        raise SlurmError(f"SLURM job {job_id} {what}\n" + "\n".join(tail))
+    return job_id
+
+
+class _Heartbeat:
+    """The stage's heartbeat file, read while the job runs: progress, and the hang watchdog
+    (no beat for `hang_timeout_s`, counted from the job's start until the first beat)."""
+
+    def __init__(self, path: Path | None, hang_timeout_s: float | None,
+                 on_progress: Callable[[int], None] | None):  # fmt: skip
+        self.path, self.hang_timeout_s, self.on_progress = path, hang_timeout_s, on_progress
+        self.last_step = None
+
+    def check(self, job_started: float) -> str | None:
+        """Why the job counts as hung, or None."""
+        if self.path is None:
+            return None
+        if self.on_progress is not None and self.path.exists():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                step = json.loads(self.path.read_text())["step"]
+                if step != self.last_step:
+                    self.last_step = step
+                    self.on_progress(step)
+        if self.hang_timeout_s:
+            beat = self.path.stat().st_mtime if self.path.exists() else 0
+            if time.time() - max(beat, job_started) > self.hang_timeout_s:
+                return f"hung (no heartbeat for {self.hang_timeout_s:g}s)"
+        return None
+
+
+def _start_time(fields: dict[str, str], fallback: float) -> float:
+    """When the job started running (its StartTime), for the hang watchdog's first wait."""
+    with contextlib.suppress(KeyError, ValueError):
+        return time.mktime(time.strptime(fields["StartTime"], "%Y-%m-%dT%H:%M:%S"))
+    return fallback

@@ -1,0 +1,154 @@
+"""Stages on a real two-node SLURM cluster (the `slurm` fixture: munged, slurmctld and two
+slurmd on loopback), with real `sbatch`/`srun` and `accelerate launch` ranks over gloo."""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration  # a SLURM cluster, accelerate launches
+
+REPO = Path(__file__).resolve().parents[2]
+SINGLE = str(REPO / "configs" / "accelerate" / "single.yaml")
+DDP = str(REPO / "configs" / "accelerate" / "cpu-ddp-2.yaml")
+
+
+@pytest.fixture
+def on_cluster(slurm, monkeypatch):
+    """This process's SLURM commands reach the test cluster; gloo stays on loopback."""
+    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    return slurm
+
+
+def _stage_run(tiny_shards, out, nodes=1, steps=6):
+    from flows.config import load_config
+    from models.config import StageRun
+
+    cfg_path, root, version = tiny_shards
+    train = load_config(cfg_path).train
+    stage = train.stages[0].model_copy(
+        update={"max_steps": steps, "batch_size": 4, "num_machines": nodes}
+    )
+    train = train.model_copy(
+        update={"stages": [stage], "checkpoint_every": 2, "log_every": 1, "log_sample_keys": True}
+    )
+    return StageRun(train=train, stage_index=0, shards=str(root / "shards" / version / "32"),
+                    output_dir=str(out))  # fmt: skip
+
+
+def _slurm_launch(**slurm):
+    from models.config import LaunchConfig, SlurmConfig
+
+    return LaunchConfig(accelerate_config=SINGLE, backend="slurm", gpu_limit=None,
+                        slurm=SlurmConfig(poll_s=0.5, **slurm))  # fmt: skip
+
+
+def _per_step(path, field):
+    out = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "step" in rec and field in rec:
+            out[rec["step"]] = rec[field]
+    return out
+
+
+def test_each_node_of_a_slurm_step_gets_its_rank_and_the_first_nodes_address(on_cluster):
+    probe = ("import json, os; from models.node_launch import from_slurm; "
+             "r = from_slurm(dict(os.environ), 29500, 1); "
+             "print(json.dumps([r.num_machines, r.machine_rank, r.main_process_ip]))")  # fmt: skip
+    out = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-c", probe],
+                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    roles = sorted(json.loads(line) for line in out.stdout.splitlines())
+    assert roles == [[2, 0, "127.0.0.1"], [2, 1, "127.0.0.1"]], "NodeAddr, not the node name"
+
+
+def test_a_stage_on_two_nodes_trains_like_one_node_with_two_processes(tmp_path, tiny_shards,
+                                                                      on_cluster):  # fmt: skip
+    """2 nodes x 1 process through SLURM and 1 node x 2 processes locally: the same samples on
+    each rank, the same losses, the same weights; and the pre-flight all-reduce spans both
+    nodes."""
+    from models.config import LaunchConfig
+    from tasks.launch import launch_stage
+    from tasks.preflight import check_collective
+
+    two_nodes, one_node = tmp_path / "two-nodes", tmp_path / "one-node"
+    health = check_collective(SINGLE, None, tmp_path / "health", 120,
+                              slurm=_slurm_launch().slurm, nodes=2)  # fmt: skip
+    assert health["world_size"] == 2
+    manifest = launch_stage.fn(_stage_run(tiny_shards, two_nodes, nodes=2), _slurm_launch())
+    assert manifest["final_step"] == 6 and manifest["num_processes"] == 2
+    log = (two_nodes / "slurm-stage-32px.log").read_text()
+    assert "node 0 of 2" in log and "node 1 of 2" in log, log[-2000:]
+    assert (two_nodes / "final" / "unet" / "config.json").is_file(), "exported once, by rank 0"
+    launch_stage.fn(_stage_run(tiny_shards, one_node),
+                    LaunchConfig(accelerate_config=DDP, gpu_limit=None))  # fmt: skip
+    assert _per_step(two_nodes / "metrics.jsonl", "loss") == _per_step(
+        one_node / "metrics.jsonl", "loss"
+    )
+    for rank in (0, 1):
+        name = f"samples-rank{rank}.jsonl"
+        assert _per_step(two_nodes / name, "keys") == _per_step(one_node / name, "keys")
+
+
+def test_the_cluster_refusing_a_job_is_one_clear_error_before_any_work(on_cluster, tmp_path):
+    from models.config import SlurmConfig
+    from tasks.launch import _retry_unless_diverged
+    from tasks.slurm import SlurmRejected, check_slurm, run_slurm_job
+
+    with pytest.raises(SlurmRejected, match="(?i)invalid partition.*") as bad:
+        check_slurm(SlurmConfig(partition="gpu-a100"), 1)
+    assert str(bad.value).startswith("launch.slurm: the cluster refuses a 1-node job (")
+    with pytest.raises(SlurmRejected, match="refuses a 3-node job") as big:
+        check_slurm(SlurmConfig(), 3)
+    assert "node" in str(big.value).split("(", 1)[1].lower()
+    check_slurm(SlurmConfig(), 2)  # what the cluster has passes
+    # Submitted anyway, the job is refused by sbatch or, on a cluster that accepts it and
+    # leaves it pending for ever (no EnforcePartLimits, like this one), cancelled at once.
+    with pytest.raises(SlurmRejected, match="sbatch refused the job|can never start") as e:
+        run_slurm_job(["-m", "x"], nodes=3, processes_per_machine=1, slurm=SlurmConfig(),
+                      workdir=tmp_path, name="big", logger=logging.getLogger())  # fmt: skip
+    state = type("S", (), {"data": e.value})()
+    assert not _retry_unless_diverged(None, None, state), "a refused job is not resubmitted"
+    assert on_cluster.jobs() == []
+
+
+def test_sigterm_while_a_stage_runs_cancels_its_job(tmp_path, tiny_shards, on_cluster):
+    """The `kiln` process stopped with SIGTERM (a Prefect worker cancelling the flow run,
+    systemd, Docker): the job is scancel'ed and no rank keeps running on any node."""
+    run = _stage_run(tiny_shards, tmp_path / "stage", nodes=2, steps=100_000)
+    stage_yaml, launch_yaml = tmp_path / "run.yaml", tmp_path / "launch.yaml"
+    stage_yaml.write_text(yaml.safe_dump(run.model_dump(mode="json")))
+    launch_yaml.write_text(yaml.safe_dump(_slurm_launch().model_dump(mode="json")))
+    # What every `kiln` command does first (flows/cli_options.KilnGroup), then the stage task.
+    script = ("import sys, yaml\n"
+              "from flows.cli_options import _exit_cleanly_on_sigterm\n"
+              "from models.config import LaunchConfig, StageRun\n"
+              "from tasks.launch import launch_stage\n"
+              "_exit_cleanly_on_sigterm()\n"
+              "load = lambda p: yaml.safe_load(open(p))\n"
+              "run, launch = StageRun(**load(sys.argv[1])), LaunchConfig(**load(sys.argv[2]))\n"
+              "launch_stage.fn(run, launch)\n")  # fmt: skip
+    argv = [sys.executable, "-c", script, str(stage_yaml), str(launch_yaml)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    heartbeat = tmp_path / "stage" / "heartbeat"
+    deadline = time.monotonic() + 180
+    while not heartbeat.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    assert heartbeat.exists(), proc.communicate(timeout=30)[0][-3000:]
+    assert len(on_cluster.jobs()) == 1, "the stage's job is running"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert "cancelled SLURM job" in out, out[-3000:]
+    assert on_cluster.jobs() == [], "no job left in the queue"
+    ranks = subprocess.run(["pgrep", "-f", str(stage_yaml.parent / "stage")], capture_output=True,
+                           text=True).stdout.split()  # fmt: skip
+    assert [p for p in ranks if int(p) != os.getpid()] == [], "no rank left on any node"
