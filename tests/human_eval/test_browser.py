@@ -1,6 +1,6 @@
 """A real browser (Playwright driving Debian's Chromium) on a real `kiln rate serve` process.
 
-Playwright's own browser download is not used (no network): `make chromium` installs
+Playwright's own browser download is not used (no network): `make system-packages` installs
 Debian's package, and the test points `executable_path` at it. Screenshots are kept under
 the test's tmp dir (pytest keeps the last three runs).
 """
@@ -75,7 +75,7 @@ def _check_page(page, dialogs):
 
 def test_rate_with_keyboard_and_clicks_in_chromium(served, tmp_path):
     if not Path(CHROMIUM).is_file():
-        pytest.fail(f"{CHROMIUM} is missing: run `make chromium` (apt-get install chromium)")
+        pytest.fail(f"{CHROMIUM} is missing: run `make system-packages` (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
     shots = tmp_path / "screenshots"
