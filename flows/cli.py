@@ -179,25 +179,18 @@ def plan(
     The plan is saved to <root>/runs/plan.json; the train flow's summary compares it with the
     actual run.
     """
-    from tasks.plan import (
-        format_plan,
-        local_processes,
-        make_plan,
-        save_plan,
-        topology_processes,
-    )
+    from tasks.launch import processes_per_machine, stage_processes
+    from tasks.plan import format_plan, make_plan, save_plan
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
     cfg = load_checked(config_path, root, ("train",))
     try:
-        procs = topology_processes(cfg.launch.accelerate_config, cfg.launch.num_processes)
         result = make_plan(
-            cfg.train, procs, cfg.launch.gpu_hour_usd,
+            cfg.train, stage_processes(cfg.launch, cfg.train), cfg.launch.gpu_hour_usd,
             img_per_s=img_per_s, measure_steps=measure_steps,
             val_samples=_val_samples(cfg),
-            processes_per_machine=local_processes(
-                cfg.launch.accelerate_config, cfg.launch.num_processes),
+            processes_per_machine=processes_per_machine(cfg.launch),
         )  # fmt: skip
     except OSError as e:  # an unreadable topology or shards.json
         raise KilnError(str(e)) from e

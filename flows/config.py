@@ -160,7 +160,7 @@ class PipelineConfig(Strict):
             if s.num_machines > 1 and self.launch.backend == "local":
                 raise ValueError(
                     f"train.stages.{i}.num_machines: {s.num_machines} nodes need a cluster "
-                    f"backend; set launch.backend: slurm (received launch.backend local)"
+                    f"backend; set launch.backend: slurm or kubernetes (received local)"
                 )
         return self
 
@@ -243,6 +243,13 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
         try:  # the cluster's own answer: a bad partition or an impossible node count
             check_slurm(cfg.launch.slurm, max(s.num_machines for s in cfg.train.stages))
         except SlurmError as e:
+            raise ConfigError(str(e)) from e
+    if "train" in steps and cfg.launch.backend == "kubernetes":
+        from tasks.kubernetes import KubernetesRejected, check_kubernetes
+
+        try:  # a client configuration, and the runtime the TrainJobs refer to
+            check_kubernetes(cfg.launch.kubernetes)
+        except KubernetesRejected as e:
             raise ConfigError(str(e)) from e
     if "prompts" in need:
         # The prompts are readable now, not after training: a configured file, the copy

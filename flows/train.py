@@ -257,17 +257,13 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
     if cfg.launch.health_check and pending:
         record["health"] = preflight(
             cfg.train,
-            cfg.launch.accelerate_config,
-            cfg.launch.num_processes,
+            cfg.launch,
             str(layout.run(run_id)),
             [
                 str(layout.shards(v, s.resolution))
                 for s in pending
                 for v in [version, *(m.dataset_version for m in cfg.train.mix)]
             ],
-            cfg.launch.health_timeout_s,
-            cfg.launch.gpu_limit,
-            slurm=cfg.launch.slurm if cfg.launch.backend == "slurm" else None,
             nodes=max(s.num_machines for s in pending),
         )
     if cfg.shards.remote:  # idempotent: makes sure every version trained on is published

@@ -42,6 +42,7 @@ __all__ = [
     "GpuLimitConfig",
     "IngestConfig",
     "LaunchConfig",
+    "KubernetesConfig",
     "ModelConfig",
     "SecretUri",
     "ShardsConfig",
@@ -660,6 +661,50 @@ class SlurmConfig(Strict):
     poll_s: float = Field(2.0, gt=0, description="How often the job's state and log are read.")
 
 
+class KubernetesConfig(Strict):
+    """Where and how a stage's Kubeflow Trainer `TrainJob` runs when `launch.backend` is
+    `kubernetes`. The cluster is the one the Kubernetes client finds the standard way (the
+    in-cluster service account, else `KUBECONFIG` or ~/.kube/config)."""
+
+    image: str | None = Field(
+        None, description="Container image with Kiln installed at its working directory "
+        "(required for the kubernetes backend).",
+    )  # fmt: skip
+    namespace: str = "default"
+    runtime: str = Field(
+        "torch-distributed", description="The ClusterTrainingRuntime the TrainJob refers to."
+    )
+    context: str | None = Field(None, description="kubeconfig context; None: the current one.")
+    gpus_per_node: int | None = Field(
+        None, ge=1, description="nvidia.com/gpu per node; also each node's process count."
+    )
+    resources_per_node: dict[str, str] = Field(
+        default_factory=dict, description="More limits per node, e.g. {cpu: '32', memory: 400Gi}."
+    )
+    storage_claim: str | None = Field(
+        None, description="PersistentVolumeClaim holding the storage root, mounted on every "
+        "node at mount_path; None: the runtime mounts the shared filesystem itself.",
+    )  # fmt: skip
+    mount_path: str | None = Field(
+        None, description="Where storage_claim is mounted: the storage root's absolute path, "
+        "the same as on the machine that runs the flow.",
+    )  # fmt: skip
+    env: dict[str, str] = Field(
+        default_factory=dict, description="Environment of every node, e.g. NCCL_SOCKET_IFNAME."
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    poll_s: float = Field(5.0, gt=0, description="How often the job's status and log are read.")
+
+    @model_validator(mode="after")
+    def _claim_has_a_path(self) -> KubernetesConfig:
+        if self.storage_claim and not (self.mount_path and self.mount_path.startswith("/")):
+            raise ValueError(
+                f"launch.kubernetes.mount_path: storage_claim {self.storage_claim!r} needs the "
+                f"absolute path to mount it at (received {self.mount_path!r})"
+            )
+        return self
+
+
 class LaunchConfig(Strict):
     accelerate_config: str = Field(
         "configs/accelerate/single.yaml", description="Accelerate topology YAML."
@@ -683,11 +728,22 @@ class LaunchConfig(Strict):
         description="Global concurrency limit taken around every local launch; null: none. "
         "With slurm the cluster's scheduler owns the GPUs.",
     )
-    backend: Literal["local", "slurm"] = Field(
-        "local", description="local: `accelerate launch` on this machine; slurm: one job per "
-        "stage on `num_machines` nodes (the storage root on a shared filesystem).",
+    backend: Literal["local", "slurm", "kubernetes"] = Field(
+        "local", description="local: `accelerate launch` on this machine; slurm: one SLURM "
+        "job per stage on its `num_machines` nodes; kubernetes: one Kubeflow Trainer TrainJob "
+        "per stage. A cluster backend needs the storage root on a shared filesystem.",
     )  # fmt: skip
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+
+    @model_validator(mode="after")
+    def _kubernetes_has_an_image(self) -> LaunchConfig:
+        if self.backend == "kubernetes" and not self.kubernetes.image:
+            raise ValueError(
+                "launch.kubernetes.image: the kubernetes backend runs each node in a container "
+                "image with Kiln installed; name it (received None)"
+            )
+        return self
 
 
 def format_validation_error(err: ValidationError, source: str) -> str:

@@ -28,22 +28,32 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.context import TaskRunContext
 
-from models.config import DIVERGED, EvaluateConfig, GpuLimitConfig, LaunchConfig, StageRun
+from models.config import (
+    DIVERGED,
+    EvaluateConfig,
+    GpuLimitConfig,
+    LaunchConfig,
+    StageRun,
+    TrainConfig,
+)
 from models.cpu_threads import cpu_threads_per_process
 from tasks.gpu_limit import gpu_slot
 from tasks.layout import is_published
 from tasks.logs import task_logger
-from tasks.plan import local_processes
+from tasks.plan import local_processes, topology_processes
 
 __all__ = [
+    "HeartbeatWatch",
     "LaunchError",
     "StageDiverged",
     "accelerate_command",
     "cuda_available",
     "launch_generate",
+    "launch_module",
     "launch_precompute",
     "launch_stage",
     "processes_per_machine",
+    "stage_processes",
     "run_launch",
 ]
 
@@ -66,9 +76,11 @@ def _raise_if_diverged(out: Path) -> None:
 def _retry_unless_diverged(task, task_run, state) -> bool:
     """Prefect's retry condition: retry a crash, a hang or a lost node, never a diverged stage
     or a job the cluster refuses (both would fail the same way again)."""
+    from tasks.kubernetes import KubernetesRejected
     from tasks.slurm import SlurmRejected
 
-    return not isinstance(getattr(state, "data", None), (StageDiverged, SlurmRejected))
+    refused = (StageDiverged, SlurmRejected, KubernetesRejected)
+    return not isinstance(getattr(state, "data", None), refused)
 
 
 def accelerate_command(
@@ -93,11 +105,19 @@ def accelerate_command(
 
 
 def processes_per_machine(launch: LaunchConfig) -> int:
-    """Training processes on each node: `launch.slurm.gpus_per_node` on a SLURM cluster when
-    set, else `launch.num_processes` or the topology's count."""
-    if launch.backend == "slurm" and launch.slurm.gpus_per_node:
-        return launch.slurm.gpus_per_node
-    return local_processes(launch.accelerate_config, launch.num_processes)
+    """Training processes on each node: on a cluster backend its `gpus_per_node` when set,
+    else `launch.num_processes` or the topology's count."""
+    per_node = {"slurm": launch.slurm.gpus_per_node,
+                "kubernetes": launch.kubernetes.gpus_per_node}.get(launch.backend)  # fmt: skip
+    return per_node or local_processes(launch.accelerate_config, launch.num_processes)
+
+
+def stage_processes(launch: LaunchConfig, train: TrainConfig) -> list[int]:
+    """Each stage's world size: its `num_machines` times the processes on each node."""
+    if launch.backend == "local":  # one machine: the topology's count (validated: 1 node)
+        return [topology_processes(launch.accelerate_config, launch.num_processes)
+                ] * len(train.stages)  # fmt: skip
+    return [s.num_machines * processes_per_machine(launch) for s in train.stages]
 
 
 def cuda_available() -> bool:
@@ -165,39 +185,82 @@ def _run(cmd, logger, tail, env, heartbeat, hang_timeout_s, on_progress, timeout
 
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
-    hung = timed_out = False
+    watch = HeartbeatWatch(heartbeat, hang_timeout_s, on_progress)
+    hung = timed_out = None
     try:
-        started, last_step = time.time(), None
+        started = time.time()
         while proc.poll() is None:
             reader.join(timeout=1.0)
             if timeout_s and time.time() - started > timeout_s:
-                timed_out = True
+                timed_out = f"timed out after {timeout_s}s"
                 logger.error("launch still running after %.0fs: killing it", timeout_s)
                 break
-            if on_progress is not None and heartbeat is not None and heartbeat.exists():
-                with contextlib.suppress(OSError, ValueError):
-                    step = json.loads(heartbeat.read_text())["step"]
-                    if step != last_step:
-                        last_step = step
-                        on_progress(step)
-            if heartbeat is not None and hang_timeout_s:
-                last = heartbeat.stat().st_mtime if heartbeat.exists() else started
-                if time.time() - max(last, started) > hang_timeout_s:
-                    hung = True
-                    logger.error("no heartbeat for %.0fs: killing the launch", hang_timeout_s)
-                    break
+            if hung := watch.check(started):
+                logger.error("%s: killing the launch", hung)
+                break
     finally:
         _kill_group(proc)
         reader.join(timeout=5)
     if hung or timed_out or proc.returncode != 0:
-        why = (
-            f"hung (no heartbeat for {hang_timeout_s}s)"
-            if hung
-            else f"timed out after {timeout_s}s"
-            if timed_out
-            else f"exit code {proc.returncode}"
-        )
+        why = hung or timed_out or f"exit code {proc.returncode}"
         raise LaunchError(f"accelerate launch failed: {why}\n" + "\n".join(tail))
+
+
+class HeartbeatWatch:
+    """A stage's heartbeat file, read while its launch runs (here, or as a cluster job whose
+    run folder this machine sees): progress for the UI, and the hang watchdog."""
+
+    def __init__(self, path: Path | None, hang_timeout_s: float | None,
+                 on_progress: Callable[[int], None] | None = None):  # fmt: skip
+        self.path, self.hang_timeout_s, self.on_progress = path, hang_timeout_s, on_progress
+        self.last_step = None
+
+    def check(self, started: float) -> str | None:
+        """Report a new step; return why the launch counts as hung (no beat for
+        `hang_timeout_s`, counted from `started` until the first beat), or None."""
+        if self.path is None:
+            return None
+        if self.on_progress is not None and self.path.exists():
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                step = json.loads(self.path.read_text())["step"]
+                if step != self.last_step:
+                    self.last_step = step
+                    self.on_progress(step)
+        if self.hang_timeout_s:
+            beat = self.path.stat().st_mtime if self.path.exists() else started
+            if time.time() - max(beat, started) > self.hang_timeout_s:
+                return f"hung (no heartbeat for {self.hang_timeout_s:g}s)"
+        return None
+
+
+def launch_module(launch: LaunchConfig, module: str, args: list[str], *, nodes: int = 1,
+                  workdir: Path, name: str, **watch) -> None:  # fmt: skip
+    """`accelerate launch -m module args` through `launch.backend`: on this machine (holding a
+    `launch.gpu_limit` slot), as a SLURM job or as a Kubeflow Trainer TrainJob on `nodes`
+    nodes. `watch` is the heartbeat, hang timeout, progress callback, timeout and extra
+    environment, which every backend honours.
+
+    Raises:
+        LaunchError: the launch failed, hung or timed out (the cluster backends' own errors
+            are subclasses; a job the cluster refuses is a `SlurmRejected` or
+            `KubernetesRejected`).
+    """
+    if launch.backend == "local":
+        cmd = accelerate_command(launch.accelerate_config, module, args, launch.num_processes)
+        run_launch(cmd, gpu_limit=launch.gpu_limit, **watch)
+        return
+    rest = ["--config_file", launch.accelerate_config, "-m", module, *args]
+    per_node, logger = processes_per_machine(launch), task_logger(__name__)
+    if launch.backend == "slurm":
+        from tasks.slurm import run_slurm_job
+
+        run_slurm_job(rest, nodes=nodes, processes_per_machine=per_node, slurm=launch.slurm,
+                      workdir=workdir, name=name, logger=logger, **watch)  # fmt: skip
+    else:
+        from tasks.kubernetes import run_train_job
+
+        run_train_job(rest, nodes=nodes, processes_per_machine=per_node,
+                      kube=launch.kubernetes, name=name, logger=logger, **watch)  # fmt: skip
 
 
 @task(name="launch-stage", cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_diverged)
@@ -218,10 +281,6 @@ def launch_stage(stage: StageRun, launch: LaunchConfig) -> dict:
     _raise_if_diverged(out)
     stage_yaml = out / "stage.yaml"
     stage_yaml.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
-    cmd = accelerate_command(
-        launch.accelerate_config, "models.train", ["--config", str(stage_yaml)],
-        launch.num_processes,
-    )  # fmt: skip
     total = stage.stage.max_steps
     progress_id = None
     if TaskRunContext.get() is not None:  # called as a task, not through .fn()
@@ -234,25 +293,15 @@ def launch_stage(stage: StageRun, launch: LaunchConfig) -> dict:
     def report(step: int) -> None:
         update_progress_artifact(progress_id, progress=100.0 * min(step, total) / total)
 
-    watch = {
-        "heartbeat": out / "heartbeat",
-        "hang_timeout_s": launch.hang_timeout_s,
-        "on_progress": report if progress_id else None,
-        # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
-        "env": {"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
-    }
     try:
-        if launch.backend == "slurm":
-            from tasks.slurm import run_slurm_job
-
-            rest = ["--config_file", launch.accelerate_config, "-m", "models.train",
-                    "--config", str(stage_yaml)]  # fmt: skip
-            run_slurm_job(rest, nodes=stage.stage.num_machines, slurm=launch.slurm,
-                          processes_per_machine=processes_per_machine(launch), workdir=out,
-                          name=f"stage-{stage.stage.resolution}px", logger=task_logger(__name__),
-                          **watch)  # fmt: skip
-        else:
-            run_launch(cmd, gpu_limit=launch.gpu_limit, **watch)
+        launch_module(
+            launch, "models.train", ["--config", str(stage_yaml)],
+            nodes=stage.stage.num_machines, workdir=out, name=f"stage-{stage.stage.resolution}px",
+            heartbeat=out / "heartbeat", hang_timeout_s=launch.hang_timeout_s,
+            on_progress=report if progress_id else None,
+            # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
+            env={"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
+        )  # fmt: skip
     except LaunchError:
         _raise_if_diverged(out)
         raise

@@ -31,6 +31,7 @@ class StagePlan:
     gpu_hours: float
     cost_usd: float
     rate_source: str
+    processes: int = 1  # the stage's world: its nodes times the processes on each
     eval_hours: float = 0.0  # the validation passes' share of wall_hours
     val_forward_s: float | None = None  # measured cost of one validation forward (one sample)
 
@@ -58,7 +59,7 @@ def local_processes(accelerate_config: str, num_processes: int | None = None) ->
 
 def make_plan(
     train: TrainConfig,
-    num_processes: int,
+    num_processes: int | list[int],
     gpu_hour_usd: float,
     *,
     img_per_s: float | None = None,
@@ -67,6 +68,9 @@ def make_plan(
     processes_per_machine: int | None = None,
 ) -> dict:
     """Per-stage plan and totals; exactly one of `img_per_s` and `measure_steps`.
+
+    `num_processes` is every stage's world size, or one per stage (a stage on more nodes
+    trains on more processes: its steps take less wall time and its samples the same cost).
 
     `val_samples` (each stage's validation split size, from shards.json) adds the held-out
     evaluations' time: at the start, every `train.eval_every` steps and at the end, each
@@ -84,6 +88,8 @@ def make_plan(
         raise ValueError("give exactly one of --img-per-s and --measure-steps")
     if img_per_s is not None and img_per_s <= 0:
         raise ValueError(f"--img-per-s must be positive, got {img_per_s}")
+    if isinstance(num_processes, int):
+        num_processes = [num_processes] * len(train.stages)
     rates: list[tuple[float, str]] = []
     val_forward_s: list[float | None] = [None] * len(train.stages)
     if measure_steps is not None:
@@ -94,12 +100,12 @@ def make_plan(
             # evaluation deals batches round-robin, so the busiest rank can hold a batch more).
             share = None
             if val_samples and val_samples[i]:
-                share = -(-min(val_samples[i], train.val_max_samples) // num_processes)
+                share = -(-min(val_samples[i], train.val_max_samples) // num_processes[i])
             m = measure_stage(
                 train,
                 i,
                 steps=measure_steps,
-                local_processes=processes_per_machine or num_processes,
+                local_processes=processes_per_machine or num_processes[i],
                 val_samples=share,
             )
             on = m["device"] + (f" ({m['cpu_threads']} threads)" if m["cpu_threads"] else "")
@@ -120,13 +126,14 @@ def make_plan(
         ]
     stages = []
     for i, (s, (rate, source)) in enumerate(zip(train.stages, rates, strict=True)):
-        samples = s.max_steps * s.batch_size * s.gradient_accumulation_steps * num_processes
-        global_rate = rate * num_processes
+        procs = num_processes[i]
+        samples = s.max_steps * s.batch_size * s.gradient_accumulation_steps * procs
+        global_rate = rate * procs
         n_val = min(val_samples[i], train.val_max_samples) if val_samples else 0
         evals = 2 + (s.max_steps - 1) // train.eval_every if train.eval_every else 2
         forwards = evals * 4 * train.val_timesteps * n_val
         if val_forward_s[i] is not None:  # measured; each process evaluates its share
-            eval_h = forwards * val_forward_s[i] / num_processes / 3600
+            eval_h = forwards * val_forward_s[i] / procs / 3600
         else:  # a third of a training sample (a forward and a backward, about three forwards)
             eval_h = forwards / 3 / global_rate / 3600
         wall_h = samples / global_rate / 3600 + eval_h
@@ -134,8 +141,8 @@ def make_plan(
             StagePlan(
                 resolution=s.resolution, steps=s.max_steps, samples=samples,
                 img_per_s_per_device=round(rate, 3), img_per_s=round(global_rate, 3),
-                wall_hours=wall_h, gpu_hours=wall_h * num_processes,
-                cost_usd=wall_h * num_processes * gpu_hour_usd, rate_source=source,
+                wall_hours=wall_h, gpu_hours=wall_h * procs,
+                cost_usd=wall_h * procs * gpu_hour_usd, rate_source=source, processes=procs,
                 eval_hours=eval_h, val_forward_s=val_forward_s[i],
             )
         )  # fmt: skip
@@ -144,7 +151,6 @@ def make_plan(
         for k in ("steps", "samples", "wall_hours", "gpu_hours", "cost_usd")
     }
     return {
-        "num_processes": num_processes,
         "gpu_hour_usd": gpu_hour_usd,
         "stages": [asdict(p) for p in stages],
         "total": total,
@@ -159,24 +165,24 @@ def _hms(hours: float) -> str:
 def format_plan(plan: dict) -> str:
     """The plan as a fixed-width table."""
     head = (
-        f"{'stage':>6} {'steps':>9} {'samples':>13} {'img/s/dev':>10} {'img/s':>10} "
+        f"{'stage':>6} {'procs':>6} {'steps':>9} {'samples':>13} {'img/s/dev':>10} {'img/s':>10} "
         f"{'wall':>12} {'GPU-h':>10} {'cost $':>11}"
     )
     rows = [head, "-" * len(head)]
     for p in plan["stages"]:
         rows.append(
-            f"{p['resolution']:>5}px {p['steps']:>9,} {p['samples']:>13,} "
+            f"{p['resolution']:>5}px {p['processes']:>6} {p['steps']:>9,} {p['samples']:>13,} "
             f"{p['img_per_s_per_device']:>10.2f} {p['img_per_s']:>10.2f} "
             f"{_hms(p['wall_hours']):>12} {p['gpu_hours']:>10,.3f} {p['cost_usd']:>11,.2f}"
         )
     t = plan["total"]
     rows.append("-" * len(head))
     rows.append(
-        f"{'total':>6} {t['steps']:>9,} {t['samples']:>13,} {'':>10} {'':>10} "
+        f"{'total':>6} {'':>6} {t['steps']:>9,} {t['samples']:>13,} {'':>10} {'':>10} "
         f"{_hms(t['wall_hours']):>12} {t['gpu_hours']:>10,.3f} {t['cost_usd']:>11,.2f}"
     )
     rows.append(
-        f"{plan['num_processes']} processes at ${plan['gpu_hour_usd']:g} per device-hour; "
+        f"one device per process at ${plan['gpu_hour_usd']:g} per device-hour; "
         f"rates: {plan['stages'][0]['rate_source']}"
     )
     return "\n".join(rows)

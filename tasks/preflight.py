@@ -21,14 +21,8 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from models.config import GpuLimitConfig, LaunchConfig, SlurmConfig, TrainConfig
-from tasks.launch import (
-    LaunchError,
-    accelerate_command,
-    cuda_available,
-    processes_per_machine,
-    run_launch,
-)
+from models.config import LaunchConfig, TrainConfig
+from tasks.launch import LaunchError, cuda_available, launch_module
 from tasks.logs import task_logger
 from tasks.plan import topology_processes
 
@@ -114,41 +108,21 @@ def check_disk(run_dir: Path, train: TrainConfig) -> None:
         )
 
 
-def check_collective(
-    accelerate_config: str,
-    num_processes: int | None,
-    out: Path,
-    timeout_s: float,
-    gpu_limit: GpuLimitConfig | None = None,
-    *,
-    slurm: SlurmConfig | None = None,
-    nodes: int = 1,
-) -> dict:
-    """All-reduce across every process of the topology; returns models.collective_check's report.
+def check_collective(launch: LaunchConfig, out: Path, timeout_s: float, nodes: int = 1) -> dict:
+    """All-reduce across every process of the launch; returns models.collective_check's report.
 
-    With `slurm`, the check is one SLURM job on `nodes` nodes (the largest stage's), so every
-    rank of such an allocation takes part, as the stage's will.
+    On a cluster backend the check is one job on `nodes` nodes (the largest pending stage's),
+    so every rank of such an allocation takes part, as the stage's will.
     """
     try:
-        if slurm is not None:
-            from tasks.slurm import run_slurm_job
-
-            launch = LaunchConfig(accelerate_config=accelerate_config, backend="slurm",
-                                  num_processes=num_processes, slurm=slurm)  # fmt: skip
-            rest = ["--config_file", accelerate_config, "-m", "models.collective_check",
-                    "--out", str(out)]  # fmt: skip
-            run_slurm_job(rest, nodes=nodes, processes_per_machine=processes_per_machine(launch),
-                          slurm=slurm, workdir=out, name="health", timeout_s=timeout_s,
-                          logger=task_logger(__name__))  # fmt: skip
-        else:
-            cmd = accelerate_command(accelerate_config, "models.collective_check",
-                                     ["--out", str(out)], num_processes)  # fmt: skip
-            run_launch(cmd, timeout_s=timeout_s, gpu_limit=gpu_limit)
+        launch_module(launch, "models.collective_check", ["--out", str(out)], nodes=nodes,
+                      workdir=out, name="health", timeout_s=timeout_s)  # fmt: skip
     except LaunchError as e:
         raise HealthCheckError(
             f"collective: the all-reduce across the processes of "
-            f"{Path(accelerate_config).name} did not complete ({e}). Check that every node is "
-            "up and can reach main_process_ip:main_process_port, and the NCCL/gloo setup."
+            f"{Path(launch.accelerate_config).name} did not complete ({e}). Check that every "
+            "node is up and can reach main_process_ip:main_process_port, and the NCCL/gloo "
+            "setup."
         ) from e
     return json.loads((out / "health.json").read_text())
 
@@ -156,30 +130,25 @@ def check_collective(
 @task(name="preflight-health-check", cache_policy=NO_CACHE)
 def preflight(
     train: TrainConfig,
-    accelerate_config: str,
-    num_processes: int | None,
+    launch: LaunchConfig,
     run_dir: str,
     shard_dirs: list[str],
-    timeout_s: float = 300,
-    gpu_limit: GpuLimitConfig | None = None,
-    *,
-    slurm: SlurmConfig | None = None,
     nodes: int = 1,
 ) -> dict:
-    """Run every check; raise HealthCheckError naming the first that fails. With `slurm`, the
-    all-reduce runs as a SLURM job across `nodes` nodes."""
+    """Run every check; raise HealthCheckError naming the first that fails. On a cluster
+    backend the all-reduce runs as a job across `nodes` nodes."""
     log = task_logger(__name__)
     run = Path(run_dir)
-    if slurm is None:  # on a cluster the GPUs are on the nodes, not on this machine
-        check_gpus(accelerate_config, num_processes)
+    local = launch.backend == "local"
+    if local:  # on a cluster the GPUs are on the nodes, not on this machine
+        check_gpus(launch.accelerate_config, launch.num_processes)
     check_storage(run, shard_dirs)
     check_disk(run, train)
-    if (slurm is None and topology_processes(accelerate_config, num_processes) == 1
+    if (local and topology_processes(launch.accelerate_config, launch.num_processes) == 1
             and not cuda_available()):  # fmt: skip
         # One CPU process: no collective to form and no device to probe.
         report = {"world_size": 1, "collective": "skipped: one CPU process, nothing to all-reduce"}
     else:
-        report = check_collective(accelerate_config, num_processes, run / "health", timeout_s,
-                                  gpu_limit, slurm=slurm, nodes=nodes)  # fmt: skip
+        report = check_collective(launch, run / "health", launch.health_timeout_s, nodes)
     log.info("pre-flight health check passed: %s", report)
     return report

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import logging
 import os
 import shlex
@@ -28,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from models.config import SlurmConfig
-from tasks.launch import LaunchError
+from tasks.launch import HeartbeatWatch, LaunchError
 
 __all__ = ["SlurmError", "SlurmRejected", "check_slurm", "job_script", "run_slurm_job"]
 
@@ -207,7 +206,7 @@ def run_slurm_job(
     tail: collections.deque[str] = collections.deque(maxlen=40)
     reader = _Tail(log_path, logger, tail)
     reader.offset = offset
-    beat = _Heartbeat(heartbeat, hang_timeout_s, on_progress)
+    beat = HeartbeatWatch(heartbeat, hang_timeout_s, on_progress)
     state, why, fields = "PENDING", None, {}
     started = time.time()
     try:
@@ -241,32 +240,6 @@ def run_slurm_job(
                        + (f", {reason}" if reason not in ("None", "") else "") + ")")  # fmt: skip
         raise SlurmError(f"SLURM job {job_id} {what}\n" + "\n".join(tail))
     return job_id
-
-
-class _Heartbeat:
-    """The stage's heartbeat file, read while the job runs: progress, and the hang watchdog
-    (no beat for `hang_timeout_s`, counted from the job's start until the first beat)."""
-
-    def __init__(self, path: Path | None, hang_timeout_s: float | None,
-                 on_progress: Callable[[int], None] | None):  # fmt: skip
-        self.path, self.hang_timeout_s, self.on_progress = path, hang_timeout_s, on_progress
-        self.last_step = None
-
-    def check(self, job_started: float) -> str | None:
-        """Why the job counts as hung, or None."""
-        if self.path is None:
-            return None
-        if self.on_progress is not None and self.path.exists():
-            with contextlib.suppress(OSError, ValueError, KeyError):
-                step = json.loads(self.path.read_text())["step"]
-                if step != self.last_step:
-                    self.last_step = step
-                    self.on_progress(step)
-        if self.hang_timeout_s:
-            beat = self.path.stat().st_mtime if self.path.exists() else 0
-            if time.time() - max(beat, job_started) > self.hang_timeout_s:
-                return f"hung (no heartbeat for {self.hang_timeout_s:g}s)"
-        return None
 
 
 def _start_time(fields: dict[str, str], fallback: float) -> float:

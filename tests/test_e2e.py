@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
 
 pytestmark = pytest.mark.e2e
 
@@ -75,9 +76,11 @@ if __name__ == "__main__":  # ingest's worker processes import this file too
 
 
 @pytest.fixture(scope="module")
-def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint):
+def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint, slurm):
     """`kiln run` of the demo set from an S3 bucket (moto's server on 127.0.0.1), as a
-    subprocess whose environment holds fake credentials and tokens."""
+    subprocess whose environment holds fake credentials and tokens, training on the test's
+    two-node SLURM cluster: stage 1 on one node, the next two on two (`launch.backend:
+    slurm`; every other check here is of outputs a local run has too)."""
     import boto3
 
     base = tmp_path_factory.mktemp("e2e")
@@ -86,11 +89,17 @@ def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint):
     for p in sorted(demo_src.rglob("*")):
         if p.is_file():
             s3.upload_file(str(p), "kiln-e2e", f"raw/{p.relative_to(demo_src).as_posix()}")
-    overrides = {"evaluate.seeds": [0, 1], "storage.endpoint_url": s3_endpoint}
+    overrides = {"evaluate.seeds": [0, 1], "storage.endpoint_url": s3_endpoint,
+                 "launch.backend": "slurm", "launch.slurm": {"poll_s": 0.5}}  # fmt: skip
     cfg = make_config(base / "tiny.yaml", base / "root", "s3://kiln-e2e/raw", **overrides)
+    data = yaml.safe_load(cfg.read_text())
+    for stage, nodes in zip(data["train"]["stages"], (1, 2, 2), strict=True):
+        stage["num_machines"] = nodes
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     # No PREFECT_API_URL: the CLI runs against Prefect's local embedded server, as `make demo`.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(base / "prefect-home")
+    env |= {"SLURM_CONF": str(slurm.conf), "GLOO_SOCKET_IFNAME": "lo"}
     (base / "count_parses.py").write_text(COUNT_PARSES)
     proc = subprocess.run(
         [sys.executable, str(base / "count_parses.py"), str(base / "counts.json"),
@@ -103,6 +112,20 @@ def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint):
     out = proc.stdout
     result = json.loads(out[: out.index("\nKiln pipeline finished")])
     return base / "root", result, env, out
+
+
+def test_training_ran_on_slurm_from_one_node_to_two(pipeline_run, slurm):
+    """The pre-flight all-reduce spans both nodes; each stage is one SLURM job on its own
+    node count, starting from the previous stage's export; no job is left behind."""
+    root, result, _, _ = pipeline_run
+    run_dir = root / "runs" / result["run"]["run_id"]
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["health"]["world_size"] == 2
+    assert {r: m["num_processes"] for r, m in run["stages"].items()} == {"32": 1, "48": 2, "64": 2}
+    for res, nodes in (("32", 1), ("48", 2), ("64", 2)):
+        log = (run_dir / f"stage-{res}" / f"slurm-stage-{res}px.log").read_text()
+        assert f"node {nodes - 1} of {nodes}" in log and f"node {nodes} of" not in log
+    assert slurm.jobs() == []
 
 
 def test_no_secret_reaches_any_output(pipeline_run):

@@ -44,3 +44,27 @@ def test_without_split_sizes_the_measurement_picks_its_own(recorded):
     train = load_config(REPO / "configs" / "tiny.yaml").train
     plan_module.make_plan(train, 1, 0.0, measure_steps=4)
     assert [c["val_samples"] for c in recorded] == [None] * len(train.stages)
+
+
+def test_each_stage_is_planned_on_its_own_node_count():
+    """256 px on 1 node, the next stages on 2 and 4 (2 processes each): each stage's samples
+    and cost follow its own world size, and the table shows it."""
+    from models.config import LaunchConfig, SlurmConfig
+    from tasks.launch import stage_processes
+
+    train = load_config(REPO / "configs" / "tiny.yaml").train
+    train.stages = [s.model_copy(update={"num_machines": n})
+                    for s, n in zip(train.stages, (1, 2, 4), strict=True)]  # fmt: skip
+    launch = LaunchConfig(backend="slurm", slurm=SlurmConfig(gpus_per_node=2))
+    procs = stage_processes(launch, train)
+    assert procs == [2, 4, 8]
+    out = plan_module.make_plan(train, procs, 2.0, img_per_s=10.0)
+    for s, p, n in zip(train.stages, out["stages"], procs, strict=True):
+        assert p["processes"] == n
+        assert p["samples"] == s.max_steps * s.batch_size * s.gradient_accumulation_steps * n
+        assert p["gpu_hours"] == pytest.approx(p["wall_hours"] * n)
+        assert p["cost_usd"] == pytest.approx(p["gpu_hours"] * 2.0)
+    table = plan_module.format_plan(out).splitlines()
+    assert [row.split()[1] for row in table[2:5]] == ["2", "4", "8"]
+    # Locally every stage runs the topology's processes.
+    assert stage_processes(LaunchConfig(num_processes=3), train) == [3, 3, 3]

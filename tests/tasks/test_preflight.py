@@ -58,6 +58,12 @@ def test_disk_estimate_against_free_space(tmp_path):
         check_disk(tmp_path, huge.model_copy(update={"keep_checkpoints": 50}))
 
 
+def _launch(topology):
+    from models.config import LaunchConfig
+
+    return LaunchConfig(accelerate_config=str(topology), gpu_limit=None)
+
+
 @pytest.mark.integration
 def test_collective_that_cannot_form_fails_fast(tmp_path):
     with socket.socket() as s:
@@ -69,8 +75,8 @@ def test_collective_that_cannot_form_fails_fast(tmp_path):
                 rdzv_backend="static", same_network=True)  # fmt: skip
     (tmp_path / "two-node.yaml").write_text(yaml.safe_dump(topo))
     with pytest.raises(HealthCheckError, match=r"all-reduce .* did not complete"):
-        check_collective(str(tmp_path / "two-node.yaml"), None, tmp_path / "h", timeout_s=12)
-    report = check_collective(str(TOPO / "cpu-ddp-2.yaml"), None, tmp_path / "ok", 120)
+        check_collective(_launch(tmp_path / "two-node.yaml"), tmp_path / "h", timeout_s=12)
+    report = check_collective(_launch(TOPO / "cpu-ddp-2.yaml"), tmp_path / "ok", 120)
     assert report["world_size"] == 2 and report["backend"] == "gloo"
 
 
@@ -85,9 +91,9 @@ def test_a_one_process_topology_has_no_collective_to_check(tmp_path, tiny_shards
     _, root, version = tiny_shards
     train = load_config(REPO / "configs" / "tiny.yaml").train
     good = str(root / "shards" / version / "32")
-    report = preflight.fn(train, str(TOPO / "single.yaml"), None, str(tmp_path / "run"), [good])
+    single = _launch(TOPO / "single.yaml")
+    report = preflight.fn(train, single, str(tmp_path / "run"), [good])
     assert report["world_size"] == 1 and report["collective"].startswith("skipped")
     assert not (tmp_path / "run" / "health").exists(), "nothing was launched"
     with pytest.raises(HealthCheckError, match="cannot read the dataset index"):
-        preflight.fn(train, str(TOPO / "single.yaml"), None, str(tmp_path / "run"),
-                     [str(tmp_path / "nowhere")])  # fmt: skip
+        preflight.fn(train, single, str(tmp_path / "run"), [str(tmp_path / "nowhere")])

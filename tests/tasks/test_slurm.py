@@ -20,15 +20,16 @@ SINGLE = str(REPO / "configs" / "accelerate" / "single.yaml")
 DDP = str(REPO / "configs" / "accelerate" / "cpu-ddp-2.yaml")
 
 
-@pytest.fixture
-def on_cluster(slurm, monkeypatch):
+@pytest.fixture(scope="module")
+def on_cluster(slurm):
     """This process's SLURM commands reach the test cluster; gloo stays on loopback."""
-    monkeypatch.setenv("SLURM_CONF", str(slurm.conf))
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
-    return slurm
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", str(slurm.conf))
+        mp.setenv("GLOO_SOCKET_IFNAME", "lo")
+        yield slurm
 
 
-def _stage_run(tiny_shards, out, nodes=1, steps=6):
+def _stage_run(tiny_shards, out, nodes=1, steps=6, faults=None):
     from flows.config import load_config
     from models.config import StageRun
 
@@ -41,7 +42,23 @@ def _stage_run(tiny_shards, out, nodes=1, steps=6):
         update={"stages": [stage], "checkpoint_every": 2, "log_every": 1, "log_sample_keys": True}
     )
     return StageRun(train=train, stage_index=0, shards=str(root / "shards" / version / "32"),
-                    output_dir=str(out))  # fmt: skip
+                    output_dir=str(out), faults=faults or {})  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_node_stage(tiny_shards, on_cluster, tmp_path_factory):
+    """One uninterrupted 6-step stage on 2 nodes x 1 process through SLURM."""
+    from tasks.launch import launch_stage
+
+    out = tmp_path_factory.mktemp("slurm-stage") / "two-nodes"
+    manifest = launch_stage.fn(_stage_run(tiny_shards, out, nodes=2), _slurm_launch())
+    return out, manifest
+
+
+def _unet(stage_dir):
+    from safetensors.torch import load_file
+
+    return load_file(stage_dir / "final" / "unet" / "diffusion_pytorch_model.safetensors")
 
 
 def _slurm_launch(**slurm):
@@ -71,19 +88,19 @@ def test_each_node_of_a_slurm_step_gets_its_rank_and_the_first_nodes_address(on_
 
 
 def test_a_stage_on_two_nodes_trains_like_one_node_with_two_processes(tmp_path, tiny_shards,
-                                                                      on_cluster):  # fmt: skip
+                                                                      two_node_stage):  # fmt: skip
     """2 nodes x 1 process through SLURM and 1 node x 2 processes locally: the same samples on
     each rank, the same losses, the same weights; and the pre-flight all-reduce spans both
     nodes."""
+    import torch
+
     from models.config import LaunchConfig
     from tasks.launch import launch_stage
     from tasks.preflight import check_collective
 
-    two_nodes, one_node = tmp_path / "two-nodes", tmp_path / "one-node"
-    health = check_collective(SINGLE, None, tmp_path / "health", 120,
-                              slurm=_slurm_launch().slurm, nodes=2)  # fmt: skip
+    (two_nodes, manifest), one_node = two_node_stage, tmp_path / "one-node"
+    health = check_collective(_slurm_launch(), tmp_path / "health", 120, nodes=2)
     assert health["world_size"] == 2
-    manifest = launch_stage.fn(_stage_run(tiny_shards, two_nodes, nodes=2), _slurm_launch())
     assert manifest["final_step"] == 6 and manifest["num_processes"] == 2
     log = (two_nodes / "slurm-stage-32px.log").read_text()
     assert "node 0 of 2" in log and "node 1 of 2" in log, log[-2000:]
@@ -96,6 +113,36 @@ def test_a_stage_on_two_nodes_trains_like_one_node_with_two_processes(tmp_path, 
     for rank in (0, 1):
         name = f"samples-rank{rank}.jsonl"
         assert _per_step(two_nodes / name, "keys") == _per_step(one_node / name, "keys")
+    a, b = _unet(two_nodes), _unet(one_node)
+    assert all(torch.equal(a[k], b[k]) for k in a), "the same weights, bit for bit"
+
+
+def test_a_lost_rank_fails_the_job_and_the_retry_resumes_to_the_same_weights(
+    tmp_path, tiny_shards, two_node_stage
+):
+    """A rank killed after step 3 fails the job (srun stops the other node's rank); the
+    stage task's Prefect retry submits a new job, which resumes from step 2's checkpoint and
+    ends bit-identical to the uninterrupted run."""
+    import torch
+    from prefect import flow
+
+    from tasks.launch import launch_stage
+
+    out = tmp_path / "killed"
+    run = _stage_run(tiny_shards, out, nodes=2, faults={"kill_at_steps": [3]})
+
+    @flow
+    def one_stage():
+        return launch_stage.with_options(retries=1, retry_delay_seconds=0)(run, _slurm_launch())
+
+    manifest = one_stage()
+    log = (out / "slurm-stage-32px.log").read_text()
+    assert "fault injection at step 3" in log
+    assert log.count("node 1 of 2") == 2, "a second job, on both nodes"
+    assert "resumed from" in log, log[-3000:]
+    assert manifest["final_step"] == 6
+    full, resumed = _unet(two_node_stage[0]), _unet(out)
+    assert all(torch.equal(full[k], resumed[k]) for k in full), "the resume is exact"
 
 
 def test_the_cluster_refusing_a_job_is_one_clear_error_before_any_work(on_cluster, tmp_path):

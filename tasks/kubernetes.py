@@ -1,0 +1,244 @@
+"""A stage (or the pre-flight check) as one Kubeflow Trainer `TrainJob`: create it, watch it to
+the end, delete it.
+
+The job runs on the `torch-distributed` runtime with `numNodes` nodes. Its container command
+is the node entrypoint (`models/node_launch.py --source torchrun`), which turns the `PET_*`
+variables the Trainer sets on each node into that node's `accelerate launch` flags, so the
+training command is the one a local or SLURM launch runs. The object is built from the
+Trainer's own API models (`kubeflow_trainer_api`), so a field the TrainJob schema does not
+know fails here, not in the cluster.
+
+While the job runs, node 0's log streams into the Prefect log, the stage's heartbeat (on the
+shared storage root, which this machine sees too) drives progress and the hang watchdog, and
+a job still running when the watch ends for any reason (a hang, a timeout, an exception, a
+cancelled or killed flow run) is deleted with its pods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from models.config import KubernetesConfig
+from tasks.launch import HeartbeatWatch, LaunchError
+
+__all__ = ["KubernetesError", "KubernetesRejected", "check_kubernetes", "job_outcome",
+           "run_train_job", "train_job"]  # fmt: skip
+
+GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
+NODE = "node"  # the torch-distributed runtime's replicated job, and its trainer container
+STORAGE_VOLUME = "kiln-storage"
+
+
+class KubernetesError(LaunchError):
+    """The Kubernetes API failed, or the TrainJob ended Failed; retried by the stage task."""
+
+
+class KubernetesRejected(KubernetesError):
+    """The API refused the TrainJob (a bad namespace, runtime, image or permission):
+    creating it again would be refused the same way, so it is not retried."""
+
+
+def _name(name: str) -> str:
+    """A fresh DNS-1035 name for each submission (a retry is a new job)."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40]
+    return f"kiln-{slug}-{uuid.uuid4().hex[:6]}"
+
+
+def train_job(rest: list[str], *, name: str, nodes: int, processes_per_machine: int,
+              kube: KubernetesConfig, env: dict[str, str] | None = None) -> dict:  # fmt: skip
+    """The TrainJob for `accelerate launch <rest>` on `nodes` nodes, as the API takes it.
+
+    Raises:
+        ValueError: a field the Trainer's TrainJob schema does not accept.
+    """
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+    variables = {"PYTHONUNBUFFERED": "1", **kube.env, **(env or {})}
+    trainer: dict = {
+        "image": kube.image,
+        "command": ["python", "-m", "models.node_launch", "--source", "torchrun", "--"],
+        "args": list(rest),
+        "numNodes": nodes,
+        "numProcPerNode": processes_per_machine,
+        "env": [{"name": k, "value": v} for k, v in sorted(variables.items())],
+    }
+    limits = dict(kube.resources_per_node)
+    if kube.gpus_per_node:
+        limits["nvidia.com/gpu"] = str(kube.gpus_per_node)
+    if limits:
+        trainer["resourcesPerNode"] = {"limits": limits}
+    spec: dict = {"runtimeRef": {"name": kube.runtime}, "trainer": trainer}
+    pod: dict = {}
+    if kube.storage_claim:
+        pod["volumes"] = [{"name": STORAGE_VOLUME,
+                           "persistentVolumeClaim": {"claimName": kube.storage_claim}}]  # fmt: skip
+        pod["containers"] = [{"name": NODE, "volumeMounts": [
+            {"name": STORAGE_VOLUME, "mountPath": kube.mount_path}]}]  # fmt: skip
+    if kube.node_selector:
+        pod["nodeSelector"] = dict(kube.node_selector)
+    if pod:
+        replicated = [{"name": NODE, "template": {"spec": {"template": {"spec": pod}}}}]
+        spec["runtimePatches"] = [{"manager": "kiln", "trainingRuntimeSpec": {
+            "template": {"spec": {"replicatedJobs": replicated}}}}]  # fmt: skip
+    job = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainJob",
+        "metadata": {
+            "name": _name(name),
+            "namespace": kube.namespace,
+            "labels": {"app.kubernetes.io/managed-by": "kiln"},
+        },  # fmt: skip
+        "spec": spec,
+    }
+    # The generated models ignore unknown keys: a round trip that loses nothing means every
+    # key is one the schema knows, with a value of its type.
+    parsed = TrainerV1alpha1TrainJob.from_dict(job)
+    if parsed is None or parsed.to_dict() != job:
+        raise ValueError(f"not a TrainJob the Trainer's schema accepts: {job}")
+    return job
+
+
+def job_outcome(job: dict) -> tuple[str, str] | None:
+    """("Complete" | "Failed", the condition's reason and message) once the TrainJob ended,
+    else None."""
+    for cond in (job.get("status") or {}).get("conditions") or []:
+        if cond.get("type") in ("Complete", "Failed") and cond.get("status") == "True":
+            detail = ": ".join(x for x in (cond.get("reason"), cond.get("message")) if x)
+            return cond["type"], detail
+    return None
+
+
+def _clients(kube: KubernetesConfig):
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        try:
+            config.load_kube_config(context=kube.context)
+        except (config.ConfigException, OSError) as e:
+            raise KubernetesRejected(
+                f"launch.backend kubernetes: no cluster to talk to (no in-cluster service "
+                f"account, and the kubeconfig: {e})"
+            ) from None
+    return client.CustomObjectsApi(), client.CoreV1Api()
+
+
+class _NodeZeroLog:
+    """Follows node 0's pod log in a thread, each line into the task log (a new pod, after a
+    restart, is followed from its start)."""
+
+    def __init__(self, core, namespace: str, job: str, logger, keep: list[str]):
+        self.core, self.ns, self.job, self.log, self.keep = core, namespace, job, logger, keep
+        self.followed: set[str] = set()
+
+    def poll(self) -> None:
+        selector = (f"jobset.sigs.k8s.io/jobset-name={self.job},"
+                    f"jobset.sigs.k8s.io/replicatedjob-name={NODE},"
+                    "batch.kubernetes.io/job-completion-index=0")  # fmt: skip
+        for pod in self.core.list_namespaced_pod(self.ns, label_selector=selector).items:
+            name = pod.metadata.name
+            if name not in self.followed and pod.status.phase in ("Running", "Succeeded",
+                                                                  "Failed"):  # fmt: skip
+                self.followed.add(name)
+                threading.Thread(target=self._follow, args=(name,), daemon=True).start()
+
+    def _follow(self, pod: str) -> None:
+        from kubernetes import watch
+
+        with contextlib.suppress(Exception):  # the pod went away: its log ends here
+            for line in watch.Watch().stream(self.core.read_namespaced_pod_log, name=pod,
+                                             namespace=self.ns, container=NODE,
+                                             follow=True):  # fmt: skip
+                self.keep.append(line)
+                del self.keep[:-40]
+                self.log.info(line)
+
+
+def check_kubernetes(kube: KubernetesConfig) -> None:
+    """Ask the cluster, before any work, whether the TrainJobs can run: a client
+    configuration, and the runtime the jobs refer to.
+
+    Raises:
+        KubernetesRejected: no cluster configuration, or no such ClusterTrainingRuntime.
+    """
+    from kubernetes.client.exceptions import ApiException
+
+    custom, _ = _clients(kube)
+    try:
+        custom.get_cluster_custom_object(GROUP, VERSION, "clustertrainingruntimes", kube.runtime)
+    except ApiException as e:
+        raise KubernetesRejected(
+            f"launch.kubernetes.runtime: the cluster has no ClusterTrainingRuntime "
+            f"{kube.runtime!r} usable here ({e.status} {e.reason}); is Kubeflow Trainer installed?"
+        ) from None
+
+
+def run_train_job(
+    rest: list[str],
+    *,
+    nodes: int,
+    processes_per_machine: int,
+    kube: KubernetesConfig,
+    name: str,
+    logger: logging.Logger | logging.LoggerAdapter,
+    heartbeat: Path | None = None,
+    hang_timeout_s: float | None = None,
+    on_progress: Callable[[int], None] | None = None,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Create the TrainJob for `accelerate launch <rest>` and watch it; returns its name.
+
+    Raises:
+        KubernetesRejected: the API refused the job (not retried by the stage task).
+        KubernetesError: the job ended Failed, hung (no heartbeat for `hang_timeout_s`) or ran
+            past `timeout_s`; the message has node 0's last log lines.
+    """
+    from kubernetes.client.exceptions import ApiException
+
+    custom, core = _clients(kube)
+    job = train_job(rest, name=name, nodes=nodes, processes_per_machine=processes_per_machine,
+                    kube=kube, env=env)  # fmt: skip
+    job_name, ns = job["metadata"]["name"], kube.namespace
+    try:
+        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
+    except ApiException as e:
+        raise KubernetesRejected(f"the Kubernetes API refused TrainJob {ns}/{job_name}: "
+                                 f"{e.status} {e.reason}: {e.body}") from None  # fmt: skip
+    logger.info("created TrainJob %s/%s: %d node(s) x %d process(es)", ns, job_name, nodes,
+                processes_per_machine)  # fmt: skip
+    tail: list[str] = []
+    node_zero = _NodeZeroLog(core, ns, job_name, logger, tail)
+    beat = HeartbeatWatch(heartbeat, hang_timeout_s, on_progress)
+    outcome, why, started = None, None, time.time()
+    try:
+        while True:
+            obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job_name)
+            with contextlib.suppress(ApiException):
+                node_zero.poll()
+            if outcome := job_outcome(obj):
+                break
+            if why := beat.check(started):
+                break
+            if timeout_s and time.time() - started > timeout_s:
+                why = f"still running after {timeout_s:g}s"
+                break
+            time.sleep(kube.poll_s)
+    finally:
+        if outcome is None:  # a hang, a timeout, an exception or a cancelled flow run
+            logger.error("TrainJob %s/%s %s: deleting it", ns, job_name, why or "interrupted")
+            with contextlib.suppress(ApiException):
+                custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job_name,
+                                                       propagation_policy="Foreground")  # fmt: skip
+    if outcome and outcome[0] == "Complete":
+        return job_name
+    what = why or f"ended Failed ({outcome[1] if outcome else '?'})"
+    raise KubernetesError(f"TrainJob {ns}/{job_name} {what}\n" + "\n".join(tail))
