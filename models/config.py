@@ -746,10 +746,19 @@ class LaunchConfig(Strict):
         return self
 
 
+# "Value error, train.stages.1.num_machines: ..." : a model validator's message that already
+# starts with the field's dotted path.
+_NAMED = re.compile(r"^Value error, ([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+: .*)$", re.DOTALL)
+
+
 def format_validation_error(err: ValidationError, source: str) -> str:
     """Render each error as `dotted.path: message (received value)`."""
     lines = [f"invalid config {source}:"]
     for e in err.errors():
+        own = _NAMED.match(e["msg"]) if e["type"] == "value_error" else None
+        if own:  # a check across fields that names the field and the value itself
+            lines.append(f"  {own.group(1)}")
+            continue
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
         received = e.get("input")
         shown = repr(received)

@@ -331,3 +331,31 @@ def test_as_config_loads_a_path_once_and_passes_a_loaded_config_through(
     assert as_config(cfg) is cfg
     with pytest.raises(ValueError, match="overrides apply to a config path"):
         as_config(cfg, root=str(tmp_path / "elsewhere"))
+
+
+@pytest.mark.parametrize(
+    ("launch", "canonical", "expect"),
+    [
+        ({}, None, "train.stages.1.num_machines: 2 nodes need a cluster backend; set "
+                   "launch.backend: slurm or kubernetes (received local)"),
+        ({"backend": "slurm"}, 3, "train.stages.1.num_machines: 2 nodes neither divide nor are "
+                                  "a multiple of train.num_canonical_nodes (3)"),
+        ({"backend": "kubernetes"}, None, "launch.kubernetes.image: the kubernetes backend"),
+    ],
+)  # fmt: skip
+def test_node_counts_need_a_cluster_and_a_fitting_sample_order(tmp_path, launch, canonical,
+                                                               expect):  # fmt: skip
+    """Each message names its field once, without the whole section as 'received'."""
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg["train"]["stages"][1]["num_machines"] = 2
+    cfg["train"]["num_canonical_nodes"] = canonical
+    cfg["launch"] |= launch
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "bad.yaml")
+    line = str(e.value).splitlines()[1].strip()
+    assert line.startswith(expect) and "(received {" not in line, line
+    cfg["launch"] = {"backend": "slurm"}
+    cfg["train"]["num_canonical_nodes"] = 4
+    (tmp_path / "good.yaml").write_text(yaml.safe_dump(cfg))
+    assert load_config(tmp_path / "good.yaml").train.canonical_nodes() == 4
