@@ -22,8 +22,8 @@ from pathlib import Path
 
 __all__ = ["SlurmCluster", "slurm_available"]
 
-_BINARIES = ("unshare", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue",
-             "scancel")  # fmt: skip
+_BINARIES = ("taskset", "unshare", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol",
+             "squeue", "scancel")  # fmt: skip
 
 
 def slurm_available() -> str | None:
@@ -130,12 +130,15 @@ class SlurmCluster:
         for node in self.nodes:
             (b / "spool" / node).mkdir(exist_ok=True)
         self._daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld")
-        for node in self.nodes:
-            # Each node gets its own /dev/shm, as separate machines have: streaming's local
-            # leader on each node registers its shared memory under the same name.
+        cores = sorted(os.sched_getaffinity(0))
+        for i, node in enumerate(self.nodes):
+            # Each node gets its own /dev/shm and its own core, as separate machines have:
+            # streaming's local leader on each node registers its shared memory under the same
+            # name, and a rank sizes its threads by the cores it may run on.
             slurmd = shlex.join(["slurmd", "-D", "-N", node, "-f", str(self.conf)])
-            self._daemon(["unshare", "--mount", "--propagation", "private", "sh", "-c",
-                          f"mount -t tmpfs -o size=1g tmpfs /dev/shm && exec {slurmd}"],
+            core = str(cores[i % len(cores)])
+            self._daemon(["taskset", "-c", core, "unshare", "--mount", "--propagation", "private",
+                          "sh", "-c", f"mount -t tmpfs -o size=1g tmpfs /dev/shm && exec {slurmd}"],
                          f"slurmd-{node}")  # fmt: skip
         self._wait_idle(timeout_s)
         return self
