@@ -86,6 +86,7 @@ benchmark: $(STAMP)
 	$(BIN)/python benchmarks/ingest.py --out benchmarks/results/ingest.json
 	$(BIN)/python benchmarks/loader.py --out benchmarks/results/loader.json
 	$(BIN)/python benchmarks/train_throughput.py --out benchmarks/results/train_throughput_cpu.json --steps 12
+	$(BIN)/python benchmarks/multinode.py --out benchmarks/results/multinode.json
 
 clean:
 	rm -rf kiln-data $(DEMO_DATA) .pytest_cache
