@@ -184,7 +184,7 @@ def plan(
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
-    cfg = load_checked(config_path, root, ("train",))
+    cfg = load_checked(config_path, root, ("plan",))
     try:
         result = make_plan(
             cfg.train, stage_processes(cfg.launch, cfg.train), cfg.launch.gpu_hour_usd,

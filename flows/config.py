@@ -203,7 +203,8 @@ def config_hash(cfg: PipelineConfig) -> str:
 # The inputs each step needs before it starts; `check_inputs` checks them for the given steps.
 STEP_INPUTS = {
     "ingest": ("source",),
-    "train": ("topology", "tracking"),
+    "train": ("topology", "tracking", "cluster"),
+    "plan": ("topology",),
     "evaluate": ("topology", "prompts"),
     "register": ("tracking",),
 }
@@ -237,14 +238,14 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
         _check_source_remote(cfg)
     if "tracking" in need:
         _check_tracking_server(cfg.tracking_uri)
-    if "train" in steps and cfg.launch.backend == "slurm":
+    if "cluster" in need and cfg.launch.backend == "slurm":
         from tasks.slurm import SlurmError, check_slurm
 
         try:  # the cluster's own answer: a bad partition or an impossible node count
             check_slurm(cfg.launch.slurm, max(s.num_machines for s in cfg.train.stages))
         except SlurmError as e:
             raise ConfigError(str(e)) from e
-    if "train" in steps and cfg.launch.backend == "kubernetes":
+    if "cluster" in need and cfg.launch.backend == "kubernetes":
         from tasks.kubernetes import KubernetesRejected, check_kubernetes
 
         try:  # a client configuration, and the runtime the TrainJobs refer to

@@ -269,7 +269,6 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
     if cfg.shards.remote:  # idempotent: makes sure every version trained on is published
         for v in dict.fromkeys([version, *(m.dataset_version for m in cfg.train.mix)]):
             publish_shards(cfg.storage.root, v, cfg.shards.remote, cfg.storage.endpoint_url)
-    previous = None  # the last stage's future: each stage waits on it, so the graph shows the order
     for i, stage in enumerate(cfg.train.stages):
         out = layout.stage(run_id, stage.resolution)
         # Precomputed latents for these encoders, when the shard step wrote them.
@@ -291,12 +290,13 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
             mlflow_run_id=record["mlflow_run_id"],
             gpu_hour_usd=cfg.launch.gpu_hour_usd,
         )
-        previous = launch_stage.with_options(
+        # Called, not submitted: the stage runs in this thread, so a cancellation or SIGTERM
+        # (raised here) reaches its watch, which kills the launch or cancels the cluster job.
+        manifest = launch_stage.with_options(
             name=f"train-{stage.resolution}px",
             retries=cfg.launch.max_restarts,
             retry_delay_seconds=2,
-        ).submit(run, cfg.launch, wait_for=[previous] if previous is not None else None)
-        manifest = previous.result()
+        )(run, cfg.launch)
         raw = out / "final-raw"
         init_from = str(raw if cfg.train.init_from == "raw" and raw.is_dir() else out / "final")
         record["stages"][str(stage.resolution)] = manifest

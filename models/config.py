@@ -257,7 +257,8 @@ class StageConfig(Strict):
     warmup_steps: int = Field(0, ge=0)
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     num_machines: int = Field(
-        1, ge=1, description="Nodes this stage trains on (launch.backend slurm for more than 1); "
+        1, ge=1, description="Nodes this stage trains on (more than 1: launch.backend slurm or "
+        "kubernetes); "
         "each runs launch.num_processes (or the topology's count) processes.",
     )  # fmt: skip
 
@@ -656,8 +657,9 @@ class SlurmConfig(Strict):
         default_factory=list, description="Extra `#SBATCH` lines, e.g. `--exclusive`."
     )
     main_process_port: int = Field(
-        29500, gt=0, lt=65536, description="Rendezvous port on the job's first node."
-    )
+        29500, gt=0, le=64536, description="Rendezvous port on the job's first node, plus the "
+        "job id modulo 1000 (so two jobs that share a first node do not collide).",
+    )  # fmt: skip
     poll_s: float = Field(2.0, gt=0, description="How often the job's state and log are read.")
 
 

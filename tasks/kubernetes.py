@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from models.config import KubernetesConfig
-from tasks.launch import HeartbeatWatch, LaunchError
+from tasks.launch import HeartbeatWatch, LaunchError, LaunchRejected
 
 __all__ = ["KubernetesError", "KubernetesRejected", "check_kubernetes", "job_outcome",
            "run_train_job", "train_job"]  # fmt: skip
@@ -34,13 +34,15 @@ __all__ = ["KubernetesError", "KubernetesRejected", "check_kubernetes", "job_out
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 NODE = "node"  # the torch-distributed runtime's replicated job, and its trainer container
 STORAGE_VOLUME = "kiln-storage"
+TIMEOUT = 60  # seconds, each API call
+UNREACHABLE_S = 300.0  # how long the API may fail before the watch gives up on the job
 
 
 class KubernetesError(LaunchError):
     """The Kubernetes API failed, or the TrainJob ended Failed; retried by the stage task."""
 
 
-class KubernetesRejected(KubernetesError):
+class KubernetesRejected(KubernetesError, LaunchRejected):
     """The API refused the TrainJob (a bad namespace, runtime, image or permission):
     creating it again would be refused the same way, so it is not retried."""
 
@@ -116,19 +118,30 @@ def job_outcome(job: dict) -> tuple[str, str] | None:
 
 
 def _clients(kube: KubernetesConfig):
+    """The API clients: the kubeconfig's `kube.context` when one is named, else the in-cluster
+    service account, else the kubeconfig's current context."""
     from kubernetes import client, config
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
+    errors = []
+    loaders = [lambda: config.load_kube_config(context=kube.context)]
+    if not kube.context:
+        loaders.insert(0, config.load_incluster_config)
+    for load in loaders:
         try:
-            config.load_kube_config(context=kube.context)
+            load()
+            return client.CustomObjectsApi(), client.CoreV1Api()
         except (config.ConfigException, OSError) as e:
-            raise KubernetesRejected(
-                f"launch.backend kubernetes: no cluster to talk to (no in-cluster service "
-                f"account, and the kubeconfig: {e})"
-            ) from None
-    return client.CustomObjectsApi(), client.CoreV1Api()
+            errors.append(str(e))
+    raise KubernetesRejected(
+        "launch.backend kubernetes: no cluster to talk to (" + "; ".join(errors) + ")"
+    )
+
+
+def _refused(e) -> bool:
+    """Whether an API error would come back the same on a retry (a 4xx other than a timeout,
+    a conflict or throttling)."""
+    status = getattr(e, "status", None) or 0
+    return 400 <= status < 500 and status not in (408, 409, 429)
 
 
 class _NodeZeroLog:
@@ -138,17 +151,30 @@ class _NodeZeroLog:
     def __init__(self, core, namespace: str, job: str, logger, keep: list[str]):
         self.core, self.ns, self.job, self.log, self.keep = core, namespace, job, logger, keep
         self.followed: set[str] = set()
+        self.threads: list[threading.Thread] = []
+        self.running_since: float | None = None  # when node 0 was first seen running
 
     def poll(self) -> None:
         selector = (f"jobset.sigs.k8s.io/jobset-name={self.job},"
                     f"jobset.sigs.k8s.io/replicatedjob-name={NODE},"
                     "batch.kubernetes.io/job-completion-index=0")  # fmt: skip
-        for pod in self.core.list_namespaced_pod(self.ns, label_selector=selector).items:
-            name = pod.metadata.name
-            if name not in self.followed and pod.status.phase in ("Running", "Succeeded",
-                                                                  "Failed"):  # fmt: skip
+        pods = self.core.list_namespaced_pod(self.ns, label_selector=selector,
+                                             _request_timeout=TIMEOUT).items  # fmt: skip
+        for pod in pods:
+            name, phase = pod.metadata.name, pod.status.phase
+            if phase == "Running" and self.running_since is None:
+                self.running_since = time.time()
+            if name not in self.followed and phase in ("Running", "Succeeded", "Failed"):
                 self.followed.add(name)
-                threading.Thread(target=self._follow, args=(name,), daemon=True).start()
+                thread = threading.Thread(target=self._follow, args=(name,), daemon=True)
+                thread.start()
+                self.threads.append(thread)
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        """Let the log streams catch up with the pods' last lines (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _follow(self, pod: str) -> None:
         from kubernetes import watch
@@ -173,7 +199,8 @@ def check_kubernetes(kube: KubernetesConfig) -> None:
 
     custom, _ = _clients(kube)
     try:
-        custom.get_cluster_custom_object(GROUP, VERSION, "clustertrainingruntimes", kube.runtime)
+        custom.get_cluster_custom_object(GROUP, VERSION, "clustertrainingruntimes", kube.runtime,
+                                         _request_timeout=TIMEOUT)  # fmt: skip
     except ApiException as e:
         raise KubernetesRejected(
             f"launch.kubernetes.runtime: the cluster has no ClusterTrainingRuntime "
@@ -202,43 +229,70 @@ def run_train_job(
         KubernetesError: the job ended Failed, hung (no heartbeat for `hang_timeout_s`) or ran
             past `timeout_s`; the message has node 0's last log lines.
     """
-    from kubernetes.client.exceptions import ApiException
-
     custom, core = _clients(kube)
     job = train_job(rest, name=name, nodes=nodes, processes_per_machine=processes_per_machine,
                     kube=kube, env=env)  # fmt: skip
     job_name, ns = job["metadata"]["name"], kube.namespace
+    api = (GROUP, VERSION, ns, PLURAL)
     try:
-        custom.create_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job)
-    except ApiException as e:
-        raise KubernetesRejected(f"the Kubernetes API refused TrainJob {ns}/{job_name}: "
-                                 f"{e.status} {e.reason}: {e.body}") from None  # fmt: skip
+        custom.create_namespaced_custom_object(*api, job, _request_timeout=TIMEOUT)
+    except Exception as e:  # noqa: BLE001 - ApiException, or urllib3's connection errors
+        detail = f"{getattr(e, 'status', '')} {getattr(e, 'reason', '')} {getattr(e, 'body', e)}"
+        kind = KubernetesRejected if _refused(e) else KubernetesError
+        raise kind(f"the Kubernetes API did not take TrainJob {ns}/{job_name}: "
+                   f"{detail.strip()}") from None  # fmt: skip
     logger.info("created TrainJob %s/%s: %d node(s) x %d process(es)", ns, job_name, nodes,
                 processes_per_machine)  # fmt: skip
     tail: list[str] = []
     node_zero = _NodeZeroLog(core, ns, job_name, logger, tail)
     beat = HeartbeatWatch(heartbeat, hang_timeout_s, on_progress)
-    outcome, why, started = None, None, time.time()
+    outcome, why, answered = None, None, time.time()
     try:
         while True:
-            obj = custom.get_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job_name)
-            with contextlib.suppress(ApiException):
+            try:
+                obj = custom.get_namespaced_custom_object(*api, job_name,
+                                                          _request_timeout=TIMEOUT)  # fmt: skip
                 node_zero.poll()
+                answered = time.time()
+            except Exception as e:  # noqa: BLE001 - the API busy or away: the job goes on
+                if _refused(e) or time.time() - answered > UNREACHABLE_S:
+                    raise KubernetesError(f"TrainJob {ns}/{job_name}: the API failed: {e}") from e
+                logger.warning("TrainJob %s/%s: the API failed (%s); asking again", ns, job_name,
+                               e)  # fmt: skip
+                time.sleep(kube.poll_s)
+                continue
             if outcome := job_outcome(obj):
                 break
-            if why := beat.check(started):
+            since = node_zero.running_since  # not while pods wait for nodes or images
+            if since is not None and (why := beat.check(since)):
                 break
-            if timeout_s and time.time() - started > timeout_s:
+            if since is not None and timeout_s and time.time() - since > timeout_s:
                 why = f"still running after {timeout_s:g}s"
                 break
             time.sleep(kube.poll_s)
     finally:
-        if outcome is None:  # a hang, a timeout, an exception or a cancelled flow run
+        if outcome is None:  # a hang, a timeout, an exception, SIGTERM or a cancelled flow run
             logger.error("TrainJob %s/%s %s: deleting it", ns, job_name, why or "interrupted")
-            with contextlib.suppress(ApiException):
-                custom.delete_namespaced_custom_object(GROUP, VERSION, ns, PLURAL, job_name,
-                                                       propagation_policy="Foreground")  # fmt: skip
+            _delete(custom, api, job_name, logger)
+        node_zero.join()
     if outcome and outcome[0] == "Complete":
         return job_name
     what = why or f"ended Failed ({outcome[1] if outcome else '?'})"
     raise KubernetesError(f"TrainJob {ns}/{job_name} {what}\n" + "\n".join(tail))
+
+
+def _delete(custom, api: tuple, job_name: str, logger) -> None:
+    """Delete the TrainJob with its pods, and wait (up to a minute) until it is gone, so a
+    retry's pods do not meet the old ones."""
+    with contextlib.suppress(Exception):
+        custom.delete_namespaced_custom_object(*api, job_name, propagation_policy="Foreground",
+                                               _request_timeout=TIMEOUT)  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                custom.get_namespaced_custom_object(*api, job_name, _request_timeout=TIMEOUT)
+            except Exception as e:  # noqa: BLE001
+                if getattr(e, "status", None) == 404:
+                    return
+            time.sleep(1)
+        logger.warning("TrainJob %s still being deleted after 60 s", job_name)

@@ -45,6 +45,7 @@ from tasks.plan import local_processes, topology_processes
 __all__ = [
     "HeartbeatWatch",
     "LaunchError",
+    "LaunchRejected",
     "StageDiverged",
     "accelerate_command",
     "cuda_available",
@@ -73,14 +74,15 @@ def _raise_if_diverged(out: Path) -> None:
         raise StageDiverged(json.loads(marker.read_text())["message"])
 
 
+class LaunchRejected(LaunchError):
+    """The cluster refused the launch (a bad partition, account, namespace, runtime or node
+    count): launching it again would be refused the same way, so it is not retried."""
+
+
 def _retry_unless_diverged(task, task_run, state) -> bool:
     """Prefect's retry condition: retry a crash, a hang or a lost node, never a diverged stage
     or a job the cluster refuses (both would fail the same way again)."""
-    from tasks.kubernetes import KubernetesRejected
-    from tasks.slurm import SlurmRejected
-
-    refused = (StageDiverged, SlurmRejected, KubernetesRejected)
-    return not isinstance(getattr(state, "data", None), refused)
+    return not isinstance(getattr(state, "data", None), (StageDiverged, LaunchRejected))
 
 
 def accelerate_command(
@@ -242,8 +244,7 @@ def launch_module(launch: LaunchConfig, module: str, args: list[str], *, nodes: 
 
     Raises:
         LaunchError: the launch failed, hung or timed out (the cluster backends' own errors
-            are subclasses; a job the cluster refuses is a `SlurmRejected` or
-            `KubernetesRejected`).
+            are subclasses; a job the cluster refuses is a `LaunchRejected`).
     """
     if launch.backend == "local":
         cmd = accelerate_command(launch.accelerate_config, module, args, launch.num_processes)

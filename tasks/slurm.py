@@ -27,49 +27,77 @@ from collections.abc import Callable
 from pathlib import Path
 
 from models.config import SlurmConfig
-from tasks.launch import HeartbeatWatch, LaunchError
+from tasks.launch import HeartbeatWatch, LaunchError, LaunchRejected
 
-__all__ = ["SlurmError", "SlurmRejected", "check_slurm", "job_script", "run_slurm_job"]
+__all__ = ["SlurmError", "SlurmRejected", "SlurmUnavailable", "check_slurm", "job_script",
+           "run_slurm_job"]  # fmt: skip
 
 # End states (`scontrol show job`'s JobState). Any of them but COMPLETED fails the launch, and
 # the stage task's retries resubmit it (resuming from the newest checkpoint) unless the stage
 # diverged: NODE_FAIL, PREEMPTED, a killed rank (FAILED) and TIMEOUT all come back that way.
+# Jobs are submitted with --no-requeue, so SLURM does not resubmit them behind Kiln's back.
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-            "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}  # fmt: skip
+            "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}  # fmt: skip
+# States of a job that will not go on by itself: ended as far as Kiln is concerned, and
+# cancelled so that it leaves the queue.
+HELD = {"SPECIAL_EXIT", "REQUEUE_HOLD", "REQUEUE_FED", "REQUEUED", "STOPPED", "SUSPENDED"}
 
 
 # Pending reasons that no wait resolves: the job asks for more than the partition, account or
 # QOS allows. A cluster without `EnforcePartLimits` accepts such a job and leaves it pending
 # for ever; the stage fails at once instead, as if sbatch had refused it.
-NEVER_RUNS = {"PartitionNodeLimit", "PartitionConfig", "PartitionTimeLimit", "BadConstraints",
-              "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
+# (PartitionNodeLimit is not among them: it also means that needed nodes are down for now.)
+NEVER_RUNS = {"PartitionConfig", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
+              "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
               "QOSMaxWallDurationPerJobLimit", "QOSMaxGRESPerJob"}  # fmt: skip
+
+# sbatch failures that a later try may not meet: the controller busy or unreachable.
+TRANSIENT = ("Socket timed out", "Unable to contact slurm controller", "temporarily unable",
+             "Resource temporarily unavailable", "Zero Bytes were transmitted",
+             "Transport endpoint", "timed out after")  # fmt: skip
+# How long the controller may not answer `scontrol` before the watch gives up on the job.
+UNREACHABLE_S = 300.0
 
 
 class SlurmError(LaunchError):
     """A SLURM command failed, or the job ended in another state than COMPLETED."""
 
 
-class SlurmRejected(SlurmError):
+class SlurmRejected(SlurmError, LaunchRejected):
     """`sbatch` refused the job (a bad partition, account or node count): resubmitting the same
     job would be refused the same way, so it is not retried."""
 
 
+class SlurmUnavailable(SlurmError):
+    """No SLURM commands here, or the controller did not answer."""
+
+
 def _slurm(argv: list[str], env: dict[str, str] | None = None) -> str:
+    """Run a SLURM command; its stdout.
+
+    Raises:
+        SlurmUnavailable: the command is missing, timed out, or met a busy controller.
+        SlurmError: it failed with another message (the message is SLURM's).
+    """
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
     except FileNotFoundError:
-        raise SlurmError(
+        raise SlurmUnavailable(
             f"`{argv[0]}` is not on PATH: launch.backend slurm needs the SLURM client commands "
             "(sbatch, scontrol, scancel) on this machine"
         ) from None
+    except subprocess.TimeoutExpired:
+        raise SlurmUnavailable(f"`{shlex.join(argv)}` timed out after 60 s") from None
     if proc.returncode != 0:
-        raise SlurmError(f"`{shlex.join(argv)}` failed: {proc.stderr.strip() or proc.stdout}")
+        said = proc.stderr.strip() or proc.stdout.strip()
+        kind = SlurmUnavailable if any(t in said for t in TRANSIENT) else SlurmError
+        raise kind(said)
     return proc.stdout
 
 
 def _directives(slurm: SlurmConfig, nodes: int, name: str, log: Path) -> list[str]:
-    lines = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={log}"]
+    lines = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={log}",
+             "--no-requeue"]  # fmt: skip
     if slurm.partition:
         lines.append(f"--partition={slurm.partition}")
     if slurm.account:
@@ -88,17 +116,16 @@ def check_slurm(slurm: SlurmConfig, nodes: int) -> None:
 
     Raises:
         SlurmRejected: the cluster refuses it.
-        SlurmError: no SLURM commands here, or the controller does not answer.
+        SlurmUnavailable: no SLURM commands here, or the controller does not answer.
     """
-    argv = ["sbatch", "--test-only", *(f"--{d.lstrip('-')}" for d in _directives(
-        slurm, nodes, "kiln-check", Path(os.devnull))), "--wrap", "true"]  # fmt: skip
+    lines = _directives(slurm, nodes, "kiln-check", Path(os.devnull))
+    argv = ["sbatch", "--test-only", *(a for d in lines for a in shlex.split(d)), "--wrap", "true"]
     try:
         _slurm(argv)
+    except SlurmUnavailable:
+        raise
     except SlurmError as e:
-        if "not on PATH" in str(e):
-            raise
-        raise SlurmRejected(f"launch.slurm: the cluster refuses a {nodes}-node job "
-                            f"({str(e).split('failed: ', 1)[-1]})") from None  # fmt: skip
+        raise SlurmRejected(f"launch.slurm: the cluster refuses a {nodes}-node job ({e})") from None
 
 
 def job_script(rest: list[str], *, nodes: int, processes_per_machine: int, slurm: SlurmConfig,
@@ -117,7 +144,9 @@ def job_script(rest: list[str], *, nodes: int, processes_per_machine: int, slurm
         "set -euo pipefail\n"
         f"cd {shlex.quote(workdir)}\n"
         "export PYTHONUNBUFFERED=1\n"
-        f"srun --kill-on-bad-exit=1 {shlex.join(node)} {port} -- {shlex.join(rest)}\n"
+        # srun (SLURM 22.05+) does not pass --cpus-per-task on from sbatch by itself.
+        "srun --kill-on-bad-exit=1 ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} "
+        f"{shlex.join(node)} {port} -- {shlex.join(rest)}\n"
     )
 
 
@@ -199,8 +228,10 @@ def run_slurm_job(
     try:
         job_id = _slurm(["sbatch", "--parsable", "--open-mode=append", str(script)],
                         sbatch_env).strip().split(";")[0]  # fmt: skip
+    except SlurmUnavailable as e:  # retried: the controller may answer next time
+        raise SlurmError(f"sbatch could not submit the job: {e}") from e
     except SlurmError as e:
-        raise SlurmRejected(f"sbatch refused the job: {str(e).split('failed: ', 1)[-1]}") from e
+        raise SlurmRejected(f"sbatch refused the job: {e}") from e
     logger.info("submitted SLURM job %s: %d node(s), script %s, output %s", job_id, nodes,
                 script, log_path)  # fmt: skip
     tail: collections.deque[str] = collections.deque(maxlen=40)
@@ -208,27 +239,43 @@ def run_slurm_job(
     reader.offset = offset
     beat = HeartbeatWatch(heartbeat, hang_timeout_s, on_progress)
     state, why, fields = "PENDING", None, {}
-    started = time.time()
+    answered, first_running = time.time(), None
     try:
         while True:
-            fields = _job(job_id)
+            try:
+                fields = _job(job_id)
+                answered = time.time()
+            except SlurmUnavailable as e:  # a busy controller: the job itself goes on
+                if time.time() - answered > UNREACHABLE_S:
+                    raise SlurmError(f"SLURM job {job_id}: no answer for {UNREACHABLE_S:g}s "
+                                     f"({e})") from e  # fmt: skip
+                logger.warning(
+                    "SLURM job %s: scontrol did not answer (%s); trying again", job_id, e
+                )
+                time.sleep(slurm.poll_s)
+                continue
             state = fields.get("JobState", "UNKNOWN")
             reader.read()
             if state in FINISHED:
                 break
+            if state in HELD:
+                why = f"ended {state}"
+                break
             if state == "PENDING" and fields.get("Reason") in NEVER_RUNS:
                 why = f"can never start ({fields['Reason']})"
                 break
-            if state == "RUNNING" and (why := beat.check(_start_time(fields, started))):
-                break
-            if timeout_s and time.time() - started > timeout_s:
-                why = f"still {state} after {timeout_s:g}s"
-                break
+            if state == "RUNNING":  # the hang watchdog and the timeout count from its start
+                first_running = first_running or time.time()
+                since = _start_time(fields, first_running)
+                if why := beat.check(since):
+                    break
+                if timeout_s and time.time() - since > timeout_s:
+                    why = f"still running after {timeout_s:g}s"
+                    break
             time.sleep(slurm.poll_s)
     finally:
-        if state not in FINISHED:
-            if why:
-                logger.error("SLURM job %s %s: cancelling it", job_id, why)
+        if state not in FINISHED:  # an exception, SIGTERM or Ctrl-C too
+            logger.error("SLURM job %s %s: cancelling it", job_id, why or "interrupted")
             _cancel(job_id, logger)
         reader.read(final=True)
     if why and why.startswith("can never start"):

@@ -37,6 +37,8 @@ def slurm_available() -> str | None:
         pwd.getpwnam("munge")
     except KeyError:
         return "no munge user (the munge package creates it)"
+    if not Path("/etc/munge/munge.key").is_file():
+        return "no /etc/munge/munge.key (the munge package creates it; or run mungekey)"
     return None
 
 
@@ -61,7 +63,11 @@ class SlurmCluster:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def __enter__(self) -> SlurmCluster:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:  # nothing of a half-started cluster stays behind
+            self.stop()
+            raise
 
     def __exit__(self, *exc) -> None:
         self.stop()
@@ -144,9 +150,9 @@ class SlurmCluster:
         return self
 
     def _daemon(self, argv: list[str], name: str) -> None:
-        log = open(self.base / "log" / f"{name}.stdout", "wb")  # noqa: SIM115 - the daemon's
-        self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                           env=self.env(), start_new_session=True))  # fmt: skip
+        with open(self.base / "log" / f"{name}.stdout", "wb") as log:  # the child keeps its copy
+            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                               env=self.env(), start_new_session=True))  # fmt: skip
 
     def _wait_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -171,7 +177,9 @@ class SlurmCluster:
         return out.split()
 
     def stop(self) -> None:
-        subprocess.run(["scancel", "--full", "-u", "root"], env=self.env(), capture_output=True)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # no controller: nothing to cancel
+            subprocess.run(["scancel", "--full", "-u", "root"], env=self.env(),
+                           capture_output=True, timeout=30)  # fmt: skip
         for p in reversed(self.procs):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)

@@ -93,13 +93,14 @@ def test_plan_for_tiny_from_a_given_rate_and_from_a_measurement(tmp_path, tiny_c
     )
     assert given.exit_code == 0, given.output
     lines = given.output.splitlines()
-    assert lines[0].split()[:3] == ["stage", "steps", "samples"]
+    assert lines[0].split()[:4] == ["stage", "procs", "steps", "samples"]
     rows = {ln.split()[0]: ln.split() for ln in lines if ln.strip().endswith(tuple("0123456789"))}
     assert set(rows) >= {"32px", "48px", "64px", "total"}
-    assert rows["32px"][1:3] == ["12", "96"] and rows["64px"][1:3] == ["8", "64"]
-    assert float(rows["32px"][3]) == 100.0 and float(rows["64px"][3]) < 100.0, "FLOPs-scaled"
+    assert rows["32px"][1:4] == ["1", "12", "96"] and rows["64px"][1:4] == ["1", "8", "64"]
+    assert float(rows["32px"][4]) == 100.0 and float(rows["64px"][4]) < 100.0, "FLOPs-scaled"
     plan = json.loads((root / "runs" / "plan.json").read_text())
-    assert plan["total"]["samples"] == 96 + 64 + 64 and plan["num_processes"] == 1
+    assert plan["total"]["samples"] == 96 + 64 + 64
+    assert [s["processes"] for s in plan["stages"]] == [1, 1, 1]
 
     measured = runner.invoke(
         main, ["plan", "--config", str(tiny_config), "--root", str(root), "--measure-steps", "4"]

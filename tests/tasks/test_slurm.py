@@ -167,35 +167,42 @@ def test_the_cluster_refusing_a_job_is_one_clear_error_before_any_work(on_cluste
     assert on_cluster.jobs() == []
 
 
-def test_sigterm_while_a_stage_runs_cancels_its_job(tmp_path, tiny_shards, on_cluster):
-    """The `kiln` process stopped with SIGTERM (a Prefect worker cancelling the flow run,
-    systemd, Docker): the job is scancel'ed and no rank keeps running on any node."""
-    run = _stage_run(tiny_shards, tmp_path / "stage", nodes=2, steps=100_000)
-    stage_yaml, launch_yaml = tmp_path / "run.yaml", tmp_path / "launch.yaml"
-    stage_yaml.write_text(yaml.safe_dump(run.model_dump(mode="json")))
-    launch_yaml.write_text(yaml.safe_dump(_slurm_launch().model_dump(mode="json")))
-    # What every `kiln` command does first (flows/cli_options.KilnGroup), then the stage task.
-    script = ("import sys, yaml\n"
-              "from flows.cli_options import _exit_cleanly_on_sigterm\n"
-              "from models.config import LaunchConfig, StageRun\n"
-              "from tasks.launch import launch_stage\n"
-              "_exit_cleanly_on_sigterm()\n"
-              "load = lambda p: yaml.safe_load(open(p))\n"
-              "run, launch = StageRun(**load(sys.argv[1])), LaunchConfig(**load(sys.argv[2]))\n"
-              "launch_stage.fn(run, launch)\n")  # fmt: skip
-    argv = [sys.executable, "-c", script, str(stage_yaml), str(launch_yaml)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    heartbeat = tmp_path / "stage" / "heartbeat"
-    deadline = time.monotonic() + 180
-    while not heartbeat.exists() and time.monotonic() < deadline and proc.poll() is None:
+def test_sigterm_to_kiln_train_cancels_the_running_stage_job(tmp_path, tiny_shards, on_cluster):
+    """`kiln train` stopped with SIGTERM (a Prefect worker cancelling the flow run, systemd,
+    Docker) while a stage's job runs: the job is scancel'ed and no rank keeps running on any
+    node."""
+    from prefect.settings import PREFECT_API_URL
+
+    cfg_path, root, version = tiny_shards
+    data = yaml.safe_load(cfg_path.read_text())
+    data["launch"] |= {"backend": "slurm", "slurm": {"poll_s": 0.5}, "health_check": False}
+    data["storage"]["root"] = str(tmp_path / "root")
+    data["train"]["stages"] = [{**data["train"]["stages"][0], "max_steps": 100_000,
+                                "num_machines": 2}]  # fmt: skip
+    cfg = tmp_path / "slurm.yaml"
+    cfg.write_text(yaml.safe_dump(data, sort_keys=False))
+    # The shards where `kiln train` looks for them, and the session's Prefect server.
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "shards").symlink_to(root / "shards")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()
+    kiln = Path(sys.executable).parent / "kiln"
+    proc = subprocess.Popen([str(kiln), "train", "--config", str(cfg), "--dataset-version",
+                             version, "--run-id", "sigterm"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    stage = tmp_path / "root" / "runs" / "sigterm" / "stage-32"
+    deadline = time.monotonic() + 300
+    while not (stage / "heartbeat").exists() and time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
         time.sleep(0.5)
-    assert heartbeat.exists(), proc.communicate(timeout=30)[0][-3000:]
+    assert (stage / "heartbeat").exists(), proc.communicate(timeout=30)[0][-3000:]
     assert len(on_cluster.jobs()) == 1, "the stage's job is running"
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=180)
     assert proc.returncode != 0
     assert "cancelled SLURM job" in out, out[-3000:]
     assert on_cluster.jobs() == [], "no job left in the queue"
-    ranks = subprocess.run(["pgrep", "-f", str(stage_yaml.parent / "stage")], capture_output=True,
+    ranks = subprocess.run(["pgrep", "-f", str(stage / "stage.yaml")], capture_output=True,
                            text=True).stdout.split()  # fmt: skip
-    assert [p for p in ranks if int(p) != os.getpid()] == [], "no rank left on any node"
+    assert ranks == [], "no rank left on any node"
