@@ -164,6 +164,18 @@ class PipelineConfig(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _claim_holds_the_root(self) -> PipelineConfig:
+        kube = self.launch.kubernetes
+        if self.launch.backend == "kubernetes" and kube.storage_claim and kube.mount_path:
+            root = Path(self.storage.root).resolve()
+            if not root.is_relative_to(kube.mount_path):
+                raise ValueError(
+                    f"launch.kubernetes.mount_path: the nodes must see storage.root ({root}) "
+                    f"at the same path, inside the claim (received {kube.mount_path})"
+                )
+        return self
+
     def bucket_stages(self) -> list[int]:
         """Stage resolutions written as aspect-ratio buckets (none unless aspect_buckets)."""
         if not self.shards.aspect_buckets:

@@ -256,22 +256,11 @@ def run_slurm_job(
                 continue
             state = fields.get("JobState", "UNKNOWN")
             reader.read()
-            if state in FINISHED:
-                break
-            if state in HELD:
-                why = f"ended {state}"
-                break
-            if state == "PENDING" and fields.get("Reason") in NEVER_RUNS:
-                why = f"can never start ({fields['Reason']})"
-                break
-            if state == "RUNNING":  # the hang watchdog and the timeout count from its start
+            if state == "RUNNING":
                 first_running = first_running or time.time()
-                since = _start_time(fields, first_running)
-                if why := beat.check(since):
-                    break
-                if timeout_s and time.time() - since > timeout_s:
-                    why = f"still running after {timeout_s:g}s"
-                    break
+            since = _start_time(fields, first_running or time.time())
+            if state in FINISHED or (why := _why_stop(state, fields, beat, timeout_s, since)):
+                break
             time.sleep(slurm.poll_s)
     finally:
         if state not in FINISHED:  # an exception, SIGTERM or Ctrl-C too
@@ -287,6 +276,22 @@ def run_slurm_job(
                        + (f", {reason}" if reason not in ("None", "") else "") + ")")  # fmt: skip
         raise SlurmError(f"SLURM job {job_id} {what}\n" + "\n".join(tail))
     return job_id
+
+
+def _why_stop(state: str, fields: dict[str, str], beat: HeartbeatWatch,
+              timeout_s: float | None, since: float) -> str | None:  # fmt: skip
+    """Why the watch stops a job that has not finished: held, never to start, hung, or past
+    `timeout_s` (the watchdog and the timeout count from its start); None to watch on."""
+    if state in HELD:
+        return f"ended {state}"
+    if state == "PENDING" and fields.get("Reason") in NEVER_RUNS:
+        return f"can never start ({fields['Reason']})"
+    if state == "RUNNING":
+        if why := beat.check(since):
+            return why
+        if timeout_s and time.time() - since > timeout_s:
+            return f"still running after {timeout_s:g}s"
+    return None
 
 
 def _start_time(fields: dict[str, str], fallback: float) -> float:

@@ -129,3 +129,22 @@ def test_two_trainjob_nodes_form_one_world_from_the_trainer_variables(tmp_path):
     assert f"--main_process_port {port}" in outputs[0], "PET_MASTER_PORT, not accelerate's 29500"
     report = json.loads((out / "health.json").read_text())
     assert report["world_size"] == 2
+
+
+def test_the_claim_must_hold_the_storage_root(tmp_path):
+    """The nodes read and write the run folder at the flow machine's path: the claim's mount
+    must contain storage.root."""
+    import yaml
+
+    from flows.config import ConfigError, load_config
+
+    cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
+    cfg["storage"]["root"] = "/mnt/kiln/data"
+    cfg["launch"] |= {"backend": "kubernetes", "kubernetes": {
+        "image": "kiln", "storage_claim": "kiln", "mount_path": "/mnt/other"}}  # fmt: skip
+    (tmp_path / "k.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match=r"launch\.kubernetes\.mount_path: the nodes must see"):
+        load_config(tmp_path / "k.yaml")
+    cfg["launch"]["kubernetes"]["mount_path"] = "/mnt/kiln"
+    (tmp_path / "k.yaml").write_text(yaml.safe_dump(cfg))
+    assert load_config(tmp_path / "k.yaml").launch.kubernetes.mount_path == "/mnt/kiln"
