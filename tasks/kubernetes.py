@@ -17,16 +17,13 @@ cancelled or killed flow run) is deleted with its pods.
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from pathlib import Path
 
 from models.config import KubernetesConfig
-from tasks.launch import HeartbeatWatch, LaunchError, LaunchRejected
+from tasks.launch import ClusterJob, LaunchError, LaunchRejected
 
 __all__ = ["KubernetesError", "KubernetesRejected", "check_kubernetes", "job_outcome",
            "run_train_job", "train_job"]  # fmt: skip
@@ -208,49 +205,37 @@ def check_kubernetes(kube: KubernetesConfig) -> None:
         ) from None
 
 
-def run_train_job(
-    rest: list[str],
-    *,
-    nodes: int,
-    processes_per_machine: int,
-    kube: KubernetesConfig,
-    name: str,
-    logger: logging.Logger | logging.LoggerAdapter,
-    heartbeat: Path | None = None,
-    hang_timeout_s: float | None = None,
-    on_progress: Callable[[int], None] | None = None,
-    timeout_s: float | None = None,
-    env: dict[str, str] | None = None,
-) -> str:
-    """Create the TrainJob for `accelerate launch <rest>` and watch it; returns its name.
+def run_train_job(job: ClusterJob, kube: KubernetesConfig) -> str:
+    """Create `job` as one TrainJob and watch it to the end; returns the TrainJob's name.
 
     Raises:
         KubernetesRejected: the API refused the job (not retried by the stage task).
-        KubernetesError: the job ended Failed, hung (no heartbeat for `hang_timeout_s`) or ran
-            past `timeout_s`; the message has node 0's last log lines.
+        KubernetesError: the job ended Failed, hung (no heartbeat for `job.hang_timeout_s`)
+            or ran past `job.timeout_s`; the message has node 0's last log lines.
     """
     custom, core = _clients(kube)
-    job = train_job(rest, name=name, nodes=nodes, processes_per_machine=processes_per_machine,
-                    kube=kube, env=env)  # fmt: skip
-    job_name, ns = job["metadata"]["name"], kube.namespace
+    logger, timeout_s = job.logger, job.timeout_s
+    obj = train_job(job.rest, name=job.name, nodes=job.nodes, kube=kube, env=job.env,
+                    processes_per_machine=job.processes_per_machine)  # fmt: skip
+    job_name, ns = obj["metadata"]["name"], kube.namespace
     api = (GROUP, VERSION, ns, PLURAL)
     try:
-        custom.create_namespaced_custom_object(*api, job, _request_timeout=TIMEOUT)
+        custom.create_namespaced_custom_object(*api, obj, _request_timeout=TIMEOUT)
     except Exception as e:  # noqa: BLE001 - ApiException, or urllib3's connection errors
         detail = f"{getattr(e, 'status', '')} {getattr(e, 'reason', '')} {getattr(e, 'body', e)}"
         kind = KubernetesRejected if _refused(e) else KubernetesError
         raise kind(f"the Kubernetes API did not take TrainJob {ns}/{job_name}: "
                    f"{detail.strip()}") from None  # fmt: skip
-    logger.info("created TrainJob %s/%s: %d node(s) x %d process(es)", ns, job_name, nodes,
-                processes_per_machine)  # fmt: skip
+    logger.info("created TrainJob %s/%s: %d node(s) x %d process(es)", ns, job_name, job.nodes,
+                job.processes_per_machine)  # fmt: skip
     tail: list[str] = []
     node_zero = _NodeZeroLog(core, ns, job_name, logger, tail)
-    beat = HeartbeatWatch(heartbeat, hang_timeout_s, on_progress)
+    beat = job.heartbeat_watch()
     outcome, why, answered = None, None, time.time()
     try:
         while True:
             try:
-                obj = custom.get_namespaced_custom_object(*api, job_name,
+                current = custom.get_namespaced_custom_object(*api, job_name,
                                                           _request_timeout=TIMEOUT)  # fmt: skip
                 node_zero.poll()
                 answered = time.time()
@@ -261,7 +246,7 @@ def run_train_job(
                                e)  # fmt: skip
                 time.sleep(kube.poll_s)
                 continue
-            if outcome := job_outcome(obj):
+            if outcome := job_outcome(current):
                 break
             since = node_zero.running_since  # not while pods wait for nodes or images
             if since is not None and (why := beat.check(since)):

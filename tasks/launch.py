@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -43,6 +44,7 @@ from tasks.logs import task_logger
 from tasks.plan import local_processes, topology_processes
 
 __all__ = [
+    "ClusterJob",
     "HeartbeatWatch",
     "LaunchError",
     "LaunchRejected",
@@ -208,6 +210,28 @@ def _run(cmd, logger, tail, env, heartbeat, hang_timeout_s, on_progress, timeout
         raise LaunchError(f"accelerate launch failed: {why}\n" + "\n".join(tail))
 
 
+@dataclasses.dataclass(frozen=True)
+class ClusterJob:
+    """One launch on a cluster backend: `accelerate launch <rest>` on `nodes` nodes of
+    `processes_per_machine` processes each, and how to watch it (`heartbeat` and
+    `hang_timeout_s` for the hang watchdog, `on_progress` for each new step, `timeout_s` for
+    the whole run, `env` added to the nodes' environment)."""
+
+    rest: list[str]
+    nodes: int
+    processes_per_machine: int
+    name: str
+    logger: logging.Logger | logging.LoggerAdapter
+    heartbeat: Path | None = None
+    hang_timeout_s: float | None = None
+    on_progress: Callable[[int], None] | None = None
+    timeout_s: float | None = None
+    env: dict[str, str] | None = None
+
+    def heartbeat_watch(self) -> HeartbeatWatch:
+        return HeartbeatWatch(self.heartbeat, self.hang_timeout_s, self.on_progress)
+
+
 class HeartbeatWatch:
     """A stage's heartbeat file, read while its launch runs (here, or as a cluster job whose
     run folder this machine sees): progress for the UI, and the hang watchdog."""
@@ -251,17 +275,16 @@ def launch_module(launch: LaunchConfig, module: str, args: list[str], *, nodes: 
         run_launch(cmd, gpu_limit=launch.gpu_limit, **watch)
         return
     rest = ["--config_file", launch.accelerate_config, "-m", module, *args]
-    per_node, logger = processes_per_machine(launch), task_logger(__name__)
+    job = ClusterJob(rest, nodes, processes_per_machine(launch), name, task_logger(__name__),
+                     **watch)  # fmt: skip
     if launch.backend == "slurm":
         from tasks.slurm import run_slurm_job
 
-        run_slurm_job(rest, nodes=nodes, processes_per_machine=per_node, slurm=launch.slurm,
-                      workdir=workdir, name=name, logger=logger, **watch)  # fmt: skip
+        run_slurm_job(job, launch.slurm, workdir)
     else:
         from tasks.kubernetes import run_train_job
 
-        run_train_job(rest, nodes=nodes, processes_per_machine=per_node,
-                      kube=launch.kubernetes, name=name, logger=logger, **watch)  # fmt: skip
+        run_train_job(job, launch.kubernetes)
 
 
 @task(name="launch-stage", cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_diverged)

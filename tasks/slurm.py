@@ -23,11 +23,10 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from models.config import SlurmConfig
-from tasks.launch import HeartbeatWatch, LaunchError, LaunchRejected
+from tasks.launch import ClusterJob, HeartbeatWatch, LaunchError, LaunchRejected
 
 __all__ = ["SlurmError", "SlurmRejected", "SlurmUnavailable", "check_slurm", "job_script",
            "run_slurm_job"]  # fmt: skip
@@ -195,36 +194,25 @@ class _Tail:
                 self.log.info(line)
 
 
-def run_slurm_job(
-    rest: list[str],
-    *,
-    nodes: int,
-    processes_per_machine: int,
-    slurm: SlurmConfig,
-    workdir: Path,
-    name: str,
-    logger: logging.Logger | logging.LoggerAdapter,
-    heartbeat: Path | None = None,
-    hang_timeout_s: float | None = None,
-    on_progress: Callable[[int], None] | None = None,
-    timeout_s: float | None = None,
-    env: dict[str, str] | None = None,
-) -> str:
-    """Submit `accelerate launch <rest>` on `nodes` nodes and watch it; returns the job id.
+def run_slurm_job(job: ClusterJob, slurm: SlurmConfig, workdir: Path) -> str:
+    """Submit `job` as one SLURM job (its script and output in `workdir`) and watch it to the
+    end; returns the job id.
 
     Raises:
-        SlurmRejected: sbatch refused the job (not retried by the stage task).
+        SlurmRejected: sbatch refused the job, or it can never start (not retried).
         SlurmError: the job ended in another state than COMPLETED, hung (no heartbeat for
-            `hang_timeout_s`) or ran past `timeout_s`; the message has its last output lines.
+            `job.hang_timeout_s`) or ran past `job.timeout_s`; the message has its last
+            output lines.
     """
     workdir.mkdir(parents=True, exist_ok=True)
+    name, nodes, logger = job.name, job.nodes, job.logger
     log_path = workdir / f"slurm-{name}.log"
     script = workdir / f"slurm-{name}.sh"
-    text = job_script(rest, nodes=nodes, processes_per_machine=processes_per_machine,
+    text = job_script(job.rest, nodes=nodes, processes_per_machine=job.processes_per_machine,
                       slurm=slurm, name=name, log=log_path, workdir=os.getcwd())  # fmt: skip
     script.write_text(text)
     offset = log_path.stat().st_size if log_path.is_file() else 0  # a retry appends
-    sbatch_env = {**os.environ, **(env or {})}
+    sbatch_env = {**os.environ, **(job.env or {})}
     try:
         job_id = _slurm(["sbatch", "--parsable", "--open-mode=append", str(script)],
                         sbatch_env).strip().split(";")[0]  # fmt: skip
@@ -237,7 +225,7 @@ def run_slurm_job(
     tail: collections.deque[str] = collections.deque(maxlen=40)
     reader = _Tail(log_path, logger, tail)
     reader.offset = offset
-    beat = HeartbeatWatch(heartbeat, hang_timeout_s, on_progress)
+    beat = job.heartbeat_watch()
     state, why, fields = "PENDING", None, {}
     answered, first_running = time.time(), None
     try:
@@ -259,7 +247,8 @@ def run_slurm_job(
             if state == "RUNNING":
                 first_running = first_running or time.time()
             since = _start_time(fields, first_running or time.time())
-            if state in FINISHED or (why := _why_stop(state, fields, beat, timeout_s, since)):
+            if state in FINISHED or (why := _why_stop(state, fields, beat, job.timeout_s,
+                                                      since)):  # fmt: skip
                 break
             time.sleep(slurm.poll_s)
     finally:

@@ -14,6 +14,7 @@ import pytest
 
 from models.config import KubernetesConfig, LaunchConfig
 from tasks.kubernetes import KubernetesRejected, job_outcome, run_train_job, train_job
+from tasks.launch import ClusterJob
 
 REPO = Path(__file__).resolve().parents[2]
 REST = ["--config_file", "configs/accelerate/single.yaml", "-m", "models.train",
@@ -94,8 +95,8 @@ def test_without_a_cluster_the_job_is_refused_with_the_reason(tmp_path, monkeypa
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing-kubeconfig"))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(KubernetesRejected, match="no cluster to talk to"):
-        run_train_job(REST, nodes=2, processes_per_machine=1, kube=KubernetesConfig(image="k"),
-                      name="stage", logger=logging.getLogger())  # fmt: skip
+        job = ClusterJob(REST, 2, 1, "stage", logging.getLogger())
+        run_train_job(job, KubernetesConfig(image="k"))
     # `kiln train` asks before any work: the same reason, as a config error.
     from flows.config import ConfigError, check_inputs, load_config
 

@@ -147,7 +147,7 @@ def test_a_lost_rank_fails_the_job_and_the_retry_resumes_to_the_same_weights(
 
 def test_the_cluster_refusing_a_job_is_one_clear_error_before_any_work(on_cluster, tmp_path):
     from models.config import SlurmConfig
-    from tasks.launch import _retry_unless_diverged
+    from tasks.launch import ClusterJob, _retry_unless_diverged
     from tasks.slurm import SlurmRejected, check_slurm, run_slurm_job
 
     with pytest.raises(SlurmRejected, match="(?i)invalid partition.*") as bad:
@@ -160,8 +160,8 @@ def test_the_cluster_refusing_a_job_is_one_clear_error_before_any_work(on_cluste
     # Submitted anyway, the job is refused by sbatch or, on a cluster that accepts it and
     # leaves it pending for ever (no EnforcePartLimits, like this one), cancelled at once.
     with pytest.raises(SlurmRejected, match="sbatch refused the job|can never start") as e:
-        run_slurm_job(["-m", "x"], nodes=3, processes_per_machine=1, slurm=SlurmConfig(),
-                      workdir=tmp_path, name="big", logger=logging.getLogger())  # fmt: skip
+        job = ClusterJob(["-m", "x"], 3, 1, "big", logging.getLogger())
+        run_slurm_job(job, SlurmConfig(), tmp_path)
     state = type("S", (), {"data": e.value})()
     assert not _retry_unless_diverged(None, None, state), "a refused job is not resubmitted"
     assert on_cluster.jobs() == []
