@@ -41,8 +41,8 @@ __all__ = [
     "GateConfig",
     "GpuLimitConfig",
     "IngestConfig",
-    "LaunchConfig",
     "KubernetesConfig",
+    "LaunchConfig",
     "ModelConfig",
     "SecretUri",
     "ShardsConfig",
@@ -258,8 +258,8 @@ class StageConfig(Strict):
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     num_machines: int = Field(
         1, ge=1, description="Nodes this stage trains on (more than 1: launch.backend slurm or "
-        "kubernetes); "
-        "each runs launch.num_processes (or the topology's count) processes.",
+        "kubernetes); each runs the backend's gpus_per_node processes, else launch."
+        "num_processes or the topology's count.",
     )  # fmt: skip
 
 
@@ -728,7 +728,7 @@ class LaunchConfig(Strict):
     gpu_limit: GpuLimitConfig | None = Field(
         default_factory=GpuLimitConfig,
         description="Global concurrency limit taken around every local launch; null: none. "
-        "With slurm the cluster's scheduler owns the GPUs.",
+        "On a cluster backend the cluster's scheduler owns the GPUs.",
     )
     backend: Literal["local", "slurm", "kubernetes"] = Field(
         "local", description="local: `accelerate launch` on this machine; slurm: one SLURM "
