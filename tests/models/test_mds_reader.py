@@ -83,6 +83,16 @@ print(json.dumps(out), flush=True)
 """
 
 
+# Both ranks of one run share a /dev/shm of their own: another test worker's datasets,
+# opening and closing beside them, would otherwise take or free prefixes mid-race.
+PRIVATE_SHM = """
+mount -t tmpfs -o size=64m tmpfs /dev/shm || exit 90
+RANK=0 LOCAL_RANK=0 "$0" -c "$1" "$2" "$3" >"$4/out0" 2>"$4/err0" & a=$!
+RANK=1 LOCAL_RANK=1 "$0" -c "$1" "$2" "$3" >"$4/out1" 2>"$4/err1" & b=$!
+wait $a; echo $? >"$4/rc0"; wait $b; echo $? >"$4/rc1"
+"""
+
+
 @pytest.mark.integration
 def test_ranks_agree_on_the_shared_memory_prefix_when_another_job_takes_one(tmp_path):
     import json
@@ -93,36 +103,29 @@ def test_ranks_agree_on_the_shared_memory_prefix_when_another_job_takes_one(tmp_
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
+    # A mount namespace of its own; outside root, inside a user namespace that maps to root.
+    unshare = ["unshare", "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        unshare[1:1] = ["--user", "--map-root-user"]
     results = {}
     for impl in ("streaming", "kiln"):
-        local = tmp_path / impl  # distinct locals: the two runs do not collide
+        run = tmp_path / impl  # distinct locals: the two runs do not collide
+        run.mkdir()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [
-            subprocess.Popen(
-                [sys.executable, "-c", RACE, impl, str(local)],
-                cwd=repo,
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env={
-                    **os.environ,
-                    "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(port),
-                    "WORLD_SIZE": "2",
-                    "RANK": str(r),
-                    "LOCAL_RANK": str(r),
-                    "LOCAL_WORLD_SIZE": "2",
-                    "PYTHONPATH": str(repo),
-                },
-            )  # fmt: skip
-            for r in (0, 1)
-        ]
-        outs = [p.communicate(timeout=120) for p in procs]
-        for p, (_, err) in zip(procs, outs, strict=True):
-            assert p.returncode == 0, err[-3000:]
-        results[impl] = [json.loads(out.splitlines()[-1]) for out, _ in outs]
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(repo)}  # fmt: skip
+        done = subprocess.run(
+            [*unshare, "sh", "-c", PRIVATE_SHM, sys.executable, RACE, impl, f"{run}/local", run],
+            cwd=repo, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[impl] = []
+        for r in (0, 1):
+            err = (run / f"err{r}").read_text()
+            assert (run / f"rc{r}").read_text().strip() == "0", err[-3000:]
+            results[impl].append(json.loads((run / f"out{r}").read_text().splitlines()[-1]))
     # streaming's own: the leader registered the prefix after the job's, rank 1 the job's.
     assert "prefix" in results["streaming"][0]
     assert "was not registered by local leader" in results["streaming"][1]["error"]
