@@ -1,23 +1,38 @@
 """The catalog's Great Expectations suite, built in code, and the row-level verdicts from it.
 
-The suite runs through a GX Checkpoint with `result_format="COMPLETE"` and
-`unexpected_index_column_names=["uid"]`, so every failing row is identified and can be
-quarantined with a reason code. The same run renders a Data Docs site when asked.
+The suite is the source of truth for the rules: each expectation carries its reason code, and
+Kiln evaluates each one as a vectorised column operation with GX's semantics (a column-map
+check skips nulls), a partition of rows at a time (`check_rows`). GX validates every partition
+too, for counts only (`result_format="SUMMARY"`: no per-row records), and a partition on which
+GX and Kiln disagree fails loudly. The cross-catalog rules, exact and near duplicates, are
+row-local checks on derived columns (`duplicate_of`, `near_duplicate_of`) that
+`cross_catalog` fills in from the whole catalog's hashes. The Data Docs page shows the whole
+catalog's counts and a bounded sample of the failing rows (`write_data_docs`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
-from data_quality.near_dup import near_duplicates
+from data_quality.near_dup import near_duplicates, near_duplicates_against, phash_to_uint64
 from data_quality.rules import QualityConfig
 
-__all__ = ["REASONS", "QualityVerdict", "build_suite", "prepare", "run_suite"]
+__all__ = [
+    "CROSS_REASONS", "INGEST_REASONS", "REASONS", "QualityVerdict", "RowCheck", "apply_cross",
+    "build_suite", "check_rows", "cross_catalog", "derive", "expectation_summaries",
+    "hash_columns", "run_suite", "suite_key", "write_data_docs",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -59,46 +74,6 @@ INGEST_REASONS = {
     "manifest_missing_file": "manifest row whose file is not in the source",
     "manifest_unreadable": "manifest file cannot be parsed",
 }
-
-
-@dataclass
-class QualityVerdict:
-    """Outcome of the suite on one catalog."""
-
-    clean: pd.DataFrame
-    rejected: pd.DataFrame  # source, key, reason, detail
-    expectations: list[dict]  # one summary per expectation: type, column, success, unexpected
-    near_duplicates: int  # rows flagged (quarantined too when drop_near_duplicates)
-    docs_index: str | None  # Data Docs index.html, when built
-
-
-def prepare(catalog: pd.DataFrame, rules: QualityConfig) -> pd.DataFrame:
-    """The catalog plus the derived columns that the expectations check.
-
-    Rows are ordered by (ingest_seq, source, key): the earliest ingested copy of a duplicate
-    is the one kept.
-    """
-    required = {"key", "source", "caption", "width", "height", "sha256", "phash", "ingest_seq"}
-    missing = required - set(catalog.columns)
-    if missing:
-        raise ValueError(
-            f"catalog is missing columns {sorted(missing)}; got {list(catalog.columns)}"
-        )
-    if rules.allowed_licenses is not None and rules.license_column not in catalog.columns:
-        raise ValueError(
-            f"quality.allowed_licenses is set but the catalog has no {rules.license_column!r} "
-            f"column; add it to ingest.metadata_columns (columns: {list(catalog.columns)})"
-        )
-    df = catalog.sort_values(["ingest_seq", "source", "key"], kind="stable").reset_index(drop=True)
-    df["uid"] = df["source"].str.rstrip("/") + "/" + df["key"]
-    short = df[["width", "height"]].min(axis=1)
-    df["short_side"] = short
-    df["aspect_ratio"] = (df[["width", "height"]].max(axis=1) / short.clip(lower=1)).round(3)
-    caps = df["caption"].fillna("")
-    df["ascii_ratio"] = [round(sum(c.isascii() for c in s) / len(s), 3) if s else 1.0 for s in caps]
-    match = near_duplicates(list(df["phash"]), list(df["sha256"]), rules.near_duplicate_distance)
-    df["near_duplicate_of"] = [None if m is None else df["uid"].iat[m] for m in match]
-    return df
 
 
 def build_suite(rules: QualityConfig, columns: set[str]):
@@ -165,123 +140,405 @@ def build_suite(rules: QualityConfig, columns: set[str]):
     return suite
 
 
-def _validate(df: pd.DataFrame, rules: QualityConfig, docs_dir: Path | None):
-    import great_expectations as gx
-    from great_expectations.checkpoint import UpdateDataDocsAction
+CROSS_REASONS = ("duplicate_sha256", "near_duplicate")  # need the whole catalog
+REQUIRED = ("key", "source", "caption", "width", "height", "sha256", "phash", "ingest_seq")
+SAMPLE = 20  # failing rows per expectation kept for the Data Docs
+_SUITE_FORMAT = 2  # part of `suite_key`: bump when a rule's meaning changes
 
-    ctx = gx.get_context(mode="ephemeral")
-    ctx.variables.progress_bars = {"globally": False}
-    actions = []
-    if docs_dir is not None:
-        ctx.add_data_docs_site(
-            site_name="kiln",
-            site_config={
-                "class_name": "SiteBuilder",
-                "store_backend": {
-                    "class_name": "TupleFilesystemStoreBackend",
-                    "base_directory": str(docs_dir),
-                },
-                "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-            },
+
+def suite_key(rules: QualityConfig) -> str:
+    """Identifies the rules a verdict was reached under: rows checked under the same key are
+    not checked again."""
+    blob = json.dumps([_SUITE_FORMAT, rules.model_dump(mode="json")], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def check_columns(columns, rules: QualityConfig) -> None:
+    """Raise a clear error when the catalog lacks what the rules need."""
+    missing = set(REQUIRED) - set(columns)
+    if missing:
+        raise ValueError(f"catalog is missing columns {sorted(missing)}; got {list(columns)}")
+    if rules.allowed_licenses is not None and rules.license_column not in columns:
+        raise ValueError(
+            f"quality.allowed_licenses is set but the catalog has no {rules.license_column!r} "
+            f"column; add it to ingest.metadata_columns (columns: {list(columns)})"
         )
-        actions.append(UpdateDataDocsAction(name="data_docs", site_names=["kiln"]))
-    batch_def = (
-        ctx.data_sources.add_pandas("kiln")
-        .add_dataframe_asset("catalog")
-        .add_batch_definition_whole_dataframe("all")
+
+
+def _strings(col: pd.Series) -> pa.Array:
+    return pa.array(col.astype(object).where(col.notna(), None), pa.string())
+
+
+def derive(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows plus the derived columns that the expectations check, by columns."""
+    w, h = df["width"].to_numpy(float), df["height"].to_numpy(float)
+    short = np.minimum(w, h)
+    caps = _strings(df["caption"])
+    n = pc.fill_null(pc.utf8_length(caps), 0).to_numpy(zero_copy_only=False)
+    plain = pc.replace_substring_regex(caps, pattern=r"[^\x00-\x7f]", replacement="")
+    ascii_n = pc.fill_null(pc.utf8_length(plain), 0).to_numpy(zero_copy_only=False)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(n > 0, np.round(ascii_n / np.maximum(n, 1), 3), 1.0)
+    return df.assign(
+        uid=df["source"].astype(str).str.rstrip("/") + "/" + df["key"].astype(str),
+        short_side=np.minimum(df["width"].to_numpy(), df["height"].to_numpy()),
+        aspect_ratio=np.round(np.maximum(w, h) / np.clip(short, 1, None), 3),
+        ascii_ratio=ratio,
     )
-    suite = ctx.suites.add(build_suite(rules, set(df.columns)))
-    vd = ctx.validation_definitions.add(
-        gx.ValidationDefinition(name="kiln_catalog", data=batch_def, suite=suite)
+
+
+def _gx_frame(df: pd.DataFrame, rules: QualityConfig) -> pd.DataFrame:
+    """The frame as GX sees it: a missing license or score must fail, and GX's column-map
+    checks skip nulls, so they are filled with values that fail."""
+    out = {}
+    if rules.allowed_licenses is not None:
+        col = df[rules.license_column]
+        out[rules.license_column] = col.astype(object).where(col.notna(), "<missing>")
+    if rules.min_aesthetic is not None and rules.aesthetic_column in df.columns:
+        scores = pd.to_numeric(df[rules.aesthetic_column], errors="coerce")
+        out[rules.aesthetic_column] = scores.fillna(-np.inf)
+    return df.assign(**out) if out else df
+
+
+def _unexpected(kind: str, kw: dict, col: pd.Series) -> np.ndarray:
+    """Rows that fail one expectation, with GX's semantics (column-map checks skip nulls)."""
+    null = col.isna().to_numpy()
+    if kind == "expect_column_values_to_not_be_null":
+        return null
+    if kind == "expect_column_values_to_be_null":
+        return ~null
+    if kind == "expect_column_values_to_match_regex":
+        hit = pc.fill_null(pc.match_substring_regex(_strings(col), kw["regex"]), False)
+        return ~null & ~hit.to_numpy(zero_copy_only=False)
+    if kind == "expect_column_values_to_be_in_set":
+        return ~null & ~col.isin(kw["value_set"]).to_numpy()
+    if kind == "expect_column_value_lengths_to_be_between":
+        vals = pc.utf8_length(_strings(col)).to_numpy(zero_copy_only=False).astype(float)
+    elif kind == "expect_column_values_to_be_between":
+        vals = pd.to_numeric(col, errors="coerce").to_numpy(float)
+    else:
+        raise NotImplementedError(f"Kiln cannot evaluate expectation {kind!r} by columns")
+    ok = np.ones(len(col), bool)
+    with np.errstate(invalid="ignore"):
+        if kw.get("min_value") is not None:
+            ok &= (vals > kw["min_value"]) if kw.get("strict_min") else (vals >= kw["min_value"])
+        if kw.get("max_value") is not None:
+            ok &= (vals < kw["max_value"]) if kw.get("strict_max") else (vals <= kw["max_value"])
+    return ~null & ~ok
+
+
+def _expectations(rules: QualityConfig, columns) -> list[tuple[str, str, str, dict]]:
+    """(reason, expectation type, column, kwargs) of the suite, in suite order."""
+    out = []
+    _, vd = _gx.get(rules, tuple(sorted(columns)))  # a suite needs a GX context
+    for x in vd.suite.expectations:
+        cfg = x.configuration
+        out.append((cfg.meta["reason"], cfg.type, cfg.kwargs["column"], dict(cfg.kwargs)))
+    return out
+
+
+class _GX(threading.local):
+    """One GX context and validation definition per thread and suite: building them costs
+    more than validating a partition."""
+
+    def get(self, rules: QualityConfig, columns: tuple[str, ...]):
+        key = (suite_key(rules), rules.aesthetic_column in columns)  # all build_suite reads
+        cache = self.__dict__.setdefault("cache", {})
+        if key not in cache:
+            import great_expectations as gx
+
+            ctx = gx.get_context(mode="ephemeral")
+            ctx.variables.progress_bars = {"globally": False}
+            batch_def = (
+                ctx.data_sources.add_pandas("kiln")
+                .add_dataframe_asset("catalog")
+                .add_batch_definition_whole_dataframe("all")
+            )
+            suite = ctx.suites.add(build_suite(rules, set(columns)))
+            vd = ctx.validation_definitions.add(
+                gx.ValidationDefinition(name="kiln_catalog", data=batch_def, suite=suite)
+            )
+            cache[key] = (ctx, vd)
+        return cache[key]
+
+
+_gx = _GX()
+
+
+def _gx_run(frame: pd.DataFrame, rules: QualityConfig):
+    _, vd = _gx.get(rules, tuple(frame.columns))
+    return vd.run(batch_parameters={"dataframe": frame}, result_format={"result_format": "SUMMARY"})
+
+
+@dataclass
+class RowCheck:
+    """The row-local rules on one partition of the catalog (picklable: a Dask task's result)."""
+
+    rows: int
+    rejected: pd.DataFrame  # source, key, reason, detail: the first failing rule of each row
+    counts: dict[str, int]  # unexpected rows per reason (a row may fail several)
+    sample: pd.DataFrame  # up to SAMPLE failing rows per reason, as GX sees them
+    hashes: tuple[np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+
+
+def check_rows(
+    df: pd.DataFrame, rules: QualityConfig, *, gx_check: bool = True, hashes: bool = True
+) -> RowCheck:
+    """The row-local expectations on `df`, by columns; GX validates the same rows for counts,
+    and a disagreement raises. With `hashes`, also the rows' `hash_columns`."""
+    check_columns(df.columns, rules)
+    df = derive(df.reset_index(drop=True))
+    vdf = _gx_frame(df.assign(duplicate_of=None, near_duplicate_of=None), rules)
+    exps = _expectations(rules, vdf.columns)
+    first = np.full(len(df), -1)
+    counts, samples = {}, []
+    for i, (reason, kind, column, kw) in enumerate(exps):
+        if reason in CROSS_REASONS:
+            continue
+        bad = _unexpected(kind, kw, vdf[column])
+        counts[reason] = int(bad.sum())
+        first[(first < 0) & bad] = i
+        if counts[reason]:
+            samples.append(vdf[bad].head(SAMPLE))
+    if gx_check and len(df):
+        theirs = {r.expectation_config.meta["reason"]: int(r.result.get("unexpected_count") or 0)
+                  for r in _gx_run(vdf, rules).results}  # fmt: skip
+        wrong = {r: (theirs.get(r), n) for r, n in counts.items() if theirs.get(r) != n}
+        if wrong:
+            raise RuntimeError(
+                f"Great Expectations and Kiln's column checks disagree on {len(df)} rows "
+                f"(reason: (GX, Kiln) unexpected counts): {wrong}"
+            )
+    hit = first >= 0
+    reasons = np.array([e[0] for e in exps], dtype=object)
+    columns = np.array([e[2] for e in exps], dtype=object)
+    cols = columns[first[hit]]
+    bad = vdf[hit]
+    details = [f"{c}={v!r}"[:300] for c, v in zip(cols, _values(bad, cols), strict=True)]
+    rejected = pd.DataFrame({"source": bad["source"].to_numpy(object),
+                             "key": bad["key"].to_numpy(object),
+                             "reason": reasons[first[hit]], "detail": details,
+                             "pos": np.flatnonzero(hit)},
+                            columns=["source", "key", "reason", "detail", "pos"])  # fmt: skip
+    # GX renders the Data Docs from a sample: the failing rows, and a few rows at least.
+    sample = pd.concat([*samples, vdf.head(3)], ignore_index=True)
+    return RowCheck(rows=len(df), rejected=rejected, counts=counts, sample=sample,
+                    hashes=hash_columns(df) if hashes else None)  # fmt: skip
+
+
+def _values(frame: pd.DataFrame, columns: np.ndarray) -> list:
+    """frame[columns[i]] of row i, a column at a time."""
+    out = np.empty(len(frame), dtype=object)
+    for c in set(columns):
+        at = columns == c
+        out[at] = frame[c].to_numpy(object)[at]
+    return [v.item() if hasattr(v, "item") else v for v in out]
+
+
+def hash_columns(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(sha_hi, sha_lo, phash) as uint64: the sha256 as two independent 64-bit hashes (equal
+    sha256, equal pair; 128 bits, so that unequal ones collide with odds near 1e-20 at a
+    billion rows), and the 16-hex-digit pHash."""
+    sha = df["sha256"].astype(str).to_numpy(object)
+    return (
+        pd.util.hash_array(sha, hash_key="kiln-sha256-hi-0"),
+        pd.util.hash_array(sha, hash_key="kiln-sha256-lo-1"),
+        phash_to_uint64(df["phash"].to_numpy(object)),
     )
-    checkpoint = ctx.checkpoints.add(
-        gx.Checkpoint(
-            name="kiln_gate",
-            validation_definitions=[vd],
-            actions=actions,
-            result_format={"result_format": "COMPLETE", "unexpected_index_column_names": ["uid"]},
+
+
+@dataclass
+class CrossCheck:
+    """The cross-catalog rules over the new rows: for each, the position (in the whole
+    catalog's priority order) of the row it duplicates, or -1."""
+
+    duplicate_of: np.ndarray
+    near_duplicate_of: np.ndarray
+
+
+def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0) -> CrossCheck:
+    """Exact and near duplicates of the `new` rows' hashes (hi, lo, phash), among themselves
+    and against the old rows, which all come earlier: `old_batches` yields their hashes a
+    batch at a time, in order (`old_rows` rows in all). Positions count the old rows first."""
+    hi, lo, ph = new
+    n = len(hi)
+    dup = np.full(n, -1, np.int64)
+    near = np.full(n, -1, np.int64)
+    d = rules.near_duplicate_distance
+    start = 0
+    want = pd.MultiIndex.from_arrays([hi, lo])
+    for ohi, olo, oph in old_batches:
+        if n:
+            # exact: the first old row of each new sha256 (first batch first)
+            old = pd.MultiIndex.from_arrays([ohi, olo])
+            first_old = pd.Series(np.arange(len(ohi)), index=old)
+            first_old = first_old[~old.duplicated()]
+            pos = first_old.reindex(want).to_numpy()
+            take = (dup < 0) & ~np.isnan(pos)
+            dup[take] = pos[take].astype(np.int64) + start
+            m = near_duplicates_against(ph, hi, oph, ohi, d)
+            take = (near < 0) & (m >= 0)
+            near[take] = m[take] + start
+        start += len(ohi)
+    assert start == old_rows, (start, old_rows)
+    # among the new rows: the first copy of each sha256 is kept (unless an old row has it)
+    if n:
+        order = np.lexsort((np.arange(n), lo, hi))
+        same = np.r_[False, (hi[order][1:] == hi[order][:-1]) & (lo[order][1:] == lo[order][:-1])]
+        head = order[np.maximum.accumulate(np.where(~same, np.arange(n), 0))]
+        mine = np.full(n, -1, np.int64)
+        mine[order] = np.where(head != order, head, -1)
+        take = (dup < 0) & (mine >= 0)
+        dup[take] = mine[take] + old_rows
+        m = near_duplicates(ph, hi, d)
+        take = (near < 0) & (m >= 0)
+        near[take] = m[take] + old_rows
+    return CrossCheck(duplicate_of=dup, near_duplicate_of=near)
+
+
+def apply_cross(
+    rows: RowCheck, cross: CrossCheck, rules: QualityConfig, keys_at, offset: int = 0
+) -> dict:
+    """Merge the cross-catalog results of the rows at positions `offset`... into the row-local
+    ones (`rows`, whose `rejected` has their positions in `pos`): `rejected` (each row under
+    its first reason in suite order), `flags` (near-duplicates kept: source, key,
+    near_duplicate_of) and `counts`. `keys_at(positions)` gives the (sources, keys) of
+    catalog positions, for the rows hit and the rows they duplicate."""
+    dup, near = cross.duplicate_of, cross.near_duplicate_of
+    counts = {**rows.counts, "duplicate_sha256": int((dup >= 0).sum())}
+    if rules.drop_near_duplicates:
+        counts["near_duplicate"] = int((near >= 0).sum())
+    free = np.ones(len(dup), bool)
+    free[rows.rejected["pos"].to_numpy(np.int64) - offset] = False
+    is_dup = free & (dup >= 0)
+    is_near = free & ~is_dup & (near >= 0)
+    need = np.unique(np.concatenate([
+        np.flatnonzero(is_dup | is_near) + offset, dup[is_dup], near[is_near]]))  # fmt: skip
+    src, key = keys_at(need) if len(need) else (np.array([], object), np.array([], object))
+    at = {int(p): i for i, p in enumerate(need)}
+
+    def frame(hit, targets, reason, what):
+        me = [at[int(p)] for p in np.flatnonzero(hit) + offset]
+        of = [at[int(p)] for p in targets[hit]]
+        uid = [f"{str(src[i]).rstrip('/')}/{key[i]}" for i in of]
+        out = pd.DataFrame({"source": src[me], "key": key[me], "reason": reason,
+                            "detail": [f"{what} {u}" for u in uid]},
+                           columns=["source", "key", "reason", "detail"])  # fmt: skip
+        return out, uid
+
+    dups, _ = frame(is_dup, dup, "duplicate_sha256", "same sha256 as")
+    nears, near_uid = frame(is_near, near, "near_duplicate", "pHash near")
+    parts = [rows.rejected.drop(columns="pos"), dups]
+    flags = pd.DataFrame(columns=["source", "key", "near_duplicate_of"])
+    if rules.drop_near_duplicates:
+        parts.append(nears)
+    else:
+        flags = nears[["source", "key"]].assign(near_duplicate_of=near_uid)
+    rejected = pd.concat([x for x in parts if len(x)] or [dups], ignore_index=True)
+    return {"rejected": rejected, "flags": flags, "counts": counts,
+            "near_duplicates": int(is_near.sum())}  # fmt: skip
+
+
+def expectation_summaries(rules: QualityConfig, counts: dict[str, int]) -> list[dict]:
+    """One summary per expectation of the suite (type, column, reason, success, unexpected)."""
+    cols = {*REQUIRED, rules.license_column, rules.aesthetic_column}
+    return [{"expectation": kind, "column": column, "reason": reason,
+             "success": not counts.get(reason, 0), "unexpected": int(counts.get(reason, 0))}
+            for reason, kind, column, _ in _expectations(rules, cols)]  # fmt: skip
+
+
+def write_data_docs(
+    docs_dir: Path, rules: QualityConfig, sample: pd.DataFrame, counts: dict[str, int], rows: int
+) -> str:
+    """A Data Docs site for the whole catalog in `docs_dir`: GX renders its validation of
+    `sample` (failing rows, bounded) with each expectation's counts set to the catalog's
+    (`counts` of `rows` rows). Returns the index page."""
+    import copy
+
+    from great_expectations.core.run_identifier import RunIdentifier
+    from great_expectations.data_context.types.resource_identifiers import (
+        ExpectationSuiteIdentifier,
+        ValidationResultIdentifier,
+    )
+
+    ctx, vd = _gx.get(rules, tuple(sample.columns))
+    site = f"kiln-{threading.get_ident()}"
+    ctx.add_data_docs_site(site_name=site, site_config={
+        "class_name": "SiteBuilder",
+        "store_backend": {"class_name": "TupleFilesystemStoreBackend",
+                          "base_directory": str(docs_dir)},
+        "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+    })  # fmt: skip
+    try:
+        run = copy.deepcopy(_gx_run(sample, rules))
+        for r in run.results:
+            n = int(counts.get(r.expectation_config.meta["reason"], 0))
+            r.result.update(element_count=rows, unexpected_count=n, missing_count=0,
+                            unexpected_percent=100 * n / rows if rows else 0.0)  # fmt: skip
+            r.success = n == 0
+        ok = sum(r.success for r in run.results)
+        run.success = ok == len(run.results)
+        run.statistics.update(evaluated_expectations=len(run.results),
+                              successful_expectations=ok,
+                              unsuccessful_expectations=len(run.results) - ok,
+                              success_percent=100 * ok / max(1, len(run.results)))  # fmt: skip
+        suite_id = ExpectationSuiteIdentifier(name=vd.suite.name)
+        key = ValidationResultIdentifier(
+            expectation_suite_identifier=suite_id,
+            run_id=RunIdentifier(run_name="kiln", run_time=datetime.now(UTC)),
+            batch_identifier="catalog",
         )
-    )
-    result = checkpoint.run(batch_parameters={"dataframe": df})
-    return next(iter(result.run_results.values()))
+        ctx.validation_results_store.set(key, run)
+        ctx.build_data_docs(site_names=[site], resource_identifiers=[key, suite_id])
+    finally:
+        ctx.delete_data_docs_site(site)
+    return str(docs_dir / "index.html")
+
+
+@dataclass
+class QualityVerdict:
+    """Outcome of the suite on one catalog held in memory (`run_suite`)."""
+
+    clean: pd.DataFrame
+    rejected: pd.DataFrame  # source, key, reason, detail
+    expectations: list[dict]  # one summary per expectation: type, column, success, unexpected
+    near_duplicates: int  # rows flagged (quarantined too when drop_near_duplicates)
+    docs_index: str | None  # Data Docs index.html, when built
 
 
 def run_suite(
     catalog: pd.DataFrame, rules: QualityConfig, docs_dir: Path | None = None
 ) -> QualityVerdict:
-    """Validate `catalog` (the current view's accepted rows) and split it into clean and
-    rejected rows. A row failing several expectations is quarantined once, under the first
-    reason in suite order. With `docs_dir`, a Data Docs site is written there."""
-    df = prepare(catalog, rules)
-    # GX's column-map checks skip nulls; a missing license or score must fail, not pass.
-    vdf = df.copy()
-    if rules.allowed_licenses is not None:
-        vdf[rules.license_column] = (
-            vdf[rules.license_column]
-            .astype(object)
-            .where(vdf[rules.license_column].notna(), "<missing>")
-        )
-    if rules.min_aesthetic is not None and rules.aesthetic_column in vdf.columns:
-        scores = pd.to_numeric(vdf[rules.aesthetic_column], errors="coerce")
-        vdf[rules.aesthetic_column] = scores.fillna(-np.inf)
-    elif rules.min_aesthetic is not None:
+    """Validate `catalog`, held in memory, and split it into clean and rejected rows: the
+    checks `kiln validate` runs a partition at a time. A row failing several expectations is
+    quarantined once, under the first reason in suite order; of duplicates, the earliest
+    ingested copy (by ingest_seq, source, key) is kept. With `docs_dir`, a Data Docs site is
+    written there."""
+    check_columns(catalog.columns, rules)
+    if rules.min_aesthetic is not None and rules.aesthetic_column not in catalog.columns:
         log.warning(
             "quality.min_aesthetic set, but no %r column: check skipped", rules.aesthetic_column
         )
-
-    rejected: dict[str, tuple[str, str]] = {}
-    summaries: list[dict] = []
+    df = catalog.sort_values(["ingest_seq", "source", "key"], kind="stable").reset_index(drop=True)
+    rows = check_rows(df, rules)
+    src, key = df["source"].to_numpy(object), df["key"].to_numpy(object)
+    verdict = apply_cross(rows, cross_catalog(rows.hashes, rules), rules,
+                          lambda pos: (src[pos], key[pos]))  # fmt: skip
     docs_index = None
-    if len(df):
-        run = _validate(vdf, rules, docs_dir)
-        first_of_sha = df.groupby("sha256")["uid"].first()
-        for r in run.results:
-            cfg = r.expectation_config
-            reason, column = cfg.meta["reason"], cfg.kwargs["column"]
-            bad = [row["uid"] for row in r.result.get("unexpected_index_list") or []]
-            vals = dict(zip(df["uid"], df[column], strict=True))
-            if reason == "duplicate_sha256":
-                # GX flags every copy; keep the earliest ingested one.
-                keep = set(first_of_sha.values)
-                bad = [u for u in bad if u not in keep]
-                details = {u: f"same sha256 as {first_of_sha[vals[u]]}" for u in bad}
-            elif reason == "near_duplicate":
-                details = {u: f"pHash near {vals[u]}" for u in bad}
-            else:
-                details = {u: f"{column}={vals[u]!r}"[:300] for u in bad}
-            for u in bad:
-                rejected.setdefault(u, (reason, details[u]))
-            summaries.append(
-                {
-                    "expectation": cfg.type,
-                    "column": column,
-                    "reason": reason,
-                    "success": not bad,
-                    "unexpected": len(bad),
-                }
-            )
-        if docs_dir is not None and (docs_dir / "index.html").is_file():
-            docs_index = str(docs_dir / "index.html")
-    by_uid = df.set_index("uid")
-    rej = pd.DataFrame(
-        [
-            {"source": by_uid.at[u, "source"], "key": by_uid.at[u, "key"], "reason": v[0],
-             "detail": v[1]}
-            for u, v in sorted(rejected.items())
-        ],
-        columns=["source", "key", "reason", "detail"],
-    )  # fmt: skip
-    derived = ["uid", "short_side", "aspect_ratio", "ascii_ratio"]
-    clean = df[~df["uid"].isin(rejected)].drop(columns=derived)
+    if docs_dir is not None and len(df):
+        docs_index = write_data_docs(docs_dir, rules, rows.sample, verdict["counts"], len(df))
+    rejected = verdict["rejected"].sort_values(["source", "key"]).reset_index(drop=True)
+    gone = pd.MultiIndex.from_frame(rejected[["source", "key"]])
+    keep = ~pd.MultiIndex.from_arrays([df["source"], df["key"]]).isin(gone)
+    flags = verdict["flags"].set_index(["source", "key"])["near_duplicate_of"]
+    clean = df[keep]
+    clean = clean.assign(near_duplicate_of=flags.reindex(
+        pd.MultiIndex.from_frame(clean[["source", "key"]])).to_numpy())  # fmt: skip
     clean = clean.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
     return QualityVerdict(
         clean=clean,
-        rejected=rej,
-        expectations=summaries,
-        near_duplicates=sum(
-            1
-            for u in df.loc[df["near_duplicate_of"].notna(), "uid"]
-            if rejected.get(u, ("near_duplicate",))[0] == "near_duplicate"
-        ),
+        rejected=rejected,
+        expectations=expectation_summaries(rules, verdict["counts"]),
+        near_duplicates=verdict["near_duplicates"],
         docs_index=docs_index,
     )

@@ -42,7 +42,11 @@ def validate_flow(
     ingest_id = ingest_id or layout.latest("catalog", "validate")
     try:
         result = validate_catalog(
-            cfg.storage.root, ingest_id, cfg.quality, allow_failed_gate=allow_failed_gate
+            cfg.storage.root,
+            ingest_id,
+            cfg.quality,
+            allow_failed_gate=allow_failed_gate,
+            dask_address=cfg.execution.dask_address,
         )
         return result.to_dict()
     finally:

@@ -2,25 +2,27 @@
 
 Per run, `<root>/catalog/<ingest_id>/` gets:
 
-* `listing.parquet`: every object the run saw (key, size, ETag or mtime);
+* `listing.parquet`: the objects of the run's listing that were new or changed (key, size,
+  ETag or mtime);
 * `accepted.parquet` and `quarantine.parquet`: only the rows this run decoded or rejected;
-* `view_accepted.parquet` and `view_quarantine.parquet`: the current view, every row of every
-  source ingested into this root that is still present (what validate reads);
+* `superseded.parquet`: the units of the source this run replaced or found removed;
 * `summary.json`: counts, per-reason tallies and the incremental delta.
 
-`<root>/catalog/LATEST` names the ingest whose view is current. A run compares the listing
-with the view, item by item (key plus size and ETag or mtime, and the versions of its
-sidecars or manifest row): unchanged items are not read again, changed ones replace their old
-rows, and items gone from the source leave the view. A re-run over an unchanged source decodes
-nothing and adds no rows.
+The current view, every row of every source ingested into this root that is still present
+(what validate reads), is a scan over the chain of ingests (`tasks.catalog_view`); no ingest
+rewrites it. `<root>/catalog/LATEST` names the ingest whose view is current. A run compares
+the listing with its source's rows in the view, item by item (key plus size and ETag or mtime,
+and the versions of its sidecars or manifest row): unchanged items are not read again, changed
+ones replace their old rows, and items gone from the source leave the view. A re-run over an
+unchanged source decodes nothing and adds no rows.
 
 Listing and decoding run as Prefect tasks over partitions: the top-level folders of the
 source, and then chunks of `partition_size` items. Locally the decode tasks share a process
 pool; with `dask_address` they run on a Dask cluster through prefect-dask's DaskTaskRunner.
 
 `ingest_source` runs the phases in order: list the source and compare it with the view
-(`_plan_run`), decode the new and changed items (`_decode`), merge this run's rows into the
-view (`_run_rows`, `_merge_view`), count them (`_summarize`), and write the catalog folder
+(`_plan_run`), decode the new and changed items (`_decode`), build this run's rows
+(`_run_rows`), count the view after them (`_summarize`), and write the catalog folder
 (`write_catalog_dir`).
 """
 
@@ -46,8 +48,8 @@ from tasks.catalog_view import (
     ACCEPTED_COLUMNS,
     QUARANTINE_COLUMNS,
     frame_rows,
-    merge_view,
     read_view,
+    scan_view,
     write_catalog_dir,
 )
 from tasks.inspect import InspectOptions, inspect_item
@@ -151,8 +153,8 @@ def ingest_source(
         plan = _plan_run(store, listing, cfg, cat_layout)
         if plan.ingest_id is None:
             log.info("source %s unchanged since %s: nothing to decode", plan.src, plan.previous)
-            return _result_for(plan.previous, plan.src, plan.layout, plan.view_acc, plan.view_q,
-                               plan.prev_summary, reused=True)  # fmt: skip
+            return _result_for(plan.previous, plan.src, plan.layout, len(plan.mine_acc),
+                               plan.mine_q, plan.prev_summary, reused=True)  # fmt: skip
         log.info(
             "ingest %s (%s layout): %d items listed, %d new or changed, %d removed; decoding "
             "in partitions of %d on %s",
@@ -169,15 +171,11 @@ def ingest_source(
                 min(n_workers, len(plan.todo)), mp_context=mp.get_context("spawn")))  # fmt: skip
         records = _decode(plan.todo, opts, runner, pool, cfg.partition_size)
     acc_df, q_df = _run_rows(plan, records, list(cfg.metadata_columns))
-    new_acc, new_q = _merge_view(plan, acc_df, q_df)
-    result, summary = _summarize(plan, acc_df, q_df, new_acc, new_q)
-    seen = pd.DataFrame(
-        [(o.key, o.size, o.version) for o in plan.listing], columns=["key", "size", "version"]
-    ).assign(source=plan.src)
+    result, summary = _summarize(plan, acc_df, q_df)
     write_catalog_dir(
         cat_layout.catalog(plan.ingest_id),
-        {"accepted": acc_df, "quarantine": q_df, "view_accepted": new_acc,
-         "view_quarantine": new_q, "listing": seen},
+        {"accepted": acc_df, "quarantine": q_df, "listing": _listing_delta(plan),
+         "superseded": pd.DataFrame({"unit": sorted(plan.stale)}, dtype=object)},
         summary,
     )  # fmt: skip
     cat_layout.set_latest("catalog", plan.ingest_id)
@@ -200,8 +198,8 @@ class _Plan:
     settings: dict  # the ingest settings this source's rows were built with
     previous: str | None  # the ingest whose view this run starts from
     prev_summary: dict
-    view_acc: pd.DataFrame
-    view_q: pd.DataFrame
+    mine_acc: pd.DataFrame  # this source's accepted rows in that view: unit, unit_version
+    mine_q: pd.DataFrame  # and its quarantined ones: unit, unit_version, step, reason
     seq: int
     todo: list[Item]  # new or changed items: decoded this run
     rejects: list[dict]  # new or changed listing rejects
@@ -211,6 +209,11 @@ class _Plan:
     @property
     def listed(self) -> int:
         return len(self.items) + len(self.listing_rejects)
+
+    @property
+    def stale(self) -> set[str]:
+        """Units whose rows in the view this run replaces or removes."""
+        return {it.key for it in self.todo} | {r["key"] for r in self.rejects} | set(self.removed)
 
 
 def _open_source(cfg: IngestConfig, endpoint_url: str | None) -> Storage:
@@ -262,14 +265,14 @@ def _plan_run(
     src = store.url()
     chosen, manifest, items, listing_rejects = _read_layout(store, listing, cfg)
     previous = cat_layout.latest_or_none("catalog")
-    view_acc, view_q, seq = read_view(cat_layout, previous)
     prev_summary = (
         json.loads((cat_layout.catalog(previous) / "summary.json").read_text()) if previous else {}
     )
-    mine_acc = view_acc[view_acc["source"] == src]
-    mine_q = view_q[(view_q["source"] == src) & (view_q["step"] == "ingest")]
+    seq = int(prev_summary.get("ingest_seq", 0))
+    mine_acc, mine_q = _source_rows(cat_layout, previous, src)
+    files_q = mine_q[mine_q["step"] == "ingest"]
     known = dict(zip(mine_acc["unit"], mine_acc["unit_version"], strict=True))
-    known.update(zip(mine_q["unit"], mine_q["unit_version"], strict=True))
+    known.update(zip(files_q["unit"], files_q["unit_version"], strict=True))
     settings = {
         "layout": chosen,
         "caption_column": cfg.caption_column,
@@ -286,7 +289,7 @@ def _plan_run(
     todo = [it for it in items if known.get(it.key) != it.version]
     rejects = [r for r in listing_rejects if known.get(r["key"]) != r["version"]]
     present = {it.key for it in items} | {r["key"] for r in listing_rejects}
-    removed = sorted((set(mine_acc["unit"]) | set(mine_q["unit"])) - present)
+    removed = sorted((set(mine_acc["unit"]) | set(files_q["unit"])) - present)
     manifest_changed = prev_summary.get("manifests", {}).get(src) != manifest.version
     delta = [(it.key, it.version) for it in todo] + [(r["key"], r["version"]) for r in rejects]
     ingest_id = None
@@ -296,9 +299,22 @@ def _plan_run(
     return _Plan(
         src=src, layout=chosen, listing=listing, manifest=manifest, items=items,
         listing_rejects=listing_rejects, settings=settings, previous=previous,
-        prev_summary=prev_summary, view_acc=view_acc, view_q=view_q, seq=seq, todo=todo,
+        prev_summary=prev_summary, mine_acc=mine_acc, mine_q=mine_q, seq=seq, todo=todo,
         rejects=rejects, removed=removed, ingest_id=ingest_id,
     )  # fmt: skip
+
+
+def _source_rows(
+    cat_layout: Layout, ingest_id: str | None, src: str
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(accepted, quarantined) rows of `src` in the view after `ingest_id`: a scan of the
+    source's own ingests, four narrow columns, never the other sources' rows."""
+    frames = []
+    for table, cols in (("accepted", ["unit", "unit_version"]),
+                        ("quarantine", ["unit", "unit_version", "step", "reason"])):  # fmt: skip
+        got = list(scan_view(cat_layout, ingest_id, table, cols, sources={src}))
+        frames.append(pd.concat(got, ignore_index=True) if got else pd.DataFrame(columns=cols))
+    return frames[0], frames[1]
 
 
 def _ingest_id(source: str, state: dict, delta: list[tuple[str, str]], removed: list) -> str:
@@ -351,38 +367,52 @@ def _run_rows(
     )
 
 
-def _merge_view(
-    plan: _Plan, acc_df: pd.DataFrame, q_df: pd.DataFrame
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The new view: this source's changed and removed units replaced by this run's rows."""
-    stale = {it.key for it in plan.todo} | {r["key"] for r in plan.rejects} | set(plan.removed)
-    return merge_view(plan.view_acc, plan.view_q, plan.src, stale, acc_df, q_df)
+def _listing_delta(plan: _Plan) -> pd.DataFrame:
+    """The listed objects of the units this run decoded or rejected (with their sidecars),
+    and the manifest when it changed."""
+    keys = {r["key"] for r in plan.rejects}
+    for it in plan.todo:
+        keys.update(k for k in (it.key, it.txt, it.json) if k)
+    if plan.manifest.name and plan.prev_summary.get("manifests", {}).get(plan.src) != (
+        plan.manifest.version
+    ):
+        keys.add(plan.manifest.name)
+    return pd.DataFrame(
+        [(o.key, o.size, o.version) for o in plan.listing if o.key in keys],
+        columns=["key", "size", "version"],
+    ).assign(source=plan.src)
 
 
 # -- phase 4: the run's counts and summary.json -----------------------------------------------
 
 
-def _summarize(
-    plan: _Plan,
-    acc_df: pd.DataFrame,
-    q_df: pd.DataFrame,
-    new_acc: pd.DataFrame,
-    new_q: pd.DataFrame,
-) -> tuple[IngestResult, dict]:
+def _summarize(plan: _Plan, acc_df: pd.DataFrame, q_df: pd.DataFrame) -> tuple[IngestResult, dict]:
     """(result, summary.json): this source's counts in the new view, and the run's delta."""
-    result = _result_for(plan.ingest_id, plan.src, plan.layout, new_acc, new_q, {}, reused=False)
+    stale = plan.stale
+    keep_acc = plan.mine_acc[~plan.mine_acc["unit"].isin(stale)]
+    old_q = plan.mine_q
+    keep_q = old_q[(old_q["step"] == "ingest") & ~old_q["unit"].isin(stale)]
+    mine_q = pd.concat([keep_q[["step", "reason"]], q_df[["step", "reason"]]], ignore_index=True)
+    before = plan.prev_summary
+    totals = {  # the whole view: the previous totals, less what left it, plus this run's rows
+        "view_accepted": int(before.get("view_accepted", 0)) - len(plan.mine_acc)
+        + len(keep_acc) + len(acc_df),
+        "view_quarantined": int(before.get("view_quarantined", 0)) - len(old_q) + len(keep_q)
+        + len(q_df),
+    }  # fmt: skip
+    result = _result_for(plan.ingest_id, plan.src, plan.layout, len(keep_acc) + len(acc_df),
+                         mine_q, totals, reused=False)  # fmt: skip
     result.new_items, result.removed_items = len(plan.todo) + len(plan.rejects), len(plan.removed)
     result.unchanged_items = plan.listed - result.new_items
     result.decoded_accepted = len(acc_df)
     result.decoded_quarantined = int((q_df["step"] == "ingest").sum()) if len(q_df) else 0
-    mine = new_acc[new_acc["source"] == plan.src]
-    assert result.listed == len(mine) + result.quarantined, "accepted + quarantined = listed"
-    before = plan.prev_summary
+    assert result.listed == result.accepted + result.quarantined, "accepted + quarantined = listed"
     summary = {
         **result.to_dict(),
         "ingest_seq": plan.seq + 1,
         "previous": plan.previous,
         "settings": plan.settings,
+        "superseded_accepted": len(plan.mine_acc) - len(keep_acc),
         "manifests": {**before.get("manifests", {}), plan.src: plan.manifest.version},
         "source_settings": {**before.get("source_settings", {}), plan.src: plan.settings},
         "removed": plan.removed[:1000],
@@ -394,27 +424,27 @@ def _result_for(
     ingest_id: str,
     src: str,
     layout: str,
-    acc: pd.DataFrame,
-    q: pd.DataFrame,
-    prev: dict,
+    accepted: int,
+    mine_q: pd.DataFrame,
+    totals: dict,
     *,
     reused: bool,
 ) -> IngestResult:
-    mine_acc = acc[acc["source"] == src]
-    mine_q = q[q["source"] == src]
+    """The counts of `src` in the view: `accepted` rows, `mine_q` (step, reason) quarantined;
+    `totals` has the whole view's (and, for a reused ingest, when it finished)."""
     files_q = mine_q[mine_q["step"] == "ingest"]
     return IngestResult(
         ingest_id=ingest_id,
         source=src,
         layout=layout,
-        listed=len(mine_acc) + len(files_q),
-        accepted=len(mine_acc),
+        listed=accepted + len(files_q),
+        accepted=accepted,
         quarantined=len(files_q),
         reasons=dict(Counter(files_q["reason"])),
         manifest_problems=int((mine_q["step"] == "ingest-manifest").sum()),
-        unchanged_items=len(mine_acc) + len(files_q) if reused else 0,
-        view_accepted=len(acc),
-        view_quarantined=len(q),
+        unchanged_items=accepted + len(files_q) if reused else 0,
+        view_accepted=int(totals.get("view_accepted", 0)),
+        view_quarantined=int(totals.get("view_quarantined", 0)),
         reused=reused,
-        finished_at=prev.get("finished_at") or datetime.now(UTC).isoformat(timespec="seconds"),
+        finished_at=totals.get("finished_at") or datetime.now(UTC).isoformat(timespec="seconds"),
     )

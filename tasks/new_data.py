@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tasks.catalog_view import scan_view
 from tasks.layout import Layout
 from tasks.lock import root_busy
 from tasks.logs import task_logger
@@ -72,9 +73,14 @@ def _trained_catalog(layout: Layout) -> tuple[str | None, str | None]:
     return None, None
 
 
-def _identities(view: pd.DataFrame) -> np.ndarray:
-    """One 64-bit hash per row of (source, key, sha256, caption): millions of rows fit."""
-    return pd.util.hash_pandas_object(view[_IDENTITY].astype(str), index=False).to_numpy()
+def _view_identities(layout: Layout, ingest_id: str) -> np.ndarray:
+    """One 64-bit hash per accepted row of the view after `ingest_id`, of (source, key, sha256,
+    caption): scanned a row group at a time, so millions of rows fit."""
+    got = [
+        pd.util.hash_pandas_object(batch.astype(str), index=False).to_numpy()
+        for batch in scan_view(layout, ingest_id, "accepted", _IDENTITY)
+    ]
+    return np.concatenate(got) if got else np.zeros(0, np.uint64)
 
 
 def new_data(
@@ -83,12 +89,10 @@ def new_data(
     """What the ingest `ingest_id` brought since the newest training, and whether a retrain
     is due."""
     layout = Layout(Path(root))
-    current = pd.read_parquet(layout.catalog(ingest_id) / "view_accepted.parquet")
+    current = _view_identities(layout, ingest_id)
     run_id, trained = _trained_catalog(layout)
-    trained_view = layout.catalog(trained) / "view_accepted.parquet" if trained else None
-    if trained_view is not None and trained_view.is_file():
-        old = pd.read_parquet(trained_view, columns=_IDENTITY)
-        since = int((~np.isin(_identities(current), _identities(old))).sum())
+    if trained is not None and (layout.catalog(trained) / "summary.json").is_file():
+        since = int((~np.isin(current, _view_identities(layout, trained))).sum())
     else:
         if run_id is not None:
             task_logger(__name__).warning(

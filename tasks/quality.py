@@ -1,11 +1,18 @@
 """Validate: run the Great Expectations suite on a catalog and quarantine the failing rows.
 
 The suite runs on the current catalog view (every source ingested into the root), so exact
-and near duplicates are caught across runs. Outputs are listed in `validate_catalog`; the
-quarantine is written before the gate is checked, so a failing gate still leaves every reason
-on disk. The gate's verdict is written with the catalog (`catalog/<ingest_id>/verdict.json`),
-and the shard step refuses a catalog whose verdict is missing or failed unless told otherwise
-(`gate_for_sharding`): `clean.parquet` existing says nothing about whether it passed.
+and near duplicates are caught across runs. The row-local rules run a partition of the view
+at a time (`check_partition`, Prefect tasks on local threads or a Dask cluster), so memory is
+set by the partition size; the cross-catalog rules then run over the view's hashes (about 24
+bytes a row). Rows that an earlier verdict in the same chain already checked under the same
+suite are not checked again: a new ingest's rows are checked, and compared with the rest for
+duplicates (`validate_catalog`).
+
+Outputs are listed in `validate_catalog`; the quarantine is written before the gate is
+checked, so a failing gate still leaves every reason on disk. The gate's verdict is written
+with the catalog (`catalog/<ingest_id>/verdict.json`), and the shard step refuses a catalog
+whose verdict is missing or failed unless told otherwise (`gate_for_sharding`). The clean
+rows are the view less the verdict's rejects (`scan_clean`); nothing view-sized is written.
 """
 
 from __future__ import annotations
@@ -16,21 +23,51 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from data_quality.rules import QualityConfig
-from data_quality.suite import INGEST_REASONS, REASONS, run_suite
+from data_quality.suite import (
+    INGEST_REASONS,
+    REASONS,
+    SAMPLE,
+    CrossCheck,
+    RowCheck,
+    apply_cross,
+    check_columns,
+    check_rows,
+    cross_catalog,
+    expectation_summaries,
+    hash_columns,
+    suite_key,
+    write_data_docs,
+)
+from tasks.catalog_view import (
+    ACCEPTED_COLUMNS,
+    ROW_GROUP,
+    ViewPart,
+    chain,
+    read_part,
+    view_columns,
+    view_parts,
+)
 from tasks.layout import Layout
 from tasks.logs import task_logger
+from tasks.runners import partition_runner
 
 __all__ = [
-    "VERDICT_FILE", "QualityGateError", "ValidateResult", "gate_for_sharding", "read_verdict",
-    "reasons_table", "validate_catalog",
+    "PARTITION_ROWS", "REJECTS_FILE", "VERDICT_FILE", "QualityGateError", "ValidateResult",
+    "check_partition", "gate_for_sharding", "read_clean", "read_verdict", "reasons_table",
+    "scan_clean", "validate_catalog",
 ]  # fmt: skip
 
-VERDICT_FILE = "verdict.json"  # in catalog/<ingest_id>/, beside clean.parquet
+VERDICT_FILE = "verdict.json"  # in catalog/<ingest_id>/, beside the two files below
+REJECTS_FILE = "rejects.parquet"  # the view's rows the validate step quarantined
+FLAGS_FILE = "near_duplicates.parquet"  # near-duplicates kept (not dropped): near_duplicate_of
+SAMPLE_FILE = "docs_sample.parquet"  # the failing rows the Data Docs show (bounded)
+PARTITION_ROWS = 2 * ROW_GROUP  # rows per validate task
 OVERRIDE_FLAG = "--allow-failed-gate"
 
 
@@ -52,6 +89,8 @@ class ValidateResult:
     near_duplicates: int = 0
     expectations: list[dict] = field(default_factory=list)
     data_docs: str | None = None
+    checked_rows: int = 0  # rows the row-local rules ran on in this run
+    incremental_from: str | None = None  # the verdict whose checked rows this run kept
 
     @property
     def passed(self) -> bool:
@@ -76,7 +115,7 @@ def _write_parquet(df: pd.DataFrame, path: Path) -> None:
     tmp.replace(path)
 
 
-def _write_verdict(path: Path, result: ValidateResult) -> None:
+def _write_verdict(path: Path, result: ValidateResult, **extra) -> None:
     """The gate's verdict, written atomically (a reader sees the old file or the new one)."""
     verdict = {
         "ingest_id": result.ingest_id,
@@ -87,6 +126,7 @@ def _write_verdict(path: Path, result: ValidateResult) -> None:
         "clean": result.clean,
         "reasons": result.reasons,
         "validated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        **extra,
     }
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(verdict, indent=2))
@@ -146,59 +186,223 @@ def gate_for_sharding(root: str, ingest_id: str, *, allow_failed_gate: bool = Fa
     return {**record, "overridden": True}
 
 
+@task(name="check-partition", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def check_partition(
+    part: ViewPart, row_groups: list[int], columns: list[str], rules: QualityConfig
+) -> RowCheck:
+    """The row-local rules on some row groups of one ingest's rows (pure reads: a retry is
+    safe; on a Dask worker, the root must be mounted at the same path)."""
+    return check_rows(read_part(part, columns, row_groups), rules)
+
+
+def _partitions(parts: list[ViewPart], rows: int) -> list[tuple[ViewPart, list[int]]]:
+    per = max(1, rows // ROW_GROUP)
+    return [(p, list(range(g, min(g + per, p.row_groups))))
+            for p in parts for g in range(0, p.row_groups, per)]  # fmt: skip
+
+
+def _base(layout: Layout, links: list[dict], key: str) -> dict | None:
+    """The newest verdict in the chain reached under the suite `key`, when no accepted row
+    left the view after it: its rows need no second check."""
+    for s in reversed(links):
+        folder = layout.catalog(s["id"])
+        v = json.loads((folder / VERDICT_FILE).read_text()) if (
+            folder / VERDICT_FILE).is_file() else None  # fmt: skip
+        if v and v.get("suite") == key and (folder / REJECTS_FILE).is_file():
+            return {**v, "id": s["id"], "seq": int(s["ingest_seq"]),
+                    "rejects": pd.read_parquet(folder / REJECTS_FILE),
+                    "flags": pd.read_parquet(folder / FLAGS_FILE),
+                    "sample": pd.read_parquet(folder / SAMPLE_FILE)}  # fmt: skip
+        if s.get("superseded_accepted", 1):  # older catalogs do not say: assume some left
+            return None
+    return None
+
+
+def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | None) -> list:
+    """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
+    so that memory stays a few partitions whatever the catalog's size."""
+    out, window = [], []
+    with partition_runner(workers, dask_address) as runner:
+        limit = len(tasks) if dask_address else workers
+        for part, groups in tasks:
+            args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules}
+            window.append(runner.submit(check_partition, args))
+            if len(window) >= limit:
+                out.append(window.pop(0).result())
+        out += [f.result() for f in window]
+    return out
+
+
+def _hashes(parts: list[ViewPart]):
+    for p in parts:
+        for g in range(p.row_groups):
+            yield hash_columns(read_part(p, ["sha256", "phash"], [g]))
+
+
+def _keys_at(parts: list[ViewPart]):
+    """keys_at(positions) -> (sources, keys) of the view's rows at those positions, read a row
+    group at a time."""
+
+    def keys_at(positions: np.ndarray):
+        src = np.empty(len(positions), object)
+        key = np.empty(len(positions), object)
+        start, last = 0, int(positions.max())
+        for p in parts:
+            for g in range(p.row_groups):
+                if start > last:
+                    return src, key
+                df = read_part(p, ["source", "key"], [g])
+                i = np.flatnonzero((positions >= start) & (positions < start + len(df)))
+                src[i] = df["source"].to_numpy(object)[positions[i] - start]
+                key[i] = df["key"].to_numpy(object)[positions[i] - start]
+                start += len(df)
+        return src, key
+
+    return keys_at
+
+
+def _merge(checks: list[RowCheck], offset: int) -> RowCheck:
+    """The partitions' results as one, positions counted from `offset`."""
+    rejected, counts, start = [], {}, offset
+    for c in checks:
+        rejected.append(c.rejected.assign(pos=c.rejected["pos"] + start))
+        for r, n in c.counts.items():
+            counts[r] = counts.get(r, 0) + n
+        start += c.rows
+    cols = ["source", "key", "reason", "detail", "pos"]
+    hashes = tuple(np.concatenate([c.hashes[i] for c in checks]) if checks
+                   else np.zeros(0, np.uint64) for i in range(3))  # fmt: skip
+    return RowCheck(
+        rows=start - offset,
+        rejected=pd.concat(
+            [r for r in rejected if len(r)] or [pd.DataFrame(columns=cols)], ignore_index=True
+        ),  # fmt: skip
+        counts=counts,
+        sample=pd.concat([c.sample for c in checks], ignore_index=True) if checks else None,
+        hashes=hashes,
+    )
+
+
+def _bounded_sample(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    frames = [f for f in frames if f is not None and len(f)]
+    if not frames:
+        return pd.DataFrame()
+    cols = list(dict.fromkeys(c for f in frames for c in f.columns))
+    return pd.concat([f.reindex(columns=cols) for f in frames], ignore_index=True).head(
+        SAMPLE * len(REASONS)
+    )
+
+
 @task(name="validate-catalog", cache_policy=NO_CACHE)
 def validate_catalog(
-    root: str, ingest_id: str, rules: QualityConfig, *, allow_failed_gate: bool = False
+    root: str,
+    ingest_id: str,
+    rules: QualityConfig,
+    *,
+    allow_failed_gate: bool = False,
+    dask_address: str | None = None,
+    workers: int = 2,
+    partition_rows: int = PARTITION_ROWS,
 ) -> ValidateResult:
     """Run the suite on the view after `ingest_id`; raise QualityGateError past the threshold.
 
-    Writes `catalog/<ingest_id>/clean.parquet` and then `catalog/<ingest_id>/verdict.json`
-    (passed, reject fraction, limit, reasons) and, in `quality/<ingest_id>/`, the Data Docs
-    site, `quarantine.parquet` (every quarantined row of the view, ingest and validate steps)
-    and `summary.json`. All of it is written before the gate is checked. With
-    `allow_failed_gate` a failed gate is logged instead of raised (the verdict still says
-    failed, and the shard step needs the same override).
+    Rows are checked a partition (`partition_rows`) at a time, `workers` partitions at once on
+    local threads, or on the Dask cluster at `dask_address`. When an earlier catalog of the
+    chain was validated under the same rules and no accepted row has left the view since,
+    only the rows ingested after it are checked, and compared with the others for duplicates.
+
+    Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
+    `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
+    `verdict.json` (passed, reject fraction, limit, reasons, the suite's key); and, in
+    `quality/<ingest_id>/`, the Data Docs site, `quarantine.parquet` (every quarantined row of
+    the view, ingest and validate steps) and `summary.json`. All of it is written before the
+    gate is checked. With `allow_failed_gate` a failed gate is logged instead of raised (the
+    verdict still says failed, and the shard step needs the same override).
     """
+    log = task_logger(__name__)
     layout = Layout(Path(root))
     cat = layout.catalog(ingest_id)
-    if not (cat / "view_accepted.parquet").is_file():
+    if not (cat / "summary.json").is_file():
         raise FileNotFoundError(
             f"no catalog view for ingest {ingest_id} under {root}: run `kiln ingest` first"
         )
-    # An old verdict must never vouch for the clean.parquet this run is about to write.
+    links = chain(layout, ingest_id)
+    key = suite_key(rules)
+    base = _base(layout, links, key)
+    # An old verdict must never vouch for the rejects this run is about to write.
     (cat / VERDICT_FILE).unlink(missing_ok=True)
-    accepted = pd.read_parquet(cat / "view_accepted.parquet")
-    ingest_q = pd.read_parquet(cat / "view_quarantine.parquet")
+    parts = view_parts(layout, ingest_id, "accepted")
+    columns = view_columns(parts) if parts else list(ACCEPTED_COLUMNS)
+    if sum(p.rows for p in parts):
+        check_columns(columns, rules)
+    if rules.min_aesthetic is not None and rules.aesthetic_column not in columns:
+        log.warning("quality.min_aesthetic set, but no %r column: check skipped",
+                    rules.aesthetic_column)  # fmt: skip
+    after = base["seq"] if base else 0
+    old_parts = [p for p in parts if p.seq <= after]
+    new_parts = [p for p in parts if p.seq > after]
+    old_rows = int(base["rows"]) if base else 0
+    checks = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
+                         dask_address)  # fmt: skip
+    new = _merge(checks, old_rows)
+    cross = cross_catalog(new.hashes, rules, _hashes(old_parts), old_rows) if new.rows else (
+        CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64)))  # fmt: skip
+    found = apply_cross(new, cross, rules, _keys_at(parts), offset=old_rows)
+    counts = dict(base["counts"]) if base else {}
+    for r, n in found["counts"].items():
+        counts[r] = counts.get(r, 0) + n
+    rejects = pd.concat([f for f in (base["rejects"] if base else None, found["rejected"])
+                         if f is not None and len(f)] or [found["rejected"]],
+                        ignore_index=True)  # fmt: skip
+    flags = pd.concat([f for f in (base["flags"] if base else None, found["flags"])
+                       if f is not None and len(f)] or [found["flags"]],
+                      ignore_index=True)  # fmt: skip
+    rows = old_rows + new.rows
+    sample = _bounded_sample([base["sample"] if base else None, new.sample])
+    if not len(sample) and rows:
+        sample = check_rows(read_part(parts[0], columns, [0]).head(3), rules, gx_check=False,
+                            hashes=False).sample  # fmt: skip
+    near = int(base.get("near_duplicates", 0) if base else 0) + found["near_duplicates"]
+
     qdir = layout.quality(ingest_id)
     shutil.rmtree(qdir, ignore_errors=True)  # a re-run rebuilds the docs, never appends
     qdir.mkdir(parents=True)
-    verdict = run_suite(accepted, rules, docs_dir=qdir)
-
-    new = verdict.rejected.assign(step="validate", ingest_id=ingest_id)
-    quarantine = pd.concat([f for f in (ingest_q, new) if len(f)] or [new], ignore_index=True)
+    docs = write_data_docs(qdir, rules, sample, counts, rows) if rows else None
+    ingest_q = pd.concat(
+        [read_part(p) for p in view_parts(layout, ingest_id, "quarantine")] or [pd.DataFrame()],
+        ignore_index=True,
+    )
+    new_q = rejects.assign(step="validate", ingest_id=ingest_id)
+    quarantine = pd.concat([f for f in (ingest_q, new_q) if len(f)] or [new_q], ignore_index=True)
     quarantine = quarantine.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
     _write_parquet(quarantine, qdir / "quarantine.parquet")
-    _write_parquet(verdict.clean, cat / "clean.parquet")
+    for df, name in ((rejects, REJECTS_FILE), (flags, FLAGS_FILE), (sample, SAMPLE_FILE)):
+        _write_parquet(df.astype({c: object for c in df.columns if df[c].dtype == object}),
+                       cat / name)  # fmt: skip
 
-    files_q = quarantine[~quarantine["step"].eq("ingest-manifest")]
-    listed = len(accepted) + int(ingest_q["step"].eq("ingest").sum())
+    step = quarantine["step"] if len(quarantine) else pd.Series(dtype=object)
+    files_q = quarantine[~step.eq("ingest-manifest")] if len(quarantine) else quarantine
+    listed = rows + int(step.eq("ingest").sum())
     result = ValidateResult(
         ingest_id=ingest_id,
         listed=listed,
-        clean=len(verdict.clean),
-        rejected_ingest=listed - len(accepted),
-        rejected_validate=len(new),
+        clean=rows - len(rejects),
+        rejected_ingest=listed - rows,
+        rejected_validate=len(rejects),
         reject_fraction=round(len(files_q) / listed, 4) if listed else 0.0,
         max_reject_fraction=rules.max_reject_fraction,
-        reasons=files_q["reason"].value_counts().to_dict(),
-        manifest_problems=int(quarantine["step"].eq("ingest-manifest").sum()),
-        near_duplicates=verdict.near_duplicates,
-        expectations=verdict.expectations,
-        data_docs=verdict.docs_index,
+        reasons=files_q["reason"].value_counts().to_dict() if len(files_q) else {},
+        manifest_problems=int(step.eq("ingest-manifest").sum()),
+        near_duplicates=near,
+        expectations=expectation_summaries(rules, counts),
+        data_docs=docs,
+        checked_rows=new.rows,
+        incremental_from=base["id"] if base else None,
     )
     assert result.clean + len(files_q) == listed, "clean + quarantined must equal files listed"
     (qdir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
-    _write_verdict(cat / VERDICT_FILE, result)
+    _write_verdict(cat / VERDICT_FILE, result, suite=key, rows=rows, counts=counts,
+                   near_duplicates=near)  # fmt: skip
     if not result.passed:
         msg = (
             f"quality gate failed for {ingest_id}: rejected {len(files_q)}/{listed} files "
@@ -208,9 +412,51 @@ def validate_catalog(
         )
         if not allow_failed_gate:
             raise QualityGateError(msg)
-        task_logger(__name__).warning("%s\ncontinuing: %s was given", msg, OVERRIDE_FLAG)
+        log.warning("%s\ncontinuing: %s was given", msg, OVERRIDE_FLAG)
         return result
-    task_logger(__name__).info(
-        "validated %s: %d clean, %d quarantined", ingest_id, result.clean, len(files_q)
-    )
+    log.info("validated %s: %d clean, %d quarantined; checked %d rows%s", ingest_id,
+             result.clean, len(files_q), new.rows,
+             f" (the rest were checked for {base['id']})" if base else "")  # fmt: skip
     return result
+
+
+def scan_clean(root: str, ingest_id: str, columns: list[str] | None = None):
+    """The clean rows of a validated catalog, a row group at a time: the view after
+    `ingest_id` less the rows its verdict quarantined (only `columns`, when given)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from tasks.catalog_view import scan_view
+
+    layout = Layout(Path(root))
+    cat = layout.catalog(ingest_id)
+    rejects = pd.read_parquet(cat / REJECTS_FILE, columns=["source", "key"])
+    gone = pa.array((rejects["source"] + "\0" + rejects["key"]).tolist(), pa.string())
+    flags = pd.read_parquet(cat / FLAGS_FILE).set_index(["source", "key"])["near_duplicate_of"]
+    need = None if columns is None else list(dict.fromkeys([*columns, "source", "key"]))
+    if need is not None and "near_duplicate_of" in need:
+        need.remove("near_duplicate_of")
+    for batch in scan_view(layout, ingest_id, "accepted", need):
+        if len(gone) and len(batch):
+            uid = (batch["source"].astype(str) + "\0" + batch["key"].astype(str)).tolist()
+            batch = batch[~pc.is_in(pa.array(uid, pa.string()), value_set=gone).to_numpy(
+                zero_copy_only=False)]  # fmt: skip
+        if columns is None or "near_duplicate_of" in columns:
+            at = pd.MultiIndex.from_arrays([batch["source"], batch["key"]])
+            batch = batch.assign(near_duplicate_of=flags.reindex(at).to_numpy(object))
+        yield batch if columns is None else batch[columns]
+
+
+def read_clean(root: str, ingest_id: str, columns: list[str] | None = None) -> pd.DataFrame:
+    """The clean rows of a validated catalog as one frame (see `scan_clean`)."""
+    layout = Layout(Path(root))
+    if not (layout.catalog(ingest_id) / REJECTS_FILE).is_file():
+        raise FileNotFoundError(
+            f"catalog {ingest_id} has not been validated "
+            f"({layout.catalog(ingest_id) / REJECTS_FILE} missing): run `kiln validate` first"
+        )
+    got = [b for b in scan_clean(root, ingest_id, columns) if len(b)]
+    if got:
+        return pd.concat(got, ignore_index=True)
+    parts = view_parts(layout, ingest_id, "accepted")
+    return pd.DataFrame(columns=columns or (view_columns(parts) if parts else ACCEPTED_COLUMNS))

@@ -57,7 +57,7 @@ from prefect.cache_policies import NO_CACHE
 
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
-from tasks.quality import gate_for_sharding
+from tasks.quality import REJECTS_FILE, gate_for_sharding, read_clean
 from tasks.render import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.runners import partition_runner
 from tasks.sources import CATALOG_COLUMNS
@@ -401,14 +401,14 @@ def write_shards(
 
     log = task_logger(__name__)
     layout = Layout(Path(root))
-    clean_path = layout.catalog(ingest_id) / "clean.parquet"
-    if not clean_path.is_file():
+    rejects = layout.catalog(ingest_id) / REJECTS_FILE
+    if not rejects.is_file():
         raise FileNotFoundError(
-            f"catalog {ingest_id} has not been validated ({clean_path} missing): "
+            f"catalog {ingest_id} has not been validated ({rejects} missing): "
             "run `kiln validate` first"
         )
     gate = gate_for_sharding(root, ingest_id, allow_failed_gate=allow_failed_gate)
-    clean = pd.read_parquet(clean_path)
+    clean = read_clean(root, ingest_id)
     min_side_factor = cfg.min_side_factor
     settings = {
         "resolutions": sorted(resolutions),

@@ -1,7 +1,6 @@
 import pandas as pd
 import pytest
 
-from data_quality.near_dup import near_duplicates
 from data_quality.rules import QualityConfig
 from data_quality.suite import run_suite
 
@@ -79,27 +78,6 @@ def test_near_duplicates_are_flagged_or_dropped():
     }
     strict = run_suite(df, QualityConfig(near_duplicate_distance=1, drop_near_duplicates=True))
     assert "b" in set(strict.clean["key"])
-
-
-def test_near_duplicate_search_matches_brute_force():
-    import random
-
-    rng = random.Random(0)
-    base = [rng.getrandbits(64) for _ in range(50)]
-    hashes = []
-    for i in range(400):
-        v = base[i % 50]
-        for _ in range(rng.randint(0, 8)):
-            v ^= 1 << rng.randrange(64)
-        hashes.append(f"{v:016x}")
-    groups = [str(i) for i in range(400)]
-    got = near_duplicates(hashes, groups, 5)
-    ints = [int(x, 16) for x in hashes]
-    want = [
-        next((i for i in range(j) if bin(ints[i] ^ ints[j]).count("1") <= 5), None)
-        for j in range(400)
-    ]
-    assert got == want
 
 
 def test_suite_on_empty_and_malformed_catalogs():

@@ -7,12 +7,17 @@ import pytest
 
 from data_quality.rules import QualityConfig
 from flows.config import IngestConfig
+from tasks.catalog_view import read_view
 from tasks.ingest import ingest_source
-from tasks.quality import validate_catalog
+from tasks.layout import Layout
+from tasks.quality import read_clean, validate_catalog
 
 
 def _cat(root, ingest_id, name="view_accepted"):
-    return pd.read_parquet(root / "catalog" / ingest_id / f"{name}.parquet")
+    """The view after `ingest_id`, whole: its accepted or its quarantined rows."""
+    acc, q, _ = read_view(Layout(root), ingest_id)
+    frame = acc if name == "view_accepted" else q
+    return frame.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
 
 
 def test_hostile_files_are_accepted_or_quarantined_with_a_reason(tmp_path, hostile_src):
@@ -23,7 +28,7 @@ def test_hostile_files_are_accepted_or_quarantined_with_a_reason(tmp_path, hosti
     val = validate_catalog.fn(str(root), ing.ingest_id, rules)
 
     q = pd.read_parquet(root / "quality" / ing.ingest_id / "quarantine.parquet")
-    clean = pd.read_parquet(root / "catalog" / ing.ingest_id / "clean.parquet")
+    clean = read_clean(str(root), ing.ingest_id)
     got = dict(zip(q["key"], q["reason"], strict=True))
     got |= {k: f"ok:{c}" for k, c in zip(clean["key"], clean["conversion"], strict=True)}
     assert got == expected

@@ -5,8 +5,10 @@ import pytest
 
 from data_quality.rules import QualityConfig
 from flows.config import IngestConfig
+from tasks.catalog_view import read_view
 from tasks.ingest import ingest_source
-from tasks.quality import QualityGateError, validate_catalog
+from tasks.layout import Layout
+from tasks.quality import QualityGateError, read_clean, validate_catalog
 
 RULES = QualityConfig(min_side=32, max_reject_fraction=0.25)
 
@@ -85,19 +87,21 @@ def test_incremental_runs_decode_only_what_is_new(tmp_path):
     assert (third.new_items, third.unchanged_items, third.removed_items) == (10, 20, 0)
     delta = pd.read_parquet(root / "catalog" / third.ingest_id / "accepted.parquet")
     assert sorted(delta["key"]) == [f"new-{i:02d}.jpg" for i in range(10)]
-    view = pd.read_parquet(root / "catalog" / third.ingest_id / "view_accepted.parquet")
+    view = read_view(Layout(root), third.ingest_id)[0]
     assert len(view) == first.accepted + 10 and third.listed == 30
     assert set(view.loc[view["key"].str.startswith("new-"), "ingest_seq"]) == {2}
     seen = pd.read_parquet(root / "catalog" / third.ingest_id / "listing.parquet")
-    assert len(seen) == 31 and seen["version"].str.len().gt(0).all(), "30 images + manifest"
+    # The run's listing holds what it decoded: the ten new images, and the changed manifest.
+    assert len(seen) == 11 and seen["version"].str.len().gt(0).all()
+    assert set(seen["key"]) == {*delta["key"], "metadata.jsonl"}
 
     (src / "new-03.jpg").unlink()
     fourth = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
     assert (fourth.new_items, fourth.removed_items) == (0, 1)
-    gone = pd.read_parquet(root / "catalog" / fourth.ingest_id / "view_accepted.parquet")
+    gone = read_view(Layout(root), fourth.ingest_id)[0]
     assert "new-03.jpg" not in set(gone["key"]) and len(gone) == len(view) - 1
     # The manifest row of the deleted file is now a problem row, reported, not dropped.
-    mq = pd.read_parquet(root / "catalog" / fourth.ingest_id / "view_quarantine.parquet")
+    mq = read_view(Layout(root), fourth.ingest_id)[1]
     assert "new-03.jpg" in set(mq.loc[mq["reason"] == "manifest_missing_file", "key"])
 
 
@@ -123,7 +127,7 @@ def test_exact_and_near_duplicates_are_caught_across_runs(tmp_path):
     q = _quarantine(root, second.ingest_id).set_index("key")
     assert q.loc["copy.jpg", "reason"] == "duplicate_sha256"
     assert q.loc["copy.jpg", "detail"].endswith("/orig.jpg"), "the earlier run's copy is kept"
-    clean = pd.read_parquet(root / "catalog" / second.ingest_id / "clean.parquet")
+    clean = read_clean(str(root), second.ingest_id)
     near = clean.set_index("key")["near_duplicate_of"]
     assert near["resized.jpg"].endswith("/orig.jpg") and flagged.near_duplicates == 1
 

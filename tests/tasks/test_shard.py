@@ -8,7 +8,7 @@ from streaming import StreamingDataset
 from data_quality.rules import QualityConfig
 from flows.config import IngestConfig, ShardsConfig
 from tasks.ingest import ingest_source
-from tasks.quality import QualityGateError, validate_catalog
+from tasks.quality import QualityGateError, read_clean, validate_catalog
 from tasks.shard import write_shards
 
 
@@ -97,7 +97,7 @@ def test_a_catalog_that_failed_the_gate_is_sharded_only_with_the_override(tmp_pa
     strict = QualityConfig(min_side=32, max_reject_fraction=0.01)
     with pytest.raises(QualityGateError, match="quality gate failed"):
         validate_catalog.fn(str(root), ing.ingest_id, strict)
-    assert (root / "catalog" / ing.ingest_id / "clean.parquet").is_file()
+    assert (root / "catalog" / ing.ingest_id / "rejects.parquet").is_file()
     with pytest.raises(QualityGateError) as e:
         write_shards.fn(ShardsConfig(workers=1), str(root), ing.ingest_id, [32])
     msg = str(e.value)
@@ -338,7 +338,6 @@ def _columns(path) -> list[str]:
 def test_validation_split_is_held_out_by_key_at_every_stage(validated):
     """The same images (by key hash) are held out of every stage, square or bucketed; each
     stage's split has the stage's columns and layout, and no held-out key is in training."""
-    import pandas as pd
 
     from tasks.reports import shards_report
     from tasks.shard import held_out
@@ -347,7 +346,7 @@ def test_validation_split_is_held_out_by_key_at_every_stage(validated):
     cfg = ShardsConfig(val_fraction=0.3, bucket_step=8, size_limit=16384, workers=2)
     spec = {"builtin": "bytes", "model_max_length": 24}
     res = write_shards.fn(cfg, str(root), ingest_id, [32, 64], bucket_stages=[64], tokenizer=spec)
-    clean = pd.read_parquet(root / "catalog" / ingest_id / "clean.parquet")
+    clean = read_clean(str(root), ingest_id)
     uids = list(zip(clean["source"], clean["key"], strict=True))
     want = {k for _, k in held_out(uids, 0.3, 2000)}
     assert len(want) >= 5
@@ -386,12 +385,11 @@ def test_validation_split_is_held_out_by_key_at_every_stage(validated):
 
 
 def test_validation_split_respects_val_max_and_is_part_of_the_version(validated):
-    import pandas as pd
 
     from tasks.shard import _key_unit
 
     root, ingest_id, _ = validated
-    clean = pd.read_parquet(root / "catalog" / ingest_id / "clean.parquet")
+    clean = read_clean(str(root), ingest_id)
     cfg = ShardsConfig(val_fraction=0.5, workers=2)
     full = write_shards.fn(cfg, str(root), ingest_id, [32])
     capped = write_shards.fn(cfg.model_copy(update={"val_max": 3}), str(root), ingest_id, [32])
