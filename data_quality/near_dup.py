@@ -1,40 +1,38 @@
 """Near-duplicate search over 64-bit perceptual hashes in near-linear time.
 
 Scheme: multi-index hashing with the generalised pigeonhole principle, as in Manku, Jain & Das
-Sarma, "Detecting Near-Duplicates for Web Crawling" (WWW 2007), and Norouzi, Punjani & Fleet,
-"Fast Search in Hamming Space with Multi-Index Hashing" (CVPR 2012), whose one-block-per-table
-form is the `k = 1` case below.
+Sarma, "Detecting Near-Duplicates for Web Crawling" (WWW 2007); its one-block-per-table case is
+Norouzi, Punjani & Fleet, "Fast Search in Hamming Space with Multi-Index Hashing" (CVPR 2012).
 
-- Split the 64 bits into `m = d + k` contiguous blocks. Two hashes within Hamming distance `d`
-  differ in at most `d` blocks, so they agree exactly on at least `k` of them. A *table* is
-  keyed on one choice of `k` blocks; with all `C(m, k)` tables, every pair within `d` shares a
-  key in at least one table, so comparing only rows that share a key is exact.
-- Larger `k` means longer keys (`64 k / m` bits) and so smaller buckets, at the price of more
-  tables. With uniform hashes a bucket holds about `N / 2**(64 k / m)` rows, so a fixed `k`
-  goes quadratic as `N` grows. `_choose_k` picks `k` from the row counts with a cost model
-  (sorting per table against comparisons in buckets), which moves to a larger `k` as `N`
-  grows and keeps the expected bucket size bounded: for `d = 4` it picks 5 tables of 12-13 bits
-  up to tens of thousands of rows, 15 tables of 20-22 bits up to several million, and 35
-  tables of 27-28 bits beyond.
-- A table is one in-place sort of `key << b | id` (ids in priority order), so each bucket is a
-  run of the sorted array with its rows in priority order. Candidate pairs are expanded in
-  chunks of at most `_PAIR_CHUNK` and kept if their true distance is at most `d`.
+- Tables. Split the 64 bits into `m = d + k` contiguous blocks. Two hashes within Hamming
+  distance `d` differ in at most `d` blocks, so they agree exactly on at least `k`. A table is
+  keyed on one choice of `k` blocks, and there are `C(m, k)` tables, so every pair within `d`
+  shares a key in at least one table: comparing only rows that share a key is exact.
+- Choice of `k`. A key has `64 k / m` bits, so with uniform hashes a bucket holds about
+  `N / 2**(64 k / m)` rows: a fixed `k` goes quadratic as `N` grows. `_choose_k` models the cost
+  (a sort per table against the comparisons in its buckets) and moves to a larger `k` as `N`
+  grows, which keeps buckets small: for `d = 4` it picks 5 tables of 12-13 bit keys up to about
+  50k distinct hashes, 15 tables of 20-22 bits up to about 25M, then 35 tables of 27-28 bits.
+- A table is one in-place sort of `hash(key) | id`, ids in priority order, so a bucket is a run
+  of the sorted array with its rows in priority order; pairs are compared in chunks.
+- Skewed buckets. A bucket of more than `HOT_BUCKET_CAP` rows (a shared prefix, say) is indexed
+  again on the bits outside its key, cut into `d + 1` sub-blocks: two of its rows within `d`
+  differ in at most `d` of those bits, so (pigeonhole again) they agree on a sub-block, and this
+  step is exact too.
+- Hot buckets, the one approximation. Rows of a sub-bucket still over the cap are rows that agree
+  on almost every bit: copies of a blank or placeholder image. Each of them is compared only with
+  the first `HOT_BUCKET_CAP` rows of its table bucket (priority order) and takes the first two
+  matches there, so a table costs at most `O(N * HOT_BUCKET_CAP * d)` whatever the skew. Such a
+  row can miss a match, or get a later match than the first, when its matches in that bucket are
+  all past its first rows and no other table or sub-bucket finds them; identical hashes are
+  never missed (see below). Results are exact whenever no sub-bucket is over the cap.
 
-Exact duplicates first: rows are collapsed to distinct hash values (`pandas.factorize`, in order
-of first appearance), and the search runs over distinct values. Each value keeps two
-representative rows: its first row, and its first row whose group differs from that first row's.
-For any row, the earliest earlier row with another group among a value's rows is one of those
-two, so a row's answer is the smallest representative of a value within `d` (its own value
-included) whose group differs from its own. Each value keeps a running "best" and "best with a
-group other than best's", which is enough to answer every row of it.
-
-Hot buckets (the approximation): blank and placeholder images give a few key values that a large
-share of rows hold. A row compares only with the first `HOT_BUCKET_CAP` rows of its bucket in
-priority order, so the work is at most `N * HOT_BUCKET_CAP` per table whatever the skew. Results
-are exact whenever no bucket is larger than the cap. In a bigger bucket a row that is within
-`d` only of rows past the cap's first rows can be missed or matched to a later row than the
-first. Such a bucket is almost always copies of one blank image: identical hashes are caught by
-the exact-duplicate step, whatever the cap, and near-identical ones by the bucket's first rows.
+Exact duplicates first: rows are collapsed to distinct hash values, and the search runs over
+those. Each value keeps two representative rows: its first row, and its first row whose group
+differs from that first row's. For any row, the earliest row with another group among a value's
+rows is one of those two, so a row's answer is the smallest representative, of a value within `d`
+(its own value included), whose group differs from its own. A value keeps a running best and best
+of another group than the best's, which answers every row of it.
 """
 
 from __future__ import annotations
@@ -48,13 +46,13 @@ import pandas as pd
 
 __all__ = ["HOT_BUCKET_CAP", "near_duplicates", "near_duplicates_against", "phash_to_uint64"]
 
-HOT_BUCKET_CAP = 1024  # rows of a bucket, in priority order, that each of its rows compares with
-_PAIR_CHUNK = 1 << 20  # candidate pairs expanded and compared at once (bounds temporary memory)
-_MAX_K = 4  # most blocks per table key
+HOT_BUCKET_CAP = 64  # bucket size above which a bucket is re-indexed, then capped (see above)
+_PAIR_CHUNK = 1 << 19  # candidate pairs compared at once (bounds temporary memory)
+_MAX_K = 4  # most blocks in one table key
 # Cost model of `_choose_k`, in units of one row sorted in one table.
-_TABLE_OVERHEAD = 2000.0  # fixed cost of a table (numpy calls), in rows
-_PAIR_COST = 0.3  # one candidate pair compared
-_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd (Fibonacci hashing): equal keys stay equal
+_TABLE_OVERHEAD = 5000.0  # fixed cost of a table (numpy calls), in rows
+_PAIR_COST = 0.4  # one candidate pair compared
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the product's top bits mix all bits
 
 
 def near_duplicates(
@@ -72,26 +70,28 @@ def near_duplicates(
         groups: an integer label per row; rows with the same label are exact duplicates, which
             another rule handles, so they are never reported as near-duplicates of each other.
         max_distance: largest Hamming distance that counts as a match, 0 to 63.
-        hot_bucket_cap: rows of a bucket each row compares with (see the module docstring).
+        hot_bucket_cap: bucket size above which buckets are re-indexed, then capped.
         blocks_per_key: `k`, the blocks in one table's key; None picks it from the row count.
 
     Returns:
-        int64 array: the smallest index `i < j` with `popcount(hashes[i] ^ hashes[j]) <=
+        int64 array: for row `j`, the smallest `i < j` with `popcount(hashes[i] ^ hashes[j]) <=
         max_distance` and `groups[i] != groups[j]`, or -1.
     """
     h, g = _check_rows(hashes, groups, "hashes", "groups")
     d, cap = _check_params(max_distance, hot_bucket_cap, blocks_per_key)
     n = len(h)
-    codes, uniq = pd.factorize(h)
-    first, second = _representatives(codes, g, len(uniq))
+    value_of, first = _distinct(h)
+    second = _second(value_of, first, g)
+    values = h[first]
     best, other = first.copy(), second.copy()
-    k = blocks_per_key or _choose_k(d, len(uniq), len(uniq), cap, self_join=True)
-    for q, r in _near_pairs(uniq, None, d, k, cap):
-        # Both directions: an earlier value can still be the answer for later rows of a value.
-        target = np.concatenate([q, r, q, r])
-        cand = np.concatenate([first[r], first[q], second[r], second[q]])
-        _offer(best, other, target, cand, g)
-    return _answer(best[codes], other[codes], g, g, upto=np.arange(n))
+    k = blocks_per_key or _choose_k(d, len(first), 0)
+    for q, r, both_ways in _near_pairs(values, None, d, k, cap):
+        if both_ways:  # an earlier value can still be the answer for later rows of a value
+            q, r = np.concatenate([q, r]), np.concatenate([r, q])
+        _offer(best, other, np.concatenate([q, q]), np.concatenate([first[r], second[r]]), g)
+    if value_of is not None:
+        best, other = best[value_of], other[value_of]
+    return _answer(best, other, g, g, upto=np.arange(n))
 
 
 def near_duplicates_against(
@@ -106,10 +106,10 @@ def near_duplicates_against(
 ) -> np.ndarray:
     """For each new row, the index of the first old row within `max_distance`, else -1.
 
-    Old rows all come before the new ones in priority order, so new rows are not matched with
-    each other here (run `near_duplicates` on the new rows for that). The work is linear in the
-    old rows and needs only the rows given, so old rows may come in batches: take the minimum
-    over batches of each batch's answer plus its offset, ignoring -1.
+    Old rows all come before the new ones in priority order, and new rows are not matched with
+    each other here (`near_duplicates` on the new rows does that). The work is linear in the old
+    rows and needs only the rows given, so old rows may come in batches: the answer is the
+    minimum over batches of each batch's answer plus its offset, ignoring -1.
 
     Args:
         hashes: uint64 pHashes of the new rows.
@@ -117,7 +117,7 @@ def near_duplicates_against(
         old_hashes: uint64 pHashes of the old rows, in priority order.
         old_groups: an integer label per old row, comparable with `groups`.
         max_distance: largest Hamming distance that counts as a match, 0 to 63.
-        hot_bucket_cap: old rows of a bucket each new row compares with.
+        hot_bucket_cap: bucket size above which buckets are re-indexed, then capped.
         blocks_per_key: `k`, the blocks in one table's key; None picks it from the row counts.
 
     Returns:
@@ -129,24 +129,24 @@ def near_duplicates_against(
     d, cap = _check_params(max_distance, hot_bucket_cap, blocks_per_key)
     if len(h) == 0 or len(old_h) == 0:
         return np.full(len(h), -1, dtype=np.int64)
-    codes, uniq = pd.factorize(h)
-    old_codes, old_uniq = pd.factorize(old_h)
-    first, second = _representatives(old_codes, old_g, len(old_uniq))
-    # A new value's own value may occur among the old rows: that is distance 0, found as a pair.
-    none = np.full(len(uniq), len(old_h), dtype=np.int64)
-    best, other = none, none.copy()
-    k = blocks_per_key or _choose_k(d, len(uniq), len(old_uniq), cap, self_join=False)
-    for q, r in _near_pairs(uniq, old_uniq, d, k, cap):
-        target = np.concatenate([q, q])
-        cand = np.concatenate([first[r], second[r]])
-        _offer(best, other, target, cand, old_g)
-    return _answer(best[codes], other[codes], old_g, g, upto=None)
+    value_of, new_first = _distinct(h)
+    old_value_of, first = _distinct(old_h)
+    second = _second(old_value_of, first, old_g)
+    # Best old row for each distinct new value; a new value equal to an old one is a pair too.
+    best = np.full(len(new_first), len(old_h), dtype=np.int64)
+    other = best.copy()
+    k = blocks_per_key or _choose_k(d, len(new_first), len(first))
+    for q, r, _ in _near_pairs(h[new_first], old_h[first], d, k, cap):
+        _offer(best, other, np.concatenate([q, q]), np.concatenate([first[r], second[r]]), old_g)
+    if value_of is not None:
+        best, other = best[value_of], other[value_of]
+    return _answer(best, other, old_g, g, upto=None)
 
 
 def phash_to_uint64(hex_strings) -> np.ndarray:
     """Parse 16-hex-digit pHashes (a list, array or Series of str) into uint64, vectorised."""
     try:
-        raw = np.asarray(hex_strings, dtype="S17")  # one byte more, to see overlong strings
+        raw = np.asarray(hex_strings, dtype="S17")  # one byte more, to catch overlong strings
     except (UnicodeEncodeError, TypeError, ValueError) as e:
         raise ValueError(f"hex_strings: expected 16-hex-digit strings ({e})") from e
     if raw.ndim != 1:
@@ -157,7 +157,7 @@ def phash_to_uint64(hex_strings) -> np.ndarray:
     if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(f"hex_strings[{i}]: expected 16 hex digits, got {raw[i]!r}")
-    packed = (nibble[:, 0::2] << 4) | nibble[:, 1::2]  # 8 bytes per row, most significant first
+    packed = (nibble[:, 0::2] << 4) | nibble[:, 1::2]  # 8 bytes a row, most significant first
     return np.ascontiguousarray(packed).view(">u8").ravel().astype(np.uint64)
 
 
@@ -201,24 +201,42 @@ def _check_params(max_distance, hot_bucket_cap, blocks_per_key) -> tuple[int, in
     return int(max_distance), int(hot_bucket_cap)
 
 
-def _representatives(codes: np.ndarray, groups: np.ndarray, n_values: int):
-    """Per distinct value: its first row, and its first row of another group than that (or n)."""
-    n = len(codes)
-    rows = np.arange(n)
-    first = np.full(n_values, n, dtype=np.int64)
-    np.minimum.at(first, codes, rows)
-    differs = np.flatnonzero(groups != groups[first[codes]])
-    second = np.full(n_values, n, dtype=np.int64)
-    np.minimum.at(second, codes[differs], differs)
-    return first, second
+def _distinct(h: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+    """The first row of each distinct value (ascending), and each row's value as an index into
+    those (None when all values are distinct, the common case, which then costs one sort)."""
+    s = np.sort(h)
+    repeated = s[1:][s[1:] == s[:-1]]
+    if len(repeated) == 0:
+        return None, np.arange(len(h))
+    repeated = repeated[np.concatenate([[True], repeated[1:] != repeated[:-1]])]
+    code = pd.Index(repeated).get_indexer(h)  # index among repeated values, -1 for the rest
+    rows = np.flatnonzero(code >= 0)
+    code = code[rows]
+    first_of = np.full(len(repeated), len(h), dtype=np.int64)
+    np.minimum.at(first_of, code, rows)
+    is_first = np.ones(len(h), dtype=bool)
+    is_first[rows] = first_of[code] == rows
+    value_of = np.cumsum(is_first) - 1
+    value_of[rows] = value_of[first_of[code]]
+    return value_of, np.flatnonzero(is_first)
+
+
+def _second(value_of, first, groups) -> np.ndarray:
+    """Per distinct value, its first row whose group differs from its first row's, else n."""
+    n = len(groups)
+    second = np.full(len(first), n, dtype=np.int64)
+    if value_of is not None:
+        rows = np.flatnonzero(groups != groups[first[value_of]])
+        np.minimum.at(second, value_of[rows], rows)
+    return second
 
 
 def _offer(best, other, target, cand, groups) -> None:
     """Fold candidate rows into each target value's (best, best of another group than best).
 
     Order-independent, so repeated targets within one call are fine: `other` is rebuilt from
-    the previous pair (the old best if the best changed group, else the old other) and then
-    lowered by the new candidates whose group differs from the new best's.
+    the previous pair (the old best if the best changed group, else the old other), then lowered
+    by the new candidates whose group differs from the new best's.
     """
     keep = cand < len(groups)  # a value with one group has no second representative
     target, cand = target[keep], cand[keep]
@@ -239,93 +257,140 @@ def _answer(best, other, ref_groups, groups, upto) -> np.ndarray:
     return np.where(ans < limit, ans, -1)
 
 
-def _choose_k(d: int, n_query: int, n_ref: int, cap: int, *, self_join: bool) -> int:
-    """Blocks per table key that minimise the modelled cost (see the module docstring)."""
+def _choose_k(d: int, n_query: int, n_ref: int) -> int:
+    """Blocks per table key that minimise the modelled cost; `n_ref` 0 for a self join."""
     best_k, best_cost = 1, float("inf")
     for k in range(1, min(_MAX_K, 64 - d) + 1):
-        tables = comb(d + k, k)
-        pairs = n_query * n_ref / 2.0 ** (64 * k / (d + k)) / (2 if self_join else 1)
-        pairs = min(pairs, n_query * cap)
-        rows = n_query if self_join else n_query + n_ref
-        cost = tables * (_TABLE_OVERHEAD + rows + _PAIR_COST * pairs)
+        per_bucket = 2.0 ** (-64 * k / (d + k))
+        pairs = n_query * n_query / 2 * per_bucket if n_ref == 0 else n_query * n_ref * per_bucket
+        cost = comb(d + k, k) * (_TABLE_OVERHEAD + n_query + n_ref + _PAIR_COST * pairs)
         if cost < best_cost:
             best_k, best_cost = k, cost
     return best_k
 
 
-def _table_masks(d: int, k: int) -> list[np.uint64]:
-    """The bit mask of every choice of `k` of the `d + k` contiguous blocks."""
+def _table_masks(d: int, k: int) -> Iterator[tuple[np.uint64, list[np.uint64]]]:
+    """Each table's key mask (`k` of `d + k` contiguous blocks), with the `d + 1` sub-block
+    masks that cut the other bits for re-indexing its big buckets (none if too few bits)."""
     m = d + k
     edges = [64 * i // m for i in range(m + 1)]
     blocks = [((1 << (hi - lo)) - 1) << lo for lo, hi in zip(edges, edges[1:], strict=False)]
-    return [np.uint64(sum(c)) for c in combinations(blocks, k)]
+    for chosen in combinations(blocks, k):
+        mask = sum(chosen)
+        rest = [b for b in range(64) if not mask >> b & 1]
+        subs = []
+        if len(rest) >= d + 1:
+            subs = [np.uint64(sum(1 << b for b in part)) for part in np.array_split(rest, d + 1)]
+        yield np.uint64(mask), subs
 
 
 def _near_pairs(
     values: np.ndarray, ref: np.ndarray | None, d: int, k: int, cap: int
-) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield chunks of (query id, ref id) pairs within distance `d`.
+) -> Iterator[tuple[np.ndarray, np.ndarray, bool]]:
+    """Yield chunks of (query id, ref id, both_ways) for pairs within distance `d`.
 
-    Self join (`ref` None): pairs of distinct ids of `values`, the ref id being the earlier one
-    in its bucket. Otherwise: pairs of a `values` id with a `ref` id. Pairs may repeat.
+    Self join (`ref` None): ids index `values`, the ref id is the earlier row of the pair, and
+    both_ways says the pair also counts the other way round (it is False for hot rows, which
+    only look back). Otherwise: a `values` id and a `ref` id. Pairs may repeat.
     """
     self_join = ref is None
     if self_join and d == 0:
         return  # distinct values are never within distance 0
-    ref = values if self_join else ref
-    bits = max(len(values), len(ref), 2) - 1
-    id_bits = bits.bit_length() + (0 if self_join else 1)  # cross join: one bit for the side
-    id_mask = (1 << id_bits) - 1
-    if self_join:
-        both, tag = values, np.arange(len(values), dtype=np.uint64)
-    else:  # ref rows sort before query rows in a bucket
-        both = np.concatenate([ref, values])
-        side = np.uint64(1 << (id_bits - 1))
-        tag = np.concatenate(
-            [np.arange(len(ref), dtype=np.uint64), np.arange(len(values), dtype=np.uint64) | side]
-        )
-    high = np.uint64(~id_mask & ((1 << 64) - 1))
-    buf = np.empty(len(both), dtype=np.uint64)
-    for mask in _table_masks(d, k):
-        np.bitwise_and(both, mask, out=buf)
-        np.multiply(buf, _MIX, out=buf)
-        buf &= high
-        buf |= tag
-        s = buf.view(np.int64)
-        s.sort()
-        key = s >> id_bits
-        # Query positions: rows that are not first in their bucket.
-        pos = np.flatnonzero(key[1:] == key[:-1]) + 1
+    n_ref = 0 if self_join else len(ref)
+    both = values if self_join else np.concatenate([ref, values])  # refs sort first in a bucket
+    all_ids = np.arange(len(both))
+    for mask, subs in _table_masks(d, k):
+        ids, key = _bucket_sort(both, all_ids, mask)
+        pos, start, count, size = _runs(ids, key, n_ref)
         del key
-        if len(pos) == 0:
+        small = size <= cap
+        for q, r in _compare(ids, pos[small], start[small], count[small], both, d):
+            yield q - n_ref, r, True
+        big = np.flatnonzero(~small)
+        if len(big) == 0:
             continue
-        run = np.concatenate([[True], np.diff(pos) != 1])
-        start = (pos[run] - 1)[np.cumsum(run) - 1]
-        if self_join:
-            count = np.minimum(pos - start, cap)
-        else:
-            is_query = ((s >> (id_bits - 1)) & 1).astype(bool)
-            refs_before = np.concatenate([[0], np.cumsum(~is_query)])
-            keep = is_query[pos]
-            pos, start = pos[keep], start[keep]
-            count = np.minimum(refs_before[pos] - refs_before[start], cap)
-            keep = count > 0
-            pos, start, count = pos[keep], start[keep], count[keep]
-            if len(pos) == 0:
-                continue
-        yield from _compare(s, pos, start, count, values, ref, id_mask >> (not self_join), d)
+        # Re-index the rows of big buckets on the bits outside the key, a sub-block at a time.
+        members = np.sort(ids[_members(start[big], size[big])])
+        hot = np.zeros(len(both), dtype=bool)
+        hot[members] = not subs
+        for sub in subs:
+            ids2, key2 = _bucket_sort(both, members, mask | sub)
+            pos2, start2, count2, size2 = _runs(ids2, key2, n_ref)
+            small2 = size2 <= cap
+            for q, r in _compare(ids2, pos2[small2], start2[small2], count2[small2], both, d):
+                yield q - n_ref, r, True
+            hot[ids2[_members(start2[~small2], size2[~small2])]] = True
+        # Hot rows: the first `cap` rows of their table bucket, and the first two matches there.
+        sel = big[hot[ids[pos[big]]]]
+        count = np.minimum(count[sel], cap)
+        for q, r in _compare(ids, pos[sel], start[sel], count, both, d, first=2):
+            yield q - n_ref, r, False
 
 
-def _compare(s, pos, start, count, values, ref, id_mask, d):
-    """Compare each query position with its `count` partners from `start`, chunk by chunk."""
+def _bucket_sort(both: np.ndarray, ids: np.ndarray, mask: np.uint64):
+    """`ids` (ascending) ordered by a 32-bit hash of `both[ids] & mask`, ties kept in order,
+    and the sorted hashes. Two stable 16-bit passes (numpy radix-sorts 16-bit keys): linear,
+    and faster than a comparison sort of packed 64-bit words."""
+    key = np.bitwise_and(both if len(ids) == len(both) else both[ids], mask)
+    np.multiply(key, _MIX, out=key)
+    key >>= np.uint64(32)
+    key = key.astype(np.uint32)
+    order = np.argsort(key.astype(np.uint16), kind="stable")
+    order = order[np.argsort((key >> 16).astype(np.uint16)[order], kind="stable")]
+    return ids[order], key[order]
+
+
+def _members(start: np.ndarray, size: np.ndarray) -> np.ndarray:
+    """All positions of the runs given per position (`start`, `size`, repeats allowed)."""
+    new = np.ones(len(start), dtype=bool)
+    np.not_equal(start[1:], start[:-1], out=new[1:])
+    start, size = start[new], size[new]
+    offset = np.cumsum(size) - size
+    return np.repeat(start - offset, size) + np.arange(int(size.sum()))
+
+
+def _compare(ids, pos, start, count, both, d, first=None):
+    """Compare the row at each position of `ids` with the rows at the `count` positions from
+    `start`, a chunk at a time; yield the (id, partner id) pairs within `d`, or only the first
+    `first` such pairs of each position."""
+    if len(pos) == 0:
+        return
     total = np.cumsum(count)
     cuts = np.searchsorted(total, np.arange(_PAIR_CHUNK, total[-1], _PAIR_CHUNK), side="right")
     bounds = np.unique(np.concatenate([[0], cuts, [len(pos)]]))
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         c = count[lo:hi]
-        n_pairs = int(c.sum())
         offset = np.cumsum(c) - c
-        q = s[np.repeat(pos[lo:hi], c)] & id_mask
-        r = s[np.repeat(start[lo:hi] - offset, c) + np.arange(n_pairs)] & id_mask
-        near = np.bitwise_count(values[q] ^ ref[r]) <= d
+        at = np.repeat(pos[lo:hi], c)
+        q = ids[at]
+        r = ids[np.repeat(start[lo:hi] - offset, c) + np.arange(int(c.sum()))]
+        near = np.flatnonzero(np.bitwise_count(both[q] ^ both[r]) <= d)
+        if first is not None and len(near):
+            at = at[near]
+            new = np.flatnonzero(np.concatenate([[True], at[1:] != at[:-1]]))
+            rank = np.arange(len(at)) - np.repeat(new, np.diff(np.append(new, len(at))))
+            near = near[rank < first]
         yield q[near], r[near]
+
+
+def _runs(ids, key, n_ref):
+    """For each position of the sorted `key` with rows to compare with: its run's (bucket's)
+    start, how many rows from the start to compare with, and the run's size. Self join
+    (`n_ref` 0): all earlier rows of the run. Otherwise queries (ids >= n_ref) get its refs."""
+    pos = np.flatnonzero(key[1:] == key[:-1]) + 1  # not first in their run
+    brk = np.empty(len(pos), dtype=bool)
+    brk[:1] = True
+    np.not_equal(pos[1:], pos[:-1] + 1, out=brk[1:])
+    run_of = np.cumsum(brk) - 1
+    run_start = pos[brk] - 1
+    run_last = np.append(pos[np.flatnonzero(brk)[1:] - 1], pos[-1:])
+    start = run_start[run_of]
+    size = (run_last - run_start + 1)[run_of]
+    if n_ref == 0:
+        return pos, start, pos - start, size
+    is_ref = ids[pos] < n_ref
+    refs = np.add.reduceat(is_ref, np.flatnonzero(brk)) if len(pos) else is_ref
+    refs = refs + (ids[run_start] < n_ref)
+    count = np.where(is_ref, 0, refs[run_of])
+    keep = count > 0
+    return pos[keep], start[keep], count[keep], size[keep]

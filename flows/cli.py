@@ -138,12 +138,21 @@ def validate(config_path: str, root: str | None, ingest_id: str | None) -> None:
 @config_options
 @click.option("--ingest-id", default=None, help="Validated catalog to shard (default: newest).")
 @ALLOW_FAILED_GATE
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the dataset version and each stage's image counts; write nothing.",
+)
 def shard(
-    config_path: str, root: str | None, ingest_id: str | None, allow_failed_gate: bool
+    config_path: str,
+    root: str | None,
+    ingest_id: str | None,
+    allow_failed_gate: bool,
+    dry_run: bool,
 ) -> None:
     """Write one MDS dataset per training stage resolution."""
     _show(_call("flows.shard:shard_flow", config_path, root, ("shard",), ingest_id=ingest_id,
-                allow_failed_gate=allow_failed_gate)[1])  # fmt: skip
+                allow_failed_gate=allow_failed_gate, dry_run=dry_run)[1])  # fmt: skip
 
 
 @main.command()

@@ -25,6 +25,7 @@ def shard_flow(
     root: str | None = None,
     ingest_id: str | None = None,
     allow_failed_gate: bool = False,
+    dry_run: bool = False,
 ) -> dict:
     """Write `<root>/shards/<dataset_version>/<resolution>/` for every stage resolution (and
     its held-out validation split, `<resolution>-val/`), with `shards.precompute` their
@@ -36,6 +37,7 @@ def shard_flow(
         ingest_id: Validated catalog to shard; default the newest ingest.
         allow_failed_gate: Shard a catalog that failed the quality gate (or has no verdict);
             the override is recorded in the dataset's shards.json.
+        dry_run: Plan only: the dataset version and each stage's image counts.
     """
     cfg = as_config(config, ("shard",), root=root)
     layout = Layout(Path(cfg.storage.root))
@@ -50,7 +52,10 @@ def shard_flow(
         bucket_stages=cfg.bucket_stages(),
         tokenizer=cfg.train.model.tokenizer.model_dump() if cfg.shards.token_ids else None,
         allow_failed_gate=allow_failed_gate,
+        dry_run=dry_run,
     )
+    if dry_run:
+        return result.to_dict()
     if cfg.shards.precompute:
         # The latents are encoded with the VAE that training will load (a `fit` one: fitted
         # on this version, cached, and found again by the train flow under the same key).

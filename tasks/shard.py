@@ -114,6 +114,7 @@ class ShardResult:
     stages: dict[int, dict] = field(default_factory=dict)
     reused: bool = False
     quality_gate: dict = field(default_factory=dict)  # the catalog's verdict, and any override
+    dry_run: bool = False  # planned only: `stages` has the counts, nothing was written
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,33 +134,64 @@ def _row_meta(rec: dict, meta_cols: list[str]) -> dict:
 
 def dataset_version(clean: pd.DataFrame, settings: dict) -> str:
     """Content hash of the clean catalog (keys, bytes, captions, stored metadata) and the
-    shard settings: anything a sample stores changes the version."""
+    shard settings: anything a sample stores changes the version. Rows are hashed by columns
+    and combined by addition (`rows_digest`), so the catalog needs no sort and partitions of
+    it combine."""
     h = hashlib.sha256(json.dumps({**settings, "format": FORMAT_VERSION}, sort_keys=True).encode())
-    meta_cols = _meta_columns(clean)
-    for rec in clean.sort_values(["source", "key"]).to_dict("records"):
-        h.update(f"\0{rec['source']}\0{rec['key']}\0{rec['sha256']}\0{rec['caption']}".encode())
-        meta = _row_meta(rec, meta_cols)
-        if meta:  # only then: rows without metadata keep the hash they had before
-            h.update(b"\0" + json.dumps(meta, sort_keys=True, default=str).encode())
+    h.update(rows_digest(clean).tobytes())
     return "ds-" + h.hexdigest()[:12]
 
 
+def rows_digest(frame: pd.DataFrame) -> np.ndarray:
+    """Two 64-bit sums, over rows, of two keyed hashes of each row's source, key, sha256,
+    caption and stored metadata: independent of row order, and additive over partitions."""
+    cols = ["source", "key", "sha256", "caption", *_meta_columns(frame)]
+    text = pd.DataFrame({c: frame[c].astype(object).where(frame[c].notna(), "").astype(str)
+                         for c in cols})  # fmt: skip
+    return np.array([
+        pd.util.hash_pandas_object(text, index=False, hash_key=k).to_numpy(np.uint64).sum(
+            dtype=np.uint64)
+        for k in ("kiln-dataset-v-0", "kiln-dataset-v-1")
+    ], dtype=np.uint64)  # fmt: skip
+
+
+def key_units(keys) -> np.ndarray:
+    """Each key's place in [0, 1): the top 53 bits of its sha256, exact as a float."""
+    digests = b"".join(hashlib.sha256(str(k).encode()).digest()[:8] for k in keys)
+    return (np.frombuffer(digests, ">u8") >> np.uint64(11)) / 2**53
+
+
 def _key_unit(key: str) -> float:
-    """A key's place in [0, 1): the top 53 bits of its sha256, exact as a float."""
-    return (int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") >> 11) / 2**53
+    return float(key_units([key])[0])
+
+
+def held_out_mask(sources, keys, fraction: float, cap: int) -> np.ndarray:
+    """Which rows are in the validation split: those whose key hashes below `fraction`, at
+    most `cap` of them, the smallest hashes first (ties by key, then source).
+
+    Hashing the key alone (not the bytes or the caption) keeps an image on its side of the
+    split when its caption is fixed or its source moves.
+    """
+    keys = np.asarray(keys, dtype=object)
+    out = np.zeros(len(keys), bool)
+    if fraction <= 0 or cap <= 0 or not len(keys):
+        return out
+    u = key_units(keys)
+    cand = np.flatnonzero(u < fraction)
+    src = np.asarray(sources, dtype=object)[cand]
+    order = np.lexsort((src.astype(str), keys[cand].astype(str), u[cand]))[:cap]
+    out[cand[order]] = True
+    return out
 
 
 def held_out(uids, fraction: float, cap: int) -> set[tuple[str, str]]:
-    """The (source, key) pairs of the validation split: those whose key hashes below
-    `fraction`, at most `cap` of them, the smallest hashes first.
-
-    Hashing the key alone (not the bytes or the caption) keeps an image on its side of the
-    split when its caption is fixed or its source moves; ties go by key, then source.
-    """
-    if fraction <= 0 or cap <= 0:
+    """The (source, key) pairs of the validation split (see `held_out_mask`)."""
+    uids = list(uids)
+    if not uids:
         return set()
-    scored = sorted((_key_unit(key), key, src) for src, key in uids)
-    return {(src, key) for u, key, src in scored[:cap] if u < fraction}
+    src, key = (np.array(c, dtype=object) for c in zip(*uids, strict=True))
+    mask = held_out_mask(src, key, fraction, cap)
+    return set(zip(src[mask], key[mask], strict=True))
 
 
 def _split_stats(path: Path) -> dict:
@@ -369,6 +401,7 @@ def write_shards(
     bucket_stages: list[int] | None = None,
     tokenizer: dict | None = None,
     allow_failed_gate: bool = False,
+    dry_run: bool = False,
 ) -> ShardResult:
     """Write (or reuse, or finish) the MDS datasets for every stage of `ingest_id`'s clean rows.
 
@@ -392,6 +425,8 @@ def write_shards(
         tokenizer: The model's `TokenizerConfig` as a dict: every sample also stores its
             caption's token ids (`shards.token_ids`); the tokenizer is part of the version.
         allow_failed_gate: Shard a catalog whose verdict failed or is missing.
+        dry_run: Plan only: the version and each stage's training and held-out image
+            counts, from the catalog's columns; nothing is decoded or written.
 
     Raises:
         FileNotFoundError: the catalog has not been validated.
@@ -451,17 +486,25 @@ def write_shards(
                 f"stage {r}px has no images: none of {len(clean)} clean images {need} "
                 f"(resolution and shards.min_side_factor {min_side_factor})"
             )
-    held = held_out(zip(clean["source"], clean["key"], strict=True), cfg.val_fraction, cfg.val_max)
+    held = pd.Series(held_out_mask(clean["source"], clean["key"], cfg.val_fraction, cfg.val_max),
+                     index=clean.index)  # fmt: skip
     val = {}
     for r in sorted(resolutions):
-        is_val = [u in held for u in zip(eligible[r]["source"], eligible[r]["key"], strict=True)]
-        val[r], eligible[r] = eligible[r][is_val], eligible[r][~np.array(is_val, bool)]
+        is_val = held.loc[eligible[r].index].to_numpy()
+        val[r], eligible[r] = eligible[r][is_val], eligible[r][~is_val]
         if eligible[r].empty:
             raise ValueError(
                 f"stage {r}px has no training images: all {len(val[r])} of its images are held "
                 f"out for validation (lower shards.val_fraction {cfg.val_fraction} or "
                 f"shards.val_max {cfg.val_max})"
             )
+    if dry_run:
+        result.dry_run = True
+        result.stages = {r: {"samples": len(eligible[r]), "val_samples": len(val[r])}
+                         for r in sorted(resolutions)}  # fmt: skip
+        log.info("dataset %s for %s px (dry run): %s", version, sorted(resolutions),
+                 result.stages)  # fmt: skip
+        return result
     if not todo:
         result.reused = True
         log.info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
