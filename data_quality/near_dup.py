@@ -9,48 +9,62 @@ Norouzi, Punjani & Fleet, "Fast Search in Hamming Space with Multi-Index Hashing
   keyed on one choice of `k` blocks, and there are `C(m, k)` tables, so every pair within `d`
   shares a key in at least one table: comparing only rows that share a key is exact.
 - Choice of `k`. A key has `64 k / m` bits, so with uniform hashes a bucket holds about
-  `N / 2**(64 k / m)` rows: a fixed `k` goes quadratic as `N` grows. `_choose_k` models the cost
-  (a sort per table against the comparisons in its buckets) and moves to a larger `k` as `N`
-  grows, which keeps buckets small: for `d = 4` it picks 5 tables of 12-13 bit keys up to about
-  50k distinct hashes, 15 tables of 20-22 bits up to about 25M, then 35 tables of 27-28 bits.
-- A table is one in-place sort of `hash(key) | id`, ids in priority order, so a bucket is a run
-  of the sorted array with its rows in priority order; pairs are compared in chunks.
+  `N / 2**(64 k / m)` rows: a fixed `k` goes quadratic as `N` grows. `_choose_k` models the
+  cost (rows sorted per table against pairs compared in buckets) and moves to a larger `k` as
+  `N` grows, which keeps buckets at a few rows: for `d = 4` it picks 5 tables of 12-13 bit keys
+  below about 80k distinct hashes, 15 tables of 20-22 bits up to about 20M, then 35 tables of
+  27-28 bits.
+- A table sorts the rows by a 32-bit hash of their key (a collision only adds pairs to check)
+  with two stable 16-bit radix passes, so it costs O(N) and each bucket is a run with its rows
+  in priority order. Pairs are compared one offset into the buckets at a time. The rows are first
+  split into cache-sized parts by a hash of the key's first block, one split shared by all the
+  tables with that first block; a bucket lies in one part.
 - Skewed buckets. A bucket of more than `HOT_BUCKET_CAP` rows (a shared prefix, say) is indexed
   again on the bits outside its key, cut into `d + 1` sub-blocks: two of its rows within `d`
   differ in at most `d` of those bits, so (pigeonhole again) they agree on a sub-block, and this
   step is exact too.
-- Hot buckets, the one approximation. Rows of a sub-bucket still over the cap are rows that agree
-  on almost every bit: copies of a blank or placeholder image. Each of them is compared only with
-  the first `HOT_BUCKET_CAP` rows of its table bucket (priority order) and takes the first two
-  matches there, so a table costs at most `O(N * HOT_BUCKET_CAP * d)` whatever the skew. Such a
-  row can miss a match, or get a later match than the first, when its matches in that bucket are
-  all past its first rows and no other table or sub-bucket finds them; identical hashes are
-  never missed (see below). Results are exact whenever no sub-bucket is over the cap.
+- Hot buckets, the one approximation. Rows of a sub-bucket still over the cap agree on almost
+  every bit: copies of a blank or placeholder image with a few bits flipped. Each is compared
+  only with the first `HOT_PEERS` rows of its table bucket (priority order) and keeps its first
+  two matches there, so a table costs `O(N * HOT_BUCKET_CAP * d)` at worst, whatever the skew.
+  Such a row can miss a match, or get a later one than the first, when its matches in that
+  bucket are all past those first rows and no other table or sub-bucket finds them. Identical
+  hashes are never missed (below). Results are exact whenever no sub-bucket is over the cap.
 
 Exact duplicates first: rows are collapsed to distinct hash values, and the search runs over
-those. Each value keeps two representative rows: its first row, and its first row whose group
-differs from that first row's. For any row, the earliest row with another group among a value's
-rows is one of those two, so a row's answer is the smallest representative, of a value within `d`
-(its own value included), whose group differs from its own. A value keeps a running best and best
-of another group than the best's, which answers every row of it.
+those, so any number of identical blank images costs one row. Each value keeps two
+representative rows: its first row, and its first row whose group differs from that one's. The
+earliest row of another group than a given row's, among a value's rows, is one of those two, so a
+row's answer is the smallest representative, of a value within `d` (its own included), whose
+group differs from its own. Each value keeps a running best and best of another group than the
+best's, which answers every row of it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from itertools import combinations
+from itertools import combinations, groupby
 from math import comb
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["HOT_BUCKET_CAP", "near_duplicates", "near_duplicates_against", "phash_to_uint64"]
+__all__ = [
+    "HOT_BUCKET_CAP",
+    "HOT_PEERS",
+    "near_duplicates",
+    "near_duplicates_against",
+    "phash_to_uint64",
+]
 
-HOT_BUCKET_CAP = 64  # bucket size above which a bucket is re-indexed, then capped (see above)
-_PAIR_CHUNK = 1 << 19  # candidate pairs compared at once (bounds temporary memory)
+HOT_BUCKET_CAP = 64  # rows above which a bucket is re-indexed, then a sub-bucket is hot
+HOT_PEERS = 16  # first rows of its table bucket that a row of a hot sub-bucket is compared with
+_PART_ROWS = 1 << 18  # rows a table handles at once (see `_partitions`)
+_BATCH = 1 << 18  # pairs found before they are folded into the answers
+_FEW = 1024  # positions below which `_compare` stops going offset by offset
 _MAX_K = 4  # most blocks in one table key
 # Cost model of `_choose_k`, in units of one row sorted in one table.
-_TABLE_OVERHEAD = 5000.0  # fixed cost of a table (numpy calls), in rows
+_TABLE_OVERHEAD = 1000.0  # fixed cost of a table (numpy calls), in rows
 _PAIR_COST = 0.4  # one candidate pair compared
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the product's top bits mix all bits
 
@@ -70,7 +84,7 @@ def near_duplicates(
         groups: an integer label per row; rows with the same label are exact duplicates, which
             another rule handles, so they are never reported as near-duplicates of each other.
         max_distance: largest Hamming distance that counts as a match, 0 to 63.
-        hot_bucket_cap: bucket size above which buckets are re-indexed, then capped.
+        hot_bucket_cap: rows above which a bucket is re-indexed, then capped (module doc).
         blocks_per_key: `k`, the blocks in one table's key; None picks it from the row count.
 
     Returns:
@@ -80,9 +94,11 @@ def near_duplicates(
     h, g = _check_rows(hashes, groups, "hashes", "groups")
     d, cap = _check_params(max_distance, hot_bucket_cap, blocks_per_key)
     n = len(h)
+    if n < 2:
+        return np.full(n, -1, dtype=np.int64)
     value_of, first = _distinct(h)
     second = _second(value_of, first, g)
-    values = h[first]
+    values = h if value_of is None else h[first]
     best, other = first.copy(), second.copy()
     k = blocks_per_key or _choose_k(d, len(first), 0)
     for q, r, both_ways in _near_pairs(values, None, d, k, cap):
@@ -117,7 +133,7 @@ def near_duplicates_against(
         old_hashes: uint64 pHashes of the old rows, in priority order.
         old_groups: an integer label per old row, comparable with `groups`.
         max_distance: largest Hamming distance that counts as a match, 0 to 63.
-        hot_bucket_cap: bucket size above which buckets are re-indexed, then capped.
+        hot_bucket_cap: rows above which a bucket is re-indexed, then capped (module doc).
         blocks_per_key: `k`, the blocks in one table's key; None picks it from the row counts.
 
     Returns:
@@ -269,9 +285,10 @@ def _choose_k(d: int, n_query: int, n_ref: int) -> int:
     return best_k
 
 
-def _table_masks(d: int, k: int) -> Iterator[tuple[np.uint64, list[np.uint64]]]:
-    """Each table's key mask (`k` of `d + k` contiguous blocks), with the `d + 1` sub-block
-    masks that cut the other bits for re-indexing its big buckets (none if too few bits)."""
+def _table_masks(d: int, k: int) -> Iterator[tuple[np.uint64, np.uint64, list[np.uint64]]]:
+    """Each table's first block, its key mask (`k` of `d + k` contiguous blocks), and the
+    `d + 1` sub-block masks that cut the other bits for re-indexing its big buckets (none if
+    there are too few bits). Tables come grouped by first block."""
     m = d + k
     edges = [64 * i // m for i in range(m + 1)]
     blocks = [((1 << (hi - lo)) - 1) << lo for lo, hi in zip(edges, edges[1:], strict=False)]
@@ -281,13 +298,13 @@ def _table_masks(d: int, k: int) -> Iterator[tuple[np.uint64, list[np.uint64]]]:
         subs = []
         if len(rest) >= d + 1:
             subs = [np.uint64(sum(1 << b for b in part)) for part in np.array_split(rest, d + 1)]
-        yield np.uint64(mask), subs
+        yield np.uint64(chosen[0]), np.uint64(mask), subs
 
 
 def _near_pairs(
     values: np.ndarray, ref: np.ndarray | None, d: int, k: int, cap: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray, bool]]:
-    """Yield chunks of (query id, ref id, both_ways) for pairs within distance `d`.
+    """Yield batches of (query id, ref id, both_ways) for pairs within distance `d`.
 
     Self join (`ref` None): ids index `values`, the ref id is the earlier row of the pair, and
     both_ways says the pair also counts the other way round (it is False for hot rows, which
@@ -298,46 +315,100 @@ def _near_pairs(
         return  # distinct values are never within distance 0
     n_ref = 0 if self_join else len(ref)
     both = values if self_join else np.concatenate([ref, values])  # refs sort first in a bucket
-    all_ids = np.arange(len(both))
-    for mask, subs in _table_masks(d, k):
-        ids, key = _bucket_sort(both, all_ids, mask)
-        pos, start, count, size = _runs(ids, key, n_ref)
-        del key
-        small = size <= cap
-        for q, r in _compare(ids, pos[small], start[small], count[small], both, d):
-            yield q - n_ref, r, True
-        big = np.flatnonzero(~small)
-        if len(big) == 0:
-            continue
-        # Re-index the rows of big buckets on the bits outside the key, a sub-block at a time.
-        members = np.sort(ids[_members(start[big], size[big])])
-        hot = np.zeros(len(both), dtype=bool)
-        hot[members] = not subs
-        for sub in subs:
-            ids2, key2 = _bucket_sort(both, members, mask | sub)
-            pos2, start2, count2, size2 = _runs(ids2, key2, n_ref)
-            small2 = size2 <= cap
-            for q, r in _compare(ids2, pos2[small2], start2[small2], count2[small2], both, d):
-                yield q - n_ref, r, True
-            hot[ids2[_members(start2[~small2], size2[~small2])]] = True
-        # Hot rows: the first `cap` rows of their table bucket, and the first two matches there.
-        sel = big[hot[ids[pos[big]]]]
-        count = np.minimum(count[sel], cap)
-        for q, r in _compare(ids, pos[sel], start[sel], count, both, d, first=2):
-            yield q - n_ref, r, False
+    found = {True: [], False: []}  # by both_ways, handed over in batches
+    size = 0
+    # Tables that share a first block share a split of the rows into parts (by that block).
+    for lead, group in groupby(_table_masks(d, k), key=lambda table: table[0]):
+        group = list(group)
+        for ids, vals in _partitions(both, lead):
+            for _, mask, subs in group:
+                key = _hash32(vals, mask)
+                for q, r, both_ways in _table_pairs(ids, vals, key, mask, subs, d, cap, n_ref):
+                    found[both_ways].append((q - n_ref, r))
+                    size += len(q)
+                if size >= _BATCH:
+                    yield from _batches(found)
+                    size = 0
+    yield from _batches(found)
 
 
-def _bucket_sort(both: np.ndarray, ids: np.ndarray, mask: np.uint64):
-    """`ids` (ascending) ordered by a 32-bit hash of `both[ids] & mask`, ties kept in order,
-    and the sorted hashes. Two stable 16-bit passes (numpy radix-sorts 16-bit keys): linear,
-    and faster than a comparison sort of packed 64-bit words."""
-    key = np.bitwise_and(both if len(ids) == len(both) else both[ids], mask)
+def _batches(found: dict[bool, list]) -> Iterator[tuple[np.ndarray, np.ndarray, bool]]:
+    for both_ways, pairs in found.items():
+        if pairs:
+            yield (
+                np.concatenate([q for q, _ in pairs]),
+                np.concatenate([r for _, r in pairs]),
+                both_ways,
+            )
+        pairs.clear()
+
+
+def _hash32(vals: np.ndarray, mask: np.uint64) -> np.ndarray:
+    """A 32-bit hash of `vals & mask`: equal keys hash equal, different ones rarely do."""
+    key = np.bitwise_and(vals, mask)
     np.multiply(key, _MIX, out=key)
     key >>= np.uint64(32)
-    key = key.astype(np.uint32)
+    return key.astype(np.uint32)
+
+
+def _stable_order(key: np.ndarray) -> np.ndarray:
+    """Stable argsort of uint32 keys as two 16-bit passes (numpy radix-sorts 16-bit keys)."""
     order = np.argsort(key.astype(np.uint16), kind="stable")
-    order = order[np.argsort((key >> 16).astype(np.uint16)[order], kind="stable")]
-    return ids[order], key[order]
+    return order[np.argsort((key >> 16).astype(np.uint16)[order], kind="stable")]
+
+
+def _partitions(both: np.ndarray, lead: np.uint64):
+    """Yield (ids, values) of the rows, in id order, split by a hash of their `lead` block into
+    parts of about `_PART_ROWS`. Rows that share a key share its lead block, so a bucket lies in
+    one part; a part fits in cache, which keeps the sorts and lookups in it fast at any N."""
+    bits = ((len(both) - 1) // _PART_ROWS).bit_length()
+    if bits == 0:
+        yield np.arange(len(both)), both
+        return
+    part = (_hash32(both, lead) >> (32 - bits)).astype(np.uint8 if bits <= 8 else np.uint16)
+    order = np.argsort(part, kind="stable")
+    ends = np.cumsum(np.bincount(part, minlength=1 << bits))
+    del part
+    vals = both[order]
+    for lo, hi in zip(np.concatenate([[0], ends[:-1]]), ends, strict=True):
+        yield order[lo:hi], vals[lo:hi]
+
+
+def _table_pairs(ids, vals, key, mask, subs, d, cap, n_ref):
+    """Yield (id, partner id, both_ways) pairs within `d` among rows (in id order) that share
+    a key: all pairs in buckets of at most `cap` rows, then bigger buckets re-indexed on each
+    sub-block, then hot rows against the first rows of their bucket (see the module doc)."""
+    order = _stable_order(key)
+    ids, vals = ids[order], vals[order]
+    pos, start, count, size = _runs(ids, key[order], n_ref)
+    small = size <= cap
+    for q, r in _compare(ids, vals, pos[small], start[small], count[small], d):
+        yield q, r, True
+    big = np.flatnonzero(~small)
+    if len(big) == 0:
+        return
+    # Re-index the rows of big buckets on the bits outside the key, a sub-block at a time.
+    members = _members(start[big], size[big])
+    members = members[np.argsort(ids[members], kind="stable")]  # id order, for ties
+    m_ids, m_vals = ids[members], vals[members]
+    hot = np.zeros(len(members), dtype=bool) if subs else np.ones(len(members), dtype=bool)
+    for sub in subs:
+        key2 = _hash32(m_vals, mask | sub)
+        order2 = _stable_order(key2)
+        ids2, vals2 = m_ids[order2], m_vals[order2]
+        pos2, start2, count2, size2 = _runs(ids2, key2[order2], n_ref)
+        small2 = size2 <= cap
+        for q, r in _compare(ids2, vals2, pos2[small2], start2[small2], count2[small2], d):
+            yield q, r, True
+        hot[order2[_members(start2[~small2], size2[~small2])]] = True
+    # Hot rows: the first rows of their table bucket, and the first two matches there.
+    is_hot = np.zeros(len(ids), dtype=bool)
+    is_hot[members[hot]] = True
+    sel = big[is_hot[pos[big]]]
+    for q, r in _compare(
+        ids, vals, pos[sel], start[sel], np.minimum(count[sel], HOT_PEERS), d, first=2
+    ):
+        yield q, r, False
 
 
 def _members(start: np.ndarray, size: np.ndarray) -> np.ndarray:
@@ -349,28 +420,40 @@ def _members(start: np.ndarray, size: np.ndarray) -> np.ndarray:
     return np.repeat(start - offset, size) + np.arange(int(size.sum()))
 
 
-def _compare(ids, pos, start, count, both, d, first=None):
-    """Compare the row at each position of `ids` with the rows at the `count` positions from
-    `start`, a chunk at a time; yield the (id, partner id) pairs within `d`, or only the first
-    `first` such pairs of each position."""
+def _compare(ids, vals, pos, start, count, d, first=None):
+    """Compare the row at each position in `pos` with the rows at the `count` positions from
+    its `start`; yield the (id, partner id) pairs within `d`, or each position's first `first`.
+
+    Buckets are small, so this goes one offset at a time for all positions at once, which needs
+    no pair lists; the few positions left after some rounds get all their partners at once.
+    """
+    found = np.zeros(len(pos), dtype=np.int64)
+    offset = 0
+    while len(pos) > _FEW:
+        partner = start + offset
+        near = np.bitwise_count(vals[pos] ^ vals[partner]) <= d
+        hit = np.flatnonzero(near)
+        if len(hit):
+            yield ids[pos[hit]], ids[partner[hit]]
+        offset += 1
+        keep = count > offset
+        if first is not None:
+            found += near
+            keep &= found < first
+        pos, start, count, found = pos[keep], start[keep], count[keep], found[keep]
     if len(pos) == 0:
         return
-    total = np.cumsum(count)
-    cuts = np.searchsorted(total, np.arange(_PAIR_CHUNK, total[-1], _PAIR_CHUNK), side="right")
-    bounds = np.unique(np.concatenate([[0], cuts, [len(pos)]]))
-    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-        c = count[lo:hi]
-        offset = np.cumsum(c) - c
-        at = np.repeat(pos[lo:hi], c)
-        q = ids[at]
-        r = ids[np.repeat(start[lo:hi] - offset, c) + np.arange(int(c.sum()))]
-        near = np.flatnonzero(np.bitwise_count(both[q] ^ both[r]) <= d)
-        if first is not None and len(near):
-            at = at[near]
-            new = np.flatnonzero(np.concatenate([[True], at[1:] != at[:-1]]))
-            rank = np.arange(len(at)) - np.repeat(new, np.diff(np.append(new, len(at))))
-            near = near[rank < first]
-        yield q[near], r[near]
+    left = count - offset
+    at = np.repeat(np.arange(len(pos)), left)
+    partner = np.repeat(start + offset - (np.cumsum(left) - left), left) + np.arange(len(at))
+    hit = np.flatnonzero(np.bitwise_count(vals[pos[at]] ^ vals[partner]) <= d)
+    at, partner = at[hit], partner[hit]
+    if first is not None:  # rank of each match among its position's matches
+        new = np.flatnonzero(np.concatenate([[True], at[1:] != at[:-1]]))
+        rank = np.arange(len(at)) - np.repeat(new, np.diff(np.append(new, len(at))))
+        keep = rank < first - found[at]
+        at, partner = at[keep], partner[keep]
+    yield ids[pos[at]], ids[partner]
 
 
 def _runs(ids, key, n_ref):

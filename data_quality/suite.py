@@ -299,7 +299,7 @@ def check_rows(
         counts[reason] = int(bad.sum())
         first[(first < 0) & bad] = i
         if counts[reason]:
-            samples.append(vdf[bad].head(SAMPLE))
+            samples.append(vdf.take(np.flatnonzero(bad)[:SAMPLE]))
     if gx_check and len(df):
         theirs = {r.expectation_config.meta["reason"]: int(r.result.get("unexpected_count") or 0)
                   for r in _gx_run(vdf, rules).results}  # fmt: skip
@@ -320,8 +320,9 @@ def check_rows(
                              "reason": reasons[first[hit]], "detail": details,
                              "pos": np.flatnonzero(hit)},
                             columns=["source", "key", "reason", "detail", "pos"])  # fmt: skip
-    # GX renders the Data Docs from a sample: the failing rows, and a few rows at least.
-    sample = pd.concat([*samples, vdf.head(3)], ignore_index=True)
+    # GX renders the Data Docs from a sample: the failing rows, and a few rows at least. A
+    # take copies them (a slice would keep the whole partition's Arrow buffers alive).
+    sample = pd.concat([*samples, vdf.take(np.arange(min(3, len(vdf))))], ignore_index=True)
     return RowCheck(rows=len(df), rejected=rejected, counts=counts, sample=sample,
                     hashes=hash_columns(df) if hashes else None)  # fmt: skip
 

@@ -55,6 +55,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.catalog_view import view_columns, view_parts
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
 from tasks.quality import REJECTS_FILE, gate_for_sharding, read_clean
@@ -443,7 +444,8 @@ def write_shards(
             "run `kiln validate` first"
         )
     gate = gate_for_sharding(root, ingest_id, allow_failed_gate=allow_failed_gate)
-    clean = read_clean(root, ingest_id)
+    # A plan needs what the version and the split read; a conversion, every column.
+    clean = read_clean(root, ingest_id, _plan_columns(layout, ingest_id) if dry_run else None)
     min_side_factor = cfg.min_side_factor
     settings = {
         "resolutions": sorted(resolutions),
@@ -519,6 +521,13 @@ def write_shards(
     )
     layout.set_latest("shards", version)
     return result
+
+
+def _plan_columns(layout: Layout, ingest_id: str) -> list[str]:
+    """The columns a shard plan reads: identity, size, caption and stored metadata."""
+    columns = view_columns(view_parts(layout, ingest_id, "accepted"))
+    own = ["source", "key", "sha256", "caption", "width", "height"]
+    return own + [c for c in columns if c not in CATALOG_COLUMNS and c != "near_duplicate_of"]
 
 
 def _uids(frame: pd.DataFrame) -> list[tuple[str, str]]:

@@ -135,3 +135,100 @@ def test_exact_and_near_duplicates_are_caught_across_runs(tmp_path):
     validate_catalog.fn(str(root), second.ingest_id, strict)
     q = _quarantine(root, second.ingest_id).set_index("key")
     assert q.loc["resized.jpg", "reason"] == "near_duplicate"
+
+
+def _three_ingests(tmp_path, demo_src):
+    """A root with three ingests of one source: the demo images, then exact and near copies
+    and planted failures, then more of both."""
+    import shutil
+
+    from PIL import Image
+
+    src, root = tmp_path / "src", tmp_path / "root"
+    shutil.copytree(demo_src, src)
+    ids = [ingest_source(IngestConfig(source=str(src), workers=1), str(root)).ingest_id]
+    names = sorted(p.name for p in src.glob("*.jpg"))
+    for round_, (a, b) in enumerate([(names[0], names[1]), (names[2], names[3])]):
+        (src / f"copy-{round_}.jpg").write_bytes((src / a).read_bytes())
+        Image.open(src / b).resize((60, 60)).save(src / f"near-{round_}.jpg", quality=70)
+        _add_images(src, [f"tiny-{round_}.jpg"], size=(20, 20))
+        with open(src / "metadata.jsonl", "a") as f:
+            for n in (f"copy-{round_}.jpg", f"near-{round_}.jpg"):
+                f.write(json.dumps({"file_name": n, "text": f"a copy {n}"}) + "\n")
+        ids.append(ingest_source(IngestConfig(source=str(src), workers=1), str(root)).ingest_id)
+    return root, ids
+
+
+def _outputs(root, ingest_id):
+    cat = root / "catalog" / ingest_id
+    verdict = json.loads((cat / "verdict.json").read_text())
+    verdict.pop("validated_at")
+    return (
+        read_clean(str(root), ingest_id).sort_values(["source", "key"]).reset_index(drop=True),
+        pd.read_parquet(cat / "rejects.parquet").sort_values(["source", "key"]).reset_index(
+            drop=True),
+        verdict,
+    )  # fmt: skip
+
+
+def test_incremental_validate_checks_only_new_rows_and_matches_a_full_one(tmp_path, demo_src):
+    import shutil
+
+    root, ids = _three_ingests(tmp_path, demo_src)
+    full_root = tmp_path / "full"
+    shutil.copytree(root, full_root)
+    rules = RULES.model_copy(update={"drop_near_duplicates": True})
+    first = validate_catalog.fn(str(root), ids[0], rules)
+    accepted = len(read_view(Layout(root), ids[0])[0])
+    assert first.incremental_from is None and first.checked_rows == accepted
+    last = validate_catalog.fn(str(root), ids[2], rules)
+    assert last.incremental_from == ids[0] and last.checked_rows == 6, "two ingests of 3 rows"
+    # Every row checked at once, with no earlier verdict, reaches the same outcome.
+    full = validate_catalog.fn(str(full_root), ids[2], rules)
+    assert full.incremental_from is None and full.checked_rows == accepted + 6
+    for a, b in zip(_outputs(root, ids[2]), _outputs(full_root, ids[2]), strict=True):
+        if isinstance(a, dict):
+            a.pop("validated_at", None)
+            assert a == b
+        else:
+            pd.testing.assert_frame_equal(a, b)
+    reasons = _outputs(root, ids[2])[1].set_index("key")["reason"]
+    assert {reasons[f"copy-{i}.jpg"] for i in (0, 1)} == {"duplicate_sha256"}
+    assert {reasons[f"near-{i}.jpg"] for i in (0, 1)} == {"near_duplicate"}
+    # Other rules: every row is checked again, not only the new ones.
+    other = validate_catalog.fn(str(root), ids[2], rules.model_copy(update={"min_side": 30}))
+    assert other.incremental_from is None and other.checked_rows == full.checked_rows
+
+
+@pytest.mark.integration
+def test_a_dask_cluster_validates_and_plans_like_one_machine(tmp_path, demo_src):
+    import shutil
+
+    from distributed import LocalCluster
+
+    from flows.config import ShardsConfig
+    from tasks.shard import write_shards
+
+    root, ids = _three_ingests(tmp_path, demo_src)
+    dask_root = tmp_path / "dask"
+    shutil.copytree(root, dask_root)
+    rules = RULES.model_copy(update={"drop_near_duplicates": True})
+    shards = ShardsConfig(val_fraction=0.2, workers=1)
+    local = validate_catalog.fn(str(root), ids[2], rules)
+    local_plan = write_shards.fn(shards, str(root), ids[2], [32, 64], dry_run=True)
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    ) as cluster:
+        remote = validate_catalog.fn(
+            str(dask_root), ids[2], rules, dask_address=cluster.scheduler_address
+        )
+        assert "check_partition" in cluster.scheduler.task_prefixes, "checks ran on Dask"
+        remote_plan = write_shards.fn(shards, str(dask_root), ids[2], [32, 64], dry_run=True,
+                                      dask_address=cluster.scheduler_address)  # fmt: skip
+    assert remote.checked_rows == local.checked_rows == len(read_view(Layout(root), ids[2])[0])
+    a, b = _outputs(root, ids[2]), _outputs(dask_root, ids[2])
+    pd.testing.assert_frame_equal(a[0], b[0])
+    pd.testing.assert_frame_equal(a[1], b[1])
+    assert a[2] == b[2] and a[2]["passed"]
+    assert local_plan.dataset_version == remote_plan.dataset_version
+    assert local_plan.stages == remote_plan.stages and local_plan.dry_run
