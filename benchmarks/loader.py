@@ -32,7 +32,9 @@ naive single-process conversion. All measured in one run on the same 256-px imag
    through the same loader; `latents_text` carries the text encoder's states (77x1024 fp16)
    instead of ids.
 5. `shard_step` vs `shard_naive`: Kiln's partitioned shard task against one process that
-   fully decodes, resizes and re-encodes each image.
+   fully decodes, resizes and re-encodes each image. What the shard step imports once per
+   process where it first writes (streaming, and torch, transformers and diffusers for the
+   tokenizer: seconds, whatever the image count) is timed apart (`import_s`).
 
     python benchmarks/loader.py --out benchmarks/results/loader.json
 """
@@ -109,9 +111,11 @@ def _imagefolder_s3_item(job: tuple[str, str, str]):
     return np.asarray(crop, dtype=np.float32).mean()
 
 
-def _shard_step(src: str, root: str, workers: int, tokenizer: dict) -> tuple[str, float, str]:
-    """Ingest, validate and shard `src` (in a Prefect test harness); time the shard step.
-    Also shards a 512 px version (not timed) for the loader at the next stage's size."""
+def _shard_step(src: str, root: str, workers: int,
+                tokenizer: dict) -> tuple[str, float, str, float]:  # fmt: skip
+    """Ingest, validate and shard `src` (in a Prefect test harness); time the shard step, and
+    its one-off imports apart. Also shards a 512 px version (not timed) for the loader at the
+    next stage's size."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -128,6 +132,13 @@ def _shard_step(src: str, root: str, workers: int, tokenizer: dict) -> tuple[str
         ing = ingest_source(IngestConfig(source=src, workers=workers), root)
         rules = QualityConfig(min_side=32, max_reject_fraction=1.0)
         validate_catalog.fn(root, ing.ingest_id, rules)
+        # What the shard step imports where it first writes and tokenizes, once per process.
+        t = time.perf_counter()
+        import streaming  # noqa: F401
+
+        import models.factory  # noqa: F401
+
+        import_s = time.perf_counter() - t
         t = time.perf_counter()
         shard = write_shards.fn(
             ShardsConfig(workers=workers, partition_size=250),
@@ -144,7 +155,7 @@ def _shard_step(src: str, root: str, workers: int, tokenizer: dict) -> tuple[str
             [2 * RES],
             tokenizer=tokenizer,
         )
-        return shard.dataset_version, seconds, big.dataset_version
+        return shard.dataset_version, seconds, big.dataset_version, import_s
 
 
 def _decode_tv(data: bytes) -> tuple[int, ...]:
@@ -336,10 +347,10 @@ def main() -> None:
     # Ingest, validate and shard run in a spawned child: Prefect's background threads must not
     # live in this process, whose DataLoader workers are forked.
     with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as one:
-        version, shard_s, version_512 = one.submit(
+        version, shard_s, version_512, import_s = one.submit(
             _shard_step, str(src), str(work / "root"), w, cfg.train.model.tokenizer.model_dump()
         ).result()
-    res["shard_step"] = per(len(files), shard_s)
+    res["shard_step"] = {**per(len(files), shard_s), "import_s": round(import_s, 3)}
     # Naive baseline: one process, full decode (no draft), resize, encode.
     sample = files[: max(50, len(files) // 10)]
     t = time.perf_counter()

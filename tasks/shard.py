@@ -43,6 +43,7 @@ import multiprocessing as mp
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -96,10 +97,18 @@ def token_ids_column(max_length: int) -> dict:
     return {"input_ids": f"ndarray:int32:{max_length}"}
 
 
-@functools.lru_cache(maxsize=2)
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def _caption_tokenizer(spec: str):
     """The loader's tokenizer (`models.tokenization.CaptionTokenizer`) for a TokenizerConfig
-    as JSON; built once per process."""
+    as JSON; built once per process, whichever partition thread asks first."""
+    with _TOKENIZER_LOCK:
+        return _build_caption_tokenizer(spec)
+
+
+@functools.lru_cache(maxsize=2)
+def _build_caption_tokenizer(spec: str):
     from models.config import TokenizerConfig
     from models.factory import build_tokenizer
     from models.tokenization import CaptionTokenizer
