@@ -315,7 +315,8 @@ def validate_catalog(
     `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
     `verdict.json` (passed, reject fraction, limit, reasons, the suite's key); and, in
     `quality/<ingest_id>/`, the Data Docs site, `quarantine.parquet` (every quarantined row of
-    the view, ingest and validate steps) and `summary.json`. All of it is written before the
+    the view, ingest and validate steps), `quarantine_sample.parquet` (up to 20 rows a
+    reason: what MLflow gets) and `summary.json`. All of it is written before the
     gate is checked. With `allow_failed_gate` a failed gate is logged instead of raised (the
     verdict still says failed, and the shard step needs the same override).
     """
@@ -376,6 +377,10 @@ def validate_catalog(
     quarantine = pd.concat([f for f in (ingest_q, new_q) if len(f)] or [new_q], ignore_index=True)
     quarantine = quarantine.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
     _write_parquet(quarantine, qdir / "quarantine.parquet")
+    by_reason = (
+        quarantine.groupby("reason", sort=True).head(SAMPLE) if len(quarantine) else quarantine
+    )
+    _write_parquet(by_reason, qdir / "quarantine_sample.parquet")
     for df, name in ((rejects, REJECTS_FILE), (flags, FLAGS_FILE), (sample, SAMPLE_FILE)):
         _write_parquet(df.astype({c: object for c in df.columns if df[c].dtype == object}),
                        cat / name)  # fmt: skip

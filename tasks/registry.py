@@ -231,8 +231,9 @@ def log_data_docs(
     summary: dict,
     artifact_root: str | None = None,
 ) -> str | None:
-    """Log one quality step's folder (the Data Docs site, summary.json, quarantine.parquet) as
-    artifacts of an MLflow run `quality-<ingest_id>`, with the summary's counts as metrics.
+    """Log one quality step's folder (the Data Docs site, summary.json, a sample of the
+    quarantine) as artifacts of an MLflow run `quality-<ingest_id>`, with the summary's counts
+    as metrics; the whole quarantine stays on disk.
 
     Returns:
         The MLflow UI link to the Data Docs' validation results page (see `_docs_page`),
@@ -281,7 +282,15 @@ def _log_quality_run(
             metrics=[Metric(k, v, ts, 0) for k, v in counts.items()],
             params=[Param("ingest_id", ingest_id)],
         )
-        client.log_artifacts(run_id, str(docs_dir))
+        # Everything but the full quarantine, whose rows grow with the catalog: the run gets
+        # the counts, the Data Docs and `quarantine_sample.parquet` (a bounded sample).
+        for path in sorted(docs_dir.iterdir()):
+            if path.name == "quarantine.parquet":
+                continue
+            if path.is_dir():
+                client.log_artifacts(run_id, str(path), artifact_path=path.name)
+            else:
+                client.log_artifact(run_id, str(path))
     except BaseException:
         client.set_terminated(run_id, status="FAILED")
         raise

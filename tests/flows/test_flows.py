@@ -54,7 +54,8 @@ def _data_docs_run(root: Path, markdown: str, ingest_id: str):
     run = client.get_run(m.group(2))
     assert run.info.experiment_id == m.group(1) and run.info.run_name == f"quality-{ingest_id}"
     names = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"index.html", "static", "summary.json", "quarantine.parquet"} <= names, names
+    assert {"index.html", "static", "summary.json", "quarantine_sample.parquet"} <= names, names
+    assert "quarantine.parquet" not in names, "the whole quarantine stays on disk"
     folder = m.group(3).rsplit("/", 1)[0]
     assert m.group(3) in {a.path for a in client.list_artifacts(run.info.run_id, folder)}
     exp = client.get_experiment(run.info.experiment_id)
