@@ -87,6 +87,7 @@ benchmark: $(STAMP)
 	$(BIN)/python benchmarks/loader.py --out benchmarks/results/loader.json
 	$(BIN)/python benchmarks/train_throughput.py --out benchmarks/results/train_throughput_cpu.json --steps 12
 	$(BIN)/python benchmarks/multinode.py --out benchmarks/results/multinode.json
+	$(BIN)/python benchmarks/catalog_scale.py --out benchmarks/results/catalog_scale.json --dask-sizes 100000,1000000
 
 clean:
 	rm -rf kiln-data $(DEMO_DATA) .pytest_cache

@@ -4,16 +4,20 @@ Scheme: multi-index hashing with the generalised pigeonhole principle, as in Man
 Sarma, "Detecting Near-Duplicates for Web Crawling" (WWW 2007); its one-block-per-table case is
 Norouzi, Punjani & Fleet, "Fast Search in Hamming Space with Multi-Index Hashing" (CVPR 2012).
 
-- Tables. Split the 64 bits into `m = d + k` contiguous blocks. Two hashes within Hamming
-  distance `d` differ in at most `d` blocks, so they agree exactly on at least `k`. A table is
-  keyed on one choice of `k` blocks, and there are `C(m, k)` tables, so every pair within `d`
-  shares a key in at least one table: comparing only rows that share a key is exact.
-- Choice of `k`. A key has `64 k / m` bits, so with uniform hashes a bucket holds about
-  `N / 2**(64 k / m)` rows: a fixed `k` goes quadratic as `N` grows. `_choose_k` models the
-  cost (rows sorted per table against pairs compared in buckets) and moves to a larger `k` as
-  `N` grows, which keeps buckets at a few rows: for `d = 4` it picks 5 tables of 12-13 bit keys
-  below about 80k distinct hashes, 15 tables of 20-22 bits up to about 20M, then 35 tables of
-  27-28 bits.
+- Tables. Cut the 64 bits into `m > d` contiguous blocks. Two hashes within Hamming distance
+  `d` differ in at most `d` blocks, so they agree exactly on at least `m - d` of them. A table
+  is keyed on a set of `j <= m - d` blocks; if every set of `m - d` blocks contains one table's
+  set, every pair within `d` shares a key in at least one table, and comparing only rows that
+  share a key is exact. `m = d + 1, j = 1` is the plain pigeonhole; `j = m - d` needs all
+  `C(m, j)` sets (Manku et al. use both); `j < m - d` needs fewer: a covering design (Turán
+  system), which `_cover` finds greedily. For `d = 4`, 9 blocks and keys of 3 (21 bits) need 12
+  tables, where 6 blocks and keys of 2 (21 bits too) need 15.
+- Choice of `(m, j)`. A key has `64 j / m` bits, so with uniform hashes a bucket holds about
+  `N / 2**(64 j / m)` rows: a fixed design goes quadratic as `N` grows. `_choose_blocks` models
+  the cost (rows sorted per table against pairs compared in buckets) and takes longer keys as
+  `N` grows, which keeps buckets at a few rows: for `d = 4` it picks 5 tables of 13-bit keys
+  below 14k distinct hashes, 9 of 18 bits from 57k, 12 of 21 bits from 655k, and 21 of 26 bits
+  from 12.6M.
 - A table sorts the rows by a 32-bit hash of their key (a collision only adds pairs to check)
   with two stable 16-bit radix passes, so it costs O(N) and each bucket is a run with its rows
   in priority order. Pairs are compared one offset into the buckets at a time. The rows are first
@@ -43,6 +47,7 @@ best's, which answers every row of it.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import cache
 from itertools import combinations, groupby
 from math import comb
 
@@ -62,8 +67,9 @@ HOT_PEERS = 16  # first rows of its table bucket that a row of a hot sub-bucket 
 _PART_ROWS = 1 << 18  # rows a table handles at once (see `_partitions`)
 _BATCH = 1 << 18  # pairs found before they are folded into the answers
 _FEW = 1024  # positions below which `_compare` stops going offset by offset
-_MAX_K = 4  # most blocks in one table key
-# Cost model of `_choose_k`, in units of one row sorted in one table.
+_MAX_EXTRA = 8  # blocks beyond `d` that `_choose_blocks` tries
+_MAX_COVER_WORK = 500_000  # largest covering problem `_cover` is given (its time)
+# Cost model of `_choose_blocks`, in units of one row sorted in one table.
 _TABLE_OVERHEAD = 1000.0  # fixed cost of a table (numpy calls), in rows
 _PAIR_COST = 0.4  # one candidate pair compared
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the product's top bits mix all bits
@@ -75,7 +81,7 @@ def near_duplicates(
     max_distance: int,
     *,
     hot_bucket_cap: int = HOT_BUCKET_CAP,
-    blocks_per_key: int | None = None,
+    blocks: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """For each row, the index of the first earlier row within `max_distance`, else -1.
 
@@ -85,14 +91,15 @@ def near_duplicates(
             another rule handles, so they are never reported as near-duplicates of each other.
         max_distance: largest Hamming distance that counts as a match, 0 to 63.
         hot_bucket_cap: rows above which a bucket is re-indexed, then capped (module doc).
-        blocks_per_key: `k`, the blocks in one table's key; None picks it from the row count.
+        blocks: `(m, j)`, cut the hashes into `m` blocks and key tables on `j` of them; None
+            picks the cheapest for the row count (module doc).
 
     Returns:
         int64 array: for row `j`, the smallest `i < j` with `popcount(hashes[i] ^ hashes[j]) <=
         max_distance` and `groups[i] != groups[j]`, or -1.
     """
     h, g = _check_rows(hashes, groups, "hashes", "groups")
-    d, cap = _check_params(max_distance, hot_bucket_cap, blocks_per_key)
+    d, cap = _check_params(max_distance, hot_bucket_cap, blocks)
     n = len(h)
     if n < 2:
         return np.full(n, -1, dtype=np.int64)
@@ -100,11 +107,10 @@ def near_duplicates(
     second = _second(value_of, first, g)
     values = h if value_of is None else h[first]
     best, other = first.copy(), second.copy()
-    k = blocks_per_key or _choose_k(d, len(first), 0)
-    for q, r, both_ways in _near_pairs(values, None, d, k, cap):
-        if both_ways:  # an earlier value can still be the answer for later rows of a value
-            q, r = np.concatenate([q, r]), np.concatenate([r, q])
-        _offer(best, other, np.concatenate([q, q]), np.concatenate([first[r], second[r]]), g)
+    m, j = blocks or _choose_blocks(d, len(first), 0)
+    for target, source in _near_pairs(values, None, d, m, j, cap):
+        cand = np.concatenate([first[source], second[source]])
+        _offer(best, other, np.concatenate([target, target]), cand, g)
     if value_of is not None:
         best, other = best[value_of], other[value_of]
     return _answer(best, other, g, g, upto=np.arange(n))
@@ -118,7 +124,7 @@ def near_duplicates_against(
     max_distance: int,
     *,
     hot_bucket_cap: int = HOT_BUCKET_CAP,
-    blocks_per_key: int | None = None,
+    blocks: tuple[int, int] | None = None,
 ) -> np.ndarray:
     """For each new row, the index of the first old row within `max_distance`, else -1.
 
@@ -134,7 +140,8 @@ def near_duplicates_against(
         old_groups: an integer label per old row, comparable with `groups`.
         max_distance: largest Hamming distance that counts as a match, 0 to 63.
         hot_bucket_cap: rows above which a bucket is re-indexed, then capped (module doc).
-        blocks_per_key: `k`, the blocks in one table's key; None picks it from the row counts.
+        blocks: `(m, j)`, cut the hashes into `m` blocks and key tables on `j` of them; None
+            picks the cheapest for the row counts (module doc).
 
     Returns:
         int64 array, one per new row: the smallest old index `i` with `popcount(old_hashes[i] ^
@@ -142,7 +149,7 @@ def near_duplicates_against(
     """
     h, g = _check_rows(hashes, groups, "hashes", "groups")
     old_h, old_g = _check_rows(old_hashes, old_groups, "old_hashes", "old_groups")
-    d, cap = _check_params(max_distance, hot_bucket_cap, blocks_per_key)
+    d, cap = _check_params(max_distance, hot_bucket_cap, blocks)
     if len(h) == 0 or len(old_h) == 0:
         return np.full(len(h), -1, dtype=np.int64)
     value_of, new_first = _distinct(h)
@@ -151,9 +158,10 @@ def near_duplicates_against(
     # Best old row for each distinct new value; a new value equal to an old one is a pair too.
     best = np.full(len(new_first), len(old_h), dtype=np.int64)
     other = best.copy()
-    k = blocks_per_key or _choose_k(d, len(new_first), len(first))
-    for q, r, _ in _near_pairs(h[new_first], old_h[first], d, k, cap):
-        _offer(best, other, np.concatenate([q, q]), np.concatenate([first[r], second[r]]), old_g)
+    m, j = blocks or _choose_blocks(d, len(new_first), len(first))
+    for target, source in _near_pairs(h[new_first], old_h[first], d, m, j, cap):
+        cand = np.concatenate([first[source], second[source]])
+        _offer(best, other, np.concatenate([target, target]), cand, old_g)
     if value_of is not None:
         best, other = best[value_of], other[value_of]
     return _answer(best, other, old_g, g, upto=None)
@@ -203,17 +211,22 @@ def _check_rows(hashes, groups, hashes_name: str, groups_name: str):
     return hashes, groups
 
 
-def _check_params(max_distance, hot_bucket_cap, blocks_per_key) -> tuple[int, int]:
+def _check_params(max_distance, hot_bucket_cap, blocks) -> tuple[int, int]:
     if isinstance(max_distance, bool) or not isinstance(max_distance, int | np.integer):
         raise ValueError(f"max_distance: expected an int, got {max_distance!r}")
     if not 0 <= max_distance <= 63:
         raise ValueError(f"max_distance: expected 0 to 63, got {max_distance}")
     if int(hot_bucket_cap) < 1:
         raise ValueError(f"hot_bucket_cap: expected at least 1, got {hot_bucket_cap}")
-    if blocks_per_key is not None and not 1 <= blocks_per_key <= 64 - max_distance:
-        raise ValueError(
-            f"blocks_per_key: expected None or 1 to {64 - max_distance}, got {blocks_per_key}"
-        )
+    if blocks is not None:
+        m, j = blocks
+        if not (max_distance < m <= 64 and 1 <= j <= m - max_distance):
+            raise ValueError(
+                f"blocks: expected (m, j) with {max_distance} < m <= 64 and "
+                f"1 <= j <= m - {max_distance}, got {blocks}"
+            )
+        if comb(m, j) * comb(m, m - max_distance) > _MAX_COVER_WORK:
+            raise ValueError(f"blocks: {blocks} is too many block sets to choose tables from")
     return int(max_distance), int(hot_bucket_cap)
 
 
@@ -273,74 +286,86 @@ def _answer(best, other, ref_groups, groups, upto) -> np.ndarray:
     return np.where(ans < limit, ans, -1)
 
 
-def _choose_k(d: int, n_query: int, n_ref: int) -> int:
-    """Blocks per table key that minimise the modelled cost; `n_ref` 0 for a self join."""
-    best_k, best_cost = 1, float("inf")
-    for k in range(1, min(_MAX_K, 64 - d) + 1):
-        per_bucket = 2.0 ** (-64 * k / (d + k))
-        pairs = n_query * n_query / 2 * per_bucket if n_ref == 0 else n_query * n_ref * per_bucket
-        cost = comb(d + k, k) * (_TABLE_OVERHEAD + n_query + n_ref + _PAIR_COST * pairs)
-        if cost < best_cost:
-            best_k, best_cost = k, cost
-    return best_k
+def _choose_blocks(d: int, n_query: int, n_ref: int) -> tuple[int, int]:
+    """The `(m, j)` with the least modelled cost; `n_ref` 0 for a self join."""
+    best, best_cost = (d + 1, 1), float("inf")
+    for m in range(d + 1, min(64, d + _MAX_EXTRA) + 1):
+        for j in range(1, m - d + 1):
+            if comb(m, j) * comb(m, m - d) > _MAX_COVER_WORK:
+                continue
+            per_bucket = 2.0 ** (-64 * j / m)
+            pairs = (
+                n_query * n_query / 2 * per_bucket if n_ref == 0 else n_query * n_ref * per_bucket
+            )
+            rows = n_query + n_ref
+            cost = len(_cover(m, j, d)) * (_TABLE_OVERHEAD + rows + _PAIR_COST * pairs)
+            if cost < best_cost:
+                best, best_cost = (m, j), cost
+    return best
 
 
-def _table_masks(d: int, k: int) -> Iterator[tuple[np.uint64, np.uint64, list[np.uint64]]]:
-    """Each table's first block, its key mask (`k` of `d + k` contiguous blocks), and the
-    `d + 1` sub-block masks that cut the other bits for re-indexing its big buckets (none if
-    there are too few bits). Tables come grouped by first block."""
-    m = d + k
+@cache
+def _cover(m: int, j: int, d: int) -> tuple[int, ...]:
+    """Sets of `j` of `m` blocks (bit masks) such that every set of `m - d` blocks contains
+    one: a covering design, found greedily (all `j`-sets when `j = m - d`)."""
+    need = [sum(1 << b for b in s) for s in combinations(range(m), m - d)]
+    sets = [sum(1 << b for b in s) for s in combinations(range(m), j)]
+    covers = [sum(1 << i for i, x in enumerate(need) if x & s == s) for s in sets]
+    left, chosen = (1 << len(need)) - 1, []
+    while left:
+        i = max(range(len(sets)), key=lambda i: (covers[i] & left).bit_count())
+        chosen.append(sets[i])
+        left &= ~covers[i]
+    return tuple(sorted(chosen, key=lambda s: (s & -s, s)))  # by first block
+
+
+def _table_masks(d: int, m: int, j: int) -> Iterator[tuple[np.uint64, np.uint64, list[np.uint64]]]:
+    """Each table's first block, its key mask, and the `d + 1` sub-block masks that cut the
+    other bits for re-indexing its big buckets (none if there are too few bits). Tables come
+    grouped by first block."""
     edges = [64 * i // m for i in range(m + 1)]
     blocks = [((1 << (hi - lo)) - 1) << lo for lo, hi in zip(edges, edges[1:], strict=False)]
-    for chosen in combinations(blocks, k):
-        mask = sum(chosen)
+    for chosen in _cover(m, j, d):
+        picked = [blocks[b] for b in range(m) if chosen >> b & 1]
+        mask = sum(picked)
         rest = [b for b in range(64) if not mask >> b & 1]
         subs = []
         if len(rest) >= d + 1:
             subs = [np.uint64(sum(1 << b for b in part)) for part in np.array_split(rest, d + 1)]
-        yield np.uint64(chosen[0]), np.uint64(mask), subs
+        yield np.uint64(picked[0]), np.uint64(mask), subs
 
 
 def _near_pairs(
-    values: np.ndarray, ref: np.ndarray | None, d: int, k: int, cap: int
-) -> Iterator[tuple[np.ndarray, np.ndarray, bool]]:
-    """Yield batches of (query id, ref id, both_ways) for pairs within distance `d`.
-
-    Self join (`ref` None): ids index `values`, the ref id is the earlier row of the pair, and
-    both_ways says the pair also counts the other way round (it is False for hot rows, which
-    only look back). Otherwise: a `values` id and a `ref` id. Pairs may repeat.
-    """
+    values: np.ndarray, ref: np.ndarray | None, d: int, m: int, j: int, cap: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield batches of (target id, source id) for pairs within distance `d`: the source's
+    representatives are candidates for the target's rows. Self join (`ref` None): ids index
+    `values`, and a pair goes both ways, as an earlier value can still be the answer for later
+    rows of a value (hot rows only look back). Otherwise: targets index `values`, sources
+    `ref`. Pairs may repeat."""
     self_join = ref is None
     if self_join and d == 0:
         return  # distinct values are never within distance 0
     n_ref = 0 if self_join else len(ref)
     both = values if self_join else np.concatenate([ref, values])  # refs sort first in a bucket
-    found = {True: [], False: []}  # by both_ways, handed over in batches
-    size = 0
+    targets, sources = [], []
     # Tables that share a first block share a split of the rows into parts (by that block).
-    for lead, group in groupby(_table_masks(d, k), key=lambda table: table[0]):
+    for lead, group in groupby(_table_masks(d, m, j), key=lambda table: table[0]):
         group = list(group)
         for ids, vals in _partitions(both, lead):
             for _, mask, subs in group:
                 key = _hash32(vals, mask)
                 for q, r, both_ways in _table_pairs(ids, vals, key, mask, subs, d, cap, n_ref):
-                    found[both_ways].append((q - n_ref, r))
-                    size += len(q)
-                if size >= _BATCH:
-                    yield from _batches(found)
-                    size = 0
-    yield from _batches(found)
-
-
-def _batches(found: dict[bool, list]) -> Iterator[tuple[np.ndarray, np.ndarray, bool]]:
-    for both_ways, pairs in found.items():
-        if pairs:
-            yield (
-                np.concatenate([q for q, _ in pairs]),
-                np.concatenate([r for _, r in pairs]),
-                both_ways,
-            )
-        pairs.clear()
+                    targets.append(q - n_ref)
+                    sources.append(r)
+                    if both_ways and self_join:
+                        targets.append(r)
+                        sources.append(q)
+                if sum(map(len, targets)) >= _BATCH:
+                    yield np.concatenate(targets), np.concatenate(sources)
+                    targets, sources = [], []
+    if targets:
+        yield np.concatenate(targets), np.concatenate(sources)
 
 
 def _hash32(vals: np.ndarray, mask: np.uint64) -> np.ndarray:

@@ -367,7 +367,7 @@ def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0) 
     near = np.full(n, -1, np.int64)
     d = rules.near_duplicate_distance
     start = 0
-    want = pd.MultiIndex.from_arrays([hi, lo])
+    want = pd.MultiIndex.from_arrays([hi, lo]) if old_rows and n else None
     for ohi, olo, oph in old_batches:
         if n:
             # exact: the first old row of each new sha256 (first batch first)

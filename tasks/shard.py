@@ -59,7 +59,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.catalog_view import view_columns, view_parts
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
-from tasks.quality import REJECTS_FILE, gate_for_sharding, read_clean
+from tasks.quality import REJECTS_FILE, gate_for_sharding, read_clean, scan_clean
 from tasks.render import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.runners import partition_runner
 from tasks.sources import CATALOG_COLUMNS
@@ -147,8 +147,12 @@ def dataset_version(clean: pd.DataFrame, settings: dict) -> str:
     shard settings: anything a sample stores changes the version. Rows are hashed by columns
     and combined by addition (`rows_digest`), so the catalog needs no sort and partitions of
     it combine."""
+    return _version(settings, rows_digest(clean))
+
+
+def _version(settings: dict, digest: np.ndarray) -> str:
     h = hashlib.sha256(json.dumps({**settings, "format": FORMAT_VERSION}, sort_keys=True).encode())
-    h.update(rows_digest(clean).tobytes())
+    h.update(digest.astype(np.uint64).tobytes())
     return "ds-" + h.hexdigest()[:12]
 
 
@@ -453,8 +457,6 @@ def write_shards(
             "run `kiln validate` first"
         )
     gate = gate_for_sharding(root, ingest_id, allow_failed_gate=allow_failed_gate)
-    # A plan needs what the version and the split read; a conversion, every column.
-    clean = read_clean(root, ingest_id, _plan_columns(layout, ingest_id) if dry_run else None)
     min_side_factor = cfg.min_side_factor
     settings = {
         "resolutions": sorted(resolutions),
@@ -475,47 +477,29 @@ def write_shards(
         settings["tokenizer"] = tokenizer
     if cfg.val_fraction > 0 and cfg.val_max > 0:  # only then: versions without a split keep
         settings["val"] = {"fraction": cfg.val_fraction, "max": cfg.val_max}  # their hash
+    if dry_run:
+        result = _plan(root, ingest_id, layout, settings, buckets, cfg)
+        result.quality_gate = gate
+        log.info("dataset %s for %s px (dry run): %s", result.dataset_version,
+                 sorted(resolutions), result.stages)  # fmt: skip
+        return result
+    clean = read_clean(root, ingest_id)
     version = dataset_version(clean, settings)
     result = ShardResult(dataset_version=version, ingest_id=ingest_id, quality_gate=gate)
     base = layout.shards(version)
     todo = [r for r in sorted(resolutions) if not is_published(base / str(r))]
-    clean = clean.assign(short_side=clean[["width", "height"]].min(axis=1))
     eligible = {}
     for r in sorted(resolutions):
-        if r in buckets:
-            target = nearest_buckets(clean["width"], clean["height"], buckets[r])
-            bw, bh = (np.array([b[i] for b in target], float).reshape(-1) for i in (0, 1))
-            upscale = np.maximum(bw / clean["width"].to_numpy(), bh / clean["height"].to_numpy())
-            rows = clean.assign(bucket=target, upscale=upscale)
-            eligible[r] = rows[rows["upscale"] <= 1 / min_side_factor + 1e-9]
-            need = f"covers its aspect bucket of {r}px with an upscale <= {1 / min_side_factor:g}"
-        else:
-            eligible[r] = clean[clean["short_side"] >= r * min_side_factor]
-            need = f"has a short side >= {r * min_side_factor:g}px"
-        if eligible[r].empty:
-            raise ValueError(
-                f"stage {r}px has no images: none of {len(clean)} clean images {need} "
-                f"(resolution and shards.min_side_factor {min_side_factor})"
-            )
+        ok, target = _eligible(clean, r, buckets.get(r), min_side_factor)
+        eligible[r] = clean[ok] if target is None else clean.assign(bucket=target)[ok]
+        _check_stage(r, int(ok.sum()), len(clean), r in buckets, min_side_factor)
     held = pd.Series(held_out_mask(clean["source"], clean["key"], cfg.val_fraction, cfg.val_max),
                      index=clean.index)  # fmt: skip
     val = {}
     for r in sorted(resolutions):
         is_val = held.loc[eligible[r].index].to_numpy()
         val[r], eligible[r] = eligible[r][is_val], eligible[r][~is_val]
-        if eligible[r].empty:
-            raise ValueError(
-                f"stage {r}px has no training images: all {len(val[r])} of its images are held "
-                f"out for validation (lower shards.val_fraction {cfg.val_fraction} or "
-                f"shards.val_max {cfg.val_max})"
-            )
-    if dry_run:
-        result.dry_run = True
-        result.stages = {r: {"samples": len(eligible[r]), "val_samples": len(val[r])}
-                         for r in sorted(resolutions)}  # fmt: skip
-        log.info("dataset %s for %s px (dry run): %s", version, sorted(resolutions),
-                 result.stages)  # fmt: skip
-        return result
+        _check_split(r, len(eligible[r]), len(val[r]), cfg)
     if not todo:
         result.reused = True
         log.info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
@@ -529,6 +513,69 @@ def write_shards(
         json.dumps({**result.to_dict(), "settings": settings}, indent=2)
     )
     layout.set_latest("shards", version)
+    return result
+
+
+def _eligible(frame: pd.DataFrame, r: int, buckets: list | None, factor: float):
+    """(which rows qualify for stage `r`, their aspect bucket or None when not bucketed)."""
+    w, h = frame["width"].to_numpy(), frame["height"].to_numpy()
+    if buckets is None:
+        return np.minimum(w, h) >= r * factor, None
+    target = nearest_buckets(frame["width"], frame["height"], buckets)
+    bw, bh = (np.array([b[i] for b in target], float).reshape(-1) for i in (0, 1))
+    return np.maximum(bw / w, bh / h) <= 1 / factor + 1e-9, target
+
+
+def _check_stage(r: int, n: int, total: int, bucketed: bool, factor: float) -> None:
+    if not n:
+        need = (f"covers its aspect bucket of {r}px with an upscale <= {1 / factor:g}"
+                if bucketed else f"has a short side >= {r * factor:g}px")  # fmt: skip
+        raise ValueError(
+            f"stage {r}px has no images: none of {total} clean images {need} "
+            f"(resolution and shards.min_side_factor {factor})"
+        )
+
+
+def _check_split(r: int, train: int, val: int, cfg: ShardsConfig) -> None:
+    if not train:
+        raise ValueError(
+            f"stage {r}px has no training images: all {val} of its images are held out for "
+            f"validation (lower shards.val_fraction {cfg.val_fraction} or shards.val_max "
+            f"{cfg.val_max})"
+        )
+
+
+def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: dict,
+          cfg: ShardsConfig) -> ShardResult:  # fmt: skip
+    """The dataset version and each stage's counts, a row group of the clean rows at a time:
+    memory holds the held-out candidates only (keys hashing below `val_fraction`)."""
+    digest, total = np.zeros(2, np.uint64), 0
+    stages = settings["resolutions"]
+    eligible = dict.fromkeys(stages, 0)
+    candidates = []
+    for batch in scan_clean(root, ingest_id, _plan_columns(layout, ingest_id)):
+        digest += rows_digest(batch)
+        total += len(batch)
+        ok = {r: _eligible(batch, r, buckets.get(r), cfg.min_side_factor)[0] for r in stages}
+        for r in stages:
+            eligible[r] += int(ok[r].sum())
+        if cfg.val_fraction > 0 and cfg.val_max > 0:
+            near = key_units(batch["key"]) < cfg.val_fraction
+            candidates.append(pd.DataFrame({"source": batch["source"].to_numpy(object)[near],
+                                            "key": batch["key"].to_numpy(object)[near],
+                                            **{str(r): ok[r][near] for r in stages}}))  # fmt: skip
+    for r in stages:
+        _check_stage(r, eligible[r], total, r in buckets, cfg.min_side_factor)
+    result = ShardResult(dataset_version=_version(settings, digest), ingest_id=ingest_id,
+                         dry_run=True)  # fmt: skip
+    cand = pd.concat(candidates, ignore_index=True) if candidates else None
+    for r in stages:
+        val = 0
+        if cand is not None and len(cand):
+            held = held_out_mask(cand["source"], cand["key"], cfg.val_fraction, cfg.val_max)
+            val = int((held & cand[str(r)].to_numpy()).sum())
+        _check_split(r, eligible[r] - val, val, cfg)
+        result.stages[r] = {"samples": eligible[r] - val, "val_samples": val}
     return result
 
 

@@ -63,12 +63,15 @@ def hexes(h: np.ndarray) -> list[str]:
 
 
 @pytest.mark.parametrize("d", [0, 1, 2, 3, 4, 6, 8])
-@pytest.mark.parametrize("k", [None, 1, 2, 3])
-def test_matches_brute_force(d, k):
-    rng = np.random.default_rng(100 * d + (k or 0))
+@pytest.mark.parametrize("extra, j", [(None, None), (1, 1), (2, 2), (3, 3), (4, 2), (5, 3)])
+def test_matches_brute_force(d, extra, j):
+    # d + 1 blocks, one a key (pigeonhole); d + j blocks, j a key, all C(d + j, j) tables; and
+    # covering designs, fewer tables of j blocks than m - d.
+    rng = np.random.default_rng(100 * d + (extra or 0))
     h, g = planted(rng, 160, d)
     labels = [f"sha{x}" for x in g.tolist()]
-    assert search(hexes(h), labels, d, blocks_per_key=k) == brute_force(hexes(h), labels, d)
+    blocks = None if extra is None else (d + extra, j)
+    assert search(hexes(h), labels, d, blocks=blocks) == brute_force(hexes(h), labels, d)
 
 
 def test_tables_split_into_parts_give_the_same_answer(monkeypatch):
@@ -84,8 +87,8 @@ def test_tables_split_into_parts_give_the_same_answer(monkeypatch):
     labels = [str(x) for x in g.tolist()]
     want = brute_force(hexes(h), labels, 4)
     assert sum(m is not None for m in want) >= n // 2
-    assert search(hexes(h), labels, 4, blocks_per_key=2) == want
-    got = near_duplicates_against(h[100:], g[100:], h[:100], g[:100], 4, blocks_per_key=2)
+    assert search(hexes(h), labels, 4, blocks=(6, 2)) == want
+    got = near_duplicates_against(h[100:], g[100:], h[:100], g[:100], 4, blocks=(6, 2))
     assert got.tolist() == brute_force_against(h[100:], g[100:], h[:100], g[:100], 4).tolist()
 
 
@@ -179,9 +182,9 @@ def test_a_shared_prefix_stays_exact_over_the_cap(k, free_blocks):
     g = np.arange(n, dtype=np.uint64)
     want = [-1 if m is None else m for m in brute_force(hexes(h), [str(x) for x in g], d)]
     assert sum(m >= 0 for m in want) >= n // 2
-    assert near_duplicates(h, g, d, hot_bucket_cap=16, blocks_per_key=k).tolist() == want
+    assert near_duplicates(h, g, d, hot_bucket_cap=16, blocks=(d + k, k)).tolist() == want
     old = near_duplicates_against(
-        h[200:], g[200:], h[:200], g[:200], d, hot_bucket_cap=16, blocks_per_key=k
+        h[200:], g[200:], h[:200], g[:200], d, hot_bucket_cap=16, blocks=(d + k, k)
     )
     assert old.tolist() == brute_force_against(h[200:], g[200:], h[:200], g[:200], d).tolist()
 
@@ -238,6 +241,8 @@ def test_inputs_are_validated():
         near_duplicates(h, np.zeros(2, dtype=np.uint64), 4)
     with pytest.raises(ValueError, match="max_distance"):
         near_duplicates(h, np.zeros(3, dtype=np.uint64), 64)
+    with pytest.raises(ValueError, match="blocks"):
+        near_duplicates(h, np.zeros(3, dtype=np.uint64), 4, blocks=(6, 3))
     with pytest.raises(ValueError, match="old_hashes"):
         near_duplicates_against(h, h, [1, 2], h[:2], 4)
     assert near_duplicates(h[:0], h[:0], 4).tolist() == []

@@ -232,3 +232,9 @@ def test_a_dask_cluster_validates_and_plans_like_one_machine(tmp_path, demo_src)
     assert a[2] == b[2] and a[2]["passed"]
     assert local_plan.dataset_version == remote_plan.dataset_version
     assert local_plan.stages == remote_plan.stages and local_plan.dry_run
+    # The plan, a row group at a time, is what the conversion then writes.
+    written = write_shards.fn(shards, str(root), ids[2], [32, 64])
+    assert written.dataset_version == local_plan.dataset_version and not written.dry_run
+    for r, planned in local_plan.stages.items():
+        got = written.stages[r]
+        assert (got["samples"], got["val_samples"]) == (planned["samples"], planned["val_samples"])
