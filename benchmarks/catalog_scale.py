@@ -17,10 +17,11 @@ ratios, exact copies; skewed pHashes: 5% of rows near one of three placeholder h
 With `--dask-sizes`, validate and shard_plan also run on a `distributed.LocalCluster` of two
 worker processes (`execution.dask_address`). CPU time and peak RSS are of the command's whole
 process tree; every command talks to one Prefect server that the benchmark starts (a
-deployment's server is not part of a step's cost); on Dask, the cluster's worker processes are
-not in the tree either, so `cpu_s` there is the driver's alone. `exponents` are least-squares slopes of
-log(wall s) and log(peak RSS) over log(rows), per step and engine; `per_million` has the
-marginal CPU seconds per million rows between the smallest and the largest size.
+deployment's server is not part of a step's cost); on Dask, the cluster's worker processes
+are not in the tree either, so `cpu_s` there is the driver's alone. `exponents` are
+least-squares slopes of log(wall s) and log(peak RSS) over log(rows), per step and engine;
+`per_million` has the marginal CPU seconds per million rows between the smallest and the
+largest size.
 
     python benchmarks/catalog_scale.py --out benchmarks/results/catalog_scale.json
 """
