@@ -15,9 +15,9 @@ Norouzi, Punjani & Fleet, "Fast Search in Hamming Space with Multi-Index Hashing
 - Choice of `(m, j)`. A key has `64 j / m` bits, so with uniform hashes a bucket holds about
   `N / 2**(64 j / m)` rows: a fixed design goes quadratic as `N` grows. `_choose_blocks` models
   the cost (rows sorted per table against pairs compared in buckets) and takes longer keys as
-  `N` grows, which keeps buckets at a few rows: for `d = 4` it picks 5 tables of 13-bit keys
-  below 14k distinct hashes, 9 of 18 bits from 57k, 12 of 21 bits from 655k, and 21 of 26 bits
-  from 12.6M.
+  `N` grows, which keeps buckets at a few rows: for `d = 4` it picks 9 tables of 18-bit keys
+  from 16k distinct hashes, 12 of 21 bits from 200k, 21 of 26 bits from 3.1M and 32 of 28 bits
+  from 50M.
 - A table sorts the rows by a 32-bit hash of their key (a collision only adds pairs to check)
   with two stable 16-bit radix passes, so it costs O(N) and each bucket is a run with its rows
   in priority order. Pairs are compared one offset into the buckets at a time. The rows are first
@@ -71,7 +71,7 @@ _MAX_EXTRA = 8  # blocks beyond `d` that `_choose_blocks` tries
 _MAX_COVER_WORK = 500_000  # largest covering problem `_cover` is given (its time)
 # Cost model of `_choose_blocks`, in units of one row sorted in one table.
 _TABLE_OVERHEAD = 1000.0  # fixed cost of a table (numpy calls), in rows
-_PAIR_COST = 0.4  # one candidate pair compared
+_PAIR_COST = 1.5  # one candidate pair compared (with its share of run bookkeeping)
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the product's top bits mix all bits
 
 
