@@ -431,7 +431,7 @@ def _where(cfg, config_path: str, result: dict) -> None:
     lines = [
         "",
         "Kiln pipeline finished. Outputs:",
-        f"  catalog      {r / 'catalog' / ing}/{{accepted,quarantine,clean}}.parquet",
+        f"  catalog      {r / 'catalog' / ing}/ (the ingest's rows, verdict.json, rejects)",
         f"  quality      {r / 'quality' / ing / 'summary.json'}",
         f"  shards       {r / 'shards' / result['shards']['dataset_version']}/",
         f"  config       {r / 'runs' / result['run']['run_id'] / 'config.yaml'} (as run)",
