@@ -568,12 +568,11 @@ def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: di
         _check_stage(r, eligible[r], total, r in buckets, cfg.min_side_factor)
     result = ShardResult(dataset_version=_version(settings, digest), ingest_id=ingest_id,
                          dry_run=True)  # fmt: skip
-    cand = pd.concat(candidates, ignore_index=True) if candidates else None
+    cand = pd.concat(candidates, ignore_index=True) if candidates else pd.DataFrame()
+    held = (held_out_mask(cand["source"], cand["key"], cfg.val_fraction, cfg.val_max)
+            if len(cand) else None)  # fmt: skip
     for r in stages:
-        val = 0
-        if cand is not None and len(cand):
-            held = held_out_mask(cand["source"], cand["key"], cfg.val_fraction, cfg.val_max)
-            val = int((held & cand[str(r)].to_numpy()).sum())
+        val = 0 if held is None else int((held & cand[str(r)].to_numpy()).sum())
         _check_split(r, eligible[r] - val, val, cfg)
         result.stages[r] = {"samples": eligible[r] - val, "val_samples": val}
     return result
