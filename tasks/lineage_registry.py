@@ -22,6 +22,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from data_quality.rules import QualityConfig
+from tasks.layout import Layout
 from tasks.lineage import (
     REPORT_ARTIFACT,
     contributors_report,
@@ -127,8 +128,8 @@ def tag_takedowns(root: str | Path, tracking_uri: str, name: str,
         return out
     for mv in client.search_model_versions(f"name='{name}'"):
         version = mv.tags.get("dataset_version")
-        if not version:
-            continue
+        if not version or not (Layout(Path(root)).shards(version) / "shards.json").is_file():
+            continue  # not Kiln's, or its dataset is not under this root
         rows = dataset_rows(root, version, rules)
         n = int(down.mask(rows, "contributor").sum())
         if n:
