@@ -133,9 +133,10 @@ def _records(path: Path) -> list[dict]:
 def stage_draws(stage_dir: Path, accumulation: int | None = None) -> Counter:
     """How many times each key was drawn in one stage, summed over its ranks.
 
-    A resume shows in a rank's log as a step that goes back (or a step logged more than
-    `accumulation` times, its micro-batches per optimizer step): the steps from there on
-    were trained again, so their earlier records are dropped.
+    A resumed rank logs again the steps after its checkpoint. In each rank's log a step that
+    goes back drops the records from that step on; then each step keeps its last
+    `accumulation` records (its micro-batches per optimizer step), those of the attempt
+    that completed it.
 
     Args:
         stage_dir: The stage's folder (`runs/<run>/stage-<r>`), with `samples-rank<N>.jsonl`.
@@ -148,13 +149,15 @@ def stage_draws(stage_dir: Path, accumulation: int | None = None) -> Counter:
     for log in sorted(stage_dir.glob("samples-rank*.jsonl")):
         kept: list[dict] = []
         for rec in _records(log):
-            step = int(rec["step"])
-            same = sum(1 for r in kept[-accumulation:] if r["step"] == step)
-            if kept and (kept[-1]["step"] > step or same >= accumulation):
-                kept = [r for r in kept if r["step"] < step]
+            if kept and kept[-1]["step"] > rec["step"]:
+                kept = [r for r in kept if r["step"] < rec["step"]]
             kept.append(rec)
+        per_step: dict[int, list[dict]] = {}
         for rec in kept:
-            total.update(rec["keys"])
+            per_step.setdefault(int(rec["step"]), []).append(rec)
+        for recs in per_step.values():
+            for rec in recs[-accumulation:]:
+                total.update(rec["keys"])
     return total
 
 
