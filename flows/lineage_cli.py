@@ -23,7 +23,12 @@ __all__ = ["lineage", "takedown"]
 
 
 def _table(df) -> str:
-    return df.to_string(index=False) if len(df) else "(none)"
+    """The whole frame as text: every column, however wide."""
+    import pandas as pd
+
+    with pd.option_context("display.width", None, "display.max_columns", None,
+                           "display.max_colwidth", None):  # fmt: skip
+        return df.to_string(index=False) if len(df) else "(none)"
 
 
 @click.group()

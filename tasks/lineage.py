@@ -144,7 +144,8 @@ def stage_draws(stage_dir: Path, accumulation: int | None = None) -> Counter:
     """
     if accumulation is None:
         spec = yaml.safe_load((stage_dir / "stage.yaml").read_text())
-        accumulation = int(spec["stage"].get("gradient_accumulation_steps") or 1)
+        stage = spec["train"]["stages"][int(spec["stage_index"])]
+        accumulation = int(stage.get("gradient_accumulation_steps") or 1)
     total: Counter = Counter()
     for log in sorted(stage_dir.glob("samples-rank*.jsonl")):
         kept: list[dict] = []

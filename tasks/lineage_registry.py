@@ -154,7 +154,9 @@ def image_lineage(root: str | Path, tracking_uri: str, name: str, key_or_path: s
         if "dataset_version" in record:
             runs.setdefault(str(record["dataset_version"]), []).append(rj.parent.name)
     versions: dict[str, list[str]] = {}
-    for mv in _client(tracking_uri).search_model_versions(f"name='{name}'"):
+    client = _client(tracking_uri)
+    for found in client.search_model_versions(f"name='{name}'"):
+        mv = client.get_model_version(name, found.version)  # a search leaves out the aliases
         aliases = f" ({', '.join(mv.aliases)})" if mv.aliases else ""
         versions.setdefault(mv.tags.get("dataset_version", ""), []).append(f"{mv.version}{aliases}")
     out = []

@@ -340,6 +340,9 @@ def validate_catalog(
     local threads, or on the Dask cluster at `dask_address`. When an earlier catalog of the
     chain was validated under the same rules and no accepted row has left the view since,
     only the rows ingested after it are checked, and compared with the others for duplicates.
+    The licensing terms (data_quality/terms.py: the takedown list, license ends) run on every
+    row at every run and override the suite's reason; they are not counted in the gate's
+    reject fraction.
 
     Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
     `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
