@@ -14,6 +14,7 @@ UI shows and `kiln promote` checks.
 from __future__ import annotations
 
 import json
+import logging
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -91,7 +92,13 @@ def register_lineage(root: str | Path, tracking_uri: str, name: str, version: st
         {"report" (the artifact's path), "earliest_license_end", "takedown_images"}.
     """
     client = _client(tracking_uri)
-    info = model_lineage(root, tracking_uri, f"models:/{name}/{version}", rules)
+    try:
+        info = model_lineage(root, tracking_uri, f"models:/{name}/{version}", rules)
+    except FileNotFoundError as e:  # its dataset is not under this root: nothing to report
+        logging.getLogger(__name__).warning("no contributors' report for %s v%s: %s", name,
+                                            version, e)  # fmt: skip
+        client.set_model_version_tag(name, version, LICENSE_END_TAG, "unknown")
+        return {"report": None, "earliest_license_end": None, "takedown_images": 0}
     mv = client.get_model_version(name, version)
     run = mv.run_id or mv.tags.get("mlflow_run_id")
     with tempfile.TemporaryDirectory() as tmp:
