@@ -15,9 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import date
+from functools import cached_property
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from data_quality.rules import QualityConfig
 
@@ -36,24 +39,47 @@ class Takedowns:
     def __bool__(self) -> bool:
         return bool(self.images or self.contributors)
 
+    @cached_property
+    def _keys(self) -> pa.Array:
+        return pa.array(sorted({k for _, k in self.images}), pa.string())
+
+    @cached_property
+    def _contributors(self) -> pa.Array:
+        return pa.array(sorted(self.contributors), pa.string())
+
     def mask(self, df: pd.DataFrame, contributor_column: str) -> np.ndarray:
         """Which rows of `df` (with source, key and, if present, the contributor) are taken
         down."""
         hit = np.zeros(len(df), bool)
         if self.images and len(df):
-            uid = df["source"].astype(str) + "\0" + df["key"].astype(str)
-            hit |= uid.isin({f"{s}\0{k}" for s, k in self.images}).to_numpy()
-        if self.contributors and contributor_column in df.columns:
-            hit |= df[contributor_column].isin(self.contributors).to_numpy()
+            # By key first (Arrow's hash lookup), then the few candidates' sources.
+            keys = _strings(df["key"])
+            cand = np.flatnonzero(pc.is_in(keys, value_set=self._keys).to_numpy(False))
+            src = _strings(df["source"]).take(pa.array(cand)).to_pylist()
+            hit[cand] = [(a, b) in self.images for a, b in
+                         zip(src, keys.take(pa.array(cand)).to_pylist(), strict=True)]  # fmt: skip
+        if self.contributors and contributor_column in df.columns and len(df):
+            who = pc.is_in(_strings(df[contributor_column]), value_set=self._contributors)
+            hit |= pc.fill_null(who, False).to_numpy(False)
         return hit
+
+
+def _strings(col: pd.Series) -> pa.Array:
+    return pa.array(col, pa.string(), from_pandas=True)
 
 
 def license_ends(col: pd.Series) -> tuple[pd.Series, np.ndarray]:
     """(the ends as UTC timestamps, NaT where null or unparsable; which values are present but
     not a date)."""
-    text = col.astype(object).where(col.notna(), None)
-    parsed = pd.to_datetime(text, errors="coerce", utc=True, format="ISO8601")
-    invalid = (text.notna() & parsed.isna()).to_numpy()
+    text = _strings(col)
+    # Arrow parses the plain date format in C; only what it misses goes to pandas' ISO 8601.
+    days = pc.strptime(text, format="%Y-%m-%d", unit="s", error_is_null=True)
+    parsed = pd.Series(days.to_pandas(), index=col.index).dt.tz_localize("UTC")
+    rest = pc.is_valid(text).to_numpy(False) & parsed.isna().to_numpy()
+    if rest.any():
+        parsed[rest] = pd.to_datetime(col[rest].astype(object), errors="coerce", utc=True,
+                                      format="ISO8601")  # fmt: skip
+    invalid = pc.is_valid(text).to_numpy(False) & parsed.isna().to_numpy()
     return parsed, invalid
 
 
