@@ -124,6 +124,14 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     assert not gone & set(read_clean(str(root), result["ingest_id"])["key"])
     assert result["passed"], "takedowns are not counted against the quality gate's limit"
 
+    # A file of keys, by key or by <source>/<key> path.
+    more = sorted(k for k in rows["key"] if _contributor(k) == "ada-studio" and k != key)[:2]
+    (tmp_path / "keys.csv").write_text(f"key\n{more[0]}\n{demo_src}/{more[1]}\n")
+    added = json.loads(_kiln("takedown", "add", "--file", str(tmp_path / "keys.csv"),
+                             "--reason", "court order", "--config", cfg))  # fmt: skip
+    assert added["images"] == 2 and added["tagged_versions"] == {v1["version"]: len(cy | {key}) + 2}
+    assert _kiln("takedown", "list", "--config", cfg).count("court order") == 2
+
     # Promotion refuses the version that saw a taken-down image, unless told why.
     ref = f"models:/kiln-t2i/{v1['version']}"
     with pytest.raises(PromotionRefused, match="taken-down"):
@@ -133,7 +141,7 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     assert done["outcome"] == "first"
     tags = client.get_model_version("kiln-t2i", v1["version"]).tags
     assert tags["kiln.promotion.takedown_override"] == "interim release approved by legal"
-    assert tags["kiln.takedown.images"] == str(len(cy | {key}))
+    assert tags["kiln.takedown.images"] == str(len(cy | {key}) + 2)
 
 
 def test_an_ended_license_is_quarantined(tmp_path, demo_src, make_config):
