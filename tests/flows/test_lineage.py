@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 from flows.cli import main
 from flows.demo_data import licensing
 from flows.ingest import ingest_flow
+from flows.pipeline import kiln_pipeline
 from flows.promote import promote_flow
 from flows.register import register_flow
 from flows.shard import shard_flow
@@ -142,6 +143,17 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     tags = client.get_model_version("kiln-t2i", v1["version"]).tags
     assert tags["kiln.promotion.takedown_override"] == "interim release approved by legal"
     assert tags["kiln.takedown.images"] == str(len(cy | {key}) + 2)
+
+    # The retrain the takedown made due trains, though no image is new, on a dataset without
+    # the taken-down images; the image's lineage still names the old version only.
+    retrained = kiln_pipeline(cfg, only_new_data=True)
+    assert "skipped" not in retrained
+    new_rows = dataset_rows(root, retrained["shards"]["dataset_version"])
+    assert not set(new_rows["key"]) & (cy | {key} | set(more)) and len(new_rows)
+    v2 = retrained["model"]["version"]
+    assert "kiln.takedown.images" not in client.get_model_version("kiln-t2i", v2).tags
+    out = _kiln("lineage", "image", key, "--config", cfg)
+    assert f"image {key}: in 1 dataset version(s)" in out and version in out
 
 
 def test_an_ended_license_is_quarantined(tmp_path, demo_src, make_config):
