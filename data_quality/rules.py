@@ -28,6 +28,16 @@ class QualityConfig(BaseModel):
         None, description="When set, the license column must hold one of these values."
     )
     license_column: str = "license"
+    license_end_column: str = Field(
+        "license_end",
+        description="ISO date after which a row's license has ended; rows past it at "
+        "validation time are quarantined (`license_expired`). Skipped without the column.",
+    )
+    contributor_column: str = Field(
+        "contributor",
+        description="Who licensed the image: what `kiln takedown add "
+        "--contributor` matches and the revenue-share report groups by.",
+    )
     min_aesthetic: float | None = Field(
         None, description="When set and the column exists, lower scores are rejected."
     )

@@ -29,8 +29,8 @@ from data_quality.near_dup import near_duplicates, near_duplicates_against, phas
 from data_quality.rules import QualityConfig
 
 __all__ = [
-    "CROSS_REASONS", "INGEST_REASONS", "REASONS", "QualityVerdict", "RowCheck", "apply_cross",
-    "build_suite", "check_rows", "cross_catalog", "derive", "expectation_summaries",
+    "CROSS_REASONS", "INGEST_REASONS", "REASONS", "TERMS_REASONS", "QualityVerdict", "RowCheck",
+    "apply_cross", "build_suite", "check_rows", "cross_catalog", "derive", "expectation_summaries",
     "hash_columns", "run_suite", "suite_key", "write_data_docs",
 ]  # fmt: skip
 
@@ -49,6 +49,13 @@ REASONS = {
     "low_aesthetic": "aesthetic score below quality.min_aesthetic (or missing)",
     "duplicate_sha256": "exact byte duplicate of an earlier file (earliest ingest kept)",
     "near_duplicate": "perceptual-hash near-duplicate of an earlier image",
+}
+# Licensing terms (data_quality/terms.py): checked on every row at every validate, whatever
+# else the row passes, since they change with the takedown list and the date, not the row.
+TERMS_REASONS = {
+    "takedown": "on the takedown list (`kiln takedown list`)",
+    "license_expired": "license ended (quality.license_end_column) before validation",
+    "license_end_invalid": "license end is not an ISO date (YYYY-MM-DD)",
 }
 INGEST_REASONS = {
     "empty_file": "zero-byte file",

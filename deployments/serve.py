@@ -25,7 +25,8 @@ from flows.validate import validate_flow
 
 def build_deployments(config_path: str, cron: str | None) -> list:
     """One deployment per flow; the pipeline gets the retraining schedule, and the new-data
-    trigger (the `kiln.ingest.completed` event labelled `kiln.retrain-due`)."""
+    trigger (the `kiln.ingest.completed` or `kiln.takedown.added` event labelled
+    `kiln.retrain-due`)."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig
     from prefect.events import DeploymentEventTrigger
 
@@ -36,7 +37,8 @@ def build_deployments(config_path: str, cron: str | None) -> list:
     # Two trainings never overlap: a second run waits for the first (ENQUEUE).
     one = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")
     new_data = DeploymentEventTrigger(
-        expect={"kiln.ingest.completed"},
+        # New data landed, or a takedown removed images the newest training saw.
+        expect={"kiln.ingest.completed", "kiln.takedown.added"},
         # Only this config's root: another root's ingest on the same server starts nothing.
         match={
             "prefect.resource.id": root_resource_id(load_config(config_path).storage.root),

@@ -305,9 +305,13 @@ def generate(
 @click.option("--first", is_flag=True, help="Promote with no champion yet.")
 @click.option("--force", is_flag=True, help="Promote past a refused gate (needs --reason).")
 @click.option("--reason", default=None, help="Why (recorded on the version).")
+@click.option(
+    "--allow-takedown", is_flag=True,
+    help="Promote a candidate whose dataset holds taken-down images (needs --reason).",
+)  # fmt: skip
 def promote(
     config_path: str, root: str | None, candidate: str | None, first: bool, force: bool,
-    reason: str | None,
+    reason: str | None, allow_takedown: bool,
 ) -> None:  # fmt: skip
     """Move the `champion` alias to the candidate if the gate (registry.gate) passes.
 
@@ -315,10 +319,12 @@ def promote(
     from MLflow: enough votes on every pair, the 95% CI of its preference at or above
     min_pref_ci_low for quality and alignment, no DrawBench category below
     min_category_pref, and no worse validation loss. The old champion becomes
-    `previous-champion`; `kiln rollback` swaps them back.
+    `previous-champion`; `kiln rollback` swaps them back. A candidate whose dataset holds a
+    taken-down image is refused unless --allow-takedown --reason says why.
     """
     _show(_call("flows.promote:promote_flow", config_path, root, ("register",),
-                candidate=candidate, first=first, force=force, reason=reason)[1])  # fmt: skip
+                candidate=candidate, first=first, force=force, reason=reason,
+                allow_takedown=allow_takedown)[1])  # fmt: skip
 
 
 @main.command()
@@ -456,6 +462,17 @@ def _add_human_eval_commands() -> None:
 
 
 _add_human_eval_commands()
+
+
+def _add_lineage_commands() -> None:
+    """`kiln lineage ...` and `kiln takedown ...` (flows/lineage_cli.py, click only)."""
+    from flows.lineage_cli import lineage, takedown
+
+    main.add_command(lineage)
+    main.add_command(takedown)
+
+
+_add_lineage_commands()
 
 
 def entry() -> None:

@@ -4,6 +4,10 @@ Each image shows two coloured shapes in a spatial relation, captioned to match, 
 "a red circle above a small blue square on a white background". Sizes vary, some below the
 later stages' resolutions and a few below the quality gate's minimum. A handful of bad items
 are planted so that the quality gate has something to catch.
+
+Every image carries licensing metadata, as a licensed library's would: its `contributor`, its
+`license` and the date its license ends (`license_end`, ISO; none for an open license), all
+in the future, so that nothing expires until a test or a user says so.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-__all__ = ["PLANTED", "write_demo_dataset"]
+__all__ = ["CONTRIBUTORS", "PLANTED", "licensing", "write_demo_dataset"]
 
 COLORS = {
     "red": (220, 40, 40),
@@ -32,6 +36,13 @@ RELATIONS = ("above", "below", "left of", "right of")
 # (width, height) choices: some too small for the 48/64 px stages, a few below min_side 32.
 SIZES = [(40, 40), (48, 64), (64, 48), (72, 72), (96, 80), (128, 96), (80, 128), (112, 112)]
 TOO_SMALL = [(24, 24), (28, 40)]
+# (contributor, license, license end): image i gets CONTRIBUTORS[i % 4].
+CONTRIBUTORS = [
+    ("ada-studio", "licensed", "2031-06-30"),
+    ("bo-archive", "licensed", "2032-12-31"),
+    ("cy-shoots", "cc-by", None),
+    ("dee-partner", "licensed", "2030-03-31"),
+]
 
 # Planted bad items: file name -> what is wrong with it (and what should catch it).
 PLANTED = {
@@ -41,6 +52,12 @@ PLANTED = {
     "bad-no-caption.jpg": "valid image with an empty caption (validate: caption_blank)",
     "bad-duplicate.jpg": "exact copy of the first image (validate: duplicate_sha256)",
 }
+
+
+def licensing(i: int) -> dict:
+    """The licensing metadata of the demo's `i`-th file."""
+    contributor, license_, end = CONTRIBUTORS[i % len(CONTRIBUTORS)]
+    return {"contributor": contributor, "license": license_, "license_end": end}
 
 
 def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple, color: tuple) -> None:
@@ -88,7 +105,8 @@ def _encode(img: Image.Image, fmt: str) -> bytes:
 
 
 def write_demo_dataset(out_dir: str | Path, n: int = 60, seed: int = 0) -> dict:
-    """Write `n` files (of which 5 are planted bad items) plus `metadata.jsonl` to `out_dir`.
+    """Write `n` files (of which 5 are planted bad items) plus `metadata.jsonl` (captions and
+    licensing metadata, see `licensing`) to `out_dir`.
 
     Args:
         out_dir: Destination folder; created if missing. Existing files are overwritten.
@@ -114,7 +132,7 @@ def write_demo_dataset(out_dir: str | Path, n: int = 60, seed: int = 0) -> dict:
         data = _encode(img, fmt)
         first_bytes = first_bytes or data
         (out / name).write_bytes(data)
-        rows.append({"file_name": name, "text": caption})
+        rows.append({"file_name": name, "text": caption, **licensing(i)})
 
     ok_img, _ = _render(rng, (64, 64))
     jpeg = _encode(ok_img, "JPEG")
@@ -130,7 +148,8 @@ def write_demo_dataset(out_dir: str | Path, n: int = 60, seed: int = 0) -> dict:
         "bad-no-caption.jpg": "",
         "bad-duplicate.jpg": rows[0]["text"],
     }
-    rows += [{"file_name": k, "text": v} for k, v in captions.items()]
+    rows += [{"file_name": k, "text": v, **licensing(good + j)}
+             for j, (k, v) in enumerate(captions.items())]  # fmt: skip
     with open(out / "metadata.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

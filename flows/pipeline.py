@@ -44,7 +44,8 @@ def kiln_pipeline(
         allow_failed_gate: Go on past a failed quality gate (recorded in shards.json).
         only_new_data: Stop after the ingest, returning `{"ingest", "skipped"}`, when no
             accepted image is new or changed since the newest finished training (a retrain
-            queued behind another, or the weekly cron the night after a triggered one).
+            queued behind another, or the weekly cron the night after a triggered one) and no
+            image it trained on has been taken down since.
     """
     cfg = as_config(config, ("ingest", "train", "evaluate", "register"), root=root, source=source)
     run_id = new_run_id()
@@ -60,7 +61,8 @@ def _pipeline(
     ingest = ingest_flow(cfg, standalone=False)
     fresh = ingest["new_data"]
     last = fresh["trained_run_id"]
-    if only_new_data and last and fresh["new_since_training"] == 0:
+    down = fresh.get("taken_down_since_training", 0)
+    if only_new_data and last and fresh["new_since_training"] == 0 and not down:
         why = (f"no accepted image is new or changed since run {last} trained on catalog "
                f"{fresh['trained_ingest_id']}: nothing to retrain on")  # fmt: skip
         get_run_logger().info(why)

@@ -12,6 +12,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from flows.config import PipelineConfig, as_config
+from tasks.lineage_registry import tag_takedowns
 from tasks.promotion import PromotionRefused, promote, rollback
 
 __all__ = ["promote_flow", "rollback_flow"]
@@ -34,9 +35,10 @@ def promote_flow(
     first: bool = False,
     force: bool = False,
     reason: str | None = None,
+    allow_takedown: bool = False,
 ) -> dict:
     """Move `champion` to `candidate` (default `models:/<name>@<registry.alias>`) if the gate
-    in `registry.gate` passes.
+    in `registry.gate` passes, and its dataset holds no taken-down image.
 
     Args:
         config: The loaded config, or a pipeline YAML path (registry and gate settings).
@@ -44,12 +46,16 @@ def promote_flow(
         first: Promote with no champion yet (nothing to compare against).
         force: Promote past a refused gate; needs `reason`.
         reason: Why, recorded on the version.
+        allow_takedown: Promote a candidate whose dataset holds taken-down images; needs
+            `reason`.
     """
     cfg = as_config(config)
     ref = candidate or f"models:/{cfg.registry.model_name}@{cfg.registry.alias}"
+    # The takedown tags as of now (a takedown since the last tagging is counted too).
+    tag_takedowns(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name, cfg.quality)
     try:
         record = promote(cfg.tracking_uri, ref, cfg.registry.gate, first=first, force=force,
-                         reason=reason)  # fmt: skip
+                         reason=reason, allow_takedown=allow_takedown)  # fmt: skip
     except PromotionRefused as e:
         create_markdown_artifact(key="promotion", description=f"{ref}: refused",
                                  markdown=f"## {ref}: not promoted\n\n```\n{e}\n```")  # fmt: skip

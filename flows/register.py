@@ -14,6 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.config import PipelineConfig, as_config, config_hash, run_config
 from tasks.layout import Layout
+from tasks.lineage_registry import register_lineage
 from tasks.registry import register_model
 from tasks.reports import model_card, registered_report
 from tasks.study_metrics import metrics_lineage
@@ -91,9 +92,14 @@ def register_flow(
         _val_metrics(record),
         card=model_card(record, shards, _study_scores(layout, study_id)),
     )
+    # The contributors' report, the earliest license end and any takedowns, on the version.
+    info["licensing"] = register_lineage(cfg.storage.root, cfg.tracking_uri, info["name"],
+                                         info["version"], cfg.quality)  # fmt: skip
     create_markdown_artifact(
         key="registered-model",
         description=f"{info['name']} v{info['version']}",
-        markdown=registered_report(info, lineage, cfg.tracking_uri),
+        markdown=registered_report(info, lineage, cfg.tracking_uri)
+        + f"\n- contributors' report: artifact `{info['licensing']['report']}`"
+        f"\n- earliest license end: `{info['licensing']['earliest_license_end']}`",
     )
     return {**info, "lineage": lineage}

@@ -71,6 +71,14 @@ class Layout:
     def stage(self, run_id: str, resolution: int) -> Path:
         return self.run(run_id) / f"stage-{resolution}"
 
+    def takedowns(self) -> Path:
+        """The takedown list: one file per addition, never edited (tasks/takedown.py)."""
+        return self.root / "takedowns"
+
+    def dataset_rows(self, version: str) -> Path:
+        """The rows a dataset version holds, with their licensing columns (tasks/lineage.py)."""
+        return self.root / "shards" / version / "rows.parquet"
+
     def study(self, study_id: str) -> Path:
         return self.root / "eval" / study_id
 

@@ -13,6 +13,11 @@ that count reaches `retrain.min_new_images`, a finished training exists (a retra
 from a model: the first one is trained from scratch), the ingest ran on its own (the
 pipeline's own ingest never asks for another pipeline), and no training holds the root.
 
+A takedown also makes a retrain due: `kiln takedown add` emits `kiln.takedown.added` on the
+same resource, labelled `kiln.retrain-due` "true" when the newest finished training's dataset
+holds a taken-down image (`taken_down_since_training`), and the pipeline's `only_new_data`
+check trains when that count is above zero, whatever arrived.
+
 The `weekly-retrain` deployment's trigger matches `kiln.retrain-due: "true"` and passes the
 event's root to `flows/retrain.py`, which does nothing for another root's event; the
 threshold lives in the config, not in the trigger; the cron schedule stays as the fallback.
@@ -35,9 +40,13 @@ from tasks.layout import Layout
 from tasks.lock import root_busy
 from tasks.logs import task_logger
 
-__all__ = ["INGEST_COMPLETED", "NewData", "emit_ingest_completed", "new_data", "root_resource_id"]
+__all__ = [
+    "INGEST_COMPLETED", "TAKEDOWN_ADDED", "NewData", "emit_ingest_completed", "emit_takedown_added",
+    "new_data", "root_resource_id", "taken_down_since_training",
+]  # fmt: skip
 
 INGEST_COMPLETED = "kiln.ingest.completed"
+TAKEDOWN_ADDED = "kiln.takedown.added"
 _IDENTITY = ["source", "key", "sha256", "caption"]
 
 
@@ -54,23 +63,43 @@ class NewData:
     root_busy: bool  # a training holds the root's lock
     retrain_due: bool
     server: bool = True  # a Prefect server receives the event (PREFECT_API_URL is set)
+    taken_down_since_training: int = 0  # images of the newest training's dataset taken down
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _trained_catalog(layout: Layout) -> tuple[str | None, str | None]:
-    """(run id, ingest id) of the newest training run that exported, or (None, None)."""
+def _trained_run(layout: Layout) -> tuple[str | None, dict]:
+    """(run id, run.json) of the newest training run that exported, or (None, {})."""
     runs = layout.root / "runs"
     for run in sorted(runs.glob("run-*"), reverse=True) if runs.is_dir() else []:
         path = run / "run.json"
         record = json.loads(path.read_text()) if path.is_file() else {}
-        if not record.get("export"):
-            continue  # crashed, cancelled or still training: it trained on nothing yet
-        shards = layout.shards(record.get("dataset_version", "")) / "shards.json"
-        ingest = json.loads(shards.read_text()).get("ingest_id") if shards.is_file() else None
-        return run.name, ingest
-    return None, None
+        if record.get("export"):  # else crashed, cancelled or training: trained on nothing yet
+            return run.name, record
+    return None, {}
+
+
+def _trained_catalog(layout: Layout) -> tuple[str | None, str | None]:
+    """(run id, ingest id) of the newest training run that exported, or (None, None)."""
+    run_id, record = _trained_run(layout)
+    shards = layout.shards(record.get("dataset_version", "")) / "shards.json"
+    ingest = json.loads(shards.read_text()).get("ingest_id") if shards.is_file() else None
+    return run_id, ingest
+
+
+def taken_down_since_training(root: Path | str, rules=None) -> int:
+    """How many images of the newest finished training's dataset are on the takedown list."""
+    from tasks.lineage import dataset_rows
+    from tasks.takedown import takedown_set
+
+    layout = Layout(Path(root))
+    down = takedown_set(root)
+    _, record = _trained_run(layout)
+    version = record.get("dataset_version")
+    if not down or not version or not (layout.shards(version) / "shards.json").is_file():
+        return 0
+    return int(down.mask(dataset_rows(root, version, rules), "contributor").sum())
 
 
 def _view_identities(layout: Layout, ingest_id: str) -> np.ndarray:
@@ -101,6 +130,7 @@ def new_data(
             )  # fmt: skip
         since = len(current)
     busy = root_busy(layout.root)
+    down = taken_down_since_training(root)
     from prefect.settings import PREFECT_API_URL
 
     return NewData(
@@ -114,8 +144,9 @@ def new_data(
         standalone=standalone,
         root_busy=busy,
         retrain_due=(standalone and not busy and run_id is not None
-                     and since >= min_new_images),
+                     and (since >= min_new_images or down > 0)),
         server=bool(PREFECT_API_URL.value()),
+        taken_down_since_training=down,
     )  # fmt: skip
 
 
@@ -142,3 +173,30 @@ def emit_ingest_completed(root: Path | str, data: NewData) -> None:
         INGEST_COMPLETED, data.new_accepted, data.new_since_training, data.min_new_images,
         "due" if data.retrain_due else "not due",
     )  # fmt: skip
+
+
+def emit_takedown_added(root: Path | str, added: int, taken_down: int) -> bool:
+    """Emit `kiln.takedown.added` after an addition to the takedown list; the retrain is due
+    when the newest finished training's dataset holds `taken_down` > 0 taken-down images and
+    no training holds the root. Returns whether it was due."""
+    from prefect.events import emit_event
+
+    due = taken_down > 0 and not root_busy(Path(root))
+    emit_event(
+        event=TAKEDOWN_ADDED,
+        resource={
+            "prefect.resource.id": root_resource_id(root),
+            "prefect.resource.name": str(root),
+            "kiln.retrain-due": "true" if due else "false",
+        },
+        payload={
+            "added": int(added),
+            "taken_down_since_training": int(taken_down),
+            "retrain_due": due,
+        },  # fmt: skip
+    )
+    task_logger(__name__).info(
+        "%s: %d rows added; %d images of the newest training's dataset are taken down: "
+        "retrain %s", TAKEDOWN_ADDED, added, taken_down, "due" if due else "not due",
+    )  # fmt: skip
+    return due

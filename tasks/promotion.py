@@ -8,6 +8,9 @@ alias (`kiln promote`, `kiln rollback`, `flows/promote.py`):
   version), checks them with `gate`, and on a pass moves `champion` to the candidate and the
   old champion to `previous-champion`. With no champion yet it needs `first=True`;
   `force=True` (with a reason) promotes past a refused gate.
+* A version whose dataset holds a taken-down image (its `kiln.takedown.images` tag,
+  tasks/lineage_registry.py) is refused whatever its numbers, unless `allow_takedown=True`
+  with a reason, which is recorded on the version (`kiln.promotion.takedown_override`).
 * `rollback` swaps `champion` and `previous-champion` back.
 
 Every decision, passed or refused, is written as `kiln.promotion.*` tags on the candidate's
@@ -25,6 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from models.config import GateConfig
+from tasks.lineage_registry import TAKEDOWN_TAG
 from tasks.registry import ModelVersionNotFound, model_version
 
 __all__ = [
@@ -165,8 +169,12 @@ def promote(
     first: bool = False,
     force: bool = False,
     reason: str | None = None,
+    allow_takedown: bool = False,
 ) -> dict:
     """Move `champion` to `candidate` if the gate passes (or `first`/`force` allows it).
+
+    A candidate whose dataset holds a taken-down image is refused unless `allow_takedown`,
+    which needs a `reason` too.
 
     Returns:
         The decision record (also written as tags on the candidate's version): outcome
@@ -183,6 +191,7 @@ def promote(
     champ = _alias(client, name, CHAMPION)
     if force and not (reason or "").strip():
         raise PromotionRefused("--force needs --reason TEXT: say why the gate is overridden")
+    _check_takedowns(client, mv, allow_takedown, reason)
     if champ is not None and champ.version == mv.version:
         raise PromotionRefused(f"{name} version {mv.version} is already {CHAMPION}")
     if champ is None and not first:
@@ -212,10 +221,28 @@ def promote(
     if champ is not None:
         client.set_registered_model_alias(name, PREVIOUS, champ.version)
     client.set_registered_model_alias(name, CHAMPION, mv.version)
+    down = int(mv.tags.get(TAKEDOWN_TAG) or 0)
     record = _record(client, mv, outcome, decision, previous_champion=previous,
-                     reason=reason if force or first else None)  # fmt: skip
+                     reason=reason if force or first or down else None,
+                     takedown_override=reason if down else None)  # fmt: skip
     return {"name": name, "version": mv.version, "previous_champion": previous, **record,
             "passed": decision.passed if decision else None}  # fmt: skip
+
+
+def _check_takedowns(client: MlflowClient, mv, allow: bool, reason: str | None) -> None:
+    """Refuse a version whose dataset holds taken-down images, unless overridden with a
+    reason (the refusal is recorded on the version too)."""
+    down = int(mv.tags.get(TAKEDOWN_TAG) or 0)
+    if not down:
+        return
+    if allow and (reason or "").strip():
+        return
+    _record(client, mv, "refused", None, takedown_images=down)
+    raise PromotionRefused(
+        f"{mv.name} version {mv.version} trained on a dataset holding {down} taken-down "
+        f"images ({TAKEDOWN_TAG}={down}): retrain without them, or override with "
+        "--allow-takedown --reason TEXT (recorded on the version)"
+    )
 
 
 def rollback(tracking_uri: str, model_name: str, reason: str | None = None) -> dict:

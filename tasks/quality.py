@@ -33,6 +33,7 @@ from data_quality.suite import (
     INGEST_REASONS,
     REASONS,
     SAMPLE,
+    TERMS_REASONS,
     CrossCheck,
     RowCheck,
     apply_cross,
@@ -44,6 +45,7 @@ from data_quality.suite import (
     suite_key,
     write_data_docs,
 )
+from data_quality.terms import check_terms
 from tasks.catalog_view import (
     ACCEPTED_COLUMNS,
     ROW_GROUP,
@@ -56,6 +58,7 @@ from tasks.catalog_view import (
 from tasks.layout import Layout
 from tasks.logs import task_logger
 from tasks.runners import partition_runner
+from tasks.takedown import takedown_set
 
 __all__ = [
     "PARTITION_ROWS", "REJECTS_FILE", "VERDICT_FILE", "QualityGateError", "ValidateResult",
@@ -91,6 +94,8 @@ class ValidateResult:
     data_docs: str | None = None
     checked_rows: int = 0  # rows the row-local rules ran on in this run
     incremental_from: str | None = None  # the verdict whose checked rows this run kept
+    takedowns: int = 0  # rows quarantined as on the takedown list
+    license_expired: int = 0  # rows quarantined as their license had ended (or had no date)
 
     @property
     def passed(self) -> bool:
@@ -104,7 +109,7 @@ def reasons_table(reasons: dict[str, int]) -> str:
     """A markdown table of quarantine reasons ({reason: files}) with counts."""
     lines = ["| reason | files | meaning |", "|---|---:|---|"]
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
-        meaning = REASONS.get(reason) or INGEST_REASONS.get(reason, "")
+        meaning = {**INGEST_REASONS, **TERMS_REASONS, **REASONS}.get(reason, "")
         lines.append(f"| `{reason}` | {n} | {meaning} |")
     return "\n".join(lines)
 
@@ -293,6 +298,31 @@ def _bounded_sample(frames: list[pd.DataFrame]) -> pd.DataFrame:
     )
 
 
+def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityConfig):
+    """The licensing terms (data_quality/terms.py) on every row of the view, a row group at a
+    time: the takedown list and the date change between runs, so no verdict is reused."""
+    want = ["source", "key"] + [c for c in (rules.contributor_column, rules.license_end_column)
+                                if c in columns]  # fmt: skip
+    takedowns, today = takedown_set(root), datetime.now(UTC).date()
+    found = [check_terms(read_part(p, want, [g]), rules, takedowns, today)
+             for p in parts for g in range(p.row_groups)]  # fmt: skip
+    return pd.concat([f for f in found if len(f)] or [check_terms(pd.DataFrame(), rules,
+                     takedowns, today)], ignore_index=True)  # fmt: skip
+
+
+def _with_terms(rejects: pd.DataFrame, terms: pd.DataFrame) -> pd.DataFrame:
+    """The suite's rejects with the terms' in their place: a row the terms quarantine is
+    quarantined under the terms' reason, whatever the suite said of it."""
+    if "reason" in rejects.columns:  # an earlier run's terms are recomputed, never kept
+        rejects = rejects[~rejects["reason"].isin(list(TERMS_REASONS))]
+    if not len(terms):
+        return rejects.reset_index(drop=True)
+    uid = rejects["source"].astype(str) + "\0" + rejects["key"].astype(str)
+    gone = set(terms["source"].astype(str) + "\0" + terms["key"].astype(str))
+    kept = rejects[~uid.isin(gone)]
+    return pd.concat([f for f in (kept, terms) if len(f)], ignore_index=True)
+
+
 @task(name="validate-catalog", cache_policy=NO_CACHE)
 def validate_catalog(
     root: str,
@@ -310,6 +340,9 @@ def validate_catalog(
     local threads, or on the Dask cluster at `dask_address`. When an earlier catalog of the
     chain was validated under the same rules and no accepted row has left the view since,
     only the rows ingested after it are checked, and compared with the others for duplicates.
+    The licensing terms (data_quality/terms.py: the takedown list, license ends) run on every
+    row at every run and override the suite's reason; they are not counted in the gate's
+    reject fraction.
 
     Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
     `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
@@ -358,6 +391,7 @@ def validate_catalog(
     flags = pd.concat([f for f in (base["flags"] if base else None, found["flags"])
                        if f is not None and len(f)] or [found["flags"]],
                       ignore_index=True)  # fmt: skip
+    rejects = _with_terms(rejects, _terms(root, parts, columns, rules))
     rows = old_rows + new.rows
     sample = _bounded_sample([base["sample"] if base else None, new.sample])
     if not len(sample) and rows:
@@ -388,13 +422,17 @@ def validate_catalog(
     step = quarantine["step"] if len(quarantine) else pd.Series(dtype=object)
     files_q = quarantine[~step.eq("ingest-manifest")] if len(quarantine) else quarantine
     listed = rows + int(step.eq("ingest").sum())
+    # Withdrawn and expired rows leave the data, but say nothing of its quality: the gate's
+    # fraction counts the other reasons only.
+    why = files_q["reason"] if len(files_q) else pd.Series([], dtype=object)
+    terms = why.isin(list(TERMS_REASONS))
     result = ValidateResult(
         ingest_id=ingest_id,
         listed=listed,
         clean=rows - len(rejects),
         rejected_ingest=listed - rows,
         rejected_validate=len(rejects),
-        reject_fraction=round(len(files_q) / listed, 4) if listed else 0.0,
+        reject_fraction=round(int((~terms).sum()) / listed, 4) if listed else 0.0,
         max_reject_fraction=rules.max_reject_fraction,
         reasons=files_q["reason"].value_counts().to_dict() if len(files_q) else {},
         manifest_problems=int(step.eq("ingest-manifest").sum()),
@@ -403,6 +441,8 @@ def validate_catalog(
         data_docs=docs,
         checked_rows=new.rows,
         incremental_from=base["id"] if base else None,
+        takedowns=int(why.eq("takedown").sum()),
+        license_expired=int(why.isin(["license_expired", "license_end_invalid"]).sum()),
     )
     assert result.clean + len(files_q) == listed, "clean + quarantined must equal files listed"
     (qdir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))

@@ -116,6 +116,9 @@ def quality_report(summary: dict, docs_url: str | None = None) -> str:
         f"## Quality gate {verdict} for `{result.ingest_id}`\n\n{sentence}\n\n{docs}"
         f"Near-duplicates flagged: {result.near_duplicates}. Manifest problems: "
         f"{result.manifest_problems}.\n\n"
+        f"**Licensing terms:** {result.takedowns} rows on the takedown list, "
+        f"{result.license_expired} with an ended (or unreadable) license end; both are "
+        "quarantined whatever else they pass, and are not counted against the limit.\n\n"
         f"### Quarantine reasons\n{reasons_table(result.reasons)}\n\n"
         f"### Expectations\n| expectation | column | result | rows |\n|---|---|---|---:|\n{rows}\n"
     )

@@ -24,6 +24,12 @@ COMMANDS = [
     "rate serve",
     "rate invite",
     "rate report",
+    "lineage",
+    "lineage image",
+    "lineage model",
+    "takedown",
+    "takedown add",
+    "takedown list",
 ]
 
 

@@ -178,7 +178,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     soon = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 30))
     ingest["schedules"] = [{"interval": 86400, "anchor_date": soon}]
     weekly["parameters"]["config"] = str(retrain)
-    assert weekly["triggers"][0]["expect"] == ["kiln.ingest.completed"]
+    assert weekly["triggers"][0]["expect"] == ["kiln.ingest.completed", "kiln.takedown.added"]
     assert weekly["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     spec["deployments"] = [ingest, weekly]
     pfile = tmp_path / "prefect.yaml"
@@ -296,8 +296,20 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         )[0]  # fmt: skip
         assert foreign["state_type"] == "COMPLETED", wlog()
         assert len(client.search_model_versions("name='kiln-t2i'")) == 2
+        # A takedown's event (`kiln takedown add`, labelled due when the newest training saw
+        # a taken-down image) starts the retrain the same way; that root's, here.
+        down = {**other, "prefect.resource.name": str(tmp_path / "someone-elses-takedown")}
+        _cli(["events", "emit", "kiln.takedown.added", "--resource", json.dumps(down)],
+             env, REPO)  # fmt: skip
+        _wait(
+            "the run the takedown event triggers",
+            lambda: [r for r in _states(api, weekly_id)
+                     if r["parameters"].get("event_root") == down["prefect.resource.name"]
+                     and r["state_type"] == "COMPLETED"],
+            300, [worker],
+        )  # fmt: skip
         runs = _states(api, weekly_id)
-        assert len(runs) == 3, "one run per due event (only the ingest with new data) + one"
+        assert len(runs) == 4, "one run per due event (only the ingest with new data) + two"
 
         timing = {"deployment_run_to_ingest_completed_s": ingest_s,
                   "triggered_retrain_running_to_completed_s": retrain_s}  # fmt: skip

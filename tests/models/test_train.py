@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from safetensors.torch import load_file
 
 from flows.config import load_config
 from models.config import StageRun
+from tasks.lineage import stage_draws
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,6 +84,8 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(ddp
     k1 = [k for rec in _keys(out, 1) for k in rec["keys"]]
     assert len(k0) == len(k1) == 16
     assert not set(k0) & set(k1), "each rank trains on its own samples"
+    # The contributors' exposure counts exactly the samples both ranks drew (tasks/lineage.py).
+    assert stage_draws(out) == Counter(k0 + k1) and sum(stage_draws(out).values()) == 32
     # The export loads as a diffusers pipeline.
     assert (out / "final" / "model_index.json").is_file()
 

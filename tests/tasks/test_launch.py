@@ -136,6 +136,20 @@ def _per_step(path, field):
     return out
 
 
+def _same_draws(clean, crashed):
+    """The contributors' exposure (tasks/lineage.py) of the resumed stage counts every sample
+    the final weights trained on once, as the uninterrupted stage's does, on every rank."""
+    from tasks.lineage import stage_draws
+
+    logs = sorted(p.name for p in clean.glob("samples-rank*.jsonl"))
+    lines = sum(len((crashed / n).read_text().splitlines()) for n in logs)
+    assert lines > sum(len((clean / n).read_text().splitlines()) for n in logs), "steps redone"
+    drawn = stage_draws(clean)
+    assert stage_draws(crashed) == drawn
+    assert sum(drawn.values()) == sum(len(k) for n in logs
+                                      for k in _per_step(clean / n, "keys").values())  # fmt: skip
+
+
 def _same_weights(a, b):
     import torch
     from safetensors.torch import load_file
@@ -222,6 +236,7 @@ def test_sigkills_and_a_stall_resume_bit_exactly_through_task_retries(tmp_path, 
         clean / "samples-rank0.jsonl", "keys"
     )
     _same_weights(clean, crashed)
+    _same_draws(clean, crashed)
     # One progress artifact per attempt of this flow run's task; the last one reached 100%.
     assert 100.0 in _progress("train-32px-progress", state), "this run's progress hit 100%"
 
@@ -246,6 +261,7 @@ def test_sigkill_of_a_ddp_rank_resumes_bit_exactly(tmp_path, tiny_shards):
         name = f"samples-rank{rank}.jsonl"
         assert _per_step(crashed / name, "keys") == _per_step(clean / name, "keys")
     _same_weights(clean, crashed)
+    _same_draws(clean, crashed)
 
 
 def test_a_diverged_stage_is_not_retried_and_not_relaunched(tmp_path, tiny_shards):

@@ -1,0 +1,90 @@
+"""Takedown flow: withdraw images or a contributor from every future dataset.
+
+    append to the takedown list -> tag every registered version whose dataset holds a
+    taken-down image -> emit `kiln.takedown.added` (a retrain is due when the newest
+    training saw one)
+
+The next validate quarantines the listed rows (reason `takedown`); `kiln promote` refuses a
+version whose tag counts taken-down images unless told why (tasks/promotion.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from flows.config import PipelineConfig, as_config
+from tasks.lineage import resolve_image
+from tasks.lineage_registry import tag_takedowns
+from tasks.new_data import emit_takedown_added, taken_down_since_training
+from tasks.takedown import add_takedown
+
+__all__ = ["read_keys_file", "takedown_flow"]
+
+
+def read_keys_file(path: str | Path) -> list[str]:
+    """The keys (or `<source>/<key>` paths) of a takedown file: a CSV whose `key` column
+    holds them, or one per line without a header.
+
+    Raises:
+        ValueError: the file holds no key.
+    """
+    text = Path(path).read_text().splitlines()
+    if text and text[0].strip().lower() == "key":
+        keys = pd.read_csv(path, dtype=str)["key"].dropna().tolist()
+    else:
+        keys = [line.split(",")[0].strip() for line in text]
+    keys = [k for k in keys if k]
+    if not keys:
+        raise ValueError(f"takedown --file {path}: no key in the file")
+    return keys
+
+
+@flow(name="kiln-takedown", log_prints=True)
+def takedown_flow(
+    config: PipelineConfig | str,
+    reason: str,
+    keys: list[str] | None = None,
+    contributor: str | None = None,
+    by: str | None = None,
+) -> dict:
+    """Append images (`keys`: catalog keys or `<source>/<key>` paths) or a `contributor` to
+    the takedown list, tag the registered versions that hold them, and emit
+    `kiln.takedown.added`.
+
+    Args:
+        config: The loaded config, or a pipeline YAML path.
+        reason: Why; recorded with who and when.
+        keys: Images to take down; each must be in the newest catalog.
+        contributor: A contributor whose every image is taken down.
+        by: Who asked (default: the current user).
+    """
+    cfg = as_config(config)
+    root = cfg.storage.root
+    images = sorted({uid for k in keys or [] for uid in resolve_image(root, k, cfg.quality)})
+    added = add_takedown(root, reason, images=images or None, contributor=contributor, by=by)
+    tagged = tag_takedowns(root, cfg.tracking_uri, cfg.registry.model_name, cfg.quality)
+    down = taken_down_since_training(root, cfg.quality)
+    due = emit_takedown_added(root, len(added), down)
+    what = f"{len(images)} images" if images else f"contributor `{contributor}`"
+    get_run_logger().info("takedown %s: %s (%s); versions tagged: %s", added["id"].iloc[0],
+                          what, reason, tagged or "none")  # fmt: skip
+    create_markdown_artifact(
+        key="takedown",
+        description=f"takedown of {what}",
+        markdown=(
+            f"## Takedown `{added['id'].iloc[0]}`: {what}\n\nReason: {reason}. By "
+            f"{added['by'].iloc[0]} at {added['at'].iloc[0]}.\n\nRegistered versions holding "
+            "taken-down images (tag `kiln.takedown.images`): "
+            + (", ".join(f"v{v} ({n})" for v, n in tagged.items()) or "none")
+            + f".\n\nImages of the newest training's dataset taken down: {down}; retrain "
+            + ("**due**." if due else "not due.")
+            + "\n\nThe next validate quarantines them (reason `takedown`)."
+        ),
+    )
+    return {"id": added["id"].iloc[0], "rows": len(added), "images": len(images),
+            "contributor": contributor, "tagged_versions": tagged,
+            "taken_down_since_training": down, "retrain_due": due}  # fmt: skip
