@@ -22,7 +22,8 @@ Steps, each in its own process with a time box, so that a failing or hanging ste
 
 Writes `gpu_check.json` and `gpu_check.log` (the end of each failed step's output) under
 `--out`, and prints a one-screen table last. Without CUDA, or with `--dry-run`, every step runs
-at toy size on the CPU (tiny UNet, a few steps); tests/test_gpu_check.py runs that path.
+at toy size on the CPU (tiny UNet, a few steps), with only the device machine's packages and
+the carried wheels importable (`gpu_check_site/`); tests/test_gpu_check.py runs that path.
 """
 
 from __future__ import annotations
@@ -132,6 +133,12 @@ def _run_boxed(cmd: list, env: dict, box_s: float) -> tuple[int | None, str]:
             return None, output
 
 
+def _site(toy: bool) -> tuple[str, ...]:
+    """The toy run's steps import as on the device: `gpu_check_site/sitecustomize.py` hides
+    every distribution neither there nor carried."""
+    return (str(HERE / "gpu_check_site"),) if toy else ()
+
+
 def run_step(name: str, script: str, box_s: float, work: Path, toy: bool, done: dict,
              log) -> dict:  # fmt: skip
     """Run one step's process within `box_s` seconds; its result, or its error text."""
@@ -141,7 +148,7 @@ def run_step(name: str, script: str, box_s: float, work: Path, toy: bool, done: 
     try:
         cmd = _step_cmd(name, script, work, result, toy, done)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))  # fmt: skip
+            p for p in (*_site(toy), str(REPO), os.environ.get("PYTHONPATH")) if p))  # fmt: skip
         rc, output = _run_boxed(cmd, env, box_s)
         status = "ok" if rc == 0 else "failed"
         error = None if rc == 0 else output.strip()[-1500:]
@@ -282,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
             steps[name] = run_step(name, script, TOY_BOX_S if toy else box, work, toy, steps, log)
             print(f"{name}: {steps[name]['status']} ({steps[name]['seconds']} s)", flush=True)
     report = {"benchmark": "gpu_check", "device": device, "environment": environment(),
+              "simulated_device_imports": toy,
               "steps": steps, "summary": summarize(steps, toy),
               "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")

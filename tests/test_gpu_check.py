@@ -8,6 +8,7 @@ torch.compile, and the loader. It keeps the script from rotting between device s
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,20 @@ def test_wheel_list_errors_name_the_line_and_value(tmp_path):
     assert result["not_installed"] == ["not-installed-x"]
 
 
+def test_dry_run_imports_only_what_the_device_machine_has_or_is_carried():
+    """The dry run's steps start with gpu_check_site/ first on PYTHONPATH: Kiln's venv less
+    every distribution neither on the device machine nor in the wheel list."""
+    env = dict(os.environ, PYTHONPATH=f"{REPO / 'benchmarks' / 'gpu_check_site'}:{REPO}")
+    code = (
+        "import importlib.util as u; import diffusers, streaming, models.train, kiln_pyfunc; "
+        "print(u.find_spec('prefect'), u.find_spec('boto3'))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["None", "None"]  # installed here, hidden as there
+
+
 def _finite_positive(x) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
@@ -65,6 +80,7 @@ def test_dry_run_runs_every_step_and_reports_real_numbers(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     steps = report["steps"]
     assert report["device"] is None and report["summary"]["toy"] is True
+    assert report["simulated_device_imports"] is True
     assert set(steps) == {"wheels", "matmul", "train", "fsdp", "study", "unet", "loader"}
     assert {n: s["status"] for n, s in steps.items()} == {
         "wheels": "ok", "matmul": "ok", "train": "ok", "fsdp": "skipped", "study": "ok",
