@@ -161,6 +161,11 @@ def run_step(name: str, script: str, box_s: float, work: Path, toy: bool, done: 
         text = result.read_text()
         out |= ({"variants": [json.loads(x) for x in text.splitlines() if x.strip()]}
                 if name == "unet" else json.loads(text))  # fmt: skip
+    failed_variants = [v["variant"] for v in out.get("variants", []) if "error" in v]
+    if failed_variants and status == "ok":
+        status, out["status"] = "failed", "failed"
+        error = f"variants failed: {', '.join(failed_variants)}"
+        output = "\n".join(v["error"] for v in out["variants"] if "error" in v)
     if error:
         out["error"] = error
         log.write(f"== {name}: {status}\n{output[-6000:]}\n")
@@ -175,6 +180,8 @@ def summarize(steps: dict, toy: bool) -> dict:
     rate = steps.get("matmul", {}).get("tflops")
     best = None
     for v in steps.get("unet", {}).get("variants", []):
+        if "error" in v:
+            continue
         v["tflops"] = float(f"{v['img_per_s'] * v['flops_per_sample'] / 1e12:.4g}")
         v["mfu"] = float(f"{v['tflops'] / rate:.4g}") if rate else None
         if v["preset_resolution"] == 256 and (best is None or v["img_per_s"] > best["img_per_s"]):
@@ -240,6 +247,9 @@ def table(report: dict) -> str:
         rows.append(f"study: {s['study']['images']} images in {s['study']['generated_s']} s")
     rows.append("UNet  res wrap cl  compile  img/s   MFU    peak GB  attention")
     for v in s.get("unet", {}).get("variants", []):
+        if "error" in v:
+            rows.append(f"      {v['variant']}: {v['error'].splitlines()[0][:60]}")
+            continue
         kern = ",".join(k.replace("aten::_scaled_dot_product_", "") for k in
                         v["attention_kernels"] if k.startswith("aten::_"))  # fmt: skip
         rows.append(f"      {v['resolution']:<4}{v['wrapper']:<5}{v['channels_last']!s:<6}"

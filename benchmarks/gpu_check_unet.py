@@ -238,7 +238,10 @@ def main() -> None:
         _init_group()
         for v in a.variants.split(","):
             res, wrapper, layout, *rest = v.split(":")
-            rec = unet_variant(int(res), wrapper, layout == "cl", rest == ["compile"], a.toy)
+            try:
+                rec = unet_variant(int(res), wrapper, layout == "cl", rest == ["compile"], a.toy)
+            except Exception as e:  # noqa: BLE001 - recorded (an OOM, say); the next one runs
+                rec = {"variant": v, "error": f"{type(e).__name__}: {e}"[:1500]}
             _free()
             with open(a.result, "a") as f:
                 f.write(json.dumps(rec) + "\n")
