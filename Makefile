@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.kiln-installed
 DEMO_DATA ?= demo-data
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: install system-packages demo demo-compare test test-fast lint format benchmark clean
+.PHONY: install system-packages demo demo-compare test test-fast lint format benchmark gpu-wheels \
+	gpu-check clean
 
 # Create the venv if missing and install the project with the pinned constraints.
 $(STAMP): pyproject.toml constraints.txt
@@ -88,6 +89,36 @@ benchmark: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py --out benchmarks/results/train_throughput_cpu.json --steps 12
 	$(BIN)/python benchmarks/multinode.py --out benchmarks/results/multinode.json
 	$(BIN)/python benchmarks/catalog_scale.py --out benchmarks/results/catalog_scale.json --dask-sizes 100000,1000000
+
+# The wheels the GPU check carries to the device machine (Python 3.12, no network), listed in
+# benchmarks/gpu_wheels.txt, into .whl/ (git-ignored). Fails when they and the working tree
+# would exceed the device tool's 64 MiB carry limit, less GPU_CARRY_SPARE_MIB for files the
+# tree gains. docs/benchmarks.md ("GPU check") has the device command that installs them.
+GPU_WHEEL_DIR ?= .whl
+GPU_CARRY_SPARE_MIB ?= 4
+GPU_PLATFORMS := $(foreach n,5 12 14 17 24 27 28 31 34 35 39,--platform manylinux_2_$(n)_x86_64) \
+	--platform manylinux2014_x86_64 --platform manylinux1_x86_64
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEEL_DIR)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEEL_DIR) -r benchmarks/gpu_wheels.txt
+	@wheels=$$(du -cb $(GPU_WHEEL_DIR)/*.whl | tail -1 | cut -f1); \
+	tree=$$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1); \
+	limit=$$(( (64 - $(GPU_CARRY_SPARE_MIB)) * 1024 * 1024 )); \
+	echo "wheels $$wheels bytes + working tree $$tree bytes = $$((wheels + tree)) of $$limit"; \
+	if [ $$((wheels + tree)) -gt $$limit ]; then \
+		echo "gpu-wheels: over the carry budget of $$limit bytes (64 MiB less" \
+			"GPU_CARRY_SPARE_MIB=$(GPU_CARRY_SPARE_MIB)); trim benchmarks/gpu_wheels.txt" >&2; \
+		exit 1; \
+	fi
+
+# The GPU check (benchmarks/gpu_check.py): on CUDA the full run, else its toy CPU path.
+# GPU_CHECK_PY: the interpreter (the device machine's python3, with the carried wheels on
+# PYTHONPATH); OUT: where gpu_check.json goes.
+GPU_CHECK_PY ?= $(BIN)/python
+gpu-check:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_CHECK_PY) benchmarks/gpu_check.py \
+		$(if $(OUT),--out $(OUT)) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf kiln-data $(DEMO_DATA) .pytest_cache
