@@ -68,3 +68,32 @@ def test_each_stage_is_planned_on_its_own_node_count():
     assert [row.split()[1] for row in table[2:5]] == ["2", "4", "8"]
     # Locally every stage runs the topology's processes.
     assert stage_processes(LaunchConfig(num_processes=3), train) == [3, 3, 3]
+
+
+def test_kiln_plan_prints_memory_and_scaling_for_the_real_recipe(tmp_path):
+    """The real CLI on configs/sd2-base.yaml: memory per GPU by component, what to change
+    for the stages over 80 GB, and the scaling table; plan.json holds the same."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "plan", "--config", "configs/sd2-base.yaml",
+         "--root", str(tmp_path / "root"), "--img-per-s", "40"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ}, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "memory per GPU (GB; 80 GB per GPU)" in text
+    assert "256px    ddp   128" in text and "fits" in text
+    assert "512px    ddp    64" in text and "DOES NOT FIT" in text
+    assert "change: gradient checkpointing" in text
+    assert "efficiency" in text
+    plan = json.loads((tmp_path / "root" / "runs" / "plan.json").read_text())
+    s0 = plan["stages"][0]
+    n = 865_910_724
+    assert s0["memory"]["configured"]["parameters"] == n * 4 + n * 2  # fp32 + bf16 copies
+    assert s0["memory"]["configured"]["optimizer"] == n * 8
+    assert [r["nodes"] for r in s0["scaling"]] == [1, 2, 4, 8, 16]
+    assert all(0 < r["efficiency"] <= 1 for r in s0["scaling"])
