@@ -14,9 +14,11 @@ Attention is traced the way training runs it:
   query, never the (query x key) score matrix;
 - `math` (`train.attention: eager`): the score matrix's softmax is saved, per head.
 
-With gradient checkpointing (`enable_gradient_checkpointing`: each ResNet and transformer
-block recomputed in the backward pass), the step holds the blocks' inputs plus, during the
-backward pass, the largest single block's activations.
+At the step's peak, early in the backward pass, the saved tensors are joined by the backward's
+working set, taken as twice the largest saved tensor (its gradient and its producer's). With
+gradient checkpointing (`enable_gradient_checkpointing`: each ResNet and transformer block
+recomputed in the backward pass), the step holds the blocks' inputs plus the largest single
+block's activations, recomputed, plus the largest tensor's gradient.
 """
 
 from __future__ import annotations
@@ -44,25 +46,32 @@ class ActivationTrace:
     saved_in_norms: int  # the part saved inside GroupNorm/LayerNorm (stays fp32 in autocast)
     largest_unit: int  # the largest ResNet/transformer block's own saved bytes (fp32)
     checkpointed_fp32: int  # saved with gradient checkpointing on (the blocks' inputs)
+    largest_tensor: int  # the largest single saved tensor (fp32)
 
-    def peak_bytes(self, mixed_precision: str, checkpointing: bool) -> int:
+    def peak_bytes(self, mixed_precision: str, checkpointing: bool, fp32_norms: bool = True) -> int:
         """Activation memory at the step's peak, in a precision ('no', 'bf16' or 'fp16').
 
-        The saved tensors plus one block's working set in the backward pass (the gradients of
-        its activations, about as large as what it saved). With checkpointing: the blocks'
-        inputs, plus the largest block recomputed, plus its working set. Under autocast,
-        matmul and convolution outputs take 2 bytes per element; the norms' fp32 inputs 4.
+        The saved tensors plus the backward pass's working set: the gradients of the largest
+        saved tensor and of the one that produced it (twice the largest). With checkpointing:
+        the blocks' inputs, plus the largest block recomputed (which holds one of those two),
+        plus the largest tensor once more. Both are calibrated against the measured CPU peaks
+        of tests/tasks/test_memory_model.py.
+
+        Under autocast, matmul and convolution outputs take 2 bytes per element. CUDA's
+        autocast runs GroupNorm and LayerNorm in fp32, so what they save keeps 4 bytes
+        (`fp32_norms`); CPU's autocast runs them in bf16 (`fp32_norms=False`).
         """
         half = mixed_precision in ("bf16", "fp16")
-        share = self.saved_in_norms / max(1, self.saved_fp32)
+        share = self.saved_in_norms / max(1, self.saved_fp32) if fp32_norms else 0.0
 
         def scaled(total: int) -> int:
             norms = round(total * share)
             return (total - norms) // 2 + norms if half else total
 
+        big = scaled(self.largest_tensor)
         if not checkpointing:
-            return scaled(self.saved_fp32) + scaled(self.largest_unit)
-        return scaled(self.checkpointed_fp32) + 2 * scaled(self.largest_unit)
+            return scaled(self.saved_fp32) + 2 * big
+        return scaled(self.checkpointed_fp32) + scaled(self.largest_unit) + big
 
 
 def _meta_unet(unet_cfg: dict[str, Any]):
@@ -145,17 +154,18 @@ def _saved_bytes(unet, batch: int, side: int, seq_len: int, checkpointing: bool)
     """(total, in norms, per checkpoint unit) bytes saved by one meta forward."""
     params = {p.untyped_storage()._cdata for p in unet.parameters()}
     seen: dict[int, torch.Tensor] = {}
-    total, norms, units = 0, 0, {}
+    total, norms, units, largest = 0, 0, {}, 0
     with _module_stack(unet, _FP32_UNDER_AUTOCAST + _CHECKPOINT_UNITS) as stack:
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            nonlocal total, norms
+            nonlocal total, norms, largest
             key = t.untyped_storage()._cdata
             if key in params or key in seen:
                 return t
             seen[key] = t  # held, so the storage key is not reused during the trace
             n = t.untyped_storage().nbytes()
             total += n
+            largest = max(largest, n)
             if stack and stack[-1][0] in _FP32_UNDER_AUTOCAST:
                 norms += n
             unit = next((i for k, i in reversed(stack) if k in _CHECKPOINT_UNITS), None)
@@ -171,7 +181,7 @@ def _saved_bytes(unet, batch: int, side: int, seq_len: int, checkpointing: bool)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             unet(x, t, text)
     units.pop(None, None)
-    return total, norms, units
+    return total, norms, units, largest
 
 
 def trace_activations(
@@ -192,6 +202,6 @@ def trace_activations(
     unet = _meta_unet(unet_cfg)
     unet.train()
     unet.set_attn_processor(_TraceAttnProcessor(math=attention == "eager"))
-    total, norms, units = _saved_bytes(unet, batch, latent_side, seq_len, False)
-    ckpt, _, _ = _saved_bytes(unet, batch, latent_side, seq_len, True)
-    return ActivationTrace(total, norms, max(units.values(), default=0), ckpt)
+    total, norms, units, largest = _saved_bytes(unet, batch, latent_side, seq_len, False)
+    ckpt, _, _, _ = _saved_bytes(unet, batch, latent_side, seq_len, True)
+    return ActivationTrace(total, norms, max(units.values(), default=0), ckpt, largest)
