@@ -18,7 +18,7 @@ the traffic stays on NVLink and is taken as hidden. Efficiency is compute over s
 
 from __future__ import annotations
 
-__all__ = ["BUCKET_BYTES", "stage_scaling"]
+__all__ = ["BUCKET_BYTES", "fit_loopback", "stage_scaling"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 _BACKWARD_SHARE = 2 / 3
@@ -79,3 +79,34 @@ def stage_scaling(
                     "exposed_s": round(exposed, 4), "step_s": round(step, 4),
                     "efficiency": round(compute / step, 4)})  # fmt: skip
     return out
+
+
+def fit_loopback(measured: dict, n_params: int, logged_reductions: int = 1) -> dict:
+    """Fit the per-collective latency to benchmarks/multinode.py's loopback measurement.
+
+    Both engines run the same 2 processes on one machine; the 2-node engine's collectives cross
+    "nodes" (separate SLURM allocations over loopback), the 1-node one's do not. The step time
+    difference, over the collectives per step (DDP's gradient buckets plus the logged loss's
+    reduction at `log_every` 1), is the latency each inter-node collective adds. With one
+    difference and one unknown the fit reproduces the measurement exactly; the per-step fixed
+    overhead cannot be told apart from compute without a one-process run, and is left at 0.
+
+    Args:
+        measured: The benchmark's `median` (per engine, `step_s`).
+        n_params: Parameters of the benchmark's UNet.
+        logged_reductions: Other collectives per step (the logged loss).
+
+    Returns:
+        The fitted latency, the collectives per step and each engine's predicted step.
+    """
+    local, slurm = measured["local_1x2"]["step_s"], measured["slurm_2x1"]["step_s"]
+    collectives = -(-n_params * 4 // BUCKET_BYTES) + logged_reductions
+    latency = max(0.0, (slurm - local) / collectives)
+    predicted = round(local + collectives * latency, 4)
+    return {
+        "collective_latency_s": round(latency, 5),
+        "collectives_per_step": collectives,
+        "step_overhead_s": 0.0,
+        "predicted_step_s": {"local_1x2": local, "slurm_2x1": predicted},
+        "measured_step_s": {"local_1x2": local, "slurm_2x1": slurm},
+    }  # fmt: skip
