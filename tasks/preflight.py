@@ -191,9 +191,11 @@ def check_stages(
     worlds = stage_processes(launch, train)
     for i in pending:
         s, world = train.stages[i], worlds[i]
-        have = _stage_samples(stage_stats.get(s.resolution, {}))
+        if s.resolution not in stage_stats or train.mix:
+            continue  # no count (check_storage names a missing dataset); a mix is resampled
+        have = _stage_samples(stage_stats[s.resolution])
         need = s.batch_size * world
-        if have < need and not train.mix:
+        if have < need:
             raise HealthCheckError(
                 f"stage {i + 1} ({s.resolution}px): its dataset has {have} training samples, "
                 f"fewer than one batch of {s.batch_size} per process on {world} processes "

@@ -11,9 +11,11 @@ synchronisation on accumulation micro-batches):
   for the next forward, (N-1)/N x bytes each, in the compute dtype.
 
 That traffic runs at `launch.inter_node_gbps` per node, overlapped with the last micro-batch's
-backward pass (about 2/3 of its compute: a backward costs twice a forward); only what does not
-fit under it adds to the step, plus a latency per collective (DDP's 25 MB buckets). On one node
-the traffic stays on NVLink and is taken as hidden. Efficiency is compute over step time.
+backward pass (about 2/3 of its compute: a backward costs twice a forward); what does not fit
+under it adds to the step, and so does the last 25 MB bucket's share, which can only start once
+the backward pass has ended, plus a latency per collective (DDP's buckets; `kiln plan` counts
+none: the loopback fit of `fit_loopback` measures gloo over TCP, not NCCL). On one node the
+traffic stays on NVLink and is taken as hidden. Efficiency is compute over step time.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def stage_scaling(
         traffic = _traffic_bytes(n_params, strategy, world, half) if n > 1 else 0.0
         comm = traffic * 8 / (inter_node_gbps * 1e9)
         collectives = -(-n_params * 4 // BUCKET_BYTES) if n > 1 else 0
-        exposed = max(0.0, comm - window) + collectives * collective_latency_s
+        # The last bucket is reduced after the backward pass ends: never overlapped.
+        last = comm * min(1.0, BUCKET_BYTES / (n_params * 4)) if n > 1 else 0.0
+        exposed = max(0.0, comm - window - last) + last + collectives * collective_latency_s
         step = compute + exposed
         out.append({"nodes": n, "processes": world, "traffic_gb": round(traffic / 1e9, 3),
                     "compute_s": round(compute, 4), "comm_s": round(comm, 4),
