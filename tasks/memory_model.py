@@ -225,33 +225,47 @@ def _smaller_batch(train: TrainConfig, i: int, setup: Setup, **counts) -> tuple 
     return None
 
 
-def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
-    """What to change for stage `i` to fit: the first that fits of FSDP SHARD_GRAD_OP (with
-    EMA off: Kiln's EMA needs whole parameters), gradient checkpointing, and a smaller
-    per-process batch with more accumulation (same global batch)."""
-    stage = train.stages[i]
-    if setup.strategy == "ddp":
+def _options(train: TrainConfig, i: int, setup: Setup, **counts) -> list[dict]:
+    """Every change that makes stage `i` fit, in the order of `recommend`."""
+    out = []
+    if setup.strategy == "ddp" and not train.ema.enabled:  # Kiln's EMA needs whole params
         fsdp = stage_memory(train, i, Setup(**{**asdict(setup), "strategy": "fsdp"}), **counts)
-        if fsdp.fits and not train.ema.enabled:
-            return {"change": "fsdp", "memory": fsdp.as_dict(), "text": (
+        if fsdp.fits:
+            out.append({"change": "fsdp", "memory": fsdp.as_dict(), "text": (
                 "use FSDP SHARD_GRAD_OP (configs/accelerate/fsdp.yaml): "
-                f"{fsdp.total / GB:.1f} GB per GPU")}  # fmt: skip
+                f"{fsdp.total / GB:.1f} GB per GPU")})  # fmt: skip
     ckpt = stage_memory(train, i, Setup(**{**asdict(setup), "checkpointing": True}), **counts)
     if ckpt.fits:
-        return {"change": "gradient_checkpointing", "memory": ckpt.as_dict(), "text": (
-            f"gradient checkpointing: {ckpt.total / GB:.1f} GB per GPU (call "
-            "unet.enable_gradient_checkpointing() in models/train.py; no setting switches "
-            "it on)")}  # fmt: skip
+        out.append({"change": "gradient_checkpointing", "memory": ckpt.as_dict(), "text": (
+            f"gradient checkpointing: {ckpt.total / GB:.1f} GB per GPU (no setting switches "
+            "it on: unet.enable_gradient_checkpointing() in models/train.py)")})  # fmt: skip
     smaller = _smaller_batch(train, i, setup, **counts)
     if smaller:
         b, accum, mem = smaller
-        return {"change": "batch_size", "batch_size": b, "gradient_accumulation_steps": accum,
-                "memory": mem.as_dict(), "text": (
-                    f"batch_size {b} with gradient_accumulation_steps {accum} (global batch "
-                    f"unchanged): {mem.total / GB:.1f} GB per GPU")}  # fmt: skip
-    return {"change": None, "text": (
-        f"nothing fits {setup.gpu_memory_gb:g} GB at batch 1 of {stage.resolution}px: a larger "
-        "GPU (launch.gpu_memory_gb) or a smaller model")}  # fmt: skip
+        text = (f"train.stages.{i}.batch_size {b} with gradient_accumulation_steps {accum} "
+                f"(global batch unchanged): {mem.total / GB:.1f} GB per GPU")  # fmt: skip
+        out.append({"change": "batch_size", "batch_size": b, "gradient_accumulation_steps": accum,
+                    "memory": mem.as_dict(), "text": text})  # fmt: skip
+    return out
+
+
+def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
+    """What to change for stage `i` to fit: the first that fits of FSDP SHARD_GRAD_OP (only
+    with EMA off: the training script refuses EMA under FSDP), gradient checkpointing, and a
+    smaller per-process batch with more accumulation (same global batch). When the first is
+    not a setting (checkpointing), the text names the settings change that fits too; every
+    option that fits is under `alternatives`."""
+    options = _options(train, i, setup, **counts)
+    if not options:
+        stage = train.stages[i]
+        return {"change": None, "alternatives": [], "text": (
+            f"nothing fits {setup.gpu_memory_gb:g} GB at batch 1 of {stage.resolution}px: a "
+            "larger GPU (launch.gpu_memory_gb) or a smaller model")}  # fmt: skip
+    first = dict(options[0])
+    first["alternatives"] = options[1:]
+    if first["change"] == "gradient_checkpointing" and options[1:]:
+        first["text"] += "; or " + options[-1]["text"]
+    return first
 
 
 def memory_plan(train: TrainConfig, accelerate_config: str, worlds: list[int],

@@ -24,15 +24,32 @@ def test_a_dataset_smaller_than_one_batch_fails_before_any_launch(tiny_shards, t
     samples = yaml.safe_load((mine / "shards" / version / "shards.json").read_text())["stages"]
     have = samples[str(res)]["samples"]
 
-    with pytest.raises(HealthCheckError) as err:
-        train_flow(str(path))
-    msg = str(err.value)
+    state = train_flow(str(path), return_state=True)
+    assert state.is_failed()
+    err = state.result(raise_on_failure=False)
+    assert isinstance(err, HealthCheckError)
+    msg = str(err)
     assert f"stage 1 ({res}px): its dataset has {have} training samples" in msg
     assert "fewer than one batch of 1000 per process on 1 processes (1000)" in msg
     assert "train.stages.0.batch_size" in msg
     # Nothing was started: no run folder (no stage.yaml, no launch), no fitted VAE.
     assert not (mine / "runs").exists() or not any(p.is_dir() for p in (mine / "runs").iterdir())
     assert not (mine / "vae").exists()
+    # One task ran, once: the check; no stage task (no launch), no retry.
+    runs = _task_runs(state.state_details.flow_run_id)
+    assert [(r.name.split("-")[:2], r.run_count, r.state.type.value) for r in runs] == [
+        (["stage", "feasibility"], 1, "FAILED")
+    ]
+
+
+def _task_runs(flow_run_id):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )
 
 
 def test_check_stages_names_the_memory_that_does_not_fit():
