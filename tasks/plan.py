@@ -270,5 +270,5 @@ def format_memory(plan: dict) -> str:
         for s in p["scaling"]:
             rows.append(f"{p['resolution']:>5}px {s['nodes']:>5} {s['processes']:>5} "
                         f"{s['traffic_gb']:>10.2f} {s['compute_s']:>10.3f} {s['comm_s']:>8.3f} "
-                        f"{s['step_s']:>8.3f} {s['efficiency']:>10.1%}")  # fmt: skip
+                        f"{s['step_s']:>8.3f} {s['efficiency']:>10.2%}")  # fmt: skip
     return "\n".join(rows)
