@@ -23,8 +23,10 @@ block's activations, recomputed, plus the largest tensor's gradient.
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -199,7 +201,14 @@ def trace_activations(
     Returns:
         The saved bytes, in fp32, with and without gradient checkpointing.
     """
-    unet = _meta_unet(unet_cfg)
+    return _trace(json.dumps(unet_cfg, sort_keys=True), batch, latent_side, seq_len, attention)
+
+
+@lru_cache(maxsize=64)
+def _trace(unet_json: str, batch: int, latent_side: int, seq_len: int, attention: str):
+    """`trace_activations`, once per distinct input (a plan asks for each stage's several
+    times: every setup shares one trace)."""
+    unet = _meta_unet(json.loads(unet_json))
     unet.train()
     unet.set_attn_processor(_TraceAttnProcessor(math=attention == "eager"))
     total, norms, units, largest = _saved_bytes(unet, batch, latent_side, seq_len, False)

@@ -80,3 +80,28 @@ def test_memory_model_matches_a_measured_step(unet, batch, side, attention, ckpt
 
 def test_the_real_size_unet_is_counted_on_meta():
     assert unet_parameter_count(SD2) == 865_910_724
+
+
+def test_sharding_buckets_and_ema_by_setup():
+    """DDP holds everything plus its gradient buckets and autocast's bf16 weight copies;
+    SHARD_GRAD_OP shards gradients and AdamW state over the world and keeps the parameters
+    whole in bf16 beside its fp32 shard; the EMA copy follows train.ema."""
+    from tasks.memory_model import ema_bytes_per_param
+
+    train = _train(TINY, 8, 16, "sdpa")
+    n = unet_parameter_count(TINY)
+    ddp = stage_memory(train, 0, Setup("ddp", False, "bf16", world=8, precomputed=True))
+    assert (ddp.parameters, ddp.gradients, ddp.optimizer) == (6 * n, 4 * n, 8 * n)
+    assert ddp.comm_buffers == 4 * n and ddp.ema == 4 * n
+    fsdp = stage_memory(train, 0, Setup("fsdp", False, "bf16", world=8, precomputed=True))
+    assert fsdp.parameters == 2 * n + -(-4 * n // 8)
+    assert (fsdp.gradients, fsdp.optimizer) == (-(-4 * n // 8), -(-8 * n // 8))
+    assert fsdp.comm_buffers == 0 and fsdp.activations == ddp.activations
+    ckpt = stage_memory(train, 0, Setup("ddp", True, "bf16", world=8, precomputed=True))
+    assert ckpt.activations < ddp.activations
+    no_ema = train.model_copy(update={"ema": train.ema.model_copy(update={"enabled": False})})
+    assert ema_bytes_per_param(no_ema) == 0 and ema_bytes_per_param(train) == 4
+    # Without precomputed latents the frozen encoders count, in the training dtype.
+    with_encoders = stage_memory(train, 0, Setup("ddp", False, "bf16", world=8))
+    assert with_encoders.frozen_encoders > 0
+    assert with_encoders.frozen_encoders % 2 == 0
