@@ -105,3 +105,32 @@ def test_sharding_buckets_and_ema_by_setup():
     with_encoders = stage_memory(train, 0, Setup("ddp", False, "bf16", world=8))
     assert with_encoders.frozen_encoders > 0
     assert with_encoders.frozen_encoders % 2 == 0
+
+
+def test_encoders_in_a_local_folder_are_counted_and_a_hub_id_is_not(tmp_path):
+    """`pretrained` pointing at a saved folder counts its parameters (config.json on meta);
+    a hub id is left uncounted rather than downloaded."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    from models.config import Component, VaeComponent
+    from tasks.memory_model import encoder_params
+
+    train = load_config(REPO / "configs" / "tiny.yaml").train
+    inline = encoder_params(train)
+    vae = AutoencoderKL.from_config(train.model.vae.config)
+    vae.save_pretrained(tmp_path / "pipe" / "vae")
+    te = CLIPTextModel(CLIPTextConfig(**train.model.text_encoder.config))
+    te.save_pretrained(tmp_path / "pipe" / "text_encoder")
+    local = train.model.model_copy(update={
+        "vae": VaeComponent(pretrained=str(tmp_path / "pipe"), subfolder="vae"),
+        "text_encoder": Component(pretrained=str(tmp_path / "pipe"), subfolder="text_encoder"),
+    })  # fmt: skip
+    counted = encoder_params(train.model_copy(update={"model": local}))
+    assert counted == inline
+    assert counted["vae"] == sum(p.numel() for p in vae.parameters())
+    assert counted["text_encoder"] == sum(p.numel() for p in te.parameters())
+    hub = train.model.model_copy(update={
+        "text_encoder": Component(pretrained="stabilityai/stable-diffusion-2-base",
+                                  subfolder="text_encoder")})  # fmt: skip
+    assert encoder_params(train.model_copy(update={"model": hub}))["text_encoder"] is None
