@@ -232,9 +232,12 @@ def stage_feasibility(
     precomputed: bool = False,
 ) -> None:
     """`check_stages` before anything is launched: the GPU memory check when the stages train
-    on GPUs (a cluster backend, or a local GPU topology on a machine with GPUs)."""
-    local_cfg = yaml.safe_load(Path(launch.accelerate_config).read_text()) or {}
-    on_gpu = launch.backend != "local" or (cuda_available() and not local_cfg.get("use_cpu"))
+    on GPUs (a topology without `use_cpu`, and GPUs: this machine's for a local launch, the
+    backend's `gpus_per_node` on a cluster)."""
+    topology = yaml.safe_load(Path(launch.accelerate_config).read_text()) or {}
+    gpus = {"slurm": launch.slurm.gpus_per_node, "kubernetes": launch.kubernetes.gpus_per_node}
+    has_gpus = cuda_available() if launch.backend == "local" else bool(gpus[launch.backend])
+    on_gpu = has_gpus and not topology.get("use_cpu")
     check_stages(train, launch, stage_stats, pending, on_gpu, precomputed)
     task_logger(__name__).info("every pending stage fits its dataset%s",
                                " and GPU memory" if on_gpu else "")  # fmt: skip
