@@ -1,7 +1,9 @@
 """Train flow: the resolution stages in order, each one `accelerate launch` of `models.train`.
 
 Stage k+1 starts from stage k's EMA (or raw) weights. Each stage task is retried
-`launch.max_restarts` times; a retry resumes from the stage's newest complete checkpoint.
+`launch.max_restarts` times; a retry resumes from the stage's newest complete checkpoint. A
+stage that cannot run as configured (too little data for one batch, or, on GPUs, a step over
+`launch.gpu_memory_gb`) fails first, once, before anything is fitted, written or launched.
 Passing an existing `run_id` resumes a whole interrupted run: finished stages are skipped.
 
 The config is written once to `<root>/runs/<run_id>/config.yaml` (with the fitted VAE's
