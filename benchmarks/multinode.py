@@ -9,6 +9,10 @@ the call to the first optimizer step (submission, scheduling, process start, mod
 the first batch) and the median step time after it, and their ratios SLURM / local.
 
     python benchmarks/multinode.py --out benchmarks/results/multinode.json
+
+It also fits the scale model's per-collective latency (`tasks.scale_model.fit_loopback`) to the
+two step times and writes it, with the model's prediction beside the measurement, under
+`scale_model`; `--fit-only` adds that to an existing result without running anything.
 """
 
 from __future__ import annotations
@@ -79,12 +83,29 @@ def _run(cfg_path: Path, shards: Path, out: Path, steps: int, nodes: int, launch
             "step_s": round(statistics.median(gaps), 4)}  # fmt: skip
 
 
+def _with_fit(result: dict) -> dict:
+    """`result` with the scale model's overheads fitted to its median step times."""
+    from flows.config import load_config
+    from tasks.activation_trace import unet_parameter_count
+    from tasks.scale_model import fit_loopback
+
+    n = unet_parameter_count(load_config(REPO / "configs" / "tiny.yaml").train.model.unet)
+    result["scale_model"] = {"unet_parameters": n, **fit_loopback(result["median"], n)}
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="JSON output path")
     p.add_argument("--steps", type=int, default=30, help="Optimizer steps per run")
     p.add_argument("--repeats", type=int, default=3, help="Runs of each engine, alternated")
+    p.add_argument("--fit-only", action="store_true", help="Only refit the result at --out")
     args = p.parse_args()
+    if args.fit_only:
+        result = json.loads(Path(args.out).read_text())
+        Path(args.out).write_text(json.dumps(_with_fit(result), indent=2) + "\n")
+        print(json.dumps(result["scale_model"]))
+        return
     # Prefect's temporary server for the task calls: no telemetry, no warnings per log line.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
@@ -141,6 +162,7 @@ def main() -> None:
             "step": round(med["slurm_2x1"]["step_s"] / med["local_1x2"]["step_s"], 3),
         },  # fmt: skip
     }
+    result = _with_fit(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["median"]), json.dumps(result["slurm_vs_local"]))

@@ -183,13 +183,15 @@ def train(
 def plan(
     config_path: str, root: str | None, measure_steps: int | None, img_per_s: float | None
 ) -> None:
-    """Print each stage's steps, samples, wall time, GPU-hours and cost, and the total.
+    """Print each stage's steps, samples, wall time, GPU-hours and cost, and the total; its
+    memory per GPU by component (and what to change where it does not fit launch.gpu_memory_gb),
+    and its step time and scaling efficiency on 1 to 16 nodes.
 
     The plan is saved to <root>/runs/plan.json; the train flow's summary compares it with the
     actual run.
     """
     from tasks.launch import processes_per_machine, stage_processes
-    from tasks.plan import format_plan, make_plan, save_plan
+    from tasks.plan import format_memory, format_plan, make_plan, memory_and_scale, save_plan
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
@@ -201,10 +203,13 @@ def plan(
             val_samples=_val_samples(cfg),
             processes_per_machine=processes_per_machine(cfg.launch),
         )  # fmt: skip
-    except OSError as e:  # an unreadable topology or shards.json
+        memory_and_scale(result, cfg.train, cfg.launch, cfg.shards.precompute)
+    except (OSError, ValueError) as e:  # an unreadable topology or shards.json, a bad setting
         raise KilnError(str(e)) from e
     save_plan(result, Path(cfg.storage.root) / "runs" / "plan.json")
     click.echo(format_plan(result))
+    click.echo()
+    click.echo(format_memory(result))
 
 
 def _val_samples(cfg) -> list[int] | None:

@@ -1,7 +1,9 @@
 """Train flow: the resolution stages in order, each one `accelerate launch` of `models.train`.
 
 Stage k+1 starts from stage k's EMA (or raw) weights. Each stage task is retried
-`launch.max_restarts` times; a retry resumes from the stage's newest complete checkpoint.
+`launch.max_restarts` times; a retry resumes from the stage's newest complete checkpoint. A
+stage that cannot run as configured (too little data for one batch, or, on GPUs, a step over
+`launch.gpu_memory_gb`) fails first, once, before anything is fitted, written or launched.
 Passing an existing `run_id` resumes a whole interrupted run: finished stages are skipped.
 
 The config is written once to `<root>/runs/<run_id>/config.yaml` (with the fitted VAE's
@@ -33,7 +35,7 @@ from tasks.grid_artifact import sample_grid_report
 from tasks.launch import launch_stage
 from tasks.layout import Layout, is_published, new_run_id
 from tasks.lock import root_lock
-from tasks.preflight import preflight
+from tasks.preflight import preflight, stage_feasibility
 from tasks.publish import publish_shards
 from tasks.registry import create_training_run, log_run_artifact, mark_training_run
 from tasks.reports import stage_report, write_loss_curves
@@ -204,6 +206,7 @@ def _train_locked(
     if not checked:  # a path loaded here, or a resumed run's own snapshot
         check_inputs(cfg, ("train",))
     version = dataset_version or layout.latest("shards", "train")
+    _feasible(cfg, layout, run_id, version)
     # A `train.model.vae.fit` VAE is fitted on this data (once, cached) and the snapshot names
     # its folder, so every stage, resume and export uses the same weights. A warm start keeps
     # the VAE of the model it starts from instead: its UNet learned that latent space.
@@ -239,6 +242,20 @@ def _train_locked(
         raise
     mark_training_run(cfg.tracking_uri, record["mlflow_run_id"], "FINISHED")
     return {**record, "config": cfg}
+
+
+def _feasible(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) -> None:
+    """Fail, before a VAE is fitted, a run folder written or a job launched, when a pending
+    stage cannot run as configured (tasks.preflight.stage_feasibility); never retried."""
+    pending = [
+        i for i, s in enumerate(cfg.train.stages)
+        if not (layout.stage(run_id, s.resolution) / "manifest.json").is_file()
+    ]  # fmt: skip
+    if not pending:
+        return
+    shards = json.loads((layout.shards(version) / "shards.json").read_text())
+    stats = {int(r): st for r, st in shards.get("stages", {}).items()}
+    stage_feasibility(cfg.train, cfg.launch, stats, pending, cfg.shards.precompute)
 
 
 def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:

@@ -737,6 +737,14 @@ class LaunchConfig(Strict):
     )  # fmt: skip
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    gpu_memory_gb: float = Field(
+        80.0, gt=0, description="Memory of each GPU (GB): `kiln plan` and the train flow check "
+        "every stage's per-GPU memory (tasks/memory_model.py) against it.",
+    )  # fmt: skip
+    inter_node_gbps: float = Field(
+        400.0, gt=0, description="Network bandwidth of each node (Gbit/s; p4de: 400): "
+        "`kiln plan`'s gradient traffic and scaling efficiency (tasks/scale_model.py).",
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _kubernetes_has_an_image(self) -> LaunchConfig:

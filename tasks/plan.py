@@ -17,7 +17,15 @@ import yaml
 
 from models.config import TrainConfig
 
-__all__ = ["StagePlan", "format_plan", "local_processes", "make_plan", "topology_processes"]
+__all__ = [
+    "StagePlan",
+    "format_memory",
+    "format_plan",
+    "local_processes",
+    "make_plan",
+    "memory_and_scale",
+    "topology_processes",
+]
 
 
 @dataclass
@@ -191,3 +199,76 @@ def format_plan(plan: dict) -> str:
 def save_plan(plan: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2))
+
+
+SCALE_NODES = (1, 2, 4, 8, 16)
+
+
+def memory_and_scale(plan: dict, train: TrainConfig, launch, precomputed: bool) -> dict:
+    """Add each stage's GPU memory (`tasks.memory_model`) and scaling over `SCALE_NODES`
+    nodes (`tasks.scale_model`) to `plan`, in its configured topology."""
+    from tasks.launch import processes_per_machine
+    from tasks.memory_model import memory_plan, topology_setup
+    from tasks.scale_model import stage_scaling
+
+    worlds = [p["processes"] for p in plan["stages"]]
+    memory = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb,
+                         precomputed)  # fmt: skip
+    strategy, precision = topology_setup(launch.accelerate_config)
+    n_params = _unet_params(train)
+    per_node = processes_per_machine(launch)
+    for p, mem, s in zip(plan["stages"], memory, train.stages, strict=True):
+        p["memory"] = mem
+        p["scaling"] = stage_scaling(
+            n_params, p["img_per_s_per_device"], s.batch_size, s.gradient_accumulation_steps,
+            sorted({*SCALE_NODES, s.num_machines}), per_node, strategy=strategy,
+            half=precision in ("bf16", "fp16"), inter_node_gbps=launch.inter_node_gbps,
+        )  # fmt: skip
+    plan["gpu_memory_gb"] = launch.gpu_memory_gb
+    plan["inter_node_gbps"] = launch.inter_node_gbps
+    plan["gpus_per_node"] = per_node
+    return plan
+
+
+def _unet_params(train: TrainConfig) -> int:
+    from tasks.activation_trace import unet_parameter_count
+
+    return unet_parameter_count(train.model.unet)
+
+
+def format_memory(plan: dict) -> str:
+    """Per stage: GB per GPU by component, whether it fits, the other setups' totals, what to
+    change; then the scaling table."""
+    gb = 1e9
+    cols = ("parameters", "gradients", "optimizer", "ema", "comm_buffers", "frozen_encoders",
+            "activations", "total")  # fmt: skip
+    names = ("params", "grads", "adamw", "ema", "buckets", "encoders", "activ", "total")
+    head = f"{'stage':>6} {'setup':>6} {'batch':>5} " + " ".join(f"{n:>8}" for n in names)
+    rows = [f"memory per GPU (GB; {plan['gpu_memory_gb']:g} GB per GPU)", head, "-" * len(head)]
+    notes = []
+    for p in plan["stages"]:
+        m = p["memory"]["configured"]
+        rows.append(f"{p['resolution']:>5}px {m['setup']:>6} {m['batch_size']:>5} "
+                    + " ".join(f"{m[c] / gb:>8.1f}" for c in cols)
+                    + ("  fits" if m["fits"] else "  DOES NOT FIT"))  # fmt: skip
+        others = ", ".join(f"{k} {v / gb:.1f}" for k, v in p["memory"]["setups_total"].items())
+        rows.append(f"{'':>6} totals: {others}")
+        rec = p["memory"]["recommendation"]
+        if rec:
+            rows.append(f"{'':>6} change: {rec['text']}")
+        if p["memory"]["unknown_encoders"]:
+            notes.append(", ".join(p["memory"]["unknown_encoders"]))
+    if notes:
+        rows.append(f"not counted: {notes[0]} (a hub id; point `pretrained` at a local folder)")
+    rows.append("")
+    rows.append(f"scaling ({plan['gpus_per_node']} GPUs per node, {plan['inter_node_gbps']:g} "
+                "Gbit/s per node, traffic overlapped with the backward pass)")  # fmt: skip
+    head = (f"{'stage':>6} {'nodes':>5} {'GPUs':>5} {'traffic GB':>10} {'compute s':>10} "
+            f"{'comm s':>8} {'step s':>8} {'efficiency':>10}")  # fmt: skip
+    rows += [head, "-" * len(head)]
+    for p in plan["stages"]:
+        for s in p["scaling"]:
+            rows.append(f"{p['resolution']:>5}px {s['nodes']:>5} {s['processes']:>5} "
+                        f"{s['traffic_gb']:>10.2f} {s['compute_s']:>10.3f} {s['comm_s']:>8.3f} "
+                        f"{s['step_s']:>8.3f} {s['efficiency']:>10.2%}")  # fmt: skip
+    return "\n".join(rows)

@@ -1,5 +1,10 @@
 """Pre-flight health check before training launches: fail in seconds, with a clear message.
 
+Before any of these, before anything is launched or submitted, `stage_feasibility` fails a
+stage that cannot run as configured (a dataset smaller than one batch across its processes; on
+GPUs, a step the memory model says does not fit `launch.gpu_memory_gb`). Such a failure is
+deterministic, so it is raised once, never retried.
+
 Checks, in order of cost:
 
 1. the topology's GPU needs against the GPUs this machine sees;
@@ -31,9 +36,11 @@ __all__ = [
     "check_collective",
     "check_disk",
     "check_gpus",
+    "check_stages",
     "check_storage",
     "checkpoint_bytes",
     "preflight",
+    "stage_feasibility",
 ]
 
 
@@ -152,3 +159,85 @@ def preflight(
         report = check_collective(launch, run / "health", launch.health_timeout_s, nodes)
     log.info("pre-flight health check passed: %s", report)
     return report
+
+
+def _stage_samples(stats: dict) -> int:
+    """Samples the loader can batch from: a bucketed stage batches each bucket on its own,
+    so its largest bucket."""
+    buckets = stats.get("buckets")
+    return max(buckets.values()) if buckets else int(stats.get("samples", 0))
+
+
+def check_stages(
+    train: TrainConfig,
+    launch: LaunchConfig,
+    stage_stats: dict[int, dict],
+    pending: list[int],
+    on_gpu: bool,
+    precomputed: bool = False,
+) -> None:
+    """Raise HealthCheckError for the first pending stage that cannot run as configured.
+
+    Args:
+        train: The `train` section.
+        launch: The `launch` section (topology, processes, GPU memory).
+        stage_stats: Per resolution, the dataset version's stage entry in shards.json.
+        pending: Indexes of the stages still to train.
+        on_gpu: Whether the stages train on GPUs (then the memory model is checked too).
+        precomputed: Latents and text states come from shards (no frozen encoders).
+    """
+    from tasks.launch import stage_processes
+
+    worlds = stage_processes(launch, train)
+    for i in pending:
+        s, world = train.stages[i], worlds[i]
+        if s.resolution not in stage_stats or train.mix:
+            continue  # no count (check_storage names a missing dataset); a mix is resampled
+        have = _stage_samples(stage_stats[s.resolution])
+        need = s.batch_size * world
+        if have < need:
+            raise HealthCheckError(
+                f"stage {i + 1} ({s.resolution}px): its dataset has {have} training samples, "
+                f"fewer than one batch of {s.batch_size} per process on {world} processes "
+                f"({need}); add images, lower train.stages.{i}.batch_size (raising "
+                "gradient_accumulation_steps keeps the global batch) or train on fewer processes"
+            )
+    if on_gpu:
+        _check_memory(train, launch, worlds, pending, precomputed)
+
+
+def _check_memory(train, launch, worlds, pending, precomputed) -> None:
+    from tasks.memory_model import memory_plan
+
+    plan = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb,
+                       precomputed)  # fmt: skip
+    for i in pending:
+        mem = plan[i]["configured"]
+        if not mem["fits"]:
+            s = train.stages[i]
+            raise HealthCheckError(
+                f"stage {i + 1} ({s.resolution}px): the memory model puts a step at "
+                f"{mem['total'] / 1e9:.1f} GB per GPU ({mem['setup']}, batch {s.batch_size}), "
+                f"over launch.gpu_memory_gb {launch.gpu_memory_gb:g}; "
+                f"{plan[i]['recommendation']['text']} (`kiln plan` shows every component)"
+            )
+
+
+@task(name="stage-feasibility", cache_policy=NO_CACHE, retries=0)
+def stage_feasibility(
+    train: TrainConfig,
+    launch: LaunchConfig,
+    stage_stats: dict[int, dict],
+    pending: list[int],
+    precomputed: bool = False,
+) -> None:
+    """`check_stages` before anything is launched: the GPU memory check when the stages train
+    on GPUs (a topology without `use_cpu`, and GPUs: this machine's for a local launch, the
+    backend's `gpus_per_node` on a cluster)."""
+    topology = yaml.safe_load(Path(launch.accelerate_config).read_text()) or {}
+    gpus = {"slurm": launch.slurm.gpus_per_node, "kubernetes": launch.kubernetes.gpus_per_node}
+    has_gpus = cuda_available() if launch.backend == "local" else bool(gpus[launch.backend])
+    on_gpu = has_gpus and not topology.get("use_cpu")
+    check_stages(train, launch, stage_stats, pending, on_gpu, precomputed)
+    task_logger(__name__).info("every pending stage fits its dataset%s",
+                               " and GPU memory" if on_gpu else "")  # fmt: skip
