@@ -49,6 +49,7 @@ from models.divergence import (
     fail_diverged,
     raise_if_diverged,
 )
+from models.ema import EMA_DTYPES, KilnEMA
 from models.export import export_unet, write_pipeline
 from models.factory import Components, build_components, vae_scale_factor
 from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
@@ -118,8 +119,10 @@ def build_models(run: StageRun, accelerator: Accelerator):
             "each rank's parameter shards. Disable EMA for FSDP, or use DDP (multi-gpu.yaml)."
         )
     if cfg.ema.enabled:
-        ema = EMAModel(
+        ema = KilnEMA(
             comps.unet.parameters(),
+            dtype=EMA_DTYPES[cfg.ema_dtype],
+            seed=cfg.seed + run.stage_index,
             decay=cfg.ema.decay,
             update_after_step=cfg.ema.start_step,
             model_cls=type(comps.unet),
