@@ -27,7 +27,7 @@ REDUCED_UNET_PARAMETERS = 583_480_964  # SD2-base's UNet with layers_per_block 1
 
 
 @pytest.fixture(scope="module")
-def real_size(tmp_path_factory):
+def real_size(tmp_path_factory, _prefect_api):
     from prefect.settings import PREFECT_API_URL
 
     work = tmp_path_factory.mktemp("real-size")

@@ -1,6 +1,7 @@
 """SD2-base's frozen components with random weights, loaded the way a hub id is."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -26,7 +27,7 @@ def test_folder_is_laid_out_like_the_hub_repo(sd2_folder):
 
 
 def test_sd2_base_builds_from_the_folder_through_pretrained_paths(sd2_folder):
-    model = yaml.safe_load(open("configs/sd2-base.yaml"))["train"]["model"]
+    model = yaml.safe_load(Path("configs/sd2-base.yaml").read_text())["train"]["model"]
     model |= sd2_pretrained_entries(sd2_folder)
     # A small UNet of the same cross-attention width: the components are what is checked.
     model["unet"] |= {"block_out_channels": [32, 64], "layers_per_block": 1,
