@@ -63,11 +63,11 @@ def _label(cmd: list[str]) -> str:
 
 class TreeMonitor(threading.Thread):
     """Samples the RSS of every process under `pid`; optionally SIGKILLs the training process
-    once `kill_when()` is true."""
+    once `kill_when()` is true, and calls `tidy()` at every sample."""
 
-    def __init__(self, pid: int, kill_when=None):
+    def __init__(self, pid: int, kill_when=None, tidy=None):
         super().__init__(daemon=True)
-        self.root, self.kill_when, self.peaks = psutil.Process(pid), kill_when, {}
+        self.root, self.kill_when, self.tidy, self.peaks = psutil.Process(pid), kill_when, tidy, {}
         self.tree_peak, self.killed_at, self._done = 0, None, threading.Event()
 
     def run(self) -> None:
@@ -90,6 +90,8 @@ class TreeMonitor(threading.Thread):
                     p.send_signal(signal.SIGKILL)
                     self.killed_at = time.time()
             self.tree_peak = max(self.tree_peak, total)
+            if self.tidy:
+                self.tidy()
 
     def stop(self) -> dict:
         self._done.set()
@@ -97,7 +99,7 @@ class TreeMonitor(threading.Thread):
         return {k: round(v / 2**30, 2) for k, v in sorted(self.peaks.items())}
 
 
-def _run(cmd: list[str], env: dict, log: Path, kill_when=None) -> dict:
+def _run(cmd: list[str], env: dict, log: Path, kill_when=None, tidy=None) -> dict:
     """Run `cmd`; returns its wall time, output and per-process peak RSS (GiB)."""
     t = time.perf_counter()
     with open(log, "a") as f:
@@ -106,7 +108,7 @@ def _run(cmd: list[str], env: dict, log: Path, kill_when=None) -> dict:
         out_path = log.with_suffix(".stdout")
         with open(out_path, "w") as out:
             proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=f, cwd=REPO)
-            mon = TreeMonitor(proc.pid, kill_when)
+            mon = TreeMonitor(proc.pid, kill_when, tidy)
             mon.start()
             rc = proc.wait()
             peaks = mon.stop()
@@ -192,16 +194,32 @@ def _killed_checkpoint_ready(root: Path, step: int):
     return ready
 
 
-def _stage_figures(stage: Path) -> dict:
+class CompletedCheckpoints:
+    """Deletes a stage's checkpoints once the stage is complete (its manifest written: a
+    relaunch skips it), recording their sizes first: at real size each is 12 GB."""
+
+    def __init__(self, root: Path):
+        self.root, self.sizes = root, {}
+
+    def __call__(self) -> None:
+        for manifest in self.root.glob("runs/*/stage-*/manifest.json"):
+            ckpts = sorted((manifest.parent / "checkpoints").glob("step-*[0-9]"))
+            if not ckpts:
+                continue
+            files = {f.name: round(f.stat().st_size / 2**30, 3) for f in ckpts[-1].iterdir()}
+            self.sizes[manifest.parent.name] = {"gib": round(sum(files.values()), 3),
+                                                "files_gib": files}  # fmt: skip
+            shutil.rmtree(manifest.parent / "checkpoints", ignore_errors=True)
+
+
+def _stage_figures(stage: Path, ckpt: dict) -> dict:
     rows = [json.loads(x) for x in (stage / "metrics.jsonl").read_text().splitlines() if x]
     steps = [r for r in rows if "step_time_s" in r]
-    ckpts = sorted((stage / "checkpoints").glob("step-*"))
     manifest = json.loads((stage / "manifest.json").read_text())
     return {
         "step_time_s": [round(r["step_time_s"], 2) for r in steps],
-        "checkpoint_gib": _du_gib(ckpts[-1]) if ckpts else None,
-        "checkpoint_files_gib": {f.name: round(f.stat().st_size / 2**30, 3)
-                                 for f in ckpts[-1].iterdir()} if ckpts else None,  # fmt: skip
+        "checkpoint_gib": ckpt["gib"],
+        "checkpoint_files_gib": ckpt["files_gib"],
         "export_gib": _du_gib(stage / "final"),
         "export_unet_gib": _du_gib(stage / "final" / "unet"),
         "final_step": manifest["final_step"],
@@ -287,11 +305,14 @@ def run_all(args, env: dict) -> dict:
     version = versions["shard-precompute" if args.train_on == "latents" else "shard"]
     root = work / "root"
     kill_when = _killed_checkpoint_ready(root, max(1, args.steps - 1))
+    tidy = CompletedCheckpoints(root)
     steps["train"] = _run([*kiln, "train", "--config", str(cfg), "--dataset-version", version],
-                          env, log, kill_when=kill_when)  # fmt: skip
+                          env, log, kill_when=kill_when, tidy=tidy)  # fmt: skip
+    tidy()
     run_id = _result_json(steps["train"]["stdout"])["run_id"]
     res["run_id"], res["dataset_versions"] = run_id, versions
-    res["stages"] = {r: _stage_figures(_stage_dir(root, run_id, r)) for r in (64, 128, 192)}
+    res["stages"] = {r: _stage_figures(_stage_dir(root, run_id, r), tidy.sizes[f"stage-{r}"])
+                     for r in (64, 128, 192)}  # fmt: skip
     steps["evaluate"] = _run([*kiln, "evaluate", "--config", str(cfg), "--run-id", run_id],
                              env, log)  # fmt: skip
     study = _result_json(steps["evaluate"]["stdout"])
@@ -326,7 +347,6 @@ def main() -> None:
     p.add_argument("--no-val", action="store_true", help="No validation split (faster)")
     p.add_argument("--no-precompute", action="store_true",
                    help="Skip the precomputed shards (with --train-on images)")  # fmt: skip
-    p.add_argument("--keep-checkpoints", action="store_true", help="Else deleted at the end")
     args = p.parse_args()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
@@ -338,10 +358,8 @@ def main() -> None:
                       "mem_gib": round(psutil.virtual_memory().total / 2**30, 1)}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))
-    if not args.keep_checkpoints:
-        for d in [*args.work.glob("root/runs/*/stage-*/checkpoints"),
-                  *args.work.glob("reference-*")]:  # fmt: skip
-            shutil.rmtree(d, ignore_errors=True)
+    for d in args.work.glob("reference-*"):  # its checkpoints (each stage's went at its end)
+        shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":
