@@ -278,13 +278,13 @@ def _registered(root: Path, name: str, alias: str) -> dict:
     return {"name": name, "version": v.version, "alias": alias, "source": v.source}
 
 
-def run_all(args, env: dict) -> dict:
-    """Every step, in order; returns the figures."""
+def run_all(args, env: dict, res: dict) -> None:
+    """Every step, in order, filling `res` with the figures as they come."""
     work, log = args.work, args.work / "commands.log"
     work.mkdir(parents=True, exist_ok=True)
     kiln = [sys.executable, "-m", "flows.cli"]
-    res: dict = {"reduced": args.reduced, "train_on": args.train_on, "steps_per_stage": args.steps,
-                 "validation": not args.no_val, "steps": {}}  # fmt: skip
+    res |= {"reduced": args.reduced, "train_on": args.train_on, "steps_per_stage": args.steps,
+            "validation": not args.no_val, "steps": {}}  # fmt: skip
     steps = res["steps"]
     steps["demo-data"] = _run([*kiln, "demo-data", str(work / "demo"), "--n", "24"], env, log)
     components = work / "sd2-random"
@@ -329,10 +329,6 @@ def run_all(args, env: dict) -> dict:
                                          work / f"reference-{KILLED_RES}", env, log)  # fmt: skip
     for s in steps.values():
         s.pop("stdout", None)
-    res["largest_process_gib"] = round(
-        resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2
-    )
-    return res
 
 
 def main() -> None:
@@ -351,13 +347,23 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
     env.setdefault("PREFECT_HOME", str(args.work / "prefect"))
-    t = time.perf_counter()
-    res = run_all(args, env)
-    res["total_wall_s"] = round(time.perf_counter() - t, 1)
-    res["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
-                      "mem_gib": round(psutil.virtual_memory().total / 2**30, 1)}  # fmt: skip
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
+    t, res = time.perf_counter(), {}
+    try:
+        run_all(args, env, res)
+    except Exception as e:  # the figures so far are written with the error
+        res["error"] = repr(e)
+        raise
+    finally:
+        for s in res.get("steps", {}).values():
+            s.pop("stdout", None)
+        res["largest_process_gib"] = round(
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2
+        )
+        res["total_wall_s"] = round(time.perf_counter() - t, 1)
+        res["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "mem_gib": round(psutil.virtual_memory().total / 2**30, 1)}  # fmt: skip
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=1))
     for d in args.work.glob("reference-*"):  # its checkpoints (each stage's went at its end)
         shutil.rmtree(d, ignore_errors=True)
 
