@@ -56,8 +56,10 @@ def _label(cmd: list[str]) -> str:
         )
     if "prefect" in line and "server" in line or "uvicorn" in line:
         return "prefect server"
+    if "multiprocessing" in line or "joblib" in line:
+        return "worker processes"
     if "-c" in cmd:
-        return "python -c (consumer)"
+        return "python -c (the export's consumer)"
     return " ".join(Path(c).name for c in cmd[:3])[:60]
 
 
@@ -236,8 +238,13 @@ def reference_run(stage: Path, out: Path, env: dict, log: Path) -> dict:
     run |= {"output_dir": str(out), "tracking_uri": None, "mlflow_run_id": None}
     out.mkdir(parents=True, exist_ok=True)
     (out / "stage.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
+    from models.cpu_threads import cpu_threads_per_process
+
+    # The thread count of the flow's launch (tasks/launch.py): another count sums the
+    # gradients' partial sums in another order, and the weights differ in the last bits.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/single.yaml"), "-m", "models.train",
+           str(REPO / "configs/accelerate/single.yaml"), "--num_cpu_threads_per_process",
+           str(cpu_threads_per_process(1)), "-m", "models.train",
            "--config", str(out / "stage.yaml")]  # fmt: skip
     r = _run(cmd, env, log)
     from safetensors.torch import load_file
@@ -317,6 +324,9 @@ def run_all(args, env: dict, res: dict) -> None:
                              env, log)  # fmt: skip
     study = _result_json(steps["evaluate"]["stdout"])
     res["study"] = {k: v for k, v in study.items() if not isinstance(v, (dict, list))}
+    record = json.loads((Path(study["path"]) / "study.json").read_text())
+    res["study"] |= {"generated_s": record.get("generated_s"), "settings": record["settings"],
+                     "prompts": sorted({i["prompt"] for i in record["items"]})}  # fmt: skip
     steps["register"] = _run([*kiln, "register", "--config", str(cfg), "--run-id", run_id],
                              env, log)  # fmt: skip
     res["registered"] = _registered(root, "kiln-t2i", "candidate")
