@@ -52,7 +52,9 @@ def test_bf16_ema_is_deterministic_and_resumes_exactly():
     state["shadow_params"] = [t.clone() for t in state["shadow_params"]]
     _track(a, pa, 1.3, 10)
     _track(b, pb, 0.0, 3)  # b is elsewhere, then takes a's checkpoint
+    ptr = b.shadow_params[0].data_ptr()
     b.load_state_dict(state)
+    assert b.shadow_params[0].data_ptr() == ptr, "restored in place, not as a copy"
     assert b.optimization_step == 10
     _track(b, pb, 1.3, 10)
     assert torch.equal(a.shadow_params[0], b.shadow_params[0])
