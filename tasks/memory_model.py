@@ -84,15 +84,11 @@ class StageMemory:
 
 
 def ema_bytes_per_param(train: TrainConfig) -> int:
-    """Bytes per UNet parameter of the EMA copy: 0 with EMA off, else its dtype's size.
-
-    `train.ema_dtype` ('float32' or 'bfloat16') when the config has it, else float32 (the EMA
-    model diffusers' `EMAModel` keeps, a copy of the fp32 parameters).
-    """
+    """Bytes per UNet parameter of the EMA copy: 0 with EMA off, else the size of
+    `train.ema_dtype` ('float32' or 'bfloat16', models/ema.py)."""
     if not train.ema.enabled:
         return 0
-    dtype = getattr(train, "ema_dtype", None) or getattr(train.ema, "dtype", None) or "float32"
-    return _DTYPE_BYTES[str(dtype)]
+    return _DTYPE_BYTES[train.ema_dtype]
 
 
 def _local_config(comp: Component, default_subfolder: str) -> dict | None:

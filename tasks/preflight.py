@@ -92,15 +92,17 @@ def check_storage(run_dir: Path, shard_dirs: list[str]) -> None:
 
 
 def checkpoint_bytes(train: TrainConfig) -> int:
-    """Disk a stage needs: `keep_checkpoints` x (fp32 weights + 2 AdamW moments + EMA) plus
-    one fp32 export. Parameters are counted on a meta copy of the UNet (no memory)."""
+    """Disk a stage needs: `keep_checkpoints` x (fp32 weights + 2 AdamW moments + EMA in
+    `train.ema_dtype`) plus one fp32 export. Parameters are counted on a meta copy of the UNet
+    (no memory)."""
     import torch
     from diffusers import UNet2DConditionModel
 
     with torch.device("meta"):
         unet = UNet2DConditionModel.from_config(train.model.unet)
     n = sum(p.numel() for p in unet.parameters())
-    per_ckpt = n * 4 * (3 + (1 if train.ema.enabled else 0))
+    ema_bytes = (2 if train.ema_dtype == "bfloat16" else 4) if train.ema.enabled else 0
+    per_ckpt = n * (4 * 3 + ema_bytes)
     return per_ckpt * train.keep_checkpoints + n * 4 * 2  # export: EMA and raw UNet
 
 

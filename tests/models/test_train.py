@@ -440,3 +440,20 @@ def test_weight_checksums_must_match_exactly():
     for bad in ([1.5, 1.5000000000000002], [float("nan"), float("nan")]):
         with pytest.raises(RuntimeError, match="rank 1: "):
             check_identical_weights(bad)
+
+
+def test_optimizer_state_is_released_before_the_export():
+    """The final grid and export need only the weights: AdamW's moments (twice the UNet) and
+    the gradients go first, so the export is not the stage's memory peak."""
+    from accelerate import Accelerator
+
+    from models.train import release_optimizer_state
+
+    model = torch.nn.Linear(8, 8)
+    accelerator = Accelerator(cpu=True)
+    model, opt = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    assert len(opt.state) == 2
+    release_optimizer_state(opt)
+    assert len(opt.state) == 0 and all(p.grad is None for p in model.parameters())

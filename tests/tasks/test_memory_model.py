@@ -85,7 +85,7 @@ def test_the_real_size_unet_is_counted_on_meta():
 def test_sharding_buckets_and_ema_by_setup():
     """DDP holds everything plus its gradient buckets and autocast's bf16 weight copies;
     SHARD_GRAD_OP shards gradients and AdamW state over the world and keeps the parameters
-    whole in bf16 beside its fp32 shard; the EMA copy follows train.ema."""
+    whole in bf16 beside its fp32 shard; the EMA copy follows train.ema and train.ema_dtype."""
     from tasks.memory_model import ema_bytes_per_param
 
     train = _train(TINY, 8, 16, "sdpa")
@@ -101,6 +101,8 @@ def test_sharding_buckets_and_ema_by_setup():
     assert ckpt.activations < ddp.activations
     no_ema = train.model_copy(update={"ema": train.ema.model_copy(update={"enabled": False})})
     assert ema_bytes_per_param(no_ema) == 0 and ema_bytes_per_param(train) == 4
+    bf16 = train.model_copy(update={"ema_dtype": "bfloat16"})
+    assert ema_bytes_per_param(bf16) == 2
     # Without precomputed latents the frozen encoders count, in the training dtype.
     with_encoders = stage_memory(train, 0, Setup("ddp", False, "bf16", world=8))
     assert with_encoders.frozen_encoders > 0

@@ -54,6 +54,10 @@ def test_disk_estimate_against_free_space(tmp_path):
                  "cross_attention_dim": 32, "attention_head_dim": [64, 128]}  # fmt: skip
     huge = cfg.model_copy(update={"model": cfg.model.model_copy(update={"unet": huge_unet})})
     assert checkpoint_bytes(huge) > 1000 * tiny
+    # A bfloat16 EMA is half of a float32 one: checkpoints of 14 bytes a parameter, not 16.
+    bf16 = checkpoint_bytes(cfg.model_copy(update={"ema_dtype": "bfloat16"}))
+    n = (tiny - bf16) // 4  # parameters: 2 bytes saved in each of keep_checkpoints (2)
+    assert n > 0 and tiny == n * 16 * 2 + n * 8
     with pytest.raises(HealthCheckError, match=r"GB free under .* need about"):
         check_disk(tmp_path, huge.model_copy(update={"keep_checkpoints": 50}))
 
