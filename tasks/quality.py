@@ -54,6 +54,7 @@ from tasks.catalog_view import (
     read_part,
     view_columns,
     view_parts,
+    view_versions,
 )
 from tasks.layout import Layout
 from tasks.logs import task_logger
@@ -346,7 +347,8 @@ def validate_catalog(
 
     Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
     `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
-    `verdict.json` (passed, reject fraction, limit, reasons, the suite's key); and, in
+    `verdict.json` (passed, reject fraction, limit, reasons, the suite's key, the catalog table
+    versions it checked); and, in
     `quality/<ingest_id>/`, the Data Docs site, `quarantine.parquet` (every quarantined row of
     the view, ingest and validate steps), `quarantine_sample.parquet` (up to 20 rows a
     reason: what MLflow gets) and `summary.json`. All of it is written before the
@@ -447,7 +449,8 @@ def validate_catalog(
     assert result.clean + len(files_q) == listed, "clean + quarantined must equal files listed"
     (qdir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
     _write_verdict(cat / VERDICT_FILE, result, suite=key, rows=rows, counts=counts,
-                   near_duplicates=near)  # fmt: skip
+                   near_duplicates=near,
+                   table_versions=view_versions(layout, ingest_id))  # fmt: skip
     if not result.passed:
         msg = (
             f"quality gate failed for {ingest_id}: rejected {len(files_q)}/{listed} files "

@@ -56,7 +56,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.catalog_view import view_columns, view_parts
+from tasks.catalog_view import view_columns, view_parts, view_versions
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
 from tasks.quality import REJECTS_FILE, gate_for_sharding, read_clean, scan_clean
@@ -125,6 +125,8 @@ class ShardResult:
     reused: bool = False
     quality_gate: dict = field(default_factory=dict)  # the catalog's verdict, and any override
     dry_run: bool = False  # planned only: `stages` has the counts, nothing was written
+    # The catalog's Delta table versions it was cut from: time travel reads its rows back.
+    catalog_versions: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -485,7 +487,8 @@ def write_shards(
         return result
     clean = read_clean(root, ingest_id)
     version = dataset_version(clean, settings)
-    result = ShardResult(dataset_version=version, ingest_id=ingest_id, quality_gate=gate)
+    result = ShardResult(dataset_version=version, ingest_id=ingest_id, quality_gate=gate,
+                         catalog_versions=view_versions(layout, ingest_id))  # fmt: skip
     base = layout.shards(version)
     todo = [r for r in sorted(resolutions) if not is_published(base / str(r))]
     eligible = {}

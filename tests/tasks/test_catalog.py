@@ -1,0 +1,111 @@
+"""The catalog's Delta tables: migration of a chain-layout root, other engines, and the
+data team's commands (show, sql, export, compact)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tasks import catalog_legacy
+from tasks.catalog_admin import compact, export, migrate, query, show
+from tasks.catalog_view import chain, read_view, scan_view, table_path
+from tasks.layout import Layout
+
+# Written by Kiln's chain-layout ingest (tests/data/chain_catalog/make.py): source a (12
+# files), source b (8), then a again with 3 files added and 1 removed.
+FIXTURE = Path(__file__).parents[1] / "data" / "chain_catalog"
+
+
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    cols = sorted(c for c in df.columns if c != "ingest_seq")
+    out = df[cols].sort_values(["source", "key"], kind="stable").reset_index(drop=True)
+    return out.astype(object).where(out.notna(), None)
+
+
+@pytest.fixture
+def migrated(tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(FIXTURE / "catalog", root / "catalog")
+    layout = Layout(root)
+    ids = [s["id"] for s in catalog_legacy.chain(layout, layout.latest_or_none("catalog"))]
+    before = {i: catalog_legacy.read_view(layout, i) for i in ids}
+    with pytest.raises(ValueError, match="kiln catalog migrate"):
+        read_view(layout, ids[-1])
+    assert migrate(str(root)) == ids
+    return root, ids, before
+
+
+def test_migration_keeps_every_ingest_view(migrated):
+    root, ids, before = migrated
+    layout = Layout(root)
+    assert len(ids) == 3
+    for i in ids:  # each ingest id reads back its own view, by time travel
+        acc, q, seq = read_view(layout, i)
+        old_acc, old_q, old_seq = before[i]
+        assert seq == old_seq
+        pd.testing.assert_frame_equal(_sorted(acc), _sorted(old_acc))
+        pd.testing.assert_frame_equal(_sorted(q), _sorted(old_q[q.columns.drop("ingest_seq")]))
+    assert [s["table_versions"]["accepted"] for s in chain(layout, ids[-1])] == [0, 1, 2]
+    assert not list((root / "catalog").glob("*/accepted.parquet"))
+    assert migrate(str(root)) == []  # once
+    # The last ingest removed one file of source a and added three: one commit, and the rows
+    # it added are its own partition.
+    uids = [set(zip(before[i][0]["source"], before[i][0]["key"], strict=True)) for i in ids]
+    assert len(uids[1] - uids[2]) == 1 and len(uids[2] - uids[1]) == 3
+    added = pd.concat(scan_view(layout, ids[2], "accepted", ["key"], after_seq=2))
+    assert sorted(added["key"]) == ["new-0.jpg", "new-1.jpg", "new-2.jpg"]
+
+
+def test_polars_and_duckdb_read_the_tables(migrated):
+    import duckdb
+    import polars as pl
+    from deltalake import DeltaTable
+
+    root, ids, _ = migrated
+    acc = read_view(Layout(root), ids[-1])[0]
+    path = str(table_path(Layout(root), "accepted"))
+    frame = pl.read_delta(path)
+    assert frame.height == len(acc)
+    assert sorted(frame["key"].to_list()) == sorted(acc["key"])
+    data = DeltaTable(path).to_pyarrow_dataset()  # noqa: F841 (DuckDB reads it by name)
+    by = duckdb.sql("SELECT source, count(*) AS n FROM data GROUP BY source").fetchall()
+    assert dict(by) == acc.groupby("source").size().to_dict()
+    first = pl.read_delta(path, version=0)  # time travel from another engine
+    assert first.height == len(read_view(Layout(root), ids[0])[0])
+
+
+def test_show_sql_export_and_compact(migrated, tmp_path):
+    root, ids, before = migrated
+    acc, q, _ = before[ids[-1]]
+    info = show(str(root))
+    assert info["ingest_id"] == ids[-1] and info["table_versions"]["accepted"] == 2
+    assert info["accepted_by_source"] == acc.groupby("source").size().to_dict()
+    assert info["quarantined_by_reason"] == q.groupby("reason").size().to_dict()
+    assert [h["version"] for h in info["history"]["accepted"]] == [2, 1, 0]
+
+    n = query(str(root), "SELECT count(*) AS n FROM clean").column("n")[0].as_py()
+    assert n == len(acc)  # not validated: nothing rejected
+    old = query(str(root), "SELECT count(*) AS n FROM accepted", version=0).column("n")[0]
+    assert old.as_py() == len(before[ids[0]][0])
+    with pytest.raises(ValueError, match="--version 9"):
+        query(str(root), "SELECT 1", version=9)
+
+    out = tmp_path / "clean.csv"
+    assert export(str(root), str(out), "csv") == len(acc)
+    assert sorted(pd.read_csv(out)["key"]) == sorted(acc["key"])
+    assert export(str(root), str(tmp_path / "clean.parquet")) == len(acc)
+    with pytest.raises(ValueError, match="--format must be parquet or csv, got 'xls'"):
+        export(str(root), str(tmp_path / "x"), "xls")
+
+    done = compact(str(root), retain_hours=0)
+    # The removal rewrote source a's first file: with no horizon, the old copy goes.
+    assert done["accepted"]["vacuumed"] >= 1
+    layout = Layout(root)
+    pd.testing.assert_frame_equal(_sorted(read_view(layout, ids[-1])[0]), _sorted(acc))
+    with pytest.raises(FileNotFoundError, match="vacuumed"):
+        read_view(layout, ids[0])
+    with pytest.raises(ValueError, match="retain_hours must be >= 0, got -1"):
+        compact(str(root), retain_hours=-1)
+    assert json.loads((root / "catalog" / ids[-1] / "summary.json").read_text())["table_versions"]
