@@ -96,21 +96,26 @@ def _connect(root: str, version: int | None):
         con.register(table, data if data is not None else pa.table({"source": pa.array([],
                                                                      pa.string())}))  # fmt: skip
     rejects = _verdict_rejects(layout)
-    con.register("rejects", pa.Table.from_pandas(rejects, preserve_index=False))
+    con.register("rejects", rejects)
     con.execute("CREATE VIEW clean AS SELECT a.* FROM accepted a ANTI JOIN rejects r "
                 "ON a.source = r.source AND a.key = r.key")  # fmt: skip
     return con
 
 
-def _verdict_rejects(layout: Layout) -> pd.DataFrame:
-    from tasks.quality import REJECTS_FILE
+def _verdict_rejects(layout: Layout) -> pa.Table:
+    """(source, key) of the rows the newest ingest's verdict rejected, from the rejects
+    table at the version the verdict wrote; none when it was not validated."""
+    from tasks.quality import read_verdict
 
+    empty = pa.table({"source": pa.array([], pa.string()), "key": pa.array([], pa.string())})
     ingest_id = layout.latest_or_none("catalog")
-    path = layout.catalog(ingest_id) / REJECTS_FILE if ingest_id else None
-    if path is None or not path.is_file():
-        return pd.DataFrame({"source": pd.Series([], dtype=object),
-                             "key": pd.Series([], dtype=object)})  # fmt: skip
-    return pd.read_parquet(path, columns=["source", "key"]).astype(object)
+    verdict = read_verdict(str(layout.root), ingest_id) if ingest_id else None
+    version = (verdict or {}).get("verdict_table_versions", {}).get("rejects")
+    if version is None:
+        return empty
+    data = open_table(layout, "rejects", version).to_pyarrow_dataset()
+    got = data.to_table(columns=["source", "key"], filter=ds.field("verdict") == ingest_id)
+    return got.cast(empty.schema) if got.num_rows else empty
 
 
 def query(root: str, sql: str, version: int | None = None) -> pa.Table:

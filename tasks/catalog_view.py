@@ -44,6 +44,7 @@ __all__ = [
     "QUARANTINE_COLUMNS",
     "ROW_GROUP",
     "TABLES",
+    "VERDICT_TABLES",
     "ViewPart",
     "chain",
     "frame_rows",
@@ -59,6 +60,7 @@ __all__ = [
     "view_versions",
     "write_catalog_dir",
     "write_ingest",
+    "write_verdict_rows",
 ]
 
 ACCEPTED_COLUMNS = CATALOG_COLUMNS
@@ -67,6 +69,7 @@ QUARANTINE_COLUMNS = [
 ]  # fmt: skip
 ROW_GROUP = 65_536  # rows per Parquet row group: the unit that scans and partitions read
 TABLES = ("accepted", "quarantine")
+VERDICT_TABLES = ("rejects", "flags")  # each validate's rejects and kept near-duplicates
 SEQ = "ingest_seq"  # the partition column of both tables
 _DATA_FREE = {"OPTIMIZE", "VACUUM START", "VACUUM END"}  # commits that change no row
 
@@ -90,9 +93,9 @@ class ViewPart:
 
 
 def table_path(layout: Layout, table: str) -> Path:
-    """Where the Delta table `table` ("accepted" or "quarantine") of the root lives."""
-    if table not in TABLES:
-        raise ValueError(f"catalog table must be one of {TABLES}, got {table!r}")
+    """Where the Delta table `table` (of `TABLES` or `VERDICT_TABLES`) of the root lives."""
+    if table not in (*TABLES, *VERDICT_TABLES):
+        raise ValueError(f"catalog table must be one of {TABLES + VERDICT_TABLES}, got {table!r}")
     return layout.root / "catalog" / "tables" / table
 
 
@@ -283,6 +286,23 @@ def write_ingest(
     else:
         write_deltalake(dt, data, mode="overwrite", predicate=f"{SEQ} = {seq} OR ({cond})",
                         schema_mode="merge", writer_properties=props)  # fmt: skip
+    return open_table(layout, table).version()
+
+
+def write_verdict_rows(layout: Layout, table: str, rows: pd.DataFrame, ingest_id: str) -> int:
+    """Commit the rows of the verdict on `ingest_id` to `table` ("rejects" or "flags"), with a
+    `verdict` column; an earlier verdict on the same ingest leaves in the same commit.
+    Returns the table's version after it."""
+    if table not in VERDICT_TABLES:
+        raise ValueError(f"verdict table must be one of {VERDICT_TABLES}, got {table!r}")
+    dt = open_table(layout, table)
+    data = _arrow(rows.assign(verdict=ingest_id), dt, 0).drop_columns([SEQ])
+    path = str(table_path(layout, table))
+    if dt is None:
+        write_deltalake(path, data)
+    else:
+        write_deltalake(dt, data, mode="overwrite", predicate=f"verdict = {sql_str(ingest_id)}",
+                        schema_mode="merge")  # fmt: skip
     return open_table(layout, table).version()
 
 

@@ -109,3 +109,22 @@ def test_show_sql_export_and_compact(migrated, tmp_path):
     with pytest.raises(ValueError, match="retain_hours must be >= 0, got -1"):
         compact(str(root), retain_hours=-1)
     assert json.loads((root / "catalog" / ids[-1] / "summary.json").read_text())["table_versions"]
+
+
+def test_a_migrated_root_validates_and_sql_sees_the_verdict(migrated):
+    from data_quality.rules import QualityConfig
+    from tasks.quality import read_clean, read_verdict, validate_catalog
+
+    root, ids, _ = migrated
+    res = validate_catalog.fn(
+        str(root), ids[-1], QualityConfig(min_side=60, max_reject_fraction=0.9)
+    )
+    assert res.rejected_validate > 0  # the demo's small images
+    verdict = read_verdict(str(root), ids[-1])
+    assert verdict["table_versions"] == {"accepted": 2, "quarantine": 2}
+    clean = read_clean(str(root), ids[-1])
+    got = query(str(root), "SELECT source, key FROM clean").to_pandas()
+    assert sorted(zip(got["source"], got["key"], strict=True)) == sorted(
+        zip(clean["source"], clean["key"], strict=True))  # fmt: skip
+    rejects = query(str(root), "SELECT count(*) AS n FROM rejects").column("n")[0].as_py()
+    assert rejects == res.rejected_validate
