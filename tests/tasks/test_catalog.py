@@ -128,3 +128,30 @@ def test_a_migrated_root_validates_and_sql_sees_the_verdict(migrated):
         zip(clean["source"], clean["key"], strict=True))  # fmt: skip
     rejects = query(str(root), "SELECT count(*) AS n FROM rejects").column("n")[0].as_py()
     assert rejects == res.rejected_validate
+
+
+def test_kiln_catalog_commands(tmp_path, demo_src, make_config):
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    shutil.copytree(FIXTURE / "catalog", root / "catalog")
+    cfg = make_config(tmp_path / "tiny.yaml", root, demo_src)
+
+    def kiln(*args):
+        return subprocess.run([sys.executable, "-m", "flows.cli", "catalog", *args, "--config",
+                               str(cfg)], capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    refused = kiln("show")
+    assert refused.returncode == 1 and "kiln catalog migrate" in refused.stderr
+    assert "migrated 3 ingest(s)" in kiln("migrate").stdout
+    assert "nothing to migrate" in kiln("migrate").stdout
+    info = json.loads(kiln("show").stdout)
+    assert info["table_versions"] == {"accepted": 2, "quarantine": 2}
+    out = kiln("sql", "SELECT count(*) AS n FROM accepted", "--version", "0").stdout
+    assert out.split() == ["n", "9"]  # source a's first ingest
+    bad = kiln("sql", "SELECT nope FROM clean")
+    assert bad.returncode == 1 and "nope" in bad.stderr and "Traceback" not in bad.stderr
+    got = kiln("export", str(tmp_path / "clean.csv"), "--format", "csv")
+    assert got.returncode == 0, got.stderr
+    assert len(pd.read_csv(tmp_path / "clean.csv")) == sum(info["accepted_by_source"].values())
