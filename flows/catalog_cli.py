@@ -106,12 +106,14 @@ def catalog_export(
     help="Vacuum keeps every table version younger than this.",
 )
 def catalog_compact(config_path: str, root: str | None, retain_hours: float) -> None:
-    """Compact each table's small files, then vacuum files no retained version names."""
-    from tasks.catalog_admin import compact
+    """Compact each table's small files, then vacuum files that no version younger than
+    --retain-hours names, nor any version a registered model's dataset was cut from."""
+    from tasks.catalog_admin import compact, registered_versions
 
     cfg = load_checked(config_path, root)
     try:
-        click.echo(json.dumps(compact(cfg.storage.root, retain_hours), indent=2))
+        keep = registered_versions(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name)
+        click.echo(json.dumps(compact(cfg.storage.root, retain_hours, keep), indent=2))
     except ValueError as e:
         raise KilnError(str(e)) from e
 

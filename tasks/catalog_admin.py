@@ -10,7 +10,8 @@ run time, which an air-gapped cluster cannot).
   `accepted` and `quarantine`, at the current view or at any table version;
 * `export`: the clean view as Parquet or CSV;
 * `compact`: bin-pack small files per partition (`optimize.compact`), then vacuum files
-  that no version inside the retention horizon names;
+  that no version inside the retention horizon names, nor any version from the oldest one a
+  registered model's dataset version was cut from;
 * `migrate`: rewrite a root whose ingests wrote the chain layout (`tasks.catalog_legacy`)
   into the tables, one commit per ingest, so that every ingest id keeps its view.
 """
@@ -37,7 +38,9 @@ from tasks.catalog_view import (
 )
 from tasks.layout import Layout
 
-__all__ = ["DEFAULT_RETAIN_HOURS", "compact", "export", "migrate", "query", "show"]
+__all__ = [
+    "DEFAULT_RETAIN_HOURS", "compact", "export", "migrate", "query", "registered_versions", "show",
+]  # fmt: skip
 
 DEFAULT_RETAIN_HOURS = 168  # vacuum keeps every version this recent (Delta's own default)
 
@@ -134,29 +137,62 @@ def export(root: str, out: str, fmt: str = "parquet", version: int | None = None
     return int(con.execute("SELECT count(*) FROM clean").fetchone()[0])
 
 
-def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS) -> dict:
+def registered_versions(root: str, tracking_uri: str, model_name: str) -> dict[str, int]:
+    """The oldest version of each catalog table that a dataset version of a registered
+    version of `model_name` was cut from (its `shards.json` `catalog_versions`)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    layout, out = Layout(Path(root)), {}
+    for mv in client.search_model_versions(f"name={sql_str(model_name)}"):
+        meta = layout.shards(str(mv.tags.get("dataset_version", ""))) / "shards.json"
+        if not meta.is_file():
+            continue
+        for table, v in json.loads(meta.read_text()).get("catalog_versions", {}).items():
+            if v is not None:
+                out[table] = min(int(v), out.get(table, int(v)))
+    return out
+
+
+def _horizon(dt, keep: int | None, retain_hours: float) -> int:
+    """Hours of history vacuum keeps: `retain_hours`, or more, so that the files version
+    `keep` reads stay (they were removed at the commit after it, or later)."""
+    import time
+
+    stamps = {h["version"]: h["timestamp"] for h in dt.history()}
+    if keep is None or keep + 1 not in stamps:
+        return int(retain_hours)
+    age = (time.time() * 1000 - stamps[keep + 1]) / 3_600_000
+    return max(int(retain_hours), int(age) + 1)
+
+
+def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
+            keep: dict[str, int] | None = None) -> dict:  # fmt: skip
     """Compact each table's small files, then vacuum the files that no version of the last
-    `retain_hours` names. A view named by an older ingest or dataset version stays readable
-    while no rows changed since (`resolve_version`), or while it is inside the horizon."""
+    `retain_hours` names, nor any version at or after `keep[table]` (the versions a
+    registered model's dataset was cut from: `registered_versions`). A view named by an
+    older ingest stays readable while no rows changed since (`resolve_version`)."""
     from deltalake import WriterProperties
 
-    from tasks.catalog_view import ROW_GROUP
+    from tasks.catalog_view import ROW_GROUP, VERDICT_TABLES
 
     if retain_hours < 0:
         raise ValueError(f"catalog.retain_hours must be >= 0, got {retain_hours}")
     layout, out = Layout(Path(root)), {}
-    for table in TABLES:
+    for table in (*TABLES, *VERDICT_TABLES):
         dt = open_table(layout, table)
         if dt is None:
             continue
+        hours = _horizon(dt, (keep or {}).get(table), retain_hours)
         metrics = dt.optimize.compact(writer_properties=WriterProperties(
             max_row_group_size=ROW_GROUP))  # fmt: skip
-        gone = dt.vacuum(retention_hours=int(retain_hours), enforce_retention_duration=False,
+        gone = dt.vacuum(retention_hours=hours, enforce_retention_duration=False,
                          dry_run=False)  # fmt: skip
         out[table] = {
             "files_added": metrics.get("numFilesAdded", 0),
             "files_removed": metrics.get("numFilesRemoved", 0),
             "vacuumed": len(gone),
+            "retain_hours": hours,
             "version": open_table(layout, table).version(),
         }
     return out

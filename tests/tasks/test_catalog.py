@@ -155,3 +155,26 @@ def test_kiln_catalog_commands(tmp_path, demo_src, make_config):
     got = kiln("export", str(tmp_path / "clean.csv"), "--format", "csv")
     assert got.returncode == 0, got.stderr
     assert len(pd.read_csv(tmp_path / "clean.csv")) == sum(info["accepted_by_source"].values())
+
+
+def test_vacuum_keeps_the_versions_a_registered_model_was_cut_from(migrated, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from tasks.catalog_admin import registered_versions
+
+    root, ids, before = migrated
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri, registry_uri=uri)
+    client.create_registered_model("kiln-t2i")
+    (tmp_path / "model").mkdir()
+    client.create_model_version("kiln-t2i", str(tmp_path / "model"),
+                                tags={"dataset_version": "ds-old"})  # fmt: skip
+    meta = Layout(root).shards("ds-old") / "shards.json"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(json.dumps({"catalog_versions": {"accepted": 0, "quarantine": 0}}))
+    keep = registered_versions(str(root), uri, "kiln-t2i")
+    assert keep == {"accepted": 0, "quarantine": 0}
+    done = compact(str(root), retain_hours=0, keep=keep)
+    assert done["accepted"]["vacuumed"] == 0 and done["accepted"]["retain_hours"] >= 1
+    old = read_view(Layout(root), ids[0])[0]  # the registered model's rows still read back
+    pd.testing.assert_frame_equal(_sorted(old), _sorted(before[ids[0]][0]))
