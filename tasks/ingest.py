@@ -60,6 +60,7 @@ from tasks.catalog_view import (
 from tasks.inspect import InspectOptions, inspect_item
 from tasks.layout import Layout
 from tasks.logs import task_logger
+from tasks.progress import Progress
 from tasks.runners import partition_runner
 from tasks.sources import (
     LAYOUTS,
@@ -341,7 +342,12 @@ def _decode(
     futures = [
         runner.submit(decode_partition, {"opts": opts, "items": p, "pool": pool}) for p in parts
     ]
-    return [r for f in futures for r in f.result()]
+    progress, out = Progress("ingest", len(todo), "items"), []
+    for f, p in zip(futures, parts, strict=True):
+        out += f.result()
+        progress.advance(len(p))
+    progress.finish()
+    return out
 
 
 # -- phase 3: the run's rows, merged into the view ---------------------------------------------

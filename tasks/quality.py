@@ -59,6 +59,7 @@ from tasks.catalog_view import (
 )
 from tasks.layout import Layout
 from tasks.logs import task_logger
+from tasks.progress import Progress
 from tasks.runners import partition_runner
 from tasks.takedown import takedown_set
 
@@ -229,14 +230,23 @@ def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | N
     """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
     so that memory stays a few partitions whatever the catalog's size."""
     out, window = [], []
+    progress = Progress("validate", sum(p.rows for p in {p.path: p for p, _ in tasks}.values()),
+                        "rows")  # fmt: skip
+
+    def done(future) -> None:
+        out.append(future.result())
+        progress.advance(out[-1].rows)
+
     with partition_runner(workers, dask_address) as runner:
         limit = len(tasks) if dask_address else workers
         for part, groups in tasks:
             args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules}
             window.append(runner.submit(check_partition, args))
             if len(window) >= limit:
-                out.append(window.pop(0).result())
-        out += [f.result() for f in window]
+                done(window.pop(0))
+        for f in window:
+            done(f)
+    progress.finish()
     return out
 
 

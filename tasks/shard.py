@@ -59,6 +59,7 @@ from prefect.cache_policies import NO_CACHE
 from tasks.catalog_view import view_columns, view_parts, view_versions
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
+from tasks.progress import Progress
 from tasks.quality import REJECTS_FILE, gate_for_sharding, read_clean, scan_clean
 from tasks.render import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.runners import partition_runner
@@ -648,11 +649,14 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
                 "tokenizer": _spec(settings.get("tokenizer")),
                 "held": sorted(u for u in part_rows if u in held)}))  # fmt: skip
         errors, skipped = [], 0
-        for f in futures:
+        progress = Progress("shard", len(jobs), "images")
+        for f, p in zip(futures, parts, strict=True):
             try:
                 skipped += f.result()["skipped"]
             except Exception as e:  # noqa: BLE001 - finish the other partitions, then fail
                 errors.append(str(e))
+            progress.advance(len(p))
+        progress.finish()
         if errors:
             raise RuntimeError(f"{len(errors)} of {len(parts)} shard partitions failed (finished "
                                f"ones are kept for the next run): {errors[:3]}")  # fmt: skip
