@@ -253,15 +253,24 @@ def sql_str(value: str) -> str:
 
 
 def _arrow(df: pd.DataFrame, dt: DeltaTable | None, seq: int) -> pa.Table:
-    """`df` as Arrow with `ingest_seq` (`seq` where absent); all-null columns take the
-    table's type (or string), since Delta has no null type."""
+    """`df` as Arrow with `ingest_seq` (`seq` where absent), each column of the table's type;
+    an all-null column new to the table is a string (Delta has no null type, and a column of
+    NaN must not fix the type of the values that come later)."""
     t = pa.Table.from_pandas(df if SEQ in df.columns else df.assign(**{SEQ: seq}),
                              preserve_index=False)  # fmt: skip
     known = {f.name: f.type for f in pa.schema(dt.schema().to_arrow())} if dt else {}
     for i, f in enumerate(t.schema):
-        want = known.get(f.name)
-        if pa.types.is_null(f.type) or (want is not None and want != f.type):
-            t = t.set_column(i, f.name, t.column(i).cast(want or pa.string()))
+        want, col = known.get(f.name), t.column(i)
+        if col.null_count == len(col) and want is None:  # all null (even NaN): no type yet
+            want = pa.string()
+        if want is not None and want != f.type:
+            try:
+                t = t.set_column(i, f.name, col.cast(want))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise ValueError(
+                    f"catalog column {f.name!r}: {f.type} values do not fit the "
+                    f"table's type {want} ({e})"
+                ) from e
     return t
 
 
