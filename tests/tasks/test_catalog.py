@@ -111,6 +111,7 @@ def test_show_sql_export_and_compact(migrated, tmp_path):
     assert json.loads((root / "catalog" / ids[-1] / "summary.json").read_text())["table_versions"]
 
 
+@pytest.mark.integration
 def test_a_migrated_root_validates_and_sql_sees_the_verdict(migrated):
     from data_quality.rules import QualityConfig
     from tasks.quality import read_clean, read_verdict, validate_catalog
@@ -130,6 +131,7 @@ def test_a_migrated_root_validates_and_sql_sees_the_verdict(migrated):
     assert rejects == res.rejected_validate
 
 
+@pytest.mark.integration
 def test_kiln_catalog_commands(tmp_path, demo_src, make_config):
     import subprocess
     import sys

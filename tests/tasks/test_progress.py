@@ -33,6 +33,7 @@ def test_a_line_about_every_interval_with_done_rate_and_time_left(caplog):
         Progress("ingest", -1)
 
 
+@pytest.mark.integration
 def test_inside_a_flow_run_the_progress_is_an_artifact():
     import asyncio
 
