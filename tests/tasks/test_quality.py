@@ -169,6 +169,7 @@ def _outputs(root, ingest_id):
     cat = root / "catalog" / ingest_id
     verdict = json.loads((cat / "verdict.json").read_text())
     verdict.pop("validated_at")
+    verdict.pop("verdict_table_versions")  # which commit of the root's verdict tables
     return (
         read_clean(str(root), ingest_id).sort_values(["source", "key"]).reset_index(drop=True),
         pd.read_parquet(cat / "rejects.parquet").sort_values(["source", "key"]).reset_index(
