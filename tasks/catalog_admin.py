@@ -172,9 +172,7 @@ def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
     `retain_hours` names, nor any version at or after `keep[table]` (the versions a
     registered model's dataset was cut from: `registered_versions`). A view named by an
     older ingest stays readable while no rows changed since (`resolve_version`)."""
-    from deltalake import WriterProperties
-
-    from tasks.catalog_view import ROW_GROUP, VERDICT_TABLES
+    from tasks.catalog_view import VERDICT_TABLES, writer_properties
 
     if retain_hours < 0:
         raise ValueError(f"catalog.retain_hours must be >= 0, got {retain_hours}")
@@ -184,8 +182,7 @@ def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
         if dt is None:
             continue
         hours = _horizon(dt, (keep or {}).get(table), retain_hours)
-        metrics = dt.optimize.compact(writer_properties=WriterProperties(
-            max_row_group_size=ROW_GROUP))  # fmt: skip
+        metrics = dt.optimize.compact(writer_properties=writer_properties())
         gone = dt.vacuum(retention_hours=hours, enforce_retention_duration=False,
                          dry_run=False)  # fmt: skip
         out[table] = {

@@ -61,6 +61,7 @@ __all__ = [
     "write_catalog_dir",
     "write_ingest",
     "write_verdict_rows",
+    "writer_properties",
 ]
 
 ACCEPTED_COLUMNS = CATALOG_COLUMNS
@@ -285,10 +286,10 @@ def write_ingest(
     if dt is None and not len(rows):
         return None
     if not len(rows):
-        dt.delete(cond)
+        dt.delete(cond, writer_properties=writer_properties())
         return open_table(layout, table).version()
     data = _arrow(rows, dt, seq)
-    props = WriterProperties(max_row_group_size=ROW_GROUP)
+    props = writer_properties()
     path = str(table_path(layout, table))
     if dt is None:
         write_deltalake(path, data, partition_by=[SEQ], writer_properties=props)
@@ -296,6 +297,12 @@ def write_ingest(
         write_deltalake(dt, data, mode="overwrite", predicate=f"{SEQ} = {seq} OR ({cond})",
                         schema_mode="merge", writer_properties=props)  # fmt: skip
     return open_table(layout, table).version()
+
+
+def writer_properties() -> WriterProperties:
+    """How the catalog's data files are written: row groups of `ROW_GROUP` rows, Snappy (delta-rs
+    writes uncompressed files by default, about 1.6 times the bytes)."""
+    return WriterProperties(max_row_group_size=ROW_GROUP, compression="SNAPPY")
 
 
 def write_verdict_rows(layout: Layout, table: str, rows: pd.DataFrame, ingest_id: str) -> int:
@@ -308,10 +315,10 @@ def write_verdict_rows(layout: Layout, table: str, rows: pd.DataFrame, ingest_id
     data = _arrow(rows.assign(verdict=ingest_id), dt, 0).drop_columns([SEQ])
     path = str(table_path(layout, table))
     if dt is None:
-        write_deltalake(path, data)
+        write_deltalake(path, data, writer_properties=writer_properties())
     else:
         write_deltalake(dt, data, mode="overwrite", predicate=f"verdict = {sql_str(ingest_id)}",
-                        schema_mode="merge")  # fmt: skip
+                        schema_mode="merge", writer_properties=writer_properties())  # fmt: skip
     return open_table(layout, table).version()
 
 
