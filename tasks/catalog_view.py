@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -85,12 +85,6 @@ class ViewPart:
     source: str | None  # None when the file's statistics do not name a single source
     rows: int
     row_groups: int
-    dead: tuple[str, ...] = field(default=(), repr=False)  # always empty: Delta removes rows
-
-    @property
-    def whole(self) -> bool:
-        """Every row of the file is in the view."""
-        return True
 
 
 def table_path(layout: Layout, table: str) -> Path:
