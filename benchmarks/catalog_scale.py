@@ -136,22 +136,24 @@ def synth(n: int, seed: int, start: int, seq: int, ingest_id: str) -> pd.DataFra
 
 def write_ingest(root: Path, ingest_id: str, rows: pd.DataFrame, seq: int, prev: str | None,
                  totals: int) -> None:  # fmt: skip
-    from tasks.catalog_view import QUARANTINE_COLUMNS, write_catalog_dir
+    from tasks import catalog_view
     from tasks.layout import Layout
 
     settings = {"layout": "imagefolder", "caption_column": "text",
                 "metadata_columns": ["license", "aesthetic"], "max_pixels": 178956970,
                 "image_extensions": [".jpg"]}  # fmt: skip
+    layout = Layout(root)
+    versions = {"accepted": catalog_view.write_ingest(layout, "accepted", rows, SOURCE, seq,
+                                                      "false"), "quarantine": None}  # fmt: skip
     summary = {
         "ingest_id": ingest_id, "source": SOURCE, "layout": "imagefolder", "listed": totals,
         "accepted": totals, "quarantined": 0, "reasons": {}, "manifest_problems": 0,
         "new_items": len(rows), "view_accepted": totals, "view_quarantined": 0,
         "ingest_seq": seq, "previous": prev, "settings": settings, "superseded_accepted": 0,
         "manifests": {SOURCE: "none"}, "source_settings": {SOURCE: settings}, "removed": [],
+        "table_versions": versions,
     }  # fmt: skip
-    layout = Layout(root)
-    write_catalog_dir(layout.catalog(ingest_id), {
-        "accepted": rows, "quarantine": pd.DataFrame(columns=QUARANTINE_COLUMNS),
+    catalog_view.write_catalog_dir(layout.catalog(ingest_id), {
         "listing": pd.DataFrame(columns=["key", "size", "version", "source"]),
         "superseded": pd.DataFrame({"unit": pd.Series([], dtype=object)}),
     }, summary)  # fmt: skip
@@ -286,16 +288,17 @@ def main() -> None:
                     if step == "validate":  # every row checked: no earlier verdict to start from
                         for v in (root / "catalog").glob("*/verdict.json"):
                             v.unlink()
-                    before = {p for p in (root / "catalog").iterdir()}
+                    before = {f for f in (root / "catalog").rglob("*") if f.is_file()}
                     got = measure(cmd, env)
                     got.pop("output")
                     run = {"step": step, "engine": engine, "rows": n, **got}
                     if step == "ingest_append":
-                        new = [p for p in (root / "catalog").iterdir() if p not in before]
-                        files = [f for p in new for f in p.rglob("*") if f.is_file()]
+                        files = [f for f in (root / "catalog").rglob("*")
+                                 if f.is_file() and f not in before]  # fmt: skip
                         run["written_bytes"] = sum(f.stat().st_size for f in files)
+                        accepted = root / "catalog" / "tables" / "accepted"
                         run["catalog_bytes"] = sum(
-                            f.stat().st_size for f in (root / "catalog").rglob("accepted.parquet")
+                            f.stat().st_size for f in accepted.rglob("*.parquet")
                         )
                     print(json.dumps(run), flush=True)
                     runs.append(run)

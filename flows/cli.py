@@ -480,6 +480,16 @@ def _add_lineage_commands() -> None:
 _add_lineage_commands()
 
 
+def _add_catalog_commands() -> None:
+    """`kiln catalog ...` (flows/catalog_cli.py, click only)."""
+    from flows.catalog_cli import catalog
+
+    main.add_command(catalog)
+
+
+_add_catalog_commands()
+
+
 def entry() -> None:
     """The `kiln` console script."""
     main()

@@ -1,23 +1,24 @@
 """The catalog view: every accepted and quarantined row of every source ingested into a root.
 
-The view is never written out whole. Each ingest writes only its own rows, and the view after
-an ingest is a scan over the chain of ingests that led to it (each summary names its
-`previous`), oldest first:
+The rows live in two Delta Lake tables (delta-rs, the `deltalake` package), which DuckDB,
+Polars, Spark or Trino read as they are:
 
-* `accepted.parquet` and `quarantine.parquet`: the rows this ingest decoded or rejected, in
-  row groups of `ROW_GROUP` rows;
-* `superseded.parquet`: the units (files, tar shards) of its source that this ingest replaced
-  or found removed; a row of an earlier ingest of the same source whose unit is listed there
-  has left the view;
-* a source's manifest problems are those of its newest ingest.
+* `<root>/catalog/tables/accepted`: the rows that passed ingest;
+* `<root>/catalog/tables/quarantine`: the rows ingest rejected, and each source's manifest
+  problems (those of its newest ingest).
 
-A catalog folder written before the view was scanned holds the whole view after it
-(`view_accepted.parquet`, `view_quarantine.parquet`); a chain ends there, and reads it as one
-part of every source.
+Both are partitioned by `ingest_seq`, the ingest that wrote the row, so a file never mixes two
+ingests: the view reads oldest ingest first (the earliest ingested copy of anything comes
+first), and "the rows added after ingest N" is a partition filter that opens no other file.
 
-So an ingest of 20 new files writes 20 rows, whatever the size of the catalog, and reading
-the view is a lazy scan in bounded memory (`scan_view`), in the order in which rows were
-ingested: the earliest ingested copy of anything comes first.
+An ingest is one commit per table (`write_ingest`): the rows of the units it replaced or found
+removed leave in the same commit that adds their replacements (a `replaceWhere` overwrite), so
+no reader ever sees both or neither. Its `summary.json` names the table versions it produced
+(`table_versions`); the view after an ingest is the tables at those versions (time travel), or
+at a later version when only compaction committed since (`resolve_version`).
+
+Reading stays in bounded memory: a `ViewPart` is one data file of the table at a version, and
+`read_part` / `scan_view` read it a Parquet row group (`ROW_GROUP` rows) at a time.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from deltalake import DeltaTable, WriterProperties, write_deltalake
 
 from tasks.layout import Layout
 from tasks.sources import CATALOG_COLUMNS
@@ -40,15 +43,25 @@ __all__ = [
     "ACCEPTED_COLUMNS",
     "QUARANTINE_COLUMNS",
     "ROW_GROUP",
+    "TABLES",
+    "VERDICT_TABLES",
     "ViewPart",
     "chain",
     "frame_rows",
+    "open_table",
     "read_part",
     "read_view",
+    "resolve_version",
     "scan_view",
+    "sql_str",
+    "table_path",
     "view_columns",
     "view_parts",
+    "view_versions",
     "write_catalog_dir",
+    "write_ingest",
+    "write_verdict_rows",
+    "writer_properties",
 ]
 
 ACCEPTED_COLUMNS = CATALOG_COLUMNS
@@ -56,59 +69,96 @@ QUARANTINE_COLUMNS = [
     "key", "source", "reason", "detail", "step", "unit", "unit_version", "ingest_id",
 ]  # fmt: skip
 ROW_GROUP = 65_536  # rows per Parquet row group: the unit that scans and partitions read
+TABLES = ("accepted", "quarantine")
+VERDICT_TABLES = ("rejects", "flags")  # each validate's rejects and kept near-duplicates
+SEQ = "ingest_seq"  # the partition column of both tables
+_DATA_FREE = {"OPTIMIZE", "VACUUM START", "VACUUM END"}  # commits that change no row
 
 
 @dataclass(frozen=True)
 class ViewPart:
-    """One ingest's rows of one table, and which of them have left the view since."""
+    """One data file of a catalog table: rows of one ingest (`seq`), all in the view."""
 
     path: Path
-    ingest_id: str
+    ingest_id: str  # the ingest whose summary named the table version read
     seq: int
-    source: str | None  # None: a whole view written by an older Kiln, of every source
-    rows: int  # rows in the file, before `dead` is applied
+    source: str | None  # None when the file's statistics do not name a single source
+    rows: int
     row_groups: int
-    # "<source>\0<unit>" of the units superseded by later ingests
-    dead: tuple[str, ...] = field(default=(), repr=False)
-    drop_manifest: tuple[str, ...] = ()  # sources whose manifest problems a later ingest replaced
 
-    @property
-    def whole(self) -> bool:
-        """Every row of the file is in the view."""
-        return not self.dead and not self.drop_manifest
+
+def table_path(layout: Layout, table: str) -> Path:
+    """Where the Delta table `table` (of `TABLES` or `VERDICT_TABLES`) of the root lives."""
+    if table not in (*TABLES, *VERDICT_TABLES):
+        raise ValueError(f"catalog table must be one of {TABLES + VERDICT_TABLES}, got {table!r}")
+    return layout.root / "catalog" / "tables" / table
+
+
+def open_table(layout: Layout, table: str, version: int | None = None) -> DeltaTable | None:
+    """The Delta table at `version` (newest when None); None when no ingest created it."""
+    path = table_path(layout, table)
+    if not (path / "_delta_log").is_dir():
+        return None
+    return DeltaTable(str(path)) if version is None else DeltaTable(str(path), version=version)
 
 
 def chain(layout: Layout, ingest_id: str | None) -> list[dict]:
     """The summaries of the ingests behind `ingest_id`'s view, oldest first (each with `id`)."""
     out = []
     while ingest_id is not None:
-        folder = layout.catalog(ingest_id)
-        summary = json.loads((folder / "summary.json").read_text())
-        legacy = not (folder / "superseded.parquet").is_file()
-        out.append({**summary, "id": ingest_id, "legacy": legacy})
-        ingest_id = None if legacy else summary.get("previous")
+        summary = json.loads((layout.catalog(ingest_id) / "summary.json").read_text())
+        out.append({**summary, "id": ingest_id})
+        ingest_id = summary.get("previous")
     return out[::-1]
 
 
+def view_versions(layout: Layout, ingest_id: str | None) -> dict[str, int | None]:
+    """The table versions the view after `ingest_id` reads (None: the table is empty)."""
+    if ingest_id is None:
+        return dict.fromkeys(TABLES)
+    summary = json.loads((layout.catalog(ingest_id) / "summary.json").read_text())
+    if "table_versions" not in summary:
+        raise ValueError(
+            f"catalog {ingest_id} under {layout.root} is in the pre-Delta layout (no "
+            "table_versions in its summary.json): run `kiln catalog migrate` once"
+        )
+    return {t: summary["table_versions"].get(t) for t in TABLES}
+
+
+def resolve_version(dt: DeltaTable, version: int) -> int:
+    """`version`, or the newest later one when every commit since only compacted or vacuumed
+    (same rows; the files `version` named may have been vacuumed away)."""
+    ops = {h["version"]: h.get("operation") for h in dt.history() if h["version"] > version}
+    while ops.get(version + 1) in _DATA_FREE:
+        version += 1
+    return version
+
+
 def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -> list[ViewPart]:
-    """The files that make up `table` ("accepted" or "quarantine") of the view after
-    `ingest_id`, oldest first."""
-    parts, dead, newer = [], set(), set()
-    for s in reversed(chain(layout, ingest_id)):
-        src, folder = (None if s["legacy"] else s["source"]), layout.catalog(s["id"])
-        path = folder / (f"view_{table}.parquet" if s["legacy"] else f"{table}.parquet")
-        meta = pq.ParquetFile(path).metadata
-        mine = dead if src is None else {d for d in dead if d.startswith(src + "\0")}
+    """The data files of `table` ("accepted" or "quarantine") in the view after `ingest_id`,
+    oldest ingest first."""
+    version = view_versions(layout, ingest_id)[table]
+    dt = open_table(layout, table)
+    if version is None or dt is None:
+        return []
+    dt = open_table(layout, table, resolve_version(dt, version))
+    acts = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
+    root, parts = table_path(layout, table), []
+    for a in sorted(acts, key=lambda a: (int(a[f"partition.{SEQ}"]), a["modification_time"],
+                                         a["path"])):  # fmt: skip
+        path = root / unquote(a["path"])
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"catalog view of {ingest_id}: {table} table version {dt.version()} needs "
+                f"{path}, which `kiln catalog compact` vacuumed (older than --retain-hours)"
+            )
+        lo, hi = a.get("min.source"), a.get("max.source")
         parts.append(ViewPart(
-            path=path, ingest_id=s["id"], seq=int(s["ingest_seq"]), source=src,
-            rows=meta.num_rows, row_groups=meta.num_row_groups, dead=tuple(sorted(mine)),
-            drop_manifest=tuple(sorted(newer if src is None else newer & {src})),
+            path=path, ingest_id=ingest_id, seq=int(a[f"partition.{SEQ}"]),
+            source=lo if lo is not None and lo == hi else None, rows=int(a["num_records"]),
+            row_groups=pq.ParquetFile(path).metadata.num_row_groups,
         ))  # fmt: skip
-        if src is not None:
-            gone = pq.read_table(folder / "superseded.parquet", columns=["unit"]).column("unit")
-            dead.update(f"{src}\0{u}" for u in gone.to_pylist())
-            newer.add(src)
-    return parts[::-1]
+    return parts
 
 
 def view_columns(parts: list[ViewPart]) -> list[str]:
@@ -116,7 +166,7 @@ def view_columns(parts: list[ViewPart]) -> list[str]:
     order they first appear."""
     names: list[str] = []
     for p in parts:
-        names += [n for n in pq.read_schema(p.path).names if n not in names]
+        names += [n for n in (*pq.read_schema(p.path).names, SEQ) if n not in names]
     own = [c for c in (*ACCEPTED_COLUMNS, *QUARANTINE_COLUMNS) if c in names]
     return list(dict.fromkeys(own)) + [n for n in names if n not in own]
 
@@ -127,32 +177,24 @@ def read_part(
     row_groups: list[int] | None = None,
     sources: set[str] | None = None,
 ) -> pd.DataFrame:
-    """The part's rows still in the view (of `row_groups` and `sources` only, when given), with
-    `columns` (absent ones null)."""
+    """The part's rows (of `row_groups` and `sources` only, when given), with `columns`
+    (absent ones null; `ingest_seq` from the partition)."""
     f = pq.ParquetFile(part.path)
     have = f.schema_arrow.names
     need = have if columns is None else [c for c in columns if c in have]
-    extra = [c for c in ("source", "unit", "step") if c in have and c not in need]
+    extra = ["source"] if sources is not None and "source" not in need else []
     groups = list(range(f.num_row_groups) if row_groups is None else row_groups)
     t = f.read_row_groups(groups, columns=need + extra) if groups else f.schema_arrow.empty_table()
-    if t.num_rows and part.dead:
-        uid = pc.binary_join_element_wise(_str(t, "source"), _str(t, "unit"), "\0")
-        t = t.filter(pc.invert(pc.is_in(uid, value_set=pa.array(part.dead))))
-    if t.num_rows and part.drop_manifest and "step" in t.column_names:
-        replaced = pc.is_in(_str(t, "source"), value_set=pa.array(part.drop_manifest))
-        manifest = pc.equal(_str(t, "step"), "ingest-manifest")
-        t = t.filter(pc.invert(pc.fill_null(pc.and_(replaced, manifest), False)))
     if t.num_rows and sources is not None and part.source is None:
-        t = t.filter(pc.is_in(_str(t, "source"), value_set=pa.array(sorted(sources))))
+        t = t.filter(pc.is_in(t.column("source").cast(pa.string()),
+                              value_set=pa.array(sorted(sources))))  # fmt: skip
     df = t.select(need).to_pandas()
+    if columns is None or SEQ in columns:
+        df[SEQ] = pd.Series(part.seq, index=df.index, dtype="int64")
     for c in columns or []:
         if c not in df.columns:
             df[c] = None
     return df[columns] if columns is not None else df
-
-
-def _str(t: pa.Table, name: str) -> pa.ChunkedArray:
-    return t.column(name).cast(pa.string())
 
 
 def scan_view(
@@ -165,10 +207,10 @@ def scan_view(
     after_seq: int = 0,
 ) -> Iterator[pd.DataFrame]:
     """The view's rows, one row group at a time, oldest ingest first; only those of `sources`
-    and of ingests after `after_seq` when given. Every batch has the same columns."""
-    wanted = None if sources is None else {None, *sources}
-    parts = [p for p in view_parts(layout, ingest_id, table)
-             if p.seq > after_seq and (wanted is None or p.source in wanted)]  # fmt: skip
+    and of ingests after `after_seq` when given (a partition filter: no other file is
+    opened). Every batch has the same columns."""
+    parts = [p for p in view_parts(layout, ingest_id, table) if p.seq > after_seq
+             and (sources is None or p.source is None or p.source in sources)]  # fmt: skip
     cols = columns if columns is not None else view_columns(parts)
     for p in parts:
         for g in range(p.row_groups):
@@ -200,9 +242,83 @@ def frame_rows(rows: list[dict], columns: list[str]) -> pd.DataFrame:
     return df.sort_values("key", kind="stable").reset_index(drop=True) if len(df) else df
 
 
+def sql_str(value: str) -> str:
+    """`value` as a SQL string literal."""
+    return "'" + str(value).replace("'", "''") + "'"
+
+
+def _arrow(df: pd.DataFrame, dt: DeltaTable | None, seq: int) -> pa.Table:
+    """`df` as Arrow with `ingest_seq` (`seq` where absent), each column of the table's type;
+    an all-null column new to the table is a string (Delta has no null type, and a column of
+    NaN must not fix the type of the values that come later)."""
+    t = pa.Table.from_pandas(df if SEQ in df.columns else df.assign(**{SEQ: seq}),
+                             preserve_index=False)  # fmt: skip
+    known = {f.name: f.type for f in pa.schema(dt.schema().to_arrow())} if dt else {}
+    for i, f in enumerate(t.schema):
+        want, col = known.get(f.name), t.column(i)
+        if col.null_count == len(col) and want is None:  # all null (even NaN): no type yet
+            want = pa.string()
+        if want is not None and want != f.type:
+            try:
+                t = t.set_column(i, f.name, col.cast(want))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+                raise ValueError(
+                    f"catalog column {f.name!r}: {f.type} values do not fit the "
+                    f"table's type {want} ({e})"
+                ) from e
+    return t
+
+
+def write_ingest(
+    layout: Layout, table: str, rows: pd.DataFrame, source: str, seq: int, replaced: str
+) -> int | None:
+    """Commit one ingest's `rows` (of `source`) to `table`; the source's rows matching the SQL
+    condition `replaced` (over the table's columns) leave in the same commit. Returns the
+    table's version after it (None: the table is still empty)."""
+    dt = open_table(layout, table)
+    cond = f"source = {sql_str(source)} AND ({replaced})"
+    if dt is None and not len(rows):
+        return None
+    if not len(rows):
+        dt.delete(cond, writer_properties=writer_properties())
+        return open_table(layout, table).version()
+    data = _arrow(rows, dt, seq)
+    props = writer_properties()
+    path = str(table_path(layout, table))
+    if dt is None:
+        write_deltalake(path, data, partition_by=[SEQ], writer_properties=props)
+    else:
+        write_deltalake(dt, data, mode="overwrite", predicate=f"{SEQ} = {seq} OR ({cond})",
+                        schema_mode="merge", writer_properties=props)  # fmt: skip
+    return open_table(layout, table).version()
+
+
+def writer_properties() -> WriterProperties:
+    """How the catalog's data files are written: row groups of `ROW_GROUP` rows, Snappy (delta-rs
+    writes uncompressed files by default, about 1.6 times the bytes)."""
+    return WriterProperties(max_row_group_size=ROW_GROUP, compression="SNAPPY")
+
+
+def write_verdict_rows(layout: Layout, table: str, rows: pd.DataFrame, ingest_id: str) -> int:
+    """Commit the rows of the verdict on `ingest_id` to `table` ("rejects" or "flags"), with a
+    `verdict` column; an earlier verdict on the same ingest leaves in the same commit.
+    Returns the table's version after it."""
+    if table not in VERDICT_TABLES:
+        raise ValueError(f"verdict table must be one of {VERDICT_TABLES}, got {table!r}")
+    dt = open_table(layout, table)
+    data = _arrow(rows.assign(verdict=ingest_id), dt, 0).drop_columns([SEQ])
+    path = str(table_path(layout, table))
+    if dt is None:
+        write_deltalake(path, data, writer_properties=writer_properties())
+    else:
+        write_deltalake(dt, data, mode="overwrite", predicate=f"verdict = {sql_str(ingest_id)}",
+                        schema_mode="merge", writer_properties=writer_properties())  # fmt: skip
+    return open_table(layout, table).version()
+
+
 def write_catalog_dir(out: Path, tables: dict[str, pd.DataFrame], summary: dict) -> None:
-    """`<name>.parquet` per table (row groups of `ROW_GROUP` rows) plus `summary.json`, in a
-    folder renamed into place: a crash leaves no half catalog."""
+    """`<name>.parquet` per table plus `summary.json`, in a folder renamed into place: a crash
+    leaves no half catalog folder."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

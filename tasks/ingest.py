@@ -1,19 +1,22 @@
 """Ingest: list a source in partitions, decode what is new, and keep an accumulating catalog.
 
-Per run, `<root>/catalog/<ingest_id>/` gets:
+A run commits only the rows it decoded or rejected to the catalog's Delta tables
+(`tasks.catalog_view`: `<root>/catalog/tables/accepted` and `.../quarantine`, one commit per
+table, in which the rows of the units it replaced or found removed leave), and
+`<root>/catalog/<ingest_id>/` gets:
 
 * `listing.parquet`: the objects of the run's listing that were new or changed (key, size,
   ETag or mtime);
-* `accepted.parquet` and `quarantine.parquet`: only the rows this run decoded or rejected;
 * `superseded.parquet`: the units of the source this run replaced or found removed;
-* `summary.json`: counts, per-reason tallies and the incremental delta.
+* `summary.json`: counts, per-reason tallies, the incremental delta and the table versions
+  its commits produced (`table_versions`: the view after this ingest, read by time travel).
 
 The current view, every row of every source ingested into this root that is still present
-(what validate reads), is a scan over the chain of ingests (`tasks.catalog_view`); no ingest
-rewrites it. `<root>/catalog/LATEST` names the ingest whose view is current. A run compares
-the listing with its source's rows in the view, item by item (key plus size and ETag or mtime,
-and the versions of its sidecars or manifest row): unchanged items are not read again, changed
-ones replace their old rows, and items gone from the source leave the view. A re-run over an
+(what validate reads), is the tables at those versions. `<root>/catalog/LATEST` names the
+ingest whose view is current. A run compares the listing with its source's rows in the view,
+item by item (key plus size and ETag or mtime, and the versions of its sidecars or manifest
+row): unchanged items are not read again, changed ones replace their old rows, and items gone
+from the source leave the view. A re-run over an
 unchanged source decodes nothing and adds no rows.
 
 Listing and decoding run as Prefect tasks over partitions: the top-level folders of the
@@ -22,8 +25,8 @@ pool; with `dask_address` they run on a Dask cluster through prefect-dask's Dask
 
 `ingest_source` runs the phases in order: list the source and compare it with the view
 (`_plan_run`), decode the new and changed items (`_decode`), build this run's rows
-(`_run_rows`), count the view after them (`_summarize`), and write the catalog folder
-(`write_catalog_dir`).
+(`_run_rows`), count the view after them (`_summarize`), commit the rows (`_commit_rows`)
+and write the catalog folder (`write_catalog_dir`).
 """
 
 from __future__ import annotations
@@ -50,11 +53,14 @@ from tasks.catalog_view import (
     frame_rows,
     read_view,
     scan_view,
+    sql_str,
     write_catalog_dir,
+    write_ingest,
 )
 from tasks.inspect import InspectOptions, inspect_item
 from tasks.layout import Layout
 from tasks.logs import task_logger
+from tasks.progress import Progress
 from tasks.runners import partition_runner
 from tasks.sources import (
     LAYOUTS,
@@ -172,9 +178,10 @@ def ingest_source(
         records = _decode(plan.todo, opts, runner, pool, cfg.partition_size)
     acc_df, q_df = _run_rows(plan, records, list(cfg.metadata_columns))
     result, summary = _summarize(plan, acc_df, q_df)
+    summary["table_versions"] = _commit_rows(cat_layout, plan, acc_df, q_df)
     write_catalog_dir(
         cat_layout.catalog(plan.ingest_id),
-        {"accepted": acc_df, "quarantine": q_df, "listing": _listing_delta(plan),
+        {"listing": _listing_delta(plan),
          "superseded": pd.DataFrame({"unit": sorted(plan.stale)}, dtype=object)},
         summary,
     )  # fmt: skip
@@ -335,7 +342,12 @@ def _decode(
     futures = [
         runner.submit(decode_partition, {"opts": opts, "items": p, "pool": pool}) for p in parts
     ]
-    return [r for f in futures for r in f.result()]
+    progress, out = Progress("ingest", len(todo), "items"), []
+    for f, p in zip(futures, parts, strict=True):
+        out += f.result()
+        progress.advance(len(p))
+    progress.finish()
+    return out
 
 
 # -- phase 3: the run's rows, merged into the view ---------------------------------------------
@@ -381,6 +393,25 @@ def _listing_delta(plan: _Plan) -> pd.DataFrame:
         [(o.key, o.size, o.version) for o in plan.listing if o.key in keys],
         columns=["key", "size", "version"],
     ).assign(source=plan.src)
+
+
+def _commit_rows(
+    cat_layout: Layout, plan: _Plan, acc_df: pd.DataFrame, q_df: pd.DataFrame
+) -> dict[str, int | None]:
+    """One commit per catalog table: this run's rows in, the rows of the units it replaced or
+    found removed (and, for the quarantine, the source's old manifest problems) out."""
+    stale = sorted(plan.stale)
+    units = f"unit IN ({', '.join(map(sql_str, stale))})" if stale else "false"
+    prev = plan.prev_summary.get("table_versions", {})
+    versions = {}
+    for table, rows, replaced in (
+        ("accepted", acc_df, units),
+        ("quarantine", q_df, f"{units} OR step = 'ingest-manifest'"),
+    ):
+        versions[table] = write_ingest(cat_layout, table, rows, plan.src, plan.seq + 1, replaced)
+        if versions[table] is None:
+            versions[table] = prev.get(table)
+    return versions
 
 
 # -- phase 4: the run's counts and summary.json -----------------------------------------------

@@ -54,9 +54,12 @@ from tasks.catalog_view import (
     read_part,
     view_columns,
     view_parts,
+    view_versions,
+    write_verdict_rows,
 )
 from tasks.layout import Layout
 from tasks.logs import task_logger
+from tasks.progress import Progress
 from tasks.runners import partition_runner
 from tasks.takedown import takedown_set
 
@@ -227,14 +230,23 @@ def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | N
     """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
     so that memory stays a few partitions whatever the catalog's size."""
     out, window = [], []
+    progress = Progress("validate", sum(p.rows for p in {p.path: p for p, _ in tasks}.values()),
+                        "rows")  # fmt: skip
+
+    def done(future) -> None:
+        out.append(future.result())
+        progress.advance(out[-1].rows)
+
     with partition_runner(workers, dask_address) as runner:
         limit = len(tasks) if dask_address else workers
         for part, groups in tasks:
             args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules}
             window.append(runner.submit(check_partition, args))
             if len(window) >= limit:
-                out.append(window.pop(0).result())
-        out += [f.result() for f in window]
+                done(window.pop(0))
+        for f in window:
+            done(f)
+    progress.finish()
     return out
 
 
@@ -346,7 +358,9 @@ def validate_catalog(
 
     Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
     `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
-    `verdict.json` (passed, reject fraction, limit, reasons, the suite's key); and, in
+    `verdict.json` (passed, reject fraction, limit, reasons, the suite's key, the catalog table
+    versions it checked); the rejects and flags also go to the Delta tables
+    `catalog/tables/rejects` and `.../flags` (column `verdict`: the ingest id); and, in
     `quality/<ingest_id>/`, the Data Docs site, `quarantine.parquet` (every quarantined row of
     the view, ingest and validate steps), `quarantine_sample.parquet` (up to 20 rows a
     reason: what MLflow gets) and `summary.json`. All of it is written before the
@@ -418,6 +432,9 @@ def validate_catalog(
     for df, name in ((rejects, REJECTS_FILE), (flags, FLAGS_FILE), (sample, SAMPLE_FILE)):
         _write_parquet(df.astype({c: object for c in df.columns if df[c].dtype == object}),
                        cat / name)  # fmt: skip
+    # The same rows as Delta tables (`verdict` = this ingest id), for other engines and SQL.
+    tables = {t: write_verdict_rows(layout, t, pd.read_parquet(cat / f), ingest_id)
+              for t, f in (("rejects", REJECTS_FILE), ("flags", FLAGS_FILE))}  # fmt: skip
 
     step = quarantine["step"] if len(quarantine) else pd.Series(dtype=object)
     files_q = quarantine[~step.eq("ingest-manifest")] if len(quarantine) else quarantine
@@ -447,7 +464,8 @@ def validate_catalog(
     assert result.clean + len(files_q) == listed, "clean + quarantined must equal files listed"
     (qdir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
     _write_verdict(cat / VERDICT_FILE, result, suite=key, rows=rows, counts=counts,
-                   near_duplicates=near)  # fmt: skip
+                   near_duplicates=near, table_versions=view_versions(layout, ingest_id),
+                   verdict_table_versions=tables)  # fmt: skip
     if not result.passed:
         msg = (
             f"quality gate failed for {ingest_id}: rejected {len(files_q)}/{listed} files "

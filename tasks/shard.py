@@ -56,9 +56,10 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.catalog_view import view_columns, view_parts
+from tasks.catalog_view import view_columns, view_parts, view_versions
 from tasks.layout import Layout, is_published
 from tasks.logs import task_logger
+from tasks.progress import Progress
 from tasks.quality import REJECTS_FILE, gate_for_sharding, read_clean, scan_clean
 from tasks.render import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.runners import partition_runner
@@ -125,6 +126,8 @@ class ShardResult:
     reused: bool = False
     quality_gate: dict = field(default_factory=dict)  # the catalog's verdict, and any override
     dry_run: bool = False  # planned only: `stages` has the counts, nothing was written
+    # The catalog's Delta table versions it was cut from: time travel reads its rows back.
+    catalog_versions: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -485,7 +488,8 @@ def write_shards(
         return result
     clean = read_clean(root, ingest_id)
     version = dataset_version(clean, settings)
-    result = ShardResult(dataset_version=version, ingest_id=ingest_id, quality_gate=gate)
+    result = ShardResult(dataset_version=version, ingest_id=ingest_id, quality_gate=gate,
+                         catalog_versions=view_versions(layout, ingest_id))  # fmt: skip
     base = layout.shards(version)
     todo = [r for r in sorted(resolutions) if not is_published(base / str(r))]
     eligible = {}
@@ -645,11 +649,14 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
                 "tokenizer": _spec(settings.get("tokenizer")),
                 "held": sorted(u for u in part_rows if u in held)}))  # fmt: skip
         errors, skipped = [], 0
-        for f in futures:
+        progress = Progress("shard", len(jobs), "images")
+        for f, p in zip(futures, parts, strict=True):
             try:
                 skipped += f.result()["skipped"]
             except Exception as e:  # noqa: BLE001 - finish the other partitions, then fail
                 errors.append(str(e))
+            progress.advance(len(p))
+        progress.finish()
         if errors:
             raise RuntimeError(f"{len(errors)} of {len(parts)} shard partitions failed (finished "
                                f"ones are kept for the next run): {errors[:3]}")  # fmt: skip

@@ -30,6 +30,12 @@ COMMANDS = [
     "takedown",
     "takedown add",
     "takedown list",
+    "catalog",
+    "catalog show",
+    "catalog sql",
+    "catalog export",
+    "catalog compact",
+    "catalog migrate",
 ]
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from data_quality.rules import QualityConfig
 from flows.config import IngestConfig
-from tasks.catalog_view import read_view
+from tasks.catalog_view import read_view, scan_view
 from tasks.ingest import ingest_source
 from tasks.layout import Layout
 from tasks.quality import QualityGateError, read_clean, validate_catalog
@@ -80,12 +80,13 @@ def test_incremental_runs_decode_only_what_is_new(tmp_path):
 
     again = ingest_source(IngestConfig(source=str(src), workers=2), str(root))
     assert again.reused and again.new_items == 0 and again.ingest_id == first.ingest_id
-    assert {p.name for p in (root / "catalog").iterdir()} == {first.ingest_id, "LATEST"}
+    assert {p.name for p in (root / "catalog").iterdir()} == {first.ingest_id, "LATEST", "tables"}
 
     _add_images(src, [f"new-{i:02d}.jpg" for i in range(10)])
     third = ingest_source(IngestConfig(source=str(src), workers=2), str(root))
     assert (third.new_items, third.unchanged_items, third.removed_items) == (10, 20, 0)
-    delta = pd.read_parquet(root / "catalog" / third.ingest_id / "accepted.parquet")
+    # What this run added: the files of its partition, read without opening the others.
+    delta = pd.concat(scan_view(Layout(root), third.ingest_id, "accepted", ["key"], after_seq=1))
     assert sorted(delta["key"]) == [f"new-{i:02d}.jpg" for i in range(10)]
     view = read_view(Layout(root), third.ingest_id)[0]
     assert len(view) == first.accepted + 10 and third.listed == 30
@@ -103,6 +104,11 @@ def test_incremental_runs_decode_only_what_is_new(tmp_path):
     # The manifest row of the deleted file is now a problem row, reported, not dropped.
     mq = read_view(Layout(root), fourth.ingest_id)[1]
     assert "new-03.jpg" in set(mq.loc[mq["reason"] == "manifest_missing_file", "key"])
+    # The removal is one commit; the third ingest's view still reads it back (time travel).
+    assert read_view(Layout(root), third.ingest_id)[0]["key"].eq("new-03.jpg").sum() == 1
+    versions = [json.loads((root / "catalog" / i.ingest_id / "summary.json").read_text())[
+        "table_versions"]["accepted"] for i in (first, third, fourth)]  # fmt: skip
+    assert versions == [0, 1, 2]
 
 
 def test_exact_and_near_duplicates_are_caught_across_runs(tmp_path):
@@ -163,6 +169,7 @@ def _outputs(root, ingest_id):
     cat = root / "catalog" / ingest_id
     verdict = json.loads((cat / "verdict.json").read_text())
     verdict.pop("validated_at")
+    verdict.pop("verdict_table_versions")  # which commit of the root's verdict tables
     return (
         read_clean(str(root), ingest_id).sort_values(["source", "key"]).reset_index(drop=True),
         pd.read_parquet(cat / "rejects.parquet").sort_values(["source", "key"]).reset_index(

@@ -39,6 +39,13 @@ def test_shards_per_stage_are_readable_and_bucketed(validated):
             assert min(s["orig_width"], s["orig_height"]) >= r
     meta = json.loads((root / "shards" / res.dataset_version / "shards.json").read_text())
     assert meta["ingest_id"] == ingest_id
+    # The dataset version names the catalog table version it was cut from: time travel reads
+    # the same rows back.
+    from deltalake import DeltaTable
+
+    version = meta["catalog_versions"]["accepted"]
+    rows = DeltaTable(str(root / "catalog" / "tables" / "accepted"), version=version).to_pandas()
+    assert set(read_clean(str(root), ingest_id)["key"]) <= set(rows["key"])
 
 
 def test_same_input_same_version_and_reuse(validated):
