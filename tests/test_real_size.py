@@ -14,6 +14,7 @@ without the kill, and both must end bit-identical.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,8 +44,13 @@ def real_size(tmp_path_factory, _prefect_api):
     )  # fmt: skip
     log = work / "w" / "commands.log"
     tail = log.read_text()[-4000:] if log.is_file() else ""
-    assert proc.returncode == 0, proc.stderr[-3000:] + tail
-    return json.loads(out.read_text()), work / "w"
+    try:
+        assert proc.returncode == 0, proc.stderr[-3000:] + tail
+        yield json.loads(out.read_text()), work / "w"
+    finally:
+        # About 26 GB of exports, shards and the registry's copy: pytest keeps the temporary
+        # folders of its last three sessions, which would hold three of these.
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def test_three_stages_trained_and_the_killed_one_resumed_exactly(real_size):
