@@ -94,10 +94,15 @@ def _connect(root: str, version: int | None):
     layout = Layout(Path(root))
     versions = _versions(layout, version)
     con = duckdb.connect()
-    for table in TABLES:
-        data = _dataset(layout, table, versions[table])
-        con.register(table, data if data is not None else pa.table({"source": pa.array([],
-                                                                     pa.string())}))  # fmt: skip
+    datasets = {table: _dataset(layout, table, versions[table]) for table in TABLES}
+    if all(data is None for data in datasets.values()):
+        raise ValueError(
+            f"no catalog tables under {layout.root / 'catalog'}: run `kiln ingest` first "
+            "(or `kiln catalog migrate` for a root of the older layout)"
+        )
+    empty = pa.table({"source": pa.array([], pa.string()), "key": pa.array([], pa.string())})
+    for table, data in datasets.items():
+        con.register(table, data if data is not None else empty)
     rejects = _verdict_rejects(layout)
     con.register("rejects", rejects)
     con.execute("CREATE VIEW clean AS SELECT a.* FROM accepted a ANTI JOIN rejects r "
@@ -123,8 +128,15 @@ def _verdict_rejects(layout: Layout) -> pa.Table:
 
 def query(root: str, sql: str, version: int | None = None) -> pa.Table:
     """`sql` (DuckDB) over the tables `clean`, `accepted` and `quarantine` of the current view,
-    or of the accepted table at `version`."""
-    return _connect(root, version).execute(sql).to_arrow_table()
+    or of the accepted table at `version`. A query DuckDB refuses raises `ValueError` with
+    DuckDB's message."""
+    import duckdb
+
+    con = _connect(root, version)
+    try:
+        return con.execute(sql).to_arrow_table()
+    except duckdb.Error as e:
+        raise ValueError(f"catalog sql: {e}") from e
 
 
 def export(root: str, out: str, fmt: str = "parquet", version: int | None = None) -> int:

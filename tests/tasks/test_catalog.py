@@ -91,6 +91,10 @@ def test_show_sql_export_and_compact(migrated, tmp_path):
     assert old.as_py() == len(before[ids[0]][0])
     with pytest.raises(ValueError, match="--version 9"):
         query(str(root), "SELECT 1", version=9)
+    with pytest.raises(ValueError, match="catalog sql: .*nope"):
+        query(str(root), "SELECT * FROM nope")
+    with pytest.raises(ValueError, match="no catalog tables under .*run `kiln ingest` first"):
+        query(str(tmp_path / "empty-root"), "SELECT 1")
 
     out = tmp_path / "clean.csv"
     assert export(str(root), str(out), "csv") == len(acc)
