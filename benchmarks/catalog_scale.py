@@ -136,8 +136,8 @@ def synth(n: int, seed: int, start: int, seq: int, ingest_id: str) -> pd.DataFra
 
 def write_ingest(root: Path, ingest_id: str, rows: pd.DataFrame, seq: int, prev: str | None,
                  totals: int) -> None:  # fmt: skip
-    from tasks import catalog_view
-    from tasks.layout import Layout
+    from tasks.catalog import view as catalog_view
+    from tasks.storage.layout import Layout
 
     settings = {"layout": "imagefolder", "caption_column": "text",
                 "metadata_columns": ["license", "aesthetic"], "max_pixels": 178956970,
@@ -257,7 +257,7 @@ def main() -> None:
 
             cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                    dashboard_address=None)  # fmt: skip
-        from flows.demo_data import write_demo_dataset
+        from kiln_demo.data import write_demo_dataset
 
         extra_src = work / "new-images"
         if not extra_src.is_dir():

@@ -69,8 +69,7 @@ def _require(rc: int, what: str, log: Path) -> None:
 def _tiny_train(toy: bool):
     """The tiny preset's `train` section, its VAE built from the config dict (random weights:
     the check proves the mechanics; `kiln train` first fits the VAE on the data)."""
-    from flows.config import load_config
-    from models.config import VaeComponent
+    from kiln_config import VaeComponent, load_config
 
     train = load_config(REPO / "configs" / "tiny.yaml").train
     train.model.vae = VaeComponent(config=train.model.vae.config)
@@ -90,7 +89,7 @@ def _tiny_train(toy: bool):
 def _write_stage_file(train, index: int, shards: Path, out: Path, **run) -> Path:
     import yaml
 
-    from models.config import StageRun
+    from kiln_config import StageRun
 
     res = train.stages[index].resolution
     stage = StageRun(train=train, stage_index=index, shards=str(shards / str(res)),

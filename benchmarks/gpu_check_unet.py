@@ -196,7 +196,7 @@ def loader_rate(work: Path, toy: bool) -> dict:
     import yaml
     from loader import _time_loader  # benchmarks/loader.py: its steady-state timing
 
-    from flows.config import load_config
+    from kiln_config import load_config
     from models.factory import build_tokenizer
     from models.loader import build_loader
     from models.measure_throughput import write_synthetic_shards

@@ -4,7 +4,7 @@ Generates N photo-like 1024-px JPEGs once (cached in --work), then measures in o
 the same number of worker processes for every path:
 
 * decode-only: PIL open + full load of every file, in a spawn process pool (the limit);
-* Kiln's ingest (`tasks.ingest.ingest_source`: listing, partition tasks, read, sha256, integrity
+* Kiln's ingest (`tasks.ingest.run.ingest_source`: listing, partition tasks, read, sha256, integrity
   decode, EXIF, pHash, catalog parquet) over the local folder;
 * plain GETs of the same objects from moto's S3 server on 127.0.0.1 (the store's own limit:
   moto is a single Python process, far slower than a real object store);
@@ -126,8 +126,8 @@ def main() -> None:
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from prefect.testing.utilities import prefect_test_harness
 
-    from flows.config import IngestConfig
-    from tasks.ingest import ingest_source
+    from kiln_config import IngestConfig
+    from tasks.ingest.run import ingest_source
 
     work = Path(args.work)
     src = work / "src"

@@ -9,7 +9,7 @@ on a fresh root (one 32 px stage, the tiny preset's fitted VAE), then reports:
   excludes 0);
 * caption faithfulness on demo captions never trained on, generated through the exported
   pipeline (`models.study_images`, as `kiln evaluate` does) and scored from the pixels
-  (`flows.faithfulness`), against chance rates from deranged captions;
+  (`kiln_demo.faithfulness`), against chance rates from deranged captions;
 * the planner against reality: `kiln plan`'s wall time against the stage's measured one.
 
     python benchmarks/learning.py --out benchmarks/results/learning.json \
@@ -37,8 +37,8 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from flows.demo_data import _render, write_demo_dataset  # noqa: E402
-from flows.faithfulness import faithfulness  # noqa: E402
+from kiln_demo.data import _render, write_demo_dataset  # noqa: E402
+from kiln_demo.faithfulness import faithfulness  # noqa: E402
 
 # The plan measures 200 steps (13 s here; the last 100 count): 40 steps (20 counted, 1.3 s)
 # read 194-223 img/s in three tries on an idle machine, 200 steps 208-211 (docs/benchmarks.md).
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _run(work: Path, size: dict, args) -> dict:
-    from models.validation import bootstrap_cond_gap  # the same numbers training logs
+    from models.heldout_loss import bootstrap_cond_gap  # the same numbers training logs
 
     # With PREFECT_API_URL set the commands report to that server (the test suite's);
     # without it each starts Prefect's temporary local one, as `make demo` does.

@@ -5,10 +5,10 @@ On a synthetic catalog of N rows (the accepted table's licensing columns: source
 contributor from 5,000, license end dates over 2025-2045, about 9% ended, 1% null, 0.1% not a
 date), in row groups of `ROW_GROUP` as the catalog writes them, measured per size:
 
-* `read_s`: reading the four columns a row group at a time (`tasks.catalog_view.read_part`),
+* `read_s`: reading the four columns a row group at a time (`tasks.catalog.view.read_part`),
   the baseline: what any full pass over the view costs;
 * `terms_s`: the same reads plus `check_terms` with a takedown list of 10,000 images and 10
-  contributors (what `tasks.quality._terms` does);
+  contributors (what `tasks.quality.gate._terms` does);
 * `check_s` = terms_s - read_s, and `per_million_s`: check_s per million rows;
 * `peak_rss_mb` of the process after the terms pass.
 
@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from data_quality.rules import QualityConfig
 from data_quality.terms import Takedowns, check_terms
-from tasks.catalog_view import ROW_GROUP, ViewPart, read_part
+from kiln_config import QualityConfig
+from tasks.catalog.view import ROW_GROUP, ViewPart, read_part
 
 COLUMNS = ["source", "key", "contributor", "license_end"]
 

@@ -71,7 +71,7 @@ def _naive_render(path: str) -> bytes:
     """The naive shard conversion: full decode, Lanczos resize, centre crop, JPEG encode."""
     from PIL import Image
 
-    from tasks.render import resize_center_crop
+    from tasks.ingest.render import resize_center_crop
 
     with Image.open(path) as img:
         crop, _ = resize_center_crop(img.convert("RGB"), RES)
@@ -84,7 +84,7 @@ def _imagefolder_item(path: str):
     """One ImageFolder-style sample: read, decode, resize, centre-crop, to tensor."""
     from PIL import Image
 
-    from tasks.render import resize_center_crop
+    from tasks.ingest.render import resize_center_crop
 
     with Image.open(path) as img:
         crop, _ = resize_center_crop(img.convert("RGB"), RES)
@@ -98,7 +98,7 @@ def _imagefolder_s3_item(job: tuple[str, str, str]):
     global _S3
     from PIL import Image
 
-    from tasks.render import resize_center_crop
+    from tasks.ingest.render import resize_center_crop
 
     endpoint, bucket, key = job
     if _S3 is None:
@@ -121,11 +121,10 @@ def _shard_step(src: str, root: str, workers: int,
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from prefect.testing.utilities import prefect_test_harness
 
-    from data_quality.rules import QualityConfig
-    from flows.config import IngestConfig, ShardsConfig
-    from tasks.ingest import ingest_source
-    from tasks.quality import validate_catalog
-    from tasks.shard import write_shards
+    from kiln_config import IngestConfig, QualityConfig, ShardsConfig
+    from tasks.ingest.run import ingest_source
+    from tasks.quality.gate import validate_catalog
+    from tasks.shards.write import write_shards
 
     shutil.rmtree(root, ignore_errors=True)
     with prefect_test_harness(server_startup_timeout=120):
@@ -319,7 +318,7 @@ def main() -> None:
 
     from streaming import MDSWriter
 
-    from flows.config import PROJECT_DIR, load_config
+    from kiln_config import PROJECT_DIR, load_config
     from models.factory import build_tokenizer
     from models.loader import build_loader
 

@@ -1,4 +1,5 @@
-"""The memory model (tasks/memory_model.py, tasks/activation_trace.py) beside measured CPU
+"""The memory model (tasks/planning/memory_model.py, tasks/planning/activation_trace.py) beside
+measured CPU
 peaks: one real training step per case in a fresh process (tests/tasks/_measure_step_memory.py),
 the tiny UNet and one with the sd2-base widths, head counts and text width but fewer blocks.
 
@@ -40,7 +41,7 @@ CASES = [  # name, unet, batch, latent side, attention, checkpointing, precision
 
 
 def _case(unet: dict, batch: int, side: int, attention: str, ckpt: bool, precision: str) -> dict:
-    from tasks.activation_trace import trace_activations, unet_parameter_count
+    from tasks.planning.activation_trace import trace_activations, unet_parameter_count
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(

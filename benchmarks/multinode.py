@@ -2,7 +2,8 @@
 this script starts on loopback (tests/slurm_cluster.py: munged, slurmctld, two slurmd; needs
 root and Debian's `slurmd slurmctld slurm-client munge`).
 
-Each run is the real stage task (`tasks.launch.launch_stage`) on the tiny preset's first stage:
+Each run is the real stage task (`tasks.launch.accelerate.launch_stage`) on the tiny preset's first
+stage:
 2 nodes x 1 process through `sbatch`/`srun`, and 1 node x 2 processes as a local `accelerate
 launch`, alternated `--repeats` times. It writes JSON with, per engine, the median time from
 the call to the first optimizer step (submission, scheduling, process start, model build and
@@ -10,7 +11,8 @@ the first batch) and the median step time after it, and their ratios SLURM / loc
 
     python benchmarks/multinode.py --out benchmarks/results/multinode.json
 
-It also fits the scale model's per-collective latency (`tasks.scale_model.fit_loopback`) to the
+It also fits the scale model's per-collective latency (`tasks.planning.scale_model.fit_loopback`)
+to the
 two step times and writes it, with the model's prediction beside the measurement, under
 `scale_model`; `--fit-only` adds that to an existing result without running anything.
 """
@@ -42,11 +44,11 @@ def _cluster_module():
 
 def _shards(base: Path) -> tuple[Path, Path, str]:
     """The demo set (60 images), validated and sharded for the tiny stages."""
-    from flows.config import load_config
-    from flows.demo_data import write_demo_dataset
-    from tasks.ingest import ingest_source
-    from tasks.quality import validate_catalog
-    from tasks.shard import write_shards
+    from kiln_config import load_config
+    from kiln_demo.data import write_demo_dataset
+    from tasks.ingest.run import ingest_source
+    from tasks.quality.gate import validate_catalog
+    from tasks.shards.write import write_shards
 
     write_demo_dataset(base / "src", n=60, seed=0)
     cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
@@ -63,9 +65,8 @@ def _shards(base: Path) -> tuple[Path, Path, str]:
 
 
 def _run(cfg_path: Path, shards: Path, out: Path, steps: int, nodes: int, launch) -> dict:
-    from flows.config import load_config
-    from models.config import StageRun
-    from tasks.launch import launch_stage
+    from kiln_config import StageRun, load_config
+    from tasks.launch.accelerate import launch_stage
 
     train = load_config(cfg_path).train
     stage = train.stages[0].model_copy(
@@ -85,9 +86,9 @@ def _run(cfg_path: Path, shards: Path, out: Path, steps: int, nodes: int, launch
 
 def _with_fit(result: dict) -> dict:
     """`result` with the scale model's overheads fitted to its median step times."""
-    from flows.config import load_config
-    from tasks.activation_trace import unet_parameter_count
-    from tasks.scale_model import fit_loopback
+    from kiln_config import load_config
+    from tasks.planning.activation_trace import unet_parameter_count
+    from tasks.planning.scale_model import fit_loopback
 
     n = unet_parameter_count(load_config(REPO / "configs" / "tiny.yaml").train.model.unet)
     result["scale_model"] = {"unet_parameters": n, **fit_loopback(result["median"], n)}
@@ -110,7 +111,7 @@ def main() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 
-    from models.config import LaunchConfig, SlurmConfig
+    from kiln_config import LaunchConfig, SlurmConfig
 
     mod = _cluster_module()
     why = mod.slurm_available()

@@ -48,10 +48,10 @@ def _label(cmd: list[str]) -> str:
     line = " ".join(cmd)
     if "models.train" in line:
         return "accelerate launch" if "accelerate" in line else "models.train"
-    if "flows.cli" in line:
+    if "kiln_cli.main" in line:
         return (
-            "kiln " + cmd[cmd.index("flows.cli") + 1]
-            if cmd.index("flows.cli") + 1 < len(cmd)
+            "kiln " + cmd[cmd.index("kiln_cli.main") + 1]
+            if cmd.index("kiln_cli.main") + 1 < len(cmd)
             else "kiln"
         )
     if "prefect" in line and "server" in line or "uvicorn" in line:
@@ -240,7 +240,7 @@ def reference_run(stage: Path, out: Path, env: dict, log: Path) -> dict:
     (out / "stage.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
     from models.cpu_threads import cpu_threads_per_process
 
-    # The thread count of the flow's launch (tasks/launch.py): another count sums the
+    # The thread count of the flow's launch (tasks/launch/accelerate.py): another count sums the
     # gradients' partial sums in another order, and the weights differ in the last bits.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(REPO / "configs/accelerate/single.yaml"), "--num_cpu_threads_per_process",
@@ -289,7 +289,7 @@ def run_all(args, env: dict, res: dict) -> None:
     """Every step, in order, filling `res` with the figures as they come."""
     work, log = args.work, args.work / "commands.log"
     work.mkdir(parents=True, exist_ok=True)
-    kiln = [sys.executable, "-m", "flows.cli"]
+    kiln = [sys.executable, "-m", "kiln_cli.main"]
     res |= {"reduced": args.reduced, "train_on": args.train_on, "steps_per_stage": args.steps,
             "validation": not args.no_val, "steps": {}}  # fmt: skip
     steps = res["steps"]

@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from flows.config import load_config
-from models.config import StageRun
+from kiln_config import StageRun, load_config
 from models.measure_throughput import measure_stage
 from models.sample_grid import sample_grid
 from models.train import build_models

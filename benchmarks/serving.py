@@ -41,9 +41,9 @@ def _register(root: Path) -> str:
     from diffusers import StableDiffusionPipeline
     from mlflow.tracking import MlflowClient
 
-    from flows.config import load_config
+    from kiln_config import load_config
     from models.factory import build_components, sampling_scheduler
-    from tasks.registry import ensure_experiment, register_model
+    from tasks.registry.tracking import ensure_experiment, register_model
 
     c = build_components(load_config(REPO / "configs" / "tiny.yaml").train.model, seed=0)
     export = root / "final"

@@ -47,12 +47,12 @@ def main() -> None:
     p.add_argument("--no-baseline", action="store_true", help="Skip the eager baseline")
     args = p.parse_args()
 
-    from flows.config import load_config
+    from kiln_config import load_config
     from models.measure_throughput import measure_stage
 
     cfg = load_config(args.config).train
     if args.random_encoders:
-        from models.config import Component, TokenizerConfig
+        from kiln_config import Component, TokenizerConfig
 
         cfg.model.vae = Component(config=SD2_VAE)
         cfg.model.text_encoder = Component(config=SD2_TEXT)

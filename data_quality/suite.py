@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from data_quality.near_dup import near_duplicates, near_duplicates_against, phash_to_uint64
-from data_quality.rules import QualityConfig
+from kiln_config import QualityConfig
 
 __all__ = [
     "CROSS_REASONS", "INGEST_REASONS", "REASONS", "TERMS_REASONS", "QualityVerdict", "RowCheck",

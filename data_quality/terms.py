@@ -22,7 +22,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data_quality.rules import QualityConfig
+from kiln_config import QualityConfig
 
 __all__ = ["TERMS_COLUMNS", "Takedowns", "check_terms", "license_ends"]
 

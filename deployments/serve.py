@@ -3,7 +3,8 @@
     python deployments/serve.py --config configs/sd2-base.yaml --cron "0 3 * * 0"
 
 The retraining pipeline runs on the cron schedule, and when the ingest of this config's root
-reports enough new images (the `kiln.ingest.completed` event, tasks/new_data.py); every flow
+reports enough new images (the `kiln.ingest.completed` event, tasks/registry/new_data.py); every
+flow
 can also be started on demand from the Prefect UI. Parameters are config paths, never copies
 of hyperparameters.
 """
@@ -30,8 +31,8 @@ def build_deployments(config_path: str, cron: str | None) -> list:
     from prefect.client.schemas.objects import ConcurrencyLimitConfig
     from prefect.events import DeploymentEventTrigger
 
-    from flows.config import load_config
     from flows.ingest import root_resource_id
+    from kiln_config import load_config
 
     params = {"config": config_path}
     # Two trainings never overlap: a second run waits for the first (ENQUEUE).

@@ -14,13 +14,13 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config, check_inputs, run_config
-from models.config import stable_hash
-from tasks.contact_sheet import write_contact_sheets
-from tasks.launch import launch_generate
-from tasks.layout import Layout
+from kiln_config import PipelineConfig, run_config, stable_hash
+from tasks.evaluation.contact_sheet import write_contact_sheets
+from tasks.evaluation.study_metrics import compute_study_metrics, log_study_metrics, metrics_report
+from tasks.inputs import as_config, check_inputs
+from tasks.launch.accelerate import launch_generate
 from tasks.reports import study_report
-from tasks.study_metrics import compute_study_metrics, log_study_metrics, metrics_report
+from tasks.storage.layout import Layout
 
 __all__ = ["evaluate_flow", "study_id_for"]
 

@@ -26,15 +26,16 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config
 from human_eval.store import QUESTIONS
-from tasks.comparison import (
+from kiln_config import PipelineConfig
+from tasks.evaluation.comparison import (
     create_comparison_task,
     log_to_mlflow,
     mlflow_metrics,
     report_task,
     wait_for_votes,
 )
+from tasks.inputs import as_config
 
 __all__ = ["human_eval_flow", "is_model_ref", "study_for_model"]
 
@@ -59,7 +60,7 @@ def _pipeline_identity(folder: Path) -> str:
     Raises:
         FileNotFoundError: The folder holds no diffusers pipeline (no model_index.json).
     """
-    from models.config import stable_hash
+    from kiln_config import stable_hash
 
     if not (folder / "model_index.json").is_file():
         # A stage's raw weights (final-raw/) sit beside its export (final/): point at it.
@@ -90,9 +91,9 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
         ValueError: a URI that is not models:/NAME@ALIAS or models:/NAME/VERSION.
     """
     from flows.evaluate import study_id_for
-    from tasks.launch import launch_generate
-    from tasks.layout import Layout
-    from tasks.registry import registered_pipeline
+    from tasks.launch.accelerate import launch_generate
+    from tasks.registry.tracking import registered_pipeline
+    from tasks.storage.layout import Layout
 
     ev, layout = cfg.evaluate, Layout(Path(cfg.storage.root))
     if ref.startswith("models:/"):

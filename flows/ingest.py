@@ -5,9 +5,10 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config
-from tasks.ingest import ingest_source
-from tasks.new_data import emit_ingest_completed, new_data, root_resource_id
+from kiln_config import PipelineConfig
+from tasks.ingest.run import ingest_source
+from tasks.inputs import as_config
+from tasks.registry.new_data import emit_ingest_completed, new_data, root_resource_id
 from tasks.reports import ingest_report, new_data_report
 
 __all__ = ["ingest_flow", "root_resource_id"]  # the event's resource id, for serve.py
@@ -21,7 +22,7 @@ def ingest_flow(
     standalone: bool = True,
 ) -> dict:
     """List the source, decode every image, write accepted and quarantine tables, and emit
-    `kiln.ingest.completed` (tasks/new_data.py), which starts a retrain when enough new
+    `kiln.ingest.completed` (tasks/registry/new_data.py), which starts a retrain when enough new
     images arrived since the last training.
 
     Args:

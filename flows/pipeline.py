@@ -13,16 +13,17 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config
 from flows.evaluate import evaluate_flow
 from flows.ingest import ingest_flow
 from flows.register import register_flow
 from flows.shard import shard_flow
 from flows.train import train_flow
 from flows.validate import validate_flow
-from tasks.layout import new_run_id
-from tasks.lock import root_lock
+from kiln_config import PipelineConfig
+from tasks.inputs import as_config
 from tasks.reports import pipeline_report
+from tasks.storage.layout import new_run_id
+from tasks.storage.lock import root_lock
 
 __all__ = ["kiln_pipeline"]
 

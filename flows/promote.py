@@ -2,7 +2,7 @@
 
 The same decision as `kiln promote` / `kiln rollback`, as a Prefect flow so it can run from the
 UI or a deployment. The decision (passed or refused, with the numbers read) is tagged on the
-candidate's version by `tasks.promotion` and shown here as a markdown artifact; a refusal
+candidate's version by `tasks.registry.promotion` and shown here as a markdown artifact; a refusal
 fails the flow run with the reasons.
 """
 
@@ -11,9 +11,10 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config
-from tasks.lineage_registry import tag_takedowns
-from tasks.promotion import PromotionRefused, promote, rollback
+from kiln_config import PipelineConfig
+from tasks.inputs import as_config
+from tasks.registry.lineage import tag_takedowns
+from tasks.registry.promotion import PromotionRefused, promote, rollback
 
 __all__ = ["promote_flow", "rollback_flow"]
 

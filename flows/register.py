@@ -12,12 +12,13 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config, config_hash, run_config
-from tasks.layout import Layout
-from tasks.lineage_registry import register_lineage
-from tasks.registry import register_model
+from kiln_config import PipelineConfig, config_hash, run_config
+from tasks.evaluation.study_metrics import metrics_lineage
+from tasks.inputs import as_config
+from tasks.registry.lineage import register_lineage
+from tasks.registry.tracking import register_model
 from tasks.reports import model_card, registered_report
-from tasks.study_metrics import metrics_lineage
+from tasks.storage.layout import Layout
 
 __all__ = ["register_flow"]
 

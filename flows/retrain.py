@@ -17,11 +17,12 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config, check_inputs
 from flows.human_evaluation import study_for_model
 from flows.pipeline import kiln_pipeline
-from tasks.comparison import create_comparison_task
-from tasks.layout import Layout
+from kiln_config import PipelineConfig
+from tasks.evaluation.comparison import create_comparison_task
+from tasks.inputs import as_config, check_inputs
+from tasks.storage.layout import Layout
 
 __all__ = ["retrain_flow"]
 

@@ -7,14 +7,14 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config, encoder_key
-from models.config import StageRun
-from tasks.launch import launch_precompute
-from tasks.layout import Layout
-from tasks.publish import publish_shards
+from kiln_config import PipelineConfig, StageRun, encoder_key
+from tasks.inputs import as_config
+from tasks.launch.accelerate import launch_precompute
 from tasks.reports import shards_report
-from tasks.shard import write_shards
-from tasks.vae_folder import resolve_fitted_vae, vae_from_pipeline
+from tasks.shards.publish import publish_shards
+from tasks.shards.vae_folder import resolve_fitted_vae, vae_from_pipeline
+from tasks.shards.write import write_shards
+from tasks.storage.layout import Layout
 
 __all__ = ["shard_flow"]
 

@@ -5,7 +5,7 @@
     training saw one)
 
 The next validate quarantines the listed rows (reason `takedown`); `kiln promote` refuses a
-version whose tag counts taken-down images unless told why (tasks/promotion.py).
+version whose tag counts taken-down images unless told why (tasks/registry/promotion.py).
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ import pandas as pd
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config
-from tasks.lineage import resolve_image
-from tasks.lineage_registry import tag_takedowns
-from tasks.new_data import emit_takedown_added, taken_down_since_training
-from tasks.takedown import add_takedown
+from kiln_config import PipelineConfig
+from tasks.catalog.lineage import resolve_image
+from tasks.catalog.takedown import add_takedown
+from tasks.inputs import as_config
+from tasks.registry.lineage import tag_takedowns
+from tasks.registry.new_data import emit_takedown_added, taken_down_since_training
 
 __all__ = ["read_keys_file", "takedown_flow"]
 

@@ -22,24 +22,17 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import (
-    PipelineConfig,
-    as_config,
-    check_inputs,
-    encoder_key,
-    run_config,
-    write_snapshot,
-)
-from models.config import StageRun
-from tasks.grid_artifact import sample_grid_report
-from tasks.launch import launch_stage
-from tasks.layout import Layout, is_published, new_run_id
-from tasks.lock import root_lock
-from tasks.preflight import preflight, stage_feasibility
-from tasks.publish import publish_shards
-from tasks.registry import create_training_run, log_run_artifact, mark_training_run
+from kiln_config import PipelineConfig, StageRun, encoder_key, run_config, write_snapshot
+from tasks.evaluation.grid_artifact import sample_grid_report
+from tasks.inputs import as_config, check_inputs
+from tasks.launch.accelerate import launch_stage
+from tasks.launch.preflight import preflight, stage_feasibility
+from tasks.registry.tracking import create_training_run, log_run_artifact, mark_training_run
 from tasks.reports import stage_report, write_loss_curves
-from tasks.vae_folder import resolve_fitted_vae, vae_from_pipeline
+from tasks.shards.publish import publish_shards
+from tasks.shards.vae_folder import resolve_fitted_vae, vae_from_pipeline
+from tasks.storage.layout import Layout, is_published, new_run_id
+from tasks.storage.lock import root_lock
 
 __all__ = ["train_flow"]
 
@@ -97,8 +90,8 @@ def resolve_warm_start(cfg: PipelineConfig, layout: Layout) -> dict:
     """
     from mlflow.exceptions import MlflowException
 
-    from tasks.export_pngs import resolve_pipeline
-    from tasks.promotion import PromotionRefused, resolve_version
+    from tasks.evaluation.export_pngs import resolve_pipeline
+    from tasks.registry.promotion import PromotionRefused, resolve_version
 
     ref = cfg.train.init_from_model
     out = {"ref": ref}
@@ -146,7 +139,7 @@ def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) ->
 
 def _val_shards(cfg: PipelineConfig, layout: Layout, version: str, res: int,
                 latents: bool) -> str | None:  # fmt: skip
-    """The stage's held-out validation split (`tasks.shard`), of the same kind as what it
+    """The stage's held-out validation split (`tasks.shards.write`), of the same kind as what it
     trains on (precomputed latents or images); None when the version has none for `res`.
 
     Always the local copy, even when training streams `shards.remote` (the split is small):
@@ -159,7 +152,7 @@ def _val_shards(cfg: PipelineConfig, layout: Layout, version: str, res: int,
 
 def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str]) -> dict:
     """StageRun fields that stream the published copies of `shards` and `mix` (under
-    `shards.remote`, as `tasks.publish` lays them out) through `shards.cache_dir`."""
+    `shards.remote`, as `tasks.shards.publish` lays them out) through `shards.cache_dir`."""
     rel = [Path(p).relative_to(layout.root / "shards").as_posix() for p in [shards, *mix]]
     remotes = [f"{cfg.shards.remote}/{r}" for r in rel]
     caches = [str(Path(cfg.shards.cache_dir, r)) for r in rel]
@@ -246,7 +239,7 @@ def _train_locked(
 
 def _feasible(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) -> None:
     """Fail, before a VAE is fitted, a run folder written or a job launched, when a pending
-    stage cannot run as configured (tasks.preflight.stage_feasibility); never retried."""
+    stage cannot run as configured (tasks.launch.preflight.stage_feasibility); never retried."""
     pending = [
         i for i, s in enumerate(cfg.train.stages)
         if not (layout.stage(run_id, s.resolution) / "manifest.json").is_file()

@@ -12,11 +12,12 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from flows.config import PipelineConfig, as_config
-from tasks.layout import Layout
-from tasks.quality import validate_catalog
-from tasks.registry import log_data_docs
+from kiln_config import PipelineConfig
+from tasks.inputs import as_config
+from tasks.quality.gate import validate_catalog
+from tasks.registry.tracking import log_data_docs
 from tasks.reports import quality_report
+from tasks.storage.layout import Layout
 
 __all__ = ["validate_flow"]
 

@@ -13,11 +13,15 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from accelerate import Accelerator
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
-from models.config import DIVERGED
+
+# In a stage folder: the stage diverged and stays failed (the training script writes it; the
+# launch task reads it and does not retry).
+DIVERGED = "DIVERGED.json"
 
 __all__ = ["DIVERGED", "TrainingDiverged", "divergence", "fail_diverged", "raise_if_diverged"]
 

@@ -21,7 +21,7 @@ import torch
 from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizerFast
 
-from models.config import Component, ModelConfig, TokenizerConfig
+from kiln_config import Component, ModelConfig, TokenizerConfig
 
 log = logging.getLogger("kiln.factory")
 

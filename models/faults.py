@@ -1,6 +1,6 @@
 """Fault injection for the training script: the test seams of `StageRun.faults`.
 
-Each seam is a parameter of the stage file (`models.config.FaultInjection`), never an
+Each seam is a parameter of the stage file (`kiln_config.FaultInjection`), never an
 environment switch. Kills and stalls fire once per stage folder (a `.fault-fired-*` marker
 remembers them), so the relaunch that follows runs through; a NaN loss and a weight desync
 act on every launch, as the real faults would.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from models.config import FaultInjection
+from kiln_config import FaultInjection
 
 __all__ = ["kill_in_export", "nan_loss", "perturb_weights", "step_fault"]
 

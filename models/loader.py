@@ -25,8 +25,8 @@ import torch
 from streaming import StreamingDataLoader
 from transformers import PreTrainedTokenizerBase
 
+from kiln_config import TrainConfig
 from models.collation import KilnCollate
-from models.config import TrainConfig
 from models.decoding import Size, width_height
 from models.mds_reader import MDSReader
 from models.shared_batch_buffers import BatchRing
@@ -265,10 +265,10 @@ def build_loader(
             way), `caption_dropout`, `hflip`, `num_workers`, `shuffle_algo`, `predownload`
             and `cache_limit`.
         local: Folder of the stage's MDS dataset; with `remote` (an `s3://` or folder copy
-            published by `tasks.publish`), the cache that shards are streamed into. A bucketed
-            stage (`buckets.json`, see `tasks/shard.py`) becomes one stream per aspect bucket,
-            each with its share of the dataset's proportion, batched `per_stream`: every batch
-            comes from one bucket, so its images have one shape.
+            published by `tasks.shards.publish`), the cache that shards are streamed into. A
+            bucketed stage (`buckets.json`, see `tasks/shards/write.py`) becomes one stream per
+            aspect bucket, each with its share of the dataset's proportion, batched
+            `per_stream`: every batch comes from one bucket, so its images have one shape.
         tokenizer: The model's tokenizer.
         resolution: The stage's image size (the square side, or (width, height)).
         batch_size: Samples per batch on this rank.

@@ -20,7 +20,7 @@ import torch
 from PIL import Image
 from streaming import MDSWriter
 
-from models.config import StageRun, TrainConfig
+from kiln_config import StageRun, TrainConfig
 from models.cpu_threads import cpu_threads_per_process
 
 __all__ = ["MAX_MEASURED_VAL", "measure_stage", "write_synthetic_shards"]

@@ -32,7 +32,7 @@ from accelerate import Accelerator
 from streaming import MDSWriter, StreamingDataset
 from streaming.base.util import merge_index
 
-from models.config import StageRun, load_yaml_model
+from kiln_config import StageRun, load_yaml_model
 from models.decoding import decode_pixels
 from models.factory import build_components
 from models.loader import dataset_buckets
@@ -103,7 +103,7 @@ def _encode_folder(accelerator, comps, dtype, cols: dict, src: Path, out: Path, 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
-    # A bucketed stage (tasks/shard.py) is one dataset per aspect bucket: encode each into a
+    # A bucketed stage (tasks/shards/write.py) is one dataset per aspect bucket: encode each into a
     # bucket folder of the same name, and copy the bucket list, so the loader streams them
     # per bucket just as it streams the images.
     buckets = dataset_buckets(str(src))
@@ -128,7 +128,7 @@ def _encode_folder(accelerator, comps, dtype, cols: dict, src: Path, out: Path, 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="stage.yaml (models.config.StageRun)")
+    p.add_argument("--config", required=True, help="stage.yaml (kiln_config.StageRun)")
     p.add_argument("--out", required=True, help="Output folder of the latents dataset")
     p.add_argument("--val-out", help="Output folder of the validation split's latents "
                    "(stage.yaml's val_shards)")  # fmt: skip

@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from PIL import Image, ImageDraw, ImageFont
 
-from models.config import StageRun
+from kiln_config import StageRun
 from models.export import export_unet, write_pipeline
 from models.study_images import generate_images, load_pipeline
 

@@ -26,7 +26,7 @@ import torch
 from diffusers import AutoencoderKL
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from models.config import TokenizerConfig
+from kiln_config import TokenizerConfig
 from models.factory import build_tokenizer
 
 __all__ = ["SD2_TEXT_ENCODER", "SD2_VAE", "sd2_pretrained_entries", "write_sd2_components"]

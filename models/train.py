@@ -3,7 +3,7 @@
     accelerate launch --config_file configs/accelerate/single.yaml \
         -m models.train --config stage.yaml
 
-The stage file (a resolved :class:`models.config.StageRun`) is the only input. The script
+The stage file (a resolved :class:`kiln_config.StageRun`) is the only input. The script
 resumes from the newest complete checkpoint in `<output_dir>/checkpoints/` by itself, so a
 crashed launch is restarted with the same command. When done it exports a diffusers
 `StableDiffusionPipeline` to `<output_dir>/final/` (EMA weights when EMA is on) and writes
@@ -40,8 +40,8 @@ from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 
+from kiln_config import StageRun, load_yaml_model
 from models.checkpoint import TrainState, resume, save_due_checkpoint
-from models.config import StageRun, load_yaml_model
 from models.divergence import (
     DIVERGED,
     TrainingDiverged,
@@ -54,12 +54,12 @@ from models.export import export_unet, write_pipeline
 from models.factory import Components, build_components, vae_scale_factor
 from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
 from models.flops import device_peak_flops, train_flops_per_sample
+from models.heldout_loss import build_validator
 from models.loader import KilnLoader, build_loader, precomputed_columns
 from models.loss import denoising_loss
 from models.sample_grid import maybe_sample_grid, sample_grid, sample_grids
 from models.stale_streaming_files import clean_stale_streaming
 from models.train_metrics import MetricsSink, MetricsWindow, system_metrics
-from models.validation import build_validator
 
 __all__ = [
     "DIVERGED",
@@ -500,7 +500,7 @@ def main(argv: list[str] | None = None) -> None:
     """Train, export and mark complete the stage of `--config` (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--config", required=True, help="Resolved stage.yaml (models.config.StageRun)"
+        "--config", required=True, help="Resolved stage.yaml (kiln_config.StageRun)"
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
-from models.config import VaeFitConfig, stable_hash
+from kiln_config import VaeFitConfig, stable_hash
 from models.decoding import decode_uint8
 
 __all__ = [

@@ -1,7 +1,7 @@
 """The markdown each step publishes as a Prefect artifact: pure functions of the step's result.
 
 Kept out of the flows so that each flow reads top to bottom as its steps. Nothing here may
-show a credential: tracking URIs go through `models.config.redact_uri`. One function draws
+show a credential: tracking URIs go through `kiln_config.redact_uri`. One function draws
 rather than writes markdown: `write_loss_curves`, the PNG a stage's report links.
 """
 
@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 from data_quality.suite import INGEST_REASONS
-from models.config import redact_uri
-from tasks.ingest import IngestResult
-from tasks.new_data import NewData
-from tasks.quality import ValidateResult, reasons_table
+from kiln_config import redact_uri
+from tasks.ingest.run import IngestResult
+from tasks.quality.gate import ValidateResult, reasons_table
+from tasks.registry.new_data import NewData
 
 __all__ = [
     "ingest_report",

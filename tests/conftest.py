@@ -87,7 +87,7 @@ def prefect_harness(request):
 @pytest.fixture(scope="session")
 def demo_src(tmp_path_factory) -> Path:
     """60 demo files (5 planted bad) in the imagefolder layout; shared, so never modify it."""
-    from flows.demo_data import write_demo_dataset
+    from kiln_demo.data import write_demo_dataset
 
     out = tmp_path_factory.mktemp("demo") / "src"
     write_demo_dataset(out, n=60, seed=0)
@@ -183,10 +183,10 @@ def tiny_config(tmp_path, demo_src, make_config) -> Path:
 @pytest.fixture(scope="session")
 def tiny_shards(tmp_path_factory, demo_src, make_config):
     """Validated demo catalog sharded for the tiny stages: (config path, root, dataset version)."""
-    from flows.config import load_config
-    from tasks.ingest import ingest_source
-    from tasks.quality import validate_catalog
-    from tasks.shard import write_shards
+    from kiln_config import load_config
+    from tasks.ingest.run import ingest_source
+    from tasks.quality.gate import validate_catalog
+    from tasks.shards.write import write_shards
 
     base = tmp_path_factory.mktemp("shards")
     cfg_path = make_config(base / "tiny.yaml", base / "root", demo_src)

@@ -5,7 +5,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from flows.cli import main
+from kiln_cli.main import main
 
 COMMANDS = [
     "demo-data",
@@ -56,7 +56,7 @@ def test_every_command_has_help(command):
 def test_bad_config_is_one_clear_line(tmp_path):
     (tmp_path / "bad.yaml").write_text("train: {stages: []}\nevaluate: {prompts_csv: x}\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "ingest", "--config", str(tmp_path / "bad.yaml")],
+        [sys.executable, "-m", "kiln_cli.main", "ingest", "--config", str(tmp_path / "bad.yaml")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 1
@@ -153,7 +153,7 @@ def test_plan_with_a_missing_topology_names_the_field(tmp_path, demo_src, make_c
     cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
                       **{"launch.accelerate_config": str(missing)})  # fmt: skip
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "plan", "--config", str(cfg), "--img-per-s", "10"],
+        [sys.executable, "-m", "kiln_cli.main", "plan", "--config", str(cfg), "--img-per-s", "10"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 1
@@ -188,8 +188,8 @@ def test_mlflow_ui_gets_the_tracking_uri_through_the_environment(
 def test_run_summary_and_register_artifact_redact_the_tracking_uri(
     tmp_path, demo_src, make_config, capsys
 ):
-    from flows.cli import _where
-    from flows.config import load_config
+    from kiln_cli.main import _where
+    from kiln_config import load_config
     from tasks.reports import registered_report
 
     cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
@@ -207,13 +207,13 @@ def test_run_summary_and_register_artifact_redact_the_tracking_uri(
 
 
 def _kiln(*args, env=None, timeout=120):
-    """`python -m flows.cli ARGS` as a user runs it: (process, seconds it took)."""
+    """`python -m kiln_cli.main ARGS` as a user runs it: (process, seconds it took)."""
     import os
     import time
 
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True,
+        [sys.executable, "-m", "kiln_cli.main", *args], capture_output=True, text=True,
         timeout=timeout, env={**os.environ, **(env or {})},
     )  # fmt: skip
     return proc, time.monotonic() - t0
@@ -285,7 +285,7 @@ def test_offline_without_cached_prompts_names_both_fixes(tmp_path, demo_src):
 
 
 def test_ui_env_points_the_ui_at_its_own_port():
-    from flows.cli import _ui_env
+    from kiln_cli.main import _ui_env
 
     assert _ui_env(4301, {}) == {"PREFECT_SERVER_UI_API_URL": "http://127.0.0.1:4301/api"}
     assert _ui_env(4301, {"PREFECT_API_URL": "http://127.0.0.1:4200/api"}) == {
@@ -309,7 +309,7 @@ def test_kiln_ui_on_another_port_calls_its_own_api(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     log = open(tmp_path / "ui.log", "w")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "kiln_cli.main", "ui", "--port", str(port)],
                             env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
     base = f"http://127.0.0.1:{port}"
@@ -358,8 +358,7 @@ def test_a_rate_command_error_is_one_kiln_error_line(tmp_path, make_config):
 
 
 def test_defaults_in_help_come_from_the_schema():
-    from flows.config import HumanEvalConfig
-    from models.config import EvaluateConfig
+    from kiln_config import EvaluateConfig, HumanEvalConfig
 
     serve = CliRunner().invoke(main, ["rate", "serve", "--help"]).output
     assert f"human_eval.port, {HumanEvalConfig().port}]" in serve

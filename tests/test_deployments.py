@@ -36,7 +36,7 @@ def test_the_human_eval_flow_has_a_deployment_to_start_from_the_ui():
 
 
 def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
-    from flows.config import load_config
+    from kiln_config import load_config
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in spec["deployments"]}

@@ -44,10 +44,11 @@ SECRETS = {
 COUNT_PARSES = """
 import collections, json, sys
 
-import flows.config as fc
+import kiln_config as kc
+import tasks.inputs as ti
 
 counts = collections.Counter()
-validate = fc.PipelineConfig.model_validate.__func__
+validate = kc.PipelineConfig.model_validate.__func__
 
 
 def counted_validate(cls, *args, **kwargs):
@@ -55,8 +56,8 @@ def counted_validate(cls, *args, **kwargs):
     return validate(cls, *args, **kwargs)
 
 
-fc.PipelineConfig.model_validate = classmethod(counted_validate)
-check_inputs = fc.check_inputs
+kc.PipelineConfig.model_validate = classmethod(counted_validate)
+check_inputs = ti.check_inputs
 
 
 def counted_check(*args, **kwargs):
@@ -64,8 +65,8 @@ def counted_check(*args, **kwargs):
     return check_inputs(*args, **kwargs)
 
 
-fc.check_inputs = counted_check
-from flows.cli import main
+ti.check_inputs = counted_check
+from kiln_cli.main import main
 
 if __name__ == "__main__":  # ingest's worker processes import this file too
     try:
@@ -359,7 +360,7 @@ def test_kiln_generate_writes_pngs_from_a_registered_alias(pipeline_run, tmp_pat
     cfg["registry"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
     cfg["storage"]["root"] = str(tmp_path / "consumer-root")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    kiln = [sys.executable, "-m", "flows.cli", "generate", "--config", str(tmp_path / "c.yaml")]
+    kiln = [sys.executable, "-m", "kiln_cli.main", "generate", "--config", str(tmp_path / "c.yaml")]
     proc = subprocess.run(
         [*kiln, "--model", "models:/kiln-t2i@candidate", "--prompt", "a red circle",
          "--n", "3", "--seed", "5", "--steps", "2", "--out", str(tmp_path / "png")],

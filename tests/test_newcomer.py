@@ -40,7 +40,7 @@ def clone(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def kiln(clone, tmp_path):
-    """kiln(*args): the clone's `python -m flows.cli`, offline, with empty caches."""
+    """kiln(*args): the clone's `python -m kiln_cli.main`, offline, with empty caches."""
     drop = ("KILN_DRAWBENCH_CSV", "PYTHONPATH")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PREFECT_")}
     env |= {
@@ -52,7 +52,7 @@ def kiln(clone, tmp_path):
     }
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=clone, env=env,
+        return subprocess.run([sys.executable, "-m", "kiln_cli.main", *args], cwd=clone, env=env,
                               capture_output=True, text=True, timeout=120)  # fmt: skip
 
     yield run
@@ -82,7 +82,7 @@ def test_the_clone_runs_its_own_code(clone, kiln, tmp_path):
     assert proc.returncode == 0, proc.stderr
     # From a folder that is neither checkout: PYTHONPATH, not the editable install, wins.
     where = subprocess.run(
-        [sys.executable, "-c", "import flows.cli, flows.config; print(flows.config.PROJECT_DIR)"],
+        [sys.executable, "-c", "import kiln_cli.main, kiln_config; print(kiln_config.PROJECT_DIR)"],
         env={**os.environ, "PYTHONPATH": str(clone)}, cwd=tmp_path, capture_output=True,
         text=True, timeout=60,
     )  # fmt: skip
@@ -153,7 +153,7 @@ def _spread(study: list[tuple[str, np.ndarray]]) -> float:
 
 def _faithfulness(study: list[tuple[str, np.ndarray]]) -> dict:
     """The learning benchmark's pixel checks over the prompts in the demo captions' form."""
-    from flows.faithfulness import faithfulness, parse_caption
+    from kiln_demo.faithfulness import faithfulness, parse_caption
 
     def demo_style(prompt: str) -> bool:
         try:
@@ -185,7 +185,7 @@ def made_demo(clone, tmp_path_factory) -> dict:
     env = _offline_env(tmp, clone)
     shim = tmp / "bin"
     shim.mkdir()
-    (shim / "kiln").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m flows.cli "$@"\n')
+    (shim / "kiln").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kiln_cli.main "$@"\n')
     (shim / "kiln").chmod(0o755)
     (shim / "python").symlink_to(sys.executable)
     (tmp / "stamp").touch()
@@ -215,7 +215,7 @@ def test_make_demo_ends_with_a_study_that_follows_its_prompts(clone, made_demo, 
         untrained_dir / "unet"))  # fmt: skip
     unet.save_pretrained(untrained_dir / "unet")
     ev = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "evaluate", "--config", "configs/tiny.yaml",
+        [sys.executable, "-m", "kiln_cli.main", "evaluate", "--config", "configs/tiny.yaml",
          "--model", str(untrained_dir)], cwd=clone, env=env, capture_output=True, text=True,
         timeout=600,
     )  # fmt: skip
@@ -239,7 +239,7 @@ def _judge(prompt: str, left: Image.Image, right: Image.Image) -> str:
     """A scripted rater's key: the image that shows the prompt's background and colours
     (1: left, 2: right), or 3 (indifferent) when neither does better or the prompt is not in
     the demo captions' form."""
-    from flows.faithfulness import parse_caption, score_image
+    from kiln_demo.faithfulness import parse_caption, score_image
 
     try:
         parse_caption(prompt)
@@ -316,7 +316,7 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     rep = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "rate", "report", "--config", "configs/tiny.yaml",
+        [sys.executable, "-m", "kiln_cli.main", "rate", "report", "--config", "configs/tiny.yaml",
          "--comparison", cid], cwd=clone, env=made_demo["env"], capture_output=True, text=True,
         timeout=300,
     )  # fmt: skip

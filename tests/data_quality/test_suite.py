@@ -1,8 +1,8 @@
 import pandas as pd
 import pytest
 
-from data_quality.rules import QualityConfig
 from data_quality.suite import run_suite
+from kiln_config import QualityConfig
 
 
 def _catalog(**cols) -> pd.DataFrame:

@@ -4,8 +4,8 @@ from datetime import date
 
 import pandas as pd
 
-from data_quality.rules import QualityConfig
 from data_quality.terms import Takedowns, check_terms
+from kiln_config import QualityConfig
 
 
 def test_takedown_wins_then_an_unreadable_end_then_an_ended_license():

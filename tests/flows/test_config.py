@@ -5,8 +5,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config import PROJECT_DIR, PipelineConfig, config_hash, load_config, write_snapshot
-from models.config import ConfigError, redact_uri, stable_hash
+from kiln_config import (
+    PROJECT_DIR,
+    ConfigError,
+    PipelineConfig,
+    config_hash,
+    load_config,
+    redact_uri,
+    stable_hash,
+    write_snapshot,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -171,7 +179,7 @@ def test_redact_uri_masks_only_the_password():
 
 def _checked(tmp_path, make_config, demo_src, steps, source=None, **overrides):
     """check_inputs on a tiny config: returns the ConfigError's lines ([] when it passes)."""
-    from flows.config import check_inputs
+    from tasks.inputs import check_inputs
 
     path = make_config(tmp_path / "c.yaml", tmp_path / "root", source or demo_src, **overrides)
     try:
@@ -234,7 +242,7 @@ def test_missing_topology_names_the_field(tmp_path, make_config, demo_src):
 
 
 def test_tracking_folder_of_each_uri_kind(tmp_path, monkeypatch):
-    from flows.config import tracking_folder
+    from tasks.inputs import tracking_folder
 
     monkeypatch.chdir(tmp_path)
     assert tracking_folder("sqlite:////srv/kiln/mlflow.db") == Path("/srv/kiln")
@@ -297,7 +305,7 @@ def test_missing_prompts_file_is_a_config_error(tmp_path, make_config, demo_src)
 
 
 def test_unset_source_says_how_to_set_it(tmp_path, make_config, demo_src):
-    from flows.config import check_inputs
+    from tasks.inputs import check_inputs
 
     cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
     cfg.ingest.source = None
@@ -309,7 +317,7 @@ def test_unset_source_says_how_to_set_it(tmp_path, make_config, demo_src):
 def test_run_config_reuses_a_config_equal_to_the_snapshot(tmp_path, make_config, demo_src):
     """The pipeline passes on the config its training run wrote: not parsed again. Another
     config gives way to the run's snapshot, which is parsed."""
-    from flows.config import run_config
+    from kiln_config import run_config
 
     cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
     snap = write_snapshot(cfg, tmp_path / "root" / "runs" / "run-1" / "config.yaml")
@@ -323,7 +331,7 @@ def test_run_config_reuses_a_config_equal_to_the_snapshot(tmp_path, make_config,
 def test_as_config_loads_a_path_once_and_passes_a_loaded_config_through(
     tmp_path, make_config, demo_src
 ):
-    from flows.config import as_config
+    from tasks.inputs import as_config
 
     path = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src)
     cfg = as_config(str(path), ("ingest",), root=str(tmp_path / "other"))

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from flows.demo_data import PLANTED, write_demo_dataset
+from kiln_demo.data import PLANTED, write_demo_dataset
 
 
 def test_demo_data_is_deterministic_and_plants_bad_items(tmp_path):

@@ -14,10 +14,10 @@ import scipy.linalg
 import torch
 from PIL import Image
 
-from models.config import EvalMetricsConfig, EvaluateConfig, LaunchConfig, TokenizerConfig
+from kiln_config import EvalMetricsConfig, EvaluateConfig, LaunchConfig, TokenizerConfig
 from models.image_metrics import clip_score, fid, load_clip, load_inception, weights_sha256
-from tasks.contact_sheet import THUMB, write_contact_sheets
-from tasks.study_metrics import compute_study_metrics, metrics_report
+from tasks.evaluation.contact_sheet import THUMB, write_contact_sheets
+from tasks.evaluation.study_metrics import compute_study_metrics, metrics_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -197,7 +197,7 @@ def _root_with_val_split(tmp_path: Path, tiny_shards, n_val: int = 8) -> tuple[P
     (the shard step's own when it wrote one; else written here with the shards' columns)."""
     from streaming import MDSWriter, StreamingDataset
 
-    from tasks.shard import MDS_COLUMNS
+    from tasks.shards.write import MDS_COLUMNS
 
     _, shared, version = tiny_shards
     root = tmp_path / "root"

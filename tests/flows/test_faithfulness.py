@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flows.demo_data import write_demo_dataset
-from flows.faithfulness import faithfulness, parse_caption, score_image
+from kiln_demo.data import write_demo_dataset
+from kiln_demo.faithfulness import faithfulness, parse_caption, score_image
 
 
 @pytest.fixture(scope="module")

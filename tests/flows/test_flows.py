@@ -13,7 +13,7 @@ from streaming import StreamingDataset
 from flows.ingest import ingest_flow
 from flows.shard import shard_flow
 from flows.validate import validate_flow
-from tasks.quality import QualityGateError
+from tasks.quality.gate import QualityGateError
 
 pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
 
@@ -102,7 +102,7 @@ def test_a_flow_run_records_its_config_without_credentials(tmp_path, demo_src, m
     while the flow itself, and the run's snapshot, use them."""
     from prefect.client.orchestration import get_client
 
-    from flows.config import _snapshot_text, load_config
+    from kiln_config import _snapshot_text, load_config
 
     cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
     cfg.storage.endpoint_url = "http://AKIDKILN:endpoint-s3cr3t@127.0.0.1:9"  # unused: a folder
@@ -157,7 +157,7 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
     treat every stage alike (tests/models/test_precompute.py checks a square 32 px stage's
     latents against the training path)."""
     from flows.train import train_flow
-    from tasks.storage import Storage
+    from tasks.storage.objects import Storage
 
     bucket, _ = s3_bucket
     stages = [{"resolution": 64, "batch_size": 4, "learning_rate": 2.0e-4, "max_steps": 4,

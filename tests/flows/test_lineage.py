@@ -14,8 +14,6 @@ import pytest
 from click.testing import CliRunner
 from mlflow.tracking import MlflowClient
 
-from flows.cli import main
-from flows.demo_data import licensing
 from flows.ingest import ingest_flow
 from flows.pipeline import kiln_pipeline
 from flows.promote import promote_flow
@@ -23,9 +21,11 @@ from flows.register import register_flow
 from flows.shard import shard_flow
 from flows.train import train_flow
 from flows.validate import validate_flow
-from tasks.lineage import REPORT_ARTIFACT, dataset_rows
-from tasks.promotion import PromotionRefused
-from tasks.quality import read_clean
+from kiln_cli.main import main
+from kiln_demo.data import licensing
+from tasks.catalog.lineage import REPORT_ARTIFACT, dataset_rows
+from tasks.quality.gate import read_clean
+from tasks.registry.promotion import PromotionRefused
 
 from .test_run_config import ONE_STAGE
 
@@ -39,7 +39,7 @@ def _kiln(*args: str) -> str:
 
 
 def _contributor(key: str) -> str:
-    """What the demo set wrote for this file (flows/demo_data.py), independent of Kiln."""
+    """What the demo set wrote for this file (kiln_demo/data.py), independent of Kiln."""
     return licensing(int(key[:5]))["contributor"]
 
 

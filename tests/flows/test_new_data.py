@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
 from flows.ingest import ingest_flow
-from tasks.layout import Layout
-from tasks.new_data import new_data
-from tasks.quality import validate_catalog
+from kiln_config import load_config
+from tasks.quality.gate import validate_catalog
+from tasks.registry.new_data import new_data
 from tasks.reports import new_data_report
-from tasks.shard import write_shards
+from tasks.shards.write import write_shards
+from tasks.storage.layout import Layout
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +86,7 @@ def test_a_training_in_progress_holds_the_retrain_back(tmp_path, landing_src, ma
     land()
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time; from tasks.lock import root_lock\n"
+         "import sys, time; from tasks.storage.lock import root_lock\n"
          f"with root_lock({str(root)!r}, 'kiln train'):\n"
          "    print('held', flush=True); time.sleep(120)"],
         stdout=subprocess.PIPE, text=True,

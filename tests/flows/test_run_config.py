@@ -11,8 +11,8 @@ from mlflow.tracking import MlflowClient
 from flows.evaluate import evaluate_flow
 from flows.register import register_flow
 from flows.train import train_flow
-from models.config import stable_hash
-from tasks.launch import LaunchError
+from kiln_config import stable_hash
+from tasks.launch.accelerate import LaunchError
 
 pytestmark = pytest.mark.integration
 

@@ -6,7 +6,7 @@ import shutil
 import pytest
 import yaml
 
-from tasks.preflight import HealthCheckError
+from tasks.launch.preflight import HealthCheckError
 
 
 def test_a_dataset_smaller_than_one_batch_fails_before_any_launch(tiny_shards, tmp_path):
@@ -62,8 +62,8 @@ def test_check_stages_names_the_memory_that_does_not_fit():
     """On GPUs the memory model is checked too: the sd2-base recipe's 512 px stage on 80 GB."""
     from pathlib import Path
 
-    from flows.config import load_config
-    from tasks.preflight import check_stages
+    from kiln_config import load_config
+    from tasks.launch.preflight import check_stages
 
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(repo / "configs" / "sd2-base.yaml")

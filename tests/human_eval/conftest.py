@@ -101,7 +101,7 @@ def wait_until_up(url: str, proc, timeout: float = 60.0) -> None:
 def serve_argv(root: Path, port: int) -> list[str]:
     """`kiln rate serve` over the root's default ratings store, on 127.0.0.1:port."""
     config = str(REPO / "configs" / "tiny.yaml")
-    return ["flows.cli", "rate", "serve", "--config", config, "--root", str(root),
+    return ["kiln_cli.main", "rate", "serve", "--config", config, "--root", str(root),
             "--port", str(port)]  # fmt: skip
 
 

@@ -14,10 +14,10 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from flows.cli import main as cli
-from flows.config import load_config
 from human_eval.report import build_report
 from human_eval.store import RatingStore
+from kiln_cli.main import main as cli
+from kiln_config import load_config
 
 from .conftest import PROMPTS, free_port, start_server, stop, write_study
 
@@ -49,7 +49,7 @@ def served(tmp_path, make_config):
     invite = runner.invoke(cli, ["rate", "invite", *common, "--comparison", cid, "--raters", "1"])
     link = re.search(r"http://\S+", invite.stdout).group(0)
     port = data["human_eval"]["port"]
-    proc, _ = start_server(["flows.cli", "rate", "serve", *common], port)
+    proc, _ = start_server(["kiln_cli.main", "rate", "serve", *common], port)
     admin = f"http://127.0.0.1:{port}/admin/{RatingStore.open(root).admin_token()}"
     yield {"link": link, "root": root, "cid": cid, "token": link.rsplit("/", 1)[1],
            "admin": admin, "config": cfg}  # fmt: skip

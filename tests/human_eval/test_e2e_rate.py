@@ -20,8 +20,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from flows.cli import main as cli
 from human_eval.store import RatingStore
+from kiln_cli.main import main as cli
 
 from .conftest import free_port, start_server, stop
 
@@ -100,7 +100,7 @@ def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_sr
                                 "--raters", str(RATERS)]).stdout  # fmt: skip
     tokens = re.findall(r"/rate/(\S+)$", links, re.M)
     port = yaml.safe_load(config_a.read_text())["human_eval"]["port"]
-    proc, base = start_server(["flows.cli", "rate", "serve", *common], port)
+    proc, base = start_server(["kiln_cli.main", "rate", "serve", *common], port)
     store = RatingStore.open(root)
     try:
         done = [_rater_answers(base, t, store, f"r{i}") for i, t in enumerate(tokens)]

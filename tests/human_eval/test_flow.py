@@ -87,7 +87,7 @@ def test_flow_reports_and_logs_metrics_and_tags(tmp_path, make_config):
 
     # The champion gate reads exactly these numbers from MLflow (real flow runs).
     from flows.promote import promote_flow, rollback_flow
-    from tasks.promotion import PromotionRefused
+    from tasks.registry.promotion import PromotionRefused
 
     champ_run = client.create_run(client.get_experiment_by_name("kiln").experiment_id)
     (root / "champ-export").mkdir()

@@ -10,9 +10,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from flows.cli import main as cli
-from flows.config import load_config
 from human_eval.store import RatingStore
+from kiln_cli.main import main as cli
+from kiln_config import load_config
 
 from .conftest import write_study
 

@@ -9,10 +9,10 @@ import time
 import numpy as np
 import pytest
 
-from flows.config import HumanEvalConfig
 from human_eval.report import build_report
 from human_eval.store import RatingStore, Task, Vote, default_url
 from human_eval.studies import create_comparison, load_study
+from kiln_config import HumanEvalConfig
 
 from .conftest import many_prompts, write_study
 

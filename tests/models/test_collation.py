@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
+from kiln_config import TokenizerConfig
 from models.collation import KilnCollate, device_pixels
-from models.config import TokenizerConfig
 from models.decoding import decode_pixels, decode_uint8, normalize_pixels
 from models.factory import build_tokenizer
 from models.tokenization import CaptionTokenizer

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from models.config import ConfigError, read_yaml
+from kiln_config import ConfigError, read_yaml
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.config import TrainConfig
+from kiln_config import TrainConfig
 from models.ema import EMA_DTYPES, KilnEMA, stochastic_round_bf16
 
 

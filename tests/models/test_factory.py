@@ -3,8 +3,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.config import load_config
-from models.config import TokenizerConfig
+from kiln_config import TokenizerConfig, load_config
 from models.factory import (
     build_components,
     build_tokenizer,

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from flows.config import load_config
+from kiln_config import load_config
 from models.factory import build_tokenizer
 from models.loader import build_loader
 from models.measure_throughput import write_synthetic_shards
@@ -152,7 +152,7 @@ def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_
 
 _RING_CHECK = """
 import json, sys, torch
-from flows.config import load_config
+from kiln_config import load_config
 from models.factory import build_tokenizer
 from models.loader import build_loader
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler
 
-from flows.config import load_config
+from kiln_config import load_config
 from models.factory import build_components
 from models.loss import denoising_loss, diffusion_target, encode_batch, min_snr_weight
 

@@ -11,8 +11,7 @@ import torch
 import yaml
 from streaming import StreamingDataset
 
-from flows.config import load_config
-from models.config import StageRun
+from kiln_config import StageRun, load_config
 from models.decoding import decode_pixels
 from models.factory import build_components
 

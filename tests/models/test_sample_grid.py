@@ -12,7 +12,7 @@ import torch
 import yaml
 from PIL import Image
 
-from models.config import StageRun, TrainConfig
+from kiln_config import StageRun, TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
@@ -176,7 +176,7 @@ def test_a_tracking_store_that_fails_is_a_warning(tmp_path, caplog):
 
 
 def _launch_stage(cfg_path, root, version, out, run_opts, **train_overrides):
-    from flows.config import load_config
+    from kiln_config import load_config
 
     cfg = load_config(cfg_path)
     train = cfg.train.model_copy(update=train_overrides)
@@ -204,7 +204,7 @@ def test_training_writes_grids_lists_them_and_logs_them_to_mlflow(tmp_path, tiny
     manifest, and in the MLflow run as stepped images that read back as the same pixels."""
     from mlflow.tracking import MlflowClient
 
-    from flows.config import load_config
+    from kiln_config import load_config
     from models.sample_grid import tile_size
 
     cfg_path, root, version = tiny_shards

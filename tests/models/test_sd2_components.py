@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from models.config import ModelConfig
+from kiln_config import ModelConfig
 from models.factory import build_components
 from models.sd2_components import sd2_pretrained_entries, write_sd2_components
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from diffusers import StableDiffusionPipeline
 
-from flows.config import load_config
+from kiln_config import load_config
 from models.factory import build_components, sampling_scheduler
 from models.tokenization import truncate_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 # Mostly words the tiny tokenizer does not list, so they are mostly bytes and the cut falls
 # inside "crimson" (the listed demo words are one token each, also where one ends a longer
-# word: "crimson" ends in "on"; models.config.TokenizerConfig).
+# word: "crimson" ends in "on"; kiln_config.TokenizerConfig).
 LONG = "a crimson circle beside a small cobalt square on a grassy meadow " * 4
 
 

@@ -13,9 +13,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from flows.config import load_config
-from models.config import StageRun
-from tasks.lineage import stage_draws
+from kiln_config import StageRun, load_config
+from tasks.catalog.lineage import stage_draws
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,7 +83,8 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(ddp
     k1 = [k for rec in _keys(out, 1) for k in rec["keys"]]
     assert len(k0) == len(k1) == 16
     assert not set(k0) & set(k1), "each rank trains on its own samples"
-    # The contributors' exposure counts exactly the samples both ranks drew (tasks/lineage.py).
+    # The contributors' exposure counts exactly the samples both ranks drew
+    # (tasks/catalog/lineage.py).
     assert stage_draws(out) == Counter(k0 + k1) and sum(stage_draws(out).values()) == 32
     # The export loads as a diffusers pipeline.
     assert (out / "final" / "model_index.json").is_file()
@@ -137,7 +137,7 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards)
 def test_bad_stage_file_fails_clearly(tmp_path, tiny_shards, bad):
     """The script's own entry point, in this process: it refuses the file before it builds
     anything (every other test here launches it for real)."""
-    from models.config import ConfigError
+    from kiln_config import ConfigError
     from models.train import main
 
     cfg_path, root, version = tiny_shards
@@ -238,10 +238,10 @@ def test_bucketed_stage_trains_per_bucket_and_resumes_exactly(tmp_path, tiny_sha
     (one non-square shape), and a resumed run sees exactly the same batches."""
     from streaming import StreamingDataset
 
-    from flows.config import IngestConfig, ShardsConfig
-    from tasks.ingest import ingest_source
-    from tasks.quality import validate_catalog
-    from tasks.shard import write_shards
+    from kiln_config import IngestConfig, ShardsConfig
+    from tasks.ingest.run import ingest_source
+    from tasks.quality.gate import validate_catalog
+    from tasks.shards.write import write_shards
 
     cfg_path, _, _ = tiny_shards
     cfg = load_config(cfg_path)

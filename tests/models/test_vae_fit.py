@@ -13,7 +13,7 @@ import yaml
 from diffusers import AutoencoderKL
 from PIL import Image
 
-from models.config import ModelConfig, VaeComponent, VaeFitConfig, load_yaml_model
+from kiln_config import ModelConfig, VaeComponent, VaeFitConfig, load_yaml_model
 from models.vae_fit import (
     FIT_RECORD,
     ensure_fitted_vae,
@@ -135,11 +135,11 @@ def test_the_shard_and_train_flows_use_the_one_fitted_vae(tmp_path, demo_src, ma
     """Real flow runs: the shard flow fits the VAE and precomputes latents with it, the train
     flow finds the same folder (not fitted again), and the run's snapshot, its stage.yaml and
     its export all name or hold those weights."""
-    from flows.config import encoder_key, load_config
     from flows.ingest import ingest_flow
     from flows.shard import shard_flow
     from flows.train import train_flow
     from flows.validate import validate_flow
+    from kiln_config import encoder_key, load_config
     from models.decoding import decode_uint8
 
     root = tmp_path / "root"

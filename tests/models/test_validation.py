@@ -1,4 +1,4 @@
-"""The held-out validation loss and conditioning gap (models/validation.py)."""
+"""The held-out validation loss and conditioning gap (models/heldout_loss.py)."""
 
 import io
 import json
@@ -15,9 +15,8 @@ from PIL import Image
 from safetensors.torch import load_file
 from streaming import MDSWriter
 
-from flows.config import load_config
-from models.config import StageRun
-from models.validation import _noise, build_validator, eval_timesteps, noise_seed
+from kiln_config import StageRun, load_config
+from models.heldout_loss import _noise, build_validator, eval_timesteps, noise_seed
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = load_config(REPO / "configs" / "tiny.yaml").train
@@ -168,7 +167,7 @@ def test_one_and_two_processes_give_the_same_numbers(tmp_path):
     got = {}
     for topology in ("single.yaml", "cpu-ddp-2.yaml"):
         out = tmp_path / f"{topology}.json"
-        _launch(_accelerate(topology, "-m", "models.validation", "--config", str(stage_yaml),
+        _launch(_accelerate(topology, "-m", "models.heldout_loss", "--config", str(stage_yaml),
                             "--out", str(out)))  # fmt: skip
         got[topology] = _numbers(json.loads(out.read_text()))
     assert got["single.yaml"] == got["cpu-ddp-2.yaml"]
@@ -223,7 +222,7 @@ def test_training_logs_val_metrics_and_trains_the_same_without_them(tmp_path, ti
     # The export (EMA weights) re-evaluated from its folder gives the gap logged at the end (to
     # float32 rounding: this process runs other CPU thread counts than the launched one), with
     # a bootstrap CI over the validation images around it.
-    from models.validation import bootstrap_cond_gap
+    from models.heldout_loss import bootstrap_cond_gap
 
     gap = bootstrap_cond_gap(with_val / "final", manifest, n_boot=500)
     index = json.loads((Path(val_split) / "index.json").read_text())

@@ -8,10 +8,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from tasks import catalog_legacy
-from tasks.catalog_admin import compact, export, migrate, query, show
-from tasks.catalog_view import chain, read_view, scan_view, table_path
-from tasks.layout import Layout
+from tasks.catalog import legacy as catalog_legacy
+from tasks.catalog.admin import compact, export, migrate, query, show
+from tasks.catalog.view import chain, read_view, scan_view, table_path
+from tasks.storage.layout import Layout
 
 # Written by Kiln's chain-layout ingest (tests/data/chain_catalog/make.py): source a (12
 # files), source b (8), then a again with 3 files added and 1 removed.
@@ -117,8 +117,8 @@ def test_show_sql_export_and_compact(migrated, tmp_path):
 
 @pytest.mark.integration
 def test_a_migrated_root_validates_and_sql_sees_the_verdict(migrated):
-    from data_quality.rules import QualityConfig
-    from tasks.quality import read_clean, read_verdict, validate_catalog
+    from kiln_config import QualityConfig
+    from tasks.quality.gate import read_clean, read_verdict, validate_catalog
 
     root, ids, _ = migrated
     res = validate_catalog.fn(
@@ -145,7 +145,7 @@ def test_kiln_catalog_commands(tmp_path, demo_src, make_config):
     cfg = make_config(tmp_path / "tiny.yaml", root, demo_src)
 
     def kiln(*args):
-        return subprocess.run([sys.executable, "-m", "flows.cli", "catalog", *args, "--config",
+        return subprocess.run([sys.executable, "-m", "kiln_cli.main", "catalog", *args, "--config",
                                str(cfg)], capture_output=True, text=True, timeout=300)  # fmt: skip
 
     refused = kiln("show")
@@ -166,7 +166,7 @@ def test_kiln_catalog_commands(tmp_path, demo_src, make_config):
 def test_vacuum_keeps_the_versions_a_registered_model_was_cut_from(migrated, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from tasks.catalog_admin import registered_versions
+    from tasks.catalog.admin import registered_versions
 
     root, ids, before = migrated
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -11,8 +11,8 @@ import uuid
 import pytest
 from prefect.client.orchestration import get_client
 
-from models.config import GpuLimitConfig
-from tasks.launch import run_launch
+from kiln_config import GpuLimitConfig
+from tasks.launch.accelerate import run_launch
 
 pytestmark = pytest.mark.integration
 

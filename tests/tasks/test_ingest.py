@@ -5,12 +5,11 @@ import tarfile
 import pandas as pd
 import pytest
 
-from data_quality.rules import QualityConfig
-from flows.config import IngestConfig
-from tasks.catalog_view import read_view
-from tasks.ingest import ingest_source
-from tasks.layout import Layout
-from tasks.quality import read_clean, validate_catalog
+from kiln_config import IngestConfig, QualityConfig
+from tasks.catalog.view import read_view
+from tasks.ingest.run import ingest_source
+from tasks.quality.gate import read_clean, validate_catalog
+from tasks.storage.layout import Layout
 
 
 def _cat(root, ingest_id, name="view_accepted"):

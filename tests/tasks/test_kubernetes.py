@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from models.config import KubernetesConfig, LaunchConfig
-from tasks.kubernetes import KubernetesRejected, job_outcome, run_train_job, train_job
-from tasks.launch import ClusterJob
+from kiln_config import KubernetesConfig, LaunchConfig
+from tasks.launch.accelerate import ClusterJob
+from tasks.launch.kubernetes import KubernetesRejected, job_outcome, run_train_job, train_job
 
 REPO = Path(__file__).resolve().parents[2]
 REST = ["--config_file", "configs/accelerate/single.yaml", "-m", "models.train",
@@ -98,7 +98,8 @@ def test_without_a_cluster_the_job_is_refused_with_the_reason(tmp_path, monkeypa
         job = ClusterJob(REST, 2, 1, "stage", logging.getLogger())
         run_train_job(job, KubernetesConfig(image="k"))
     # `kiln train` asks before any work: the same reason, as a config error.
-    from flows.config import ConfigError, check_inputs, load_config
+    from kiln_config import ConfigError, load_config
+    from tasks.inputs import check_inputs
 
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     cfg.launch = LaunchConfig(backend="kubernetes", kubernetes=KubernetesConfig(image="k"))
@@ -137,7 +138,7 @@ def test_the_claim_must_hold_the_storage_root(tmp_path):
     must contain storage.root."""
     import yaml
 
-    from flows.config import ConfigError, load_config
+    from kiln_config import ConfigError, load_config
 
     cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     cfg["storage"]["root"] = "/mnt/kiln/data"

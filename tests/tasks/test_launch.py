@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.launch import LaunchError, accelerate_command, run_launch
+from tasks.launch.accelerate import LaunchError, accelerate_command, run_launch
 
 pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
 
@@ -108,8 +108,7 @@ def test_a_cpu_launch_gets_the_threads_the_planner_measures_with(tmp_path, monke
 
 
 def _stage_run(tiny_shards, out, **faults):
-    from flows.config import load_config
-    from models.config import FaultInjection, StageRun
+    from kiln_config import FaultInjection, StageRun, load_config
 
     cfg_path, root, version = tiny_shards
     train = load_config(cfg_path).train
@@ -137,9 +136,10 @@ def _per_step(path, field):
 
 
 def _same_draws(clean, crashed):
-    """The contributors' exposure (tasks/lineage.py) of the resumed stage counts every sample
+    """The contributors' exposure (tasks/catalog/lineage.py) of the resumed stage counts every
+    sample
     the final weights trained on once, as the uninterrupted stage's does, on every rank."""
-    from tasks.lineage import stage_draws
+    from tasks.catalog.lineage import stage_draws
 
     logs = sorted(p.name for p in clean.glob("samples-rank*.jsonl"))
     lines = sum(len((crashed / n).read_text().splitlines()) for n in logs)
@@ -164,7 +164,7 @@ def _launch_in_flow(run, retries, hang_timeout_s=None, topology=None):
     """Launch with retries inside a flow run, as flows/train.py does."""
     from prefect import flow
 
-    from tasks.launch import launch_stage
+    from tasks.launch.accelerate import launch_stage
 
     @flow(name="test-launch")
     def one_stage():
@@ -204,7 +204,7 @@ SINGLE = str(Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "s
 
 def _launch(topology: str, hang_timeout_s: float | None = None):
     """Launch settings on `topology`, with no GPU limit."""
-    from models.config import LaunchConfig
+    from kiln_config import LaunchConfig
 
     hang = {"hang_timeout_s": hang_timeout_s} if hang_timeout_s else {}
     return LaunchConfig(accelerate_config=topology, gpu_limit=None, **hang)
@@ -214,7 +214,7 @@ def test_sigkills_and_a_stall_resume_bit_exactly_through_task_retries(tmp_path, 
     """SIGKILLed at step 3, stalled at step 4 (no heartbeat: the watchdog kills the launch),
     SIGKILLed at step 5: each task retry resumes from the newest checkpoint, and the run ends
     with the uninterrupted run's losses, batches and weights."""
-    from tasks.launch import launch_stage
+    from tasks.launch.accelerate import launch_stage
 
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     launch_stage.fn(_stage_run(tiny_shards, clean), _launch(SINGLE))
@@ -244,7 +244,7 @@ def test_sigkills_and_a_stall_resume_bit_exactly_through_task_retries(tmp_path, 
 def test_sigkill_of_a_ddp_rank_resumes_bit_exactly(tmp_path, tiny_shards):
     """Two CPU processes over gloo: one rank is SIGKILLed at step 3 (the fault fires on the
     first rank to reach it); torchrun tears the other down; the retry resumes both ranks."""
-    from tasks.launch import launch_stage
+    from tasks.launch.accelerate import launch_stage
 
     ddp = SINGLE.replace("single.yaml", "cpu-ddp-2.yaml")
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
@@ -273,7 +273,7 @@ def test_a_diverged_stage_is_not_retried_and_not_relaunched(tmp_path, tiny_shard
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from tasks.launch import StageDiverged, launch_stage
+    from tasks.launch.accelerate import StageDiverged, launch_stage
 
     out = tmp_path / "nan"
     run = _stage_run(tiny_shards, out, nan_at_step=3)

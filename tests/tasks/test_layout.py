@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from tasks.layout import Layout
+from tasks.storage.layout import Layout
 
 
 def test_latest_pointer_and_missing_input(tmp_path):

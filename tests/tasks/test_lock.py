@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from tasks.lock import RootBusy, busy_reason, root_lock
+from tasks.storage.lock import RootBusy, busy_reason, root_lock
 
 HOLD = """
 import sys, time
 from pathlib import Path
-from tasks.lock import root_lock
+from tasks.storage.lock import root_lock
 with root_lock(Path(sys.argv[1]), "kiln train run-x"):
     print("held", flush=True)
     time.sleep(120)
@@ -57,7 +57,7 @@ def test_kiln_train_and_run_on_a_busy_root_fail_at_once_and_touch_nothing(
         assert holder.stdout.readline().strip() == "held"
         procs = [
             subprocess.run(
-                [sys.executable, "-m", "flows.cli", cmd, "--config", str(cfg)],
+                [sys.executable, "-m", "kiln_cli.main", cmd, "--config", str(cfg)],
                 capture_output=True,
                 text=True,
                 env=env,

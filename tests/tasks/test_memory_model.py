@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config import load_config
-from tasks.activation_trace import trace_activations, unet_parameter_count
-from tasks.memory_model import Setup, stage_memory
+from kiln_config import load_config
+from tasks.planning.activation_trace import trace_activations, unet_parameter_count
+from tasks.planning.memory_model import Setup, stage_memory
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["train"]["model"]["unet"]
@@ -86,7 +86,7 @@ def test_sharding_buckets_and_ema_by_setup():
     """DDP holds everything plus its gradient buckets and autocast's bf16 weight copies;
     SHARD_GRAD_OP shards gradients and AdamW state over the world and keeps the parameters
     whole in bf16 beside its fp32 shard; the EMA copy follows train.ema and train.ema_dtype."""
-    from tasks.memory_model import ema_bytes_per_param
+    from tasks.planning.memory_model import ema_bytes_per_param
 
     train = _train(TINY, 8, 16, "sdpa")
     n = unet_parameter_count(TINY)
@@ -115,8 +115,8 @@ def test_encoders_in_a_local_folder_are_counted_and_a_hub_id_is_not(tmp_path):
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from models.config import Component, VaeComponent
-    from tasks.memory_model import encoder_params
+    from kiln_config import Component, VaeComponent
+    from tasks.planning.memory_model import encoder_params
 
     train = load_config(REPO / "configs" / "tiny.yaml").train
     inline = encoder_params(train)

@@ -10,7 +10,7 @@ import os
 import mlflow
 import pytest
 
-from tasks.registry import mlflow_uris
+from tasks.registry.tracking import mlflow_uris
 
 
 @pytest.mark.parametrize("before", [None, "sqlite:////elsewhere/mlflow.db"])

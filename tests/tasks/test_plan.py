@@ -1,12 +1,13 @@
-"""`tasks.plan.make_plan` with `measure_stage` replaced by a recorder: which validation split
+"""`tasks.planning.plan.make_plan` with `measure_stage` replaced by a recorder: which validation
+split
 the plan asks the measurement for, and how it multiplies the measured cost out."""
 
 from pathlib import Path
 
 import pytest
 
-from flows.config import load_config
-from tasks import plan as plan_module
+from kiln_config import load_config
+from tasks.planning import plan as plan_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,8 +50,8 @@ def test_without_split_sizes_the_measurement_picks_its_own(recorded):
 def test_each_stage_is_planned_on_its_own_node_count():
     """256 px on 1 node, the next stages on 2 and 4 (2 processes each): each stage's samples
     and cost follow its own world size, and the table shows it."""
-    from models.config import LaunchConfig, SlurmConfig
-    from tasks.launch import stage_processes
+    from kiln_config import LaunchConfig, SlurmConfig
+    from tasks.launch.accelerate import stage_processes
 
     train = load_config(REPO / "configs" / "tiny.yaml").train
     train.stages = [s.model_copy(update={"num_machines": n})
@@ -79,7 +80,7 @@ def test_kiln_plan_prints_memory_and_scaling_for_the_real_recipe(tmp_path):
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "plan", "--config", "configs/sd2-base.yaml",
+        [sys.executable, "-m", "kiln_cli.main", "plan", "--config", "configs/sd2-base.yaml",
          "--root", str(tmp_path / "root"), "--img-per-s", "40"],
         capture_output=True, text=True, cwd=REPO, env={**os.environ}, timeout=600,
     )  # fmt: skip
@@ -100,7 +101,7 @@ def test_kiln_plan_prints_memory_and_scaling_for_the_real_recipe(tmp_path):
 
 
 def test_scaling_counts_ring_traffic_and_hides_it_under_the_backward_pass():
-    from tasks.scale_model import BUCKET_BYTES, stage_scaling
+    from tasks.planning.scale_model import BUCKET_BYTES, stage_scaling
 
     n = 100_000_000  # 400 MB of fp32 gradients, 16 buckets
     fast = stage_scaling(n, 100.0, 10, 1, [2], 8, inter_node_gbps=10)[0]

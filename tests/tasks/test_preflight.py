@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.config import load_config
-from tasks.preflight import (
+from kiln_config import load_config
+from tasks.launch.preflight import (
     HealthCheckError,
     check_collective,
     check_disk,
@@ -63,7 +63,7 @@ def test_disk_estimate_against_free_space(tmp_path):
 
 
 def _launch(topology):
-    from models.config import LaunchConfig
+    from kiln_config import LaunchConfig
 
     return LaunchConfig(accelerate_config=str(topology), gpu_limit=None)
 
@@ -90,7 +90,7 @@ def test_collective_that_cannot_form_fails_fast(tmp_path):
 def test_a_one_process_topology_has_no_collective_to_check(tmp_path, tiny_shards):
     """No all-reduce launch for one CPU process (no collective, no device to probe); the
     other checks still run."""
-    from tasks.preflight import preflight
+    from tasks.launch.preflight import preflight
 
     _, root, version = tiny_shards
     train = load_config(REPO / "configs" / "tiny.yaml").train

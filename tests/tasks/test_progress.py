@@ -3,7 +3,7 @@ import logging
 import pytest
 from prefect import flow
 
-from tasks.progress import Progress, eta
+from tasks.runtime.progress import Progress, eta
 
 
 class Clock:
@@ -16,17 +16,17 @@ class Clock:
 
 def test_a_line_about_every_interval_with_done_rate_and_time_left(caplog):
     clock = Clock()
-    caplog.set_level(logging.INFO, logger="tasks.progress")
+    caplog.set_level(logging.INFO, logger="tasks.runtime.progress")
     p = Progress("validate", 1000, "rows", interval_s=10, clock=clock)
     for _ in range(4):  # 100 rows every 4 s: a line at 12 s, none between
         clock.now += 4
         p.advance(100)
-    lines = [r.getMessage() for r in caplog.records if r.name == "tasks.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "tasks.runtime.progress"]
     assert lines == ["validate: 300/1000 rows (30.0%), 25 rows/s, about 28 s left"]
     clock.now += 24
     p.advance(600)
     p.finish()
-    lines = [r.getMessage() for r in caplog.records if r.name == "tasks.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "tasks.runtime.progress"]
     assert lines[-1] == "validate: 1000/1000 rows (100.0%), 25 rows/s, about 0 s left"
     assert (eta(167), eta(3725), eta(9)) == ("2 min 47 s", "1 h 02 min", "9 s")
     with pytest.raises(ValueError, match="progress total must be >= 0, got -1"):

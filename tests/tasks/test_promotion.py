@@ -7,8 +7,8 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from models.config import GateConfig
-from tasks.promotion import CHAMPION, PREVIOUS, PromotionRefused, gate, promote, rollback
+from kiln_config import GateConfig
+from tasks.registry.promotion import CHAMPION, PREVIOUS, PromotionRefused, gate, promote, rollback
 
 GOOD = {
     **{f"human_eval/{q}_min_votes_per_pair": 5.0 for q in ("quality", "alignment")},

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from models.study_images import read_prompts
-from tasks.prompts import (
+from tasks.evaluation.prompts import (
     DRAWBENCH_CATEGORIES,
     DRAWBENCH_FILE,
     DRAWBENCH_REPO,

@@ -5,13 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from data_quality.rules import QualityConfig
-from flows.config import IngestConfig, ShardsConfig
-from tasks.ingest import ingest_source
-from tasks.publish import publish_dataset
-from tasks.quality import validate_catalog
-from tasks.shard import write_shards
-from tasks.storage import Storage
+from kiln_config import IngestConfig, QualityConfig, ShardsConfig
+from tasks.ingest.run import ingest_source
+from tasks.quality.gate import validate_catalog
+from tasks.shards.publish import publish_dataset
+from tasks.shards.write import write_shards
+from tasks.storage.objects import Storage
 
 
 class RecordingStorage(Storage):
@@ -55,7 +54,7 @@ def _local_objects(base: Path) -> dict[str, int]:
 def test_publish_is_atomic_resumes_and_streams_back_like_local(
     version, tmp_path, s3_bucket, s3_endpoint, monkeypatch
 ):
-    from flows.config import PROJECT_DIR, load_config
+    from kiln_config import PROJECT_DIR, load_config
     from models.factory import build_tokenizer
     from models.loader import build_loader
 

@@ -3,12 +3,11 @@ import json
 import pandas as pd
 import pytest
 
-from data_quality.rules import QualityConfig
-from flows.config import IngestConfig
-from tasks.catalog_view import read_view, scan_view
-from tasks.ingest import ingest_source
-from tasks.layout import Layout
-from tasks.quality import QualityGateError, read_clean, validate_catalog
+from kiln_config import IngestConfig, QualityConfig
+from tasks.catalog.view import read_view, scan_view
+from tasks.ingest.run import ingest_source
+from tasks.quality.gate import QualityGateError, read_clean, validate_catalog
+from tasks.storage.layout import Layout
 
 RULES = QualityConfig(min_side=32, max_reject_fraction=0.25)
 
@@ -71,7 +70,7 @@ def _add_images(src, names, caption="a new photo", size=(64, 64), color=(10, 120
 
 
 def test_incremental_runs_decode_only_what_is_new(tmp_path):
-    from flows.demo_data import write_demo_dataset
+    from kiln_demo.data import write_demo_dataset
 
     src, root = tmp_path / "src", tmp_path / "root"
     write_demo_dataset(src, n=20, seed=1)
@@ -213,8 +212,8 @@ def test_a_dask_cluster_validates_and_plans_like_one_machine(tmp_path, demo_src)
 
     from distributed import LocalCluster
 
-    from flows.config import ShardsConfig
-    from tasks.shard import write_shards
+    from kiln_config import ShardsConfig
+    from tasks.shards.write import write_shards
 
     root, ids = _three_ingests(tmp_path, demo_src)
     dask_root = tmp_path / "dask"

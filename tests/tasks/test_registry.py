@@ -7,7 +7,7 @@ import logging
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.registry import (
+from tasks.registry.tracking import (
     EXPERIMENT_DESCRIPTION,
     EXPERIMENT_KIND,
     ensure_experiment,
@@ -98,7 +98,7 @@ def test_a_tracking_store_that_fails_gives_no_link_and_a_warning(tmp_path, caplo
     (tmp_path / "docs").mkdir()
     (tmp_path / "a-file").write_text("not a folder")
     broken = f"sqlite:///{tmp_path / 'a-file' / 'mlflow.db'}"
-    with caplog.at_level(logging.WARNING, logger="tasks.registry"):
+    with caplog.at_level(logging.WARNING, logger="tasks.registry.tracking"):
         url = log_data_docs.fn(broken, "kiln", "ing-1", str(tmp_path / "docs"), SUMMARY)
     assert url is None
     assert any("not logged to MLflow" in r.getMessage() for r in caplog.records)
@@ -121,7 +121,7 @@ def _tiny_export(dest) -> str:
 
     from diffusers import StableDiffusionPipeline
 
-    from flows.config import load_config
+    from kiln_config import load_config
     from models.factory import build_components, sampling_scheduler
 
     repo = Path(__file__).resolve().parents[2]
@@ -137,7 +137,7 @@ def _tiny_export(dest) -> str:
 def test_registered_version_carries_the_validation_metrics(tmp_path, tracking_uri):
     """The last stage's validation loss and gap are logged on the logged model that the
     version is registered from (MLflow 3's model metrics); the curves PNG is a run artifact."""
-    from tasks.registry import log_run_artifact, register_model
+    from tasks.registry.tracking import log_run_artifact, register_model
 
     client = MlflowClient(tracking_uri)
     exp = ensure_experiment(client, "kiln-val", str(tmp_path / "art"))
@@ -161,7 +161,7 @@ def test_registered_version_carries_the_validation_metrics(tmp_path, tracking_ur
 
 
 def test_a_run_artifact_that_cannot_be_logged_is_a_warning(tmp_path, caplog):
-    from tasks.registry import log_run_artifact
+    from tasks.registry.tracking import log_run_artifact
 
     with caplog.at_level(logging.WARNING):
         ok = log_run_artifact.fn(f"sqlite:///{tmp_path / 'm.db'}", "no-such-run",

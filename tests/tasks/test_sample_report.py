@@ -1,4 +1,5 @@
-"""The stage's sample-grid artifact (tasks/grid_artifact.py): the newest grid, shown from MLflow."""
+"""The stage's sample-grid artifact (tasks/evaluation/grid_artifact.py): the newest grid, shown
+from MLflow."""
 
 import io
 import os
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.grid_artifact import sample_grid_report
+from tasks.evaluation.grid_artifact import sample_grid_report
 
 
 def _grid(path: Path, seed: int) -> Image.Image:

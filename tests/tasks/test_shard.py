@@ -5,11 +5,10 @@ import pytest
 from PIL import Image
 from streaming import StreamingDataset
 
-from data_quality.rules import QualityConfig
-from flows.config import IngestConfig, ShardsConfig
-from tasks.ingest import ingest_source
-from tasks.quality import QualityGateError, read_clean, validate_catalog
-from tasks.shard import write_shards
+from kiln_config import IngestConfig, QualityConfig, ShardsConfig
+from tasks.ingest.run import ingest_source
+from tasks.quality.gate import QualityGateError, read_clean, validate_catalog
+from tasks.shards.write import write_shards
 
 
 @pytest.fixture
@@ -62,7 +61,7 @@ def test_token_ids_are_the_loaders_and_part_of_the_version(validated):
     loader's tokenizer makes them (fixed-size int32), and the tokenizer is in the version."""
     import numpy as np
 
-    from models.config import TokenizerConfig
+    from kiln_config import TokenizerConfig
     from models.factory import build_tokenizer
     from models.tokenization import CaptionTokenizer
 
@@ -171,7 +170,7 @@ def test_failed_conversion_publishes_nothing_and_the_next_run_finishes_it(tmp_pa
     partition publishes nothing and the next run redoes only the unfinished partitions."""
     import shutil
 
-    from flows.demo_data import write_demo_dataset
+    from kiln_demo.data import write_demo_dataset
 
     src, root = tmp_path / "src", tmp_path / "root"
     write_demo_dataset(src, n=40, seed=3)
@@ -256,7 +255,7 @@ def test_changed_metadata_gives_a_new_version_with_the_new_metadata(tmp_path, la
 def test_aspect_buckets_cover_the_stage():
     import numpy as np
 
-    from tasks.render import aspect_buckets, nearest_bucket, nearest_buckets, resize_crop
+    from tasks.ingest.render import aspect_buckets, nearest_bucket, nearest_buckets, resize_crop
 
     b = aspect_buckets(1024)
     assert (1024, 1024) in b and {(h, w) for w, h in b} == set(b), "square, and mirrored"
@@ -278,10 +277,10 @@ def test_aspect_buckets_cover_the_stage():
 
 
 def test_bucketed_stage_has_one_dataset_per_bucket_and_batches_per_bucket(validated):
-    from flows.config import PROJECT_DIR, load_config
+    from kiln_config import PROJECT_DIR, load_config
     from models.factory import build_tokenizer
     from models.loader import build_loader
-    from tasks.render import aspect_buckets, nearest_bucket
+    from tasks.ingest.render import aspect_buckets, nearest_bucket
 
     root, ingest_id, _ = validated
     res = write_shards.fn(
@@ -347,7 +346,7 @@ def test_validation_split_is_held_out_by_key_at_every_stage(validated):
     stage's split has the stage's columns and layout, and no held-out key is in training."""
 
     from tasks.reports import shards_report
-    from tasks.shard import held_out
+    from tasks.shards.write import held_out
 
     root, ingest_id, _ = validated
     cfg = ShardsConfig(val_fraction=0.3, bucket_step=8, size_limit=16384, workers=2)
@@ -393,7 +392,7 @@ def test_validation_split_is_held_out_by_key_at_every_stage(validated):
 
 def test_validation_split_respects_val_max_and_is_part_of_the_version(validated):
 
-    from tasks.shard import _key_unit
+    from tasks.shards.write import _key_unit
 
     root, ingest_id, _ = validated
     clean = read_clean(str(root), ingest_id)

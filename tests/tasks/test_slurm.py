@@ -30,8 +30,7 @@ def on_cluster(slurm):
 
 
 def _stage_run(tiny_shards, out, nodes=1, steps=6, faults=None):
-    from flows.config import load_config
-    from models.config import StageRun
+    from kiln_config import StageRun, load_config
 
     cfg_path, root, version = tiny_shards
     train = load_config(cfg_path).train
@@ -48,7 +47,7 @@ def _stage_run(tiny_shards, out, nodes=1, steps=6, faults=None):
 @pytest.fixture(scope="module")
 def two_node_stage(tiny_shards, on_cluster, tmp_path_factory):
     """One uninterrupted 6-step stage on 2 nodes x 1 process through SLURM."""
-    from tasks.launch import launch_stage
+    from tasks.launch.accelerate import launch_stage
 
     out = tmp_path_factory.mktemp("slurm-stage") / "two-nodes"
     manifest = launch_stage.fn(_stage_run(tiny_shards, out, nodes=2), _slurm_launch())
@@ -62,7 +61,7 @@ def _unet(stage_dir):
 
 
 def _slurm_launch(**slurm):
-    from models.config import LaunchConfig, SlurmConfig
+    from kiln_config import LaunchConfig, SlurmConfig
 
     return LaunchConfig(accelerate_config=SINGLE, backend="slurm", gpu_limit=None,
                         slurm=SlurmConfig(poll_s=0.5, **slurm))  # fmt: skip
@@ -94,9 +93,9 @@ def test_a_stage_on_two_nodes_trains_like_one_node_with_two_processes(tmp_path, 
     nodes."""
     import torch
 
-    from models.config import LaunchConfig
-    from tasks.launch import launch_stage
-    from tasks.preflight import check_collective
+    from kiln_config import LaunchConfig
+    from tasks.launch.accelerate import launch_stage
+    from tasks.launch.preflight import check_collective
 
     (two_nodes, manifest), one_node = two_node_stage, tmp_path / "one-node"
     health = check_collective(_slurm_launch(), tmp_path / "health", 120, nodes=2)
@@ -126,7 +125,7 @@ def test_a_lost_rank_fails_the_job_and_the_retry_resumes_to_the_same_weights(
     import torch
     from prefect import flow
 
-    from tasks.launch import launch_stage
+    from tasks.launch.accelerate import launch_stage
 
     out = tmp_path / "killed"
     run = _stage_run(tiny_shards, out, nodes=2, faults={"kill_at_steps": [3]})
@@ -146,9 +145,9 @@ def test_a_lost_rank_fails_the_job_and_the_retry_resumes_to_the_same_weights(
 
 
 def test_the_cluster_refusing_a_job_is_one_clear_error_before_any_work(on_cluster, tmp_path):
-    from models.config import SlurmConfig
-    from tasks.launch import ClusterJob, _retry_unless_diverged
-    from tasks.slurm import SlurmRejected, check_slurm, run_slurm_job
+    from kiln_config import SlurmConfig
+    from tasks.launch.accelerate import ClusterJob, _retry_unless_diverged
+    from tasks.launch.slurm import SlurmRejected, check_slurm, run_slurm_job
 
     with pytest.raises(SlurmRejected, match="(?i)invalid partition.*") as bad:
         check_slurm(SlurmConfig(partition="gpu-a100"), 1)

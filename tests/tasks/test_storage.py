@@ -1,6 +1,6 @@
 import pytest
 
-from tasks.storage import Storage
+from tasks.storage.objects import Storage
 
 
 def test_local_roundtrip_and_listing(tmp_path):
@@ -94,8 +94,8 @@ def flaky_s3(s3_endpoint):
 
 @pytest.mark.integration
 def test_reads_retry_throttling_and_5xx_with_backoff(tmp_path, flaky_s3, s3_bucket, layouts):
-    from flows.config import IngestConfig
-    from tasks.ingest import ingest_source
+    from kiln_config import IngestConfig
+    from tasks.ingest.run import ingest_source
 
     endpoint, failures = flaky_s3
     bucket, client = s3_bucket

@@ -1,6 +1,6 @@
 """How `catalog/` here was written: Kiln's chain-layout ingest (one folder per ingest, rows in
 its own `accepted.parquet` / `quarantine.parquet`, `superseded.parquet` naming the units that
-left the view; read by `tasks.catalog_legacy`). Run with such a Kiln on PYTHONPATH:
+left the view; read by `tasks.catalog.legacy`). Run with such a Kiln on PYTHONPATH:
 
     python make.py OUT_DIR
 """
@@ -9,9 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from flows.config import IngestConfig
-from flows.demo_data import write_demo_dataset
-from tasks.ingest import ingest_source
+from kiln_config import IngestConfig
+from kiln_demo.data import write_demo_dataset
+from tasks.ingest.run import ingest_source
 
 
 def main() -> None:

@@ -1,0 +1,505 @@
+"""The `kiln` command line. Every step is also a Prefect flow that can run on its own.
+
+Heavy modules are imported inside the commands: ingest and shard start worker processes with
+`spawn`, and those re-import this module, so it must stay light.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+
+from kiln_cli.options import (
+    CONFIG,
+    ROOT,
+    ConfigDefault,
+    KilnError,
+    KilnGroup,
+    config_options,
+    load_checked,
+)
+
+__all__ = ["main"]
+
+ALLOW_FAILED_GATE = click.option(
+    "--allow-failed-gate",
+    is_flag=True,
+    help="Shard a catalog that failed the quality gate (recorded in its shards.json).",
+)
+SOURCE = click.option(
+    "--source",
+    default=None,
+    help="Raw images: a local folder or s3://bucket/prefix. Overrides ingest.source.",
+)
+
+
+def _call(
+    flow: str,
+    config_path: str,
+    root: str | None,
+    steps: tuple[str, ...] = (),
+    *,
+    source: str | None = None,
+    exclusive: bool = False,
+    **kwargs,
+):
+    """Load and check the config once, then run a flow on the loaded config.
+
+    Before any flow run starts (and before Prefect is even imported), the schema is validated
+    and the input checks of `steps` run (`kiln_cli.options.load_checked`), so a typo or a
+    missing file never reaches Prefect. The flow (`"module:name"`) is imported after them:
+    importing the flows (torch, Prefect) takes seconds. The flow gets the loaded config
+    object, not the user's file, which may change while it runs.
+
+    Returns:
+        (the loaded config, the flow's result).
+    """
+    cfg = load_checked(config_path, root, steps, source=source, exclusive=exclusive)
+    module, name = flow.split(":")
+    return cfg, getattr(importlib.import_module(module), name)(cfg, **kwargs)
+
+
+def _show(result: dict) -> None:
+    click.echo(json.dumps(result, indent=2, default=str))
+
+
+@click.group(cls=KilnGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show the traceback of an error, not one line.")
+def main(debug: bool) -> None:
+    """Kiln: train a text-to-image diffusion model from scratch on your own images.
+
+    Steps: ingest -> validate -> shard -> train -> evaluate -> register. `kiln run` chains
+    them as one Prefect flow run. Without PREFECT_API_URL, flows run against Prefect's local
+    embedded server; `kiln ui` shows them. Before any flow starts, the inputs it needs are
+    checked (source, topology, tracking folder, prompts): a missing one is one line.
+    """
+    # Prefect's server telemetry cannot reach the network here and contends for the local
+    # SQLite database; off unless the user has set it.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The embedded server gets 20 s to answer by default; a busy laptop (training, or the
+    # test suite on 2 cores) can need longer, and then every command failed at start.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+@main.command("demo-data")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--n", default=60, show_default=True, help="Number of image files, 5 planted bad.")
+@click.option("--seed", default=0, show_default=True, help="Random seed; same seed, same bytes.")
+def demo_data(directory: str, n: int, seed: int) -> None:
+    """Write a generated, captioned image set (imagefolder layout) to DIRECTORY.
+
+    Coloured shapes with matching captions, in varied sizes, plus planted bad items: a
+    truncated JPEG, a zero-byte file, text named .jpg, an empty caption and a duplicate.
+    """
+    from kiln_demo.data import write_demo_dataset
+
+    _show(write_demo_dataset(directory, n=n, seed=seed))
+
+
+@main.command()
+@config_options
+@SOURCE
+@ALLOW_FAILED_GATE
+def run(config_path: str, source: str | None, root: str | None, allow_failed_gate: bool) -> None:
+    """Run the whole pipeline as one Prefect flow run (a subflow per step)."""
+    cfg, result = _call(
+        "flows.pipeline:kiln_pipeline", config_path, root,
+        ("ingest", "train", "evaluate", "register"),
+        source=source, exclusive=True, allow_failed_gate=allow_failed_gate,
+    )  # fmt: skip
+    _show(result)
+    _where(cfg, config_path, result)
+
+
+@main.command()
+@config_options
+@SOURCE
+def ingest(config_path: str, source: str | None, root: str | None) -> None:
+    """List and decode the source; write <root>/catalog/<ingest_id>/."""
+    _show(_call("flows.ingest:ingest_flow", config_path, root, ("ingest",), source=source)[1])
+
+
+@main.command()
+@config_options
+@click.option("--ingest-id", default=None, help="Catalog to validate (default: newest).")
+def validate(config_path: str, root: str | None, ingest_id: str | None) -> None:
+    """Run the Great Expectations quality gate; quarantine failing rows."""
+    _show(_call("flows.validate:validate_flow", config_path, root, ingest_id=ingest_id)[1])
+
+
+@main.command()
+@config_options
+@click.option("--ingest-id", default=None, help="Validated catalog to shard (default: newest).")
+@ALLOW_FAILED_GATE
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the dataset version and each stage's image counts; write nothing.",
+)
+def shard(
+    config_path: str,
+    root: str | None,
+    ingest_id: str | None,
+    allow_failed_gate: bool,
+    dry_run: bool,
+) -> None:
+    """Write one MDS dataset per training stage resolution."""
+    _show(_call("flows.shard:shard_flow", config_path, root, ("shard",), ingest_id=ingest_id,
+                allow_failed_gate=allow_failed_gate, dry_run=dry_run)[1])  # fmt: skip
+
+
+@main.command()
+@config_options
+@click.option("--dataset-version", default=None, help="Shards to train on (default: newest).")
+@click.option("--run-id", default=None, help="Resume this training run (default: a new run).")
+def train(
+    config_path: str, root: str | None, dataset_version: str | None, run_id: str | None
+) -> None:
+    """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
+    _, result = _call(
+        "flows.train:train_flow", config_path, root, ("train",), exclusive=True,
+        dataset_version=dataset_version, run_id=run_id,
+    )  # fmt: skip
+    _show({k: v for k, v in result.items() if k not in ("stages", "config")})
+
+
+@main.command()
+@config_options
+@click.option(
+    "--measure-steps", type=int, default=None,
+    help="Measure each stage's img/s on this machine with N real training steps.",
+)  # fmt: skip
+@click.option(
+    "--img-per-s", type=float, default=None,
+    help="Per-device img/s of stage 1 (other stages scaled by FLOPs per sample).",
+)  # fmt: skip
+def plan(
+    config_path: str, root: str | None, measure_steps: int | None, img_per_s: float | None
+) -> None:
+    """Print each stage's steps, samples, wall time, GPU-hours and cost, and the total; its
+    memory per GPU by component (and what to change where it does not fit launch.gpu_memory_gb),
+    and its step time and scaling efficiency on 1 to 16 nodes.
+
+    The plan is saved to <root>/runs/plan.json; the train flow's summary compares it with the
+    actual run.
+    """
+    from tasks.launch.accelerate import processes_per_machine, stage_processes
+    from tasks.planning.plan import (
+        format_memory,
+        format_plan,
+        make_plan,
+        memory_and_scale,
+        save_plan,
+    )
+
+    if (measure_steps is None) == (img_per_s is None):
+        raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
+    cfg = load_checked(config_path, root, ("plan",))
+    try:
+        result = make_plan(
+            cfg.train, stage_processes(cfg.launch, cfg.train), cfg.launch.gpu_hour_usd,
+            img_per_s=img_per_s, measure_steps=measure_steps,
+            val_samples=_val_samples(cfg),
+            processes_per_machine=processes_per_machine(cfg.launch),
+        )  # fmt: skip
+        memory_and_scale(result, cfg.train, cfg.launch, cfg.shards.precompute)
+    except (OSError, ValueError) as e:  # an unreadable topology or shards.json, a bad setting
+        raise KilnError(str(e)) from e
+    save_plan(result, Path(cfg.storage.root) / "runs" / "plan.json")
+    click.echo(format_plan(result))
+    click.echo()
+    click.echo(format_memory(result))
+
+
+def _val_samples(cfg) -> list[int] | None:
+    """Each stage's validation split size in the newest dataset version (shards.json), so the
+    plan counts the held-out evaluations; None before `kiln shard` has run."""
+    from tasks.storage.layout import Layout
+
+    layout = Layout(Path(cfg.storage.root))
+    version = layout.latest_or_none("shards")
+    path = layout.shards(version) / "shards.json" if version else None
+    if path is None or not path.is_file():
+        return None
+    stages = json.loads(path.read_text()).get("stages", {})
+    return [int(stages.get(str(s.resolution), {}).get("val_samples", 0)) for s in cfg.train.stages]
+
+
+@main.command()
+@config_options
+@click.option("--run-id", default=None, help="Training run to evaluate (default: newest).")
+@click.option(
+    "--model",
+    default=None,
+    help="Evaluate a model instead of a run: models:/NAME@ALIAS, models:/NAME/VERSION or an "
+    "exported pipeline folder (same prompts, seeds and settings; an existing study is reused).",
+)
+def evaluate(config_path: str, root: str | None, run_id: str | None, model: str | None) -> None:
+    """Generate images for every DrawBench prompt and seed into <root>/eval/<study_id>/.
+
+    With --model, the study of any registered model or pipeline folder, generated with the
+    config's `evaluate` settings unless it exists (content-addressed); prints its id and path.
+    """
+    if model and run_id:
+        raise KilnError("--model and --run-id exclude each other: pass one")
+    if not model:
+        _show(_call("flows.evaluate:evaluate_flow", config_path, root, ("evaluate",),
+                    run_id=run_id)[1])  # fmt: skip
+        return
+    cfg = load_checked(config_path, root, ("evaluate",))
+    from flows.human_evaluation import study_for_model
+
+    study_id = study_for_model(cfg, model)
+    _show({"study_id": study_id, "path": str(Path(cfg.storage.root) / "eval" / study_id)})
+
+
+@main.command()
+@config_options
+@click.option("--run-id", default=None, help="Training run to register (default: newest).")
+@click.option(
+    "--study-id", default=None, help="Evaluation study for the lineage (default: newest)."
+)
+def register(config_path: str, root: str | None, run_id: str | None, study_id: str | None) -> None:
+    """Log the final pipeline to MLflow, register a version and set the alias."""
+    _show(_call("flows.register:register_flow", config_path, root, ("register",),
+                run_id=run_id, study_id=study_id)[1])  # fmt: skip
+
+
+@main.command()
+@config_options
+@click.option(
+    "--model", required=True,
+    help="models:/NAME@ALIAS, models:/NAME/VERSION or an exported pipeline folder.",
+)  # fmt: skip
+@click.option("--prompt", required=True, help="What to draw.")
+@click.option("--n", "n", type=int, default=4, show_default=True, help="Images (one seed each).")
+@click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
+@click.option("--steps", type=int, cls=ConfigDefault, field="evaluate.num_inference_steps",
+              help="Inference steps.")  # fmt: skip
+@click.option("--guidance", type=float, cls=ConfigDefault, field="evaluate.guidance_scale",
+              help="CFG scale.")  # fmt: skip
+@click.option("--out", default="generated", show_default=True, help="Folder for the PNGs.")
+def generate(
+    config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int,
+    steps: int | None, guidance: float | None, out: str,
+) -> None:  # fmt: skip
+    """Generate PNG files from a registered model (or an export) for one prompt."""
+    from tasks.evaluation.export_pngs import generate_images, resolve_pipeline
+
+    cfg = load_checked(config_path, root)
+    ev = cfg.evaluate
+    _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
+    try:
+        result = generate_images(
+            folder, prompt, Path(out), n=n, seed=seed,
+            steps=ev.num_inference_steps if steps is None else steps,
+            guidance_scale=ev.guidance_scale if guidance is None else guidance,
+        )  # fmt: skip
+    except OSError as e:  # an unwritable --out
+        raise KilnError(str(e)) from e
+    _show(result)
+
+
+@main.command()
+@config_options
+@click.option(
+    "--candidate", default=None,
+    help="models:/NAME@ALIAS or models:/NAME/VERSION (default: the registry alias, candidate).",
+)  # fmt: skip
+@click.option("--first", is_flag=True, help="Promote with no champion yet.")
+@click.option("--force", is_flag=True, help="Promote past a refused gate (needs --reason).")
+@click.option("--reason", default=None, help="Why (recorded on the version).")
+@click.option(
+    "--allow-takedown", is_flag=True,
+    help="Promote a candidate whose dataset holds taken-down images (needs --reason).",
+)  # fmt: skip
+def promote(
+    config_path: str, root: str | None, candidate: str | None, first: bool, force: bool,
+    reason: str | None, allow_takedown: bool,
+) -> None:  # fmt: skip
+    """Move the `champion` alias to the candidate if the gate (registry.gate) passes.
+
+    The gate reads the candidate's human-evaluation comparison against the current champion
+    from MLflow: enough votes on every pair, the 95% CI of its preference at or above
+    min_pref_ci_low for quality and alignment, no DrawBench category below
+    min_category_pref, and no worse validation loss. The old champion becomes
+    `previous-champion`; `kiln rollback` swaps them back. A candidate whose dataset holds a
+    taken-down image is refused unless --allow-takedown --reason says why.
+    """
+    _show(_call("flows.promote:promote_flow", config_path, root, ("register",),
+                candidate=candidate, first=first, force=force, reason=reason,
+                allow_takedown=allow_takedown)[1])  # fmt: skip
+
+
+@main.command()
+@config_options
+@click.option("--reason", default=None, help="Why (recorded on both versions).")
+def rollback(config_path: str, root: str | None, reason: str | None) -> None:
+    """Swap `champion` and `previous-champion` back."""
+    _show(_call("flows.promote:rollback_flow", config_path, root, ("register",),
+                reason=reason)[1])  # fmt: skip
+
+
+@main.command()
+@click.option("--port", default=4200, show_default=True, help="Port on 127.0.0.1.")
+def ui(port: int) -> None:
+    """Serve the Prefect UI (flow runs, logs, artifacts) at http://127.0.0.1:PORT."""
+    os.environ.update(_ui_env(port, os.environ))
+    prefect = shutil.which("prefect", path=str(Path(sys.executable).parent)) or "prefect"
+    os.execv(prefect, [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)])
+
+
+def _ui_env(port: int, env) -> dict[str, str]:
+    """The settings that make the UI served on `port` call the API on the same port.
+
+    The UI asks the server (`/ui-settings`) where its API is, and Prefect answers from
+    PREFECT_API_URL or PREFECT_SERVER_API_PORT, never from `--port`: without this, a UI on
+    4301 calls the API on 4200. A UI API URL the user has set (a reverse proxy) is kept.
+    """
+    if env.get("PREFECT_SERVER_UI_API_URL") or env.get("PREFECT_UI_API_URL"):
+        return {}
+    return {"PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api"}
+
+
+@main.command("mlflow-ui")
+@CONFIG
+@ROOT
+@click.option("--port", default=5000, show_default=True, help="Port on 127.0.0.1.")
+def mlflow_ui(config_path: str, root: str | None, port: int) -> None:
+    """Serve the MLflow UI (runs, metrics, registry) for the config's tracking URI."""
+    cfg = load_checked(config_path, root)
+    raise SystemExit(_mlflow_ui(cfg.tracking_uri, port, runner=_stops_its_tree(subprocess.call)))
+
+
+class _Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stops_its_tree(call):
+    """`call` (subprocess.call) that, on SIGTERM or SIGINT, stops every process it started,
+    their children included, and returns 0, as a server stopped on request does.
+
+    `mlflow ui` serves from a uvicorn child with worker processes of its own and does not
+    pass SIGTERM on: stopping only `mlflow ui` (as systemd, Docker or a process manager
+    would) left uvicorn serving, orphaned. The tree is listed in the handler, while its
+    parent still holds it together; a member still up after 10 s is killed.
+    """
+    import contextlib
+    import signal
+
+    def run(argv, **kwargs):
+        import psutil
+
+        tree: list = []
+
+        def stop(signum, _frame):
+            for sig in (signal.SIGTERM, signal.SIGINT):  # one stop at a time
+                signal.signal(sig, signal.SIG_IGN)
+            tree.extend(psutil.Process().children(recursive=True))
+            for proc in tree:
+                with contextlib.suppress(psutil.NoSuchProcess):  # gone already
+                    proc.terminate()
+            raise _Stopped(signum)
+
+        handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return call(argv, **kwargs)
+        except _Stopped:
+            _, alive = psutil.wait_procs(tree, timeout=10)
+            for proc in alive:
+                proc.kill()
+            psutil.wait_procs(alive, timeout=10)
+            return 0
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    return run
+
+
+def _mlflow_ui(tracking_uri: str, port: int, runner) -> int:
+    """Run `mlflow ui` for `tracking_uri` with `runner(argv, env=...)` (subprocess.call).
+
+    The URI can hold database credentials, and any user sees a process's argv (`ps`): it goes
+    through the environment (`MLFLOW_BACKEND_STORE_URI`, which `mlflow ui` reads), never argv.
+    """
+    from kiln_config import redact_uri
+
+    mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
+    cmd = [mlflow, "ui", "--host", "127.0.0.1", "--port", str(port)]
+    click.echo(f"MLflow UI for {redact_uri(tracking_uri)} at http://127.0.0.1:{port}", err=True)
+    return runner(cmd, env={**os.environ, "MLFLOW_BACKEND_STORE_URI": tracking_uri})
+
+
+def _where(cfg, config_path: str, result: dict) -> None:
+    from kiln_config import redact_uri
+
+    r = Path(cfg.storage.root)
+    ing = result["ingest"]["ingest_id"]
+    lines = [
+        "",
+        "Kiln pipeline finished. Outputs:",
+        f"  catalog      {r / 'catalog' / ing}/ (the ingest's rows, verdict.json, rejects)",
+        f"  quality      {r / 'quality' / ing / 'summary.json'}",
+        f"  shards       {r / 'shards' / result['shards']['dataset_version']}/",
+        f"  config       {r / 'runs' / result['run']['run_id'] / 'config.yaml'} (as run)",
+        f"  model export {result['run']['export']}",
+        f"  DrawBench    {result['study']['path']}/ ({result['study']['images']} images)",
+        f"  registry     {result['model']['uri_by_alias']} (version {result['model']['version']})",
+        f"  tracking     {redact_uri(cfg.tracking_uri)}",
+        "",
+        "Open the UIs:",
+        "  Prefect  kiln ui                          -> http://127.0.0.1:4200",
+        f"  MLflow   kiln mlflow-ui --config {config_path} (prints its address)",
+    ]
+    click.echo("\n".join(lines))
+
+
+def _add_human_eval_commands() -> None:
+    """`kiln compare` and `kiln rate ...` (kiln_cli/rate.py, which imports only click)."""
+    from kiln_cli.rate import compare, rate
+
+    main.add_command(compare)
+    main.add_command(rate)
+
+
+_add_human_eval_commands()
+
+
+def _add_lineage_commands() -> None:
+    """`kiln lineage ...` and `kiln takedown ...` (kiln_cli/lineage.py, click only)."""
+    from kiln_cli.lineage import lineage, takedown
+
+    main.add_command(lineage)
+    main.add_command(takedown)
+
+
+_add_lineage_commands()
+
+
+def _add_catalog_commands() -> None:
+    """`kiln catalog ...` (kiln_cli/catalog.py, click only)."""
+    from kiln_cli.catalog import catalog
+
+    main.add_command(catalog)
+
+
+_add_catalog_commands()
+
+
+def entry() -> None:
+    """The `kiln` console script."""
+    main()
+
+
+if __name__ == "__main__":
+    entry()

@@ -1,0 +1,158 @@
+"""The human evaluation commands: `kiln compare` and `kiln rate {serve, invite, report}`.
+
+    kiln compare --config C --a STUDY --b STUDY          -> prints the comparison id
+    kiln rate invite --config C --comparison ID --raters N   -> one link per rater
+    kiln rate serve --config C                            -> the rating app + admin link
+    kiln rate report --config C --comparison ID           -> <root>/human_eval/ID/
+
+A study is `kiln evaluate` output: an id under `<root>/eval/` or a study folder. Like every
+`kiln` command they take `--config` and `--root`; the store is `human_eval.database_url`, by
+default `<root>/human_eval/ratings.db`. Heavy modules are imported inside the commands, so
+`kiln --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from kiln_cli.options import ConfigDefault, config_options, load_checked
+
+__all__ = ["compare", "rate"]
+
+COMPARISON = click.option("--comparison", required=True, help="Comparison id (kiln compare).")
+
+
+def _load(config_path: str, root: str | None, steps: tuple[str, ...] = ()):
+    """(config, ratings store); the store closes however the command ends."""
+    from human_eval.store import RatingStore
+
+    cfg = load_checked(config_path, root, steps)
+    store = RatingStore.open(cfg.storage.root, cfg.human_eval.database_url)
+    click.get_current_context().call_on_close(store.close)
+    return cfg, store
+
+
+@click.command()
+@config_options
+@click.option(
+    "--a", "study_a", required=True,
+    help="A (e.g. the candidate): a study id or folder, models:/NAME@ALIAS or a pipeline folder.",
+)  # fmt: skip
+@click.option(
+    "--b", "study_b", required=True,
+    help="B (e.g. the champion): a study id or folder, models:/NAME@ALIAS or a pipeline folder.",
+)  # fmt: skip
+@click.option("--raters-per-pair", type=int, cls=ConfigDefault, field="human_eval.raters_per_pair",
+              help="Votes per pair, K.")  # fmt: skip
+@click.option("--gold", type=int, cls=ConfigDefault, field="human_eval.gold_per_rater",
+              help="Attention checks per rater.")  # fmt: skip
+@click.option("--name", default=None, help="Comparison id (default: a hash of the studies).")
+def compare(
+    config_path: str,
+    root: str | None,
+    study_a: str,
+    study_b: str,
+    raters_per_pair: int | None,
+    gold: int | None,
+    name: str | None,
+) -> None:
+    """Create the blind A/B comparison of two studies with the same prompts and seeds.
+
+    A side may also be a model (models:/NAME@ALIAS, models:/NAME/VERSION or an exported
+    pipeline folder): its study is generated first with `evaluate`'s settings, unless it
+    exists.
+    """
+    from flows.human_evaluation import is_model_ref, study_for_model
+    from human_eval.studies import create_comparison, load_study
+
+    models = [is_model_ref(study_a), is_model_ref(study_b)]
+    cfg, store = _load(config_path, root, ("evaluate",) if any(models) else ())
+    he = cfg.human_eval
+    if models[0]:
+        study_a = study_for_model(cfg, study_a)
+    if models[1]:
+        study_b = study_for_model(cfg, study_b)
+    a = load_study(study_a, cfg.storage.root)
+    b = load_study(study_b, cfg.storage.root)
+    cid, created = create_comparison(
+        store, a, b,
+        raters_per_pair=he.raters_per_pair if raters_per_pair is None else raters_per_pair,
+        gold=he.gold_per_rater if gold is None else gold,
+        name=name, seed=he.seed,
+    )  # fmt: skip
+    click.echo(f"{'created' if created else 'exists:'} {a.study_id} (A) vs {b.study_id} (B)",
+               err=True)  # fmt: skip
+    click.echo(cid)
+
+
+@click.group()
+def rate() -> None:
+    """Blind A/B human evaluation: serve the rating app, invite raters, report."""
+
+
+@rate.command()
+@config_options
+@click.option("--host", cls=ConfigDefault, field="human_eval.host", help="Listen address.")
+@click.option("--port", type=int, cls=ConfigDefault, field="human_eval.port", help="Port.")
+def serve(config_path: str, root: str | None, host: str | None, port: int | None) -> None:
+    """Serve the rating pages; prints the admin link (never part of a rater link)."""
+    from human_eval.app import serve as run_app
+
+    cfg, store = _load(config_path, root)
+    host = cfg.human_eval.host if host is None else host
+    port = cfg.human_eval.port if port is None else port
+    click.echo(f"Rating app at http://{host}:{port}/rate/<token> (kiln rate invite)")
+    click.echo(f"Admin page: http://{host}:{port}/admin/{store.admin_token()}")
+    he = cfg.human_eval  # the admin page's running result: the report's settings
+    run_app(store, host, port, min_gold_accuracy=he.min_gold_accuracy,
+            n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
+
+
+@rate.command()
+@config_options
+@COMPARISON
+@click.option("--raters", type=int, required=True, help="Number of rater links to create.")
+@click.option("--host", cls=ConfigDefault, field="human_eval.host", help="Host in the links.")
+@click.option("--port", type=int, cls=ConfigDefault, field="human_eval.port",
+              help="Port in the links.")  # fmt: skip
+def invite(
+    config_path: str,
+    root: str | None,
+    comparison: str,
+    raters: int,
+    host: str | None,
+    port: int | None,
+) -> None:
+    """Print one rating link per new rater: http://HOST:PORT/rate/<token>."""
+    cfg, store = _load(config_path, root)
+    if raters < 1:
+        raise click.UsageError(f"--raters must be at least 1 (got {raters})")
+    host = cfg.human_eval.host if host is None else host
+    port = cfg.human_eval.port if port is None else port
+    links = store.add_raters(comparison, raters)
+    for pseudonym, token in links:
+        click.echo(f"{pseudonym}\thttp://{host}:{port}/rate/{token}")
+
+
+@rate.command()
+@config_options
+@COMPARISON
+def report(config_path: str, root: str | None, comparison: str) -> None:
+    """Write report.json, votes.csv and preference.png under <root>/human_eval/<comparison>/."""
+    from human_eval.report import build_report
+
+    cfg, store = _load(config_path, root)
+    he = cfg.human_eval
+    out = Path(cfg.storage.root) / "human_eval" / comparison
+    result = build_report(store, comparison, out, min_gold_accuracy=he.min_gold_accuracy,
+                          n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
+    summary = {
+        q: {k: v["overall"][k] for k in ("pref", "ci_low", "ci_high", "tie_share", "votes")}
+        for q, v in result["questions"].items()
+    }
+    summary["raters_excluded"] = result["raters"]["excluded"]
+    summary["outputs"] = result["outputs"]
+    click.echo(json.dumps(summary, indent=2, default=str))

@@ -1,0 +1,115 @@
+"""Kiln's configuration: every section's schema and the YAML loader, below every layer.
+
+One YAML file describes one pipeline (`PipelineConfig`); a launched process reads one
+resolved stage file (`StageRun`). Each default is declared here, once.
+"""
+
+from kiln_config.base import (
+    REVEAL_SECRETS,
+    ConfigError,
+    SecretUri,
+    Strict,
+    is_remote,
+    redact_uri,
+    stable_hash,
+)
+from kiln_config.data import (
+    CATALOG_COLUMNS,
+    IngestConfig,
+    QualityConfig,
+    ShardsConfig,
+)
+from kiln_config.evaluate import (
+    EvalMetricsConfig,
+    EvaluateConfig,
+    GateConfig,
+    HumanEvalConfig,
+)
+from kiln_config.launch import (
+    GpuLimitConfig,
+    KubernetesConfig,
+    LaunchConfig,
+    SlurmConfig,
+)
+from kiln_config.loader import (
+    format_validation_error,
+    load_yaml_model,
+    read_yaml,
+)
+from kiln_config.model import (
+    Component,
+    ModelConfig,
+    TokenizerConfig,
+    VaeComponent,
+    VaeFitConfig,
+)
+from kiln_config.pipeline import (
+    PROJECT_DIR,
+    ExecutionConfig,
+    PipelineConfig,
+    RegistryConfig,
+    RetrainConfig,
+    StorageConfig,
+    config_hash,
+    encoder_key,
+    load_config,
+    run_config,
+    write_snapshot,
+)
+from kiln_config.train import (
+    DEFAULT_SAMPLE_PROMPTS,
+    EMAConfig,
+    FaultInjection,
+    StageConfig,
+    StageRun,
+    StreamMix,
+    TrainConfig,
+)
+
+__all__ = [
+    "CATALOG_COLUMNS",
+    "Component",
+    "ConfigError",
+    "DEFAULT_SAMPLE_PROMPTS",
+    "EMAConfig",
+    "EvalMetricsConfig",
+    "EvaluateConfig",
+    "ExecutionConfig",
+    "FaultInjection",
+    "GateConfig",
+    "GpuLimitConfig",
+    "HumanEvalConfig",
+    "IngestConfig",
+    "KubernetesConfig",
+    "LaunchConfig",
+    "ModelConfig",
+    "PROJECT_DIR",
+    "PipelineConfig",
+    "QualityConfig",
+    "REVEAL_SECRETS",
+    "RegistryConfig",
+    "RetrainConfig",
+    "SecretUri",
+    "ShardsConfig",
+    "SlurmConfig",
+    "StageConfig",
+    "StageRun",
+    "StorageConfig",
+    "StreamMix",
+    "Strict",
+    "TokenizerConfig",
+    "TrainConfig",
+    "VaeComponent",
+    "VaeFitConfig",
+    "config_hash",
+    "encoder_key",
+    "format_validation_error",
+    "is_remote",
+    "load_config",
+    "load_yaml_model",
+    "read_yaml",
+    "redact_uri",
+    "run_config",
+    "stable_hash",
+    "write_snapshot",
+]

@@ -1,0 +1,162 @@
+"""The data sections: `ingest`, `quality` (the rules a catalog is held to) and `shards`.
+
+Quality defaults follow common practice for from-scratch text-to-image sets: MosaicML's SD2
+run kept LAION images with an aesthetic score of at least 4.5; a caption that is mostly
+non-ASCII is dropped for English-only training (set `min_ascii_ratio: null` for
+multilingual sets).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from kiln_config.base import Strict
+
+# The columns ingest writes for every row: `ingest.metadata_columns` may not reuse them.
+CATALOG_COLUMNS = [
+    "key", "source", "object", "offset", "length", "sha256", "phash", "width", "height",
+    "format", "mode", "bytes", "conversion", "caption", "unit", "unit_version", "ingest_id",
+    "ingest_seq",
+]  # fmt: skip
+
+__all__ = ["CATALOG_COLUMNS", "IngestConfig", "QualityConfig", "ShardsConfig"]
+
+
+class IngestConfig(Strict):
+    source: str | None = Field(None, description="Local folder or s3://bucket/prefix.")
+    layout: Literal["auto", "imagefolder", "img2dataset", "webdataset"] = Field(
+        "auto", description="Source layout; auto detects it from the listing."
+    )
+    metadata_file: str | None = Field(
+        None, description="imagefolder manifest; default metadata.jsonl, .csv or .parquet."
+    )
+    caption_column: str = "text"
+    metadata_columns: list[str] = Field(
+        default_factory=list,
+        description="Pass-through columns kept in the catalog (license, contributor, ...).",
+    )
+    image_extensions: list[str] = Field(
+        default_factory=lambda: [".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"]
+    )
+    workers: int = Field(0, ge=0, description="Decode processes; 0 means one per CPU core.")
+    max_pixels: int = Field(
+        89_478_485, gt=0, description="Images over this pixel count are quarantined unread."
+    )
+    partition_size: int = Field(1000, gt=0, description="Items per decode task.")
+
+
+class QualityConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    min_side: int = Field(32, gt=0, description="Short side below this is rejected.")
+    max_aspect_ratio: float = Field(
+        4.0, ge=1, description="Long side / short side above this is rejected."
+    )
+    min_caption_chars: int = Field(1, ge=1, description="Shorter captions are rejected.")
+    max_caption_chars: int = Field(1000, gt=0, description="Longer captions are rejected.")
+    min_ascii_ratio: float | None = Field(
+        0.8, ge=0, le=1, description="Share of ASCII characters a caption needs; null: off."
+    )
+    allowed_licenses: list[str] | None = Field(
+        None, description="When set, the license column must hold one of these values."
+    )
+    license_column: str = "license"
+    license_end_column: str = Field(
+        "license_end",
+        description="ISO date after which a row's license has ended; rows past it at "
+        "validation time are quarantined (`license_expired`). Skipped without the column.",
+    )
+    contributor_column: str = Field(
+        "contributor",
+        description="Who licensed the image: what `kiln takedown add "
+        "--contributor` matches and the revenue-share report groups by.",
+    )
+    min_aesthetic: float | None = Field(
+        None, description="When set and the column exists, lower scores are rejected."
+    )
+    aesthetic_column: str = "aesthetic"
+    near_duplicate_distance: int = Field(
+        4, ge=0, le=32, description="pHash Hamming distance at or below which two images match."
+    )
+    drop_near_duplicates: bool = Field(
+        False, description="Quarantine near-duplicates (else they are only flagged)."
+    )
+    max_reject_fraction: float = Field(0.2, ge=0, le=1)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> QualityConfig:
+        if self.max_caption_chars < self.min_caption_chars:
+            raise ValueError(
+                f"max_caption_chars ({self.max_caption_chars}) is below min_caption_chars "
+                f"({self.min_caption_chars})"
+            )
+        return self
+
+
+class ShardsConfig(Strict):
+    min_side_factor: float = Field(
+        1.0, gt=0, description="A stage takes images whose short side >= resolution * factor."
+    )
+    jpeg_quality: int = Field(90, ge=1, le=100, description="JPEG or WebP quality.")
+    image_format: Literal["jpeg", "webp", "png"] = Field("jpeg", description="Stored encoding.")
+    partition_size: int = Field(2000, gt=0, description="Images per conversion task.")
+    size_limit: int = Field(1 << 26, gt=0, description="Bytes per MDS shard before a new one.")
+    workers: int = Field(0, ge=0, description="Resize processes; 0 means one per CPU core.")
+    token_ids: bool = Field(
+        True,
+        description="Store each caption's token ids (the model's tokenizer) in the image shards, "
+        "so the loader does not tokenize; the tokenizer becomes part of the dataset version.",
+    )
+    precompute: bool = Field(
+        False, description="Also write VAE latents and text states per stage (models.precompute)."
+    )
+    precompute_text: bool = Field(
+        True, description="With precompute: store text-encoder states (else token ids only)."
+    )
+    aspect_buckets: bool = Field(
+        False,
+        description="SDXL-style aspect-ratio buckets instead of centre crops for bucket_stages; "
+        "each bucket is its own stream, and every batch comes from one bucket.",
+    )
+    bucket_stages: list[int] | None = Field(
+        None, description="Stage resolutions that use buckets; default the largest stage."
+    )
+    bucket_step: int = Field(
+        64, gt=0, description="Bucket sides are multiples of this (64 for SD2: VAE x UNet)."
+    )
+    bucket_max_aspect: float = Field(2.0, ge=1.0, description="Widest aspect ratio either way.")
+    remote: str | None = Field(
+        None,
+        description="s3://bucket/prefix (or a shared folder) to publish dataset versions to; "
+        "training then streams them from there through cache_dir.",
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Local cache of streamed shards on each training machine (fast local "
+        "disk); default <root>/cache.",
+    )
+    val_fraction: float = Field(
+        0.01,
+        ge=0,
+        lt=1,
+        description="Share of images held out as each stage's validation split, chosen by a "
+        "hash of the image key; 0: no split.",
+    )
+    val_max: int = Field(2000, ge=0, description="Cap on the validation split's images.")
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, v: str | None) -> str | None:
+        if v is not None and "://" in v and not v.startswith("s3://"):
+            raise ValueError(f"must be s3://bucket/prefix or a folder (received {v!r})")
+        if v is not None and v.startswith("s3://") and not v[5:].split("/")[0]:
+            raise ValueError(f"names no bucket (received {v!r})")
+        return v.rstrip("/") if v else v

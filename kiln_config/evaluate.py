@@ -1,0 +1,79 @@
+"""The evaluation sections: `evaluate` (the study and its metrics), `human_eval` (the blind
+A/B rating app) and the promotion gate (`registry.gate`).
+"""
+
+from __future__ import annotations
+
+from pydantic import (
+    Field,
+)
+
+from kiln_config.base import SecretUri, Strict
+
+__all__ = ["EvalMetricsConfig", "EvaluateConfig", "GateConfig", "HumanEvalConfig"]
+
+
+class EvalMetricsConfig(Strict):
+    """Automated image metrics of `kiln evaluate`; each is skipped (and says so) when its
+    weights are not configured or not found."""
+
+    clip_model: str | None = Field(
+        None, description="CLIP model for CLIP score: a local folder or a hub id (transformers)."
+    )
+    inception_weights: str | None = Field(
+        None, description="Local path of the FID Inception weights (torch-fidelity's .pth)."
+    )
+    fid_max_images: int = Field(
+        2000, gt=0, description="Validation images (and as many generated) for FID."
+    )
+
+
+class EvaluateConfig(Strict):
+    prompts_csv: str | None = Field(
+        None,
+        description="CSV with columns Prompts,Category. Unset: KILN_DRAWBENCH_CSV, else the 200 "
+        "DrawBench prompts fetched once from the Hugging Face Hub (tasks/evaluation/prompts.py).",
+    )
+    seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
+    num_inference_steps: int = Field(25, gt=0)
+    guidance_scale: float = Field(7.5, ge=0)
+    batch_size: int = Field(8, gt=0)
+    limit: int | None = Field(None, gt=0, description="Use only the first N prompts.")
+    metrics: EvalMetricsConfig = Field(default_factory=EvalMetricsConfig)
+
+
+class GateConfig(Strict):
+    """What `kiln promote` needs before `champion` moves to a candidate
+    (tasks/registry/promotion.py)."""
+
+    min_votes_per_pair: int = Field(
+        3, ge=1, description="Fewest human votes every compared pair must have, per question."
+    )
+    min_pref_ci_low: float = Field(
+        0.5, ge=0, le=1, description="Lower 95% CI bound of the candidate's preference rate."
+    )
+    min_category_pref: float = Field(
+        0.4, ge=0, le=1, description="No DrawBench category's preference may be below this."
+    )
+    max_val_loss_increase: float = Field(
+        0.02, ge=0, description="Validation loss may exceed the champion's by this fraction."
+    )
+
+
+class HumanEvalConfig(Strict):
+    """The blind A/B rating app and its report (`kiln compare`, `kiln rate ...`)."""
+
+    database_url: SecretUri | None = Field(
+        None,
+        description="SQLAlchemy URL of the ratings store (e.g. postgresql://... for a shared "
+        "server). Default: sqlite:///<root>/human_eval/ratings.db (WAL).",
+    )
+    host: str = Field("127.0.0.1", description="Address `kiln rate serve` listens on.")
+    port: int = Field(8765, gt=0, lt=65536, description="Port of `kiln rate serve`.")
+    raters_per_pair: int = Field(5, ge=1, description="Votes collected per pair (K).")
+    gold_per_rater: int = Field(10, ge=0, description="Attention checks shown to each rater.")
+    min_gold_accuracy: float = Field(
+        0.8, ge=0, le=1, description="Raters below this gold accuracy are left out of results."
+    )
+    bootstrap_resamples: int = Field(2000, ge=100, description="Prompt-level bootstrap draws.")
+    seed: int = Field(0, description="Seed of the bootstrap and of the gold pairs' choice.")

@@ -1,0 +1,95 @@
+"""Reading a YAML config: `base:` files merged underneath, and validation errors rendered as
+one line per bad field (its dotted path and the value received).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ValidationError,
+)
+
+from kiln_config.base import ConfigError
+
+__all__ = ["format_validation_error", "load_yaml_model", "read_yaml"]
+
+
+# "Value error, train.stages.1.num_machines: ..." : a model validator's message that already
+# starts with the field's dotted path.
+_NAMED = re.compile(r"^Value error, ([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+: .*)$", re.DOTALL)
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    """Render each error as `dotted.path: message (received value)`."""
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        own = _NAMED.match(e["msg"]) if e["type"] == "value_error" else None
+        if own:  # a check across fields that names the field and the value itself
+            lines.append(f"  {own.group(1)}")
+            continue
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        received = e.get("input")
+        shown = repr(received)
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        lines.append(f"  {path}: {e['msg']} (received {shown})")
+    return "\n".join(lines)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """`over` on top of `base`: mappings merge key by key; lists and scalars replace."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
+    """A YAML mapping, with its `base:` file (relative to its folder) merged underneath.
+
+    `base: tiny.yaml` lets a variant state only what differs from a preset. The merge is by
+    key: mappings merge, lists (such as `train.stages`) and scalars replace. Relative paths in
+    either file resolve against the folder of the file Kiln was given.
+
+    Raises:
+        ConfigError: A missing file, invalid YAML, a non-mapping, or a `base:` cycle.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, path.resolve()))
+        raise ConfigError(f"base: the configs include each other ({chain})")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {path} must be a mapping, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"base: expected the path of a config file (received {base!r})")
+    seen = (*_seen, path.resolve())
+    try:
+        under = read_yaml(path.parent / base, seen)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: base: {e}") from None
+    return _merge(under, data)
+
+
+def load_yaml_model(model: type[BaseModel], path: str | Path) -> Any:
+    """Load a YAML file (and its `base:`) into `model`, raising :class:`ConfigError` with
+    dotted field paths."""
+    path = Path(path)
+    data = read_yaml(path)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, str(path))) from None

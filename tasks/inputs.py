@@ -1,0 +1,225 @@
+"""The inputs a step needs, checked before it starts: the source, the topology file, the
+tracking store, the cluster and the evaluation prompts. Every check reads; none changes
+the config it checks.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from urllib.parse import urlparse
+
+from kiln_config import ConfigError, PipelineConfig, is_remote, load_config, redact_uri
+from tasks.evaluation.prompts import PromptsUnavailable, resolve_prompts
+from tasks.storage.objects import ProbeError, Storage
+
+__all__ = ["SOURCE_FIX", "STEP_INPUTS", "as_config", "check_inputs", "tracking_folder"]
+
+
+# The inputs each step needs before it starts; `check_inputs` checks them for the given steps.
+STEP_INPUTS = {
+    "ingest": ("source",),
+    "train": ("topology", "tracking", "cluster"),
+    "plan": ("topology",),
+    "evaluate": ("topology", "prompts"),
+    "register": ("tracking",),
+}
+
+
+def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
+    """Fail fast on missing inputs that a later step needs, before hours of earlier steps.
+
+    Runs before any flow starts, so a typo costs a second, not a Prefect server start and a
+    failed run. The local checks (the source folder, the topology file, the tracking folder)
+    run first and report every failure at once; the ones that may reach the network (an S3
+    source listed with a fast probe, an http(s) tracking server, the DrawBench prompts, which
+    may come from the Hub) run after, so an offline machine reports a local typo quickly.
+
+    Raises:
+        ConfigError: one line per failing input, naming the field, the value and the fix.
+    """
+    need = {check for step in steps for check in STEP_INPUTS.get(step, ())}
+    if "shard" in steps and cfg.shards.precompute:  # precompute launches on the topology
+        need.add("topology")
+    errors = []
+    if "source" in need:
+        errors += _check_source_local(cfg)
+    if "topology" in need:
+        errors += _check_topology(cfg)
+    if "tracking" in need:
+        errors += _check_tracking_local(cfg.tracking_uri)
+    if errors:
+        raise ConfigError("\n".join(errors))
+    if "source" in need:
+        _check_source_remote(cfg)
+    if "tracking" in need:
+        _check_tracking_server(cfg.tracking_uri)
+    if "cluster" in need and cfg.launch.backend == "slurm":
+        from tasks.launch.slurm import SlurmError, check_slurm
+
+        try:  # the cluster's own answer: a bad partition or an impossible node count
+            check_slurm(cfg.launch.slurm, max(s.num_machines for s in cfg.train.stages))
+        except SlurmError as e:
+            raise ConfigError(str(e)) from e
+    if "cluster" in need and cfg.launch.backend == "kubernetes":
+        from tasks.launch.kubernetes import KubernetesRejected, check_kubernetes
+
+        try:  # a client configuration, and the runtime the TrainJobs refer to
+            check_kubernetes(cfg.launch.kubernetes)
+        except KubernetesRejected as e:
+            raise ConfigError(str(e)) from e
+    if "prompts" in need:
+        # The prompts are readable now, not after training: a configured file, the copy
+        # KILN_DRAWBENCH_CSV names, or DrawBench from the Hub (fetched once, then cached). The
+        # resolved path goes into the run's config snapshot.
+        try:
+            cfg.evaluate.prompts_csv = str(resolve_prompts(cfg.evaluate.prompts_csv))
+        except (PromptsUnavailable, FileNotFoundError) as e:
+            msg = str(e).removeprefix("evaluate.prompts_csv: ")
+            raise ConfigError(f"evaluate.prompts_csv: {msg}") from e
+
+
+SOURCE_FIX = "pass --source or set ingest.source"
+
+
+def _check_source_local(cfg: PipelineConfig) -> list[str]:
+    """A local source is a folder that holds files (ingest reads folders, tars inside them)."""
+    src = cfg.ingest.source
+    if not src:
+        return [f"ingest.source: not set ({SOURCE_FIX})"]
+    if is_remote(src) and not src.startswith("file://"):
+        return []  # s3://: probed after the local checks; other schemes fail in Storage
+    return _probe_source(cfg)
+
+
+def _check_source_remote(cfg: PipelineConfig) -> None:
+    src = cfg.ingest.source
+    if src and is_remote(src) and not src.startswith("file://"):
+        errors = _probe_source(cfg)
+        if errors:
+            raise ConfigError(errors[0])
+
+
+def _probe_source(cfg: PipelineConfig) -> list[str]:
+    src = cfg.ingest.source
+    try:
+        store = Storage(src, cfg.storage.endpoint_url)
+        if not store.probe():
+            return [f"ingest.source: {src} holds no files ({SOURCE_FIX})"]
+    except ProbeError as e:
+        if store.is_s3:
+            hint = ("check the bucket and prefix, the AWS credentials, and storage.endpoint_url "
+                    "or S3_ENDPOINT_URL for MinIO, Ceph or R2")  # fmt: skip
+        elif "is a file" in str(e):
+            hint = "ingest reads a folder: images with a manifest or .txt captions, or .tar shards"
+        else:
+            hint = SOURCE_FIX
+        return [f"ingest.source: {e} ({hint})"]
+    except ValueError as e:  # an unsupported scheme, an S3 URI without a bucket
+        return [f"ingest.source: {e} ({SOURCE_FIX})"]
+    return []
+
+
+def _check_topology(cfg: PipelineConfig) -> list[str]:
+    path = cfg.launch.accelerate_config
+    if Path(path).is_file():
+        return []
+    return [
+        f"launch.accelerate_config: file not found (received {path!r}); set it to a topology "
+        f"such as configs/accelerate/single.yaml"
+    ]
+
+
+def tracking_folder(uri: str) -> Path | None:
+    """The local folder MLflow writes for `uri`, or None for a server or database URI.
+
+    `sqlite:///path/mlflow.db` writes beside the database file; a `file:` URI or a plain path
+    is a file store, a folder of its own. Relative paths are MLflow's: against the working
+    directory.
+    """
+    if uri.startswith("sqlite:///"):
+        return Path(uri.removeprefix("sqlite:///")).expanduser().parent
+    if uri.startswith("file:"):
+        return Path(urlparse(uri).path).expanduser()
+    if "://" in uri or uri == "databricks" or uri.startswith("databricks:"):
+        return None  # http(s), postgresql, mysql, sqlite:// in memory, databricks
+    return Path(uri).expanduser()
+
+
+def _check_tracking_local(uri: str) -> list[str]:
+    """The tracking folder exists and is writable, or can be created (nothing is created)."""
+    folder = tracking_folder(uri)
+    if folder is None:
+        return []
+    shown = redact_uri(uri)
+    fix = "set registry.tracking_uri or --root to a writable place"
+    folder = folder.absolute()
+    existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        return [f"registry.tracking_uri: {existing} is a file, not a folder (received "
+                f"{shown!r}); {fix}"]  # fmt: skip
+    try:  # os.access says yes to root even on a read-only mount: write, then remove
+        with tempfile.TemporaryFile(dir=existing, prefix=".kiln-write-check-"):
+            pass
+    except OSError as e:
+        return [f"registry.tracking_uri: {existing} is not writable ({e.strerror or e}; received "
+                f"{shown!r}); {fix}"]  # fmt: skip
+    return []
+
+
+def _check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
+    """An http(s) tracking server answers at all (any HTTP status: auth is MLflow's concern).
+
+    Only reachability is checked: a refused connection, an unknown host or a timeout fails
+    here, in seconds, instead of when training starts hours later. Database URIs are not
+    probed (their drivers and credentials belong to MLflow).
+    """
+    if not uri.startswith(("http://", "https://")):
+        return
+    import urllib.error
+    import urllib.request
+
+    try:
+        urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise ConfigError(
+            f"registry.tracking_uri: the MLflow server at {redact_uri(uri)} does not answer "
+            f"({reason}); start it or set registry.tracking_uri"
+        ) from e
+
+
+def as_config(
+    config: PipelineConfig | str,
+    steps: tuple[str, ...] = (),
+    *,
+    root: str | None = None,
+    source: str | None = None,
+) -> PipelineConfig:
+    """A flow's config: the loaded one its caller passes, or a path loaded and checked here.
+
+    The CLI and the pipeline load and check the config once and pass the object down; a flow
+    started on its own (a deployment, a test) gets a path, and this is its one load.
+
+    Args:
+        config: A loaded config (already checked by the caller), or a pipeline YAML path.
+        steps: With a path: the steps whose inputs `check_inputs` checks.
+        root: With a path: overrides `storage.root`.
+        source: With a path: overrides `ingest.source`.
+
+    Raises:
+        ConfigError: the file fails validation or an input check.
+        ValueError: `root` or `source` given with a loaded config (apply them when loading).
+    """
+    if isinstance(config, PipelineConfig):
+        if root is not None or source is not None:
+            raise ValueError(
+                f"root={root!r}, source={source!r}: overrides apply to a config path; pass them "
+                "to load_config for a loaded config"
+            )
+        return config
+    cfg = load_config(config, root=root, source=source)
+    check_inputs(cfg, steps)
+    return cfg

@@ -1,0 +1,245 @@
+"""Pre-flight health check before training launches: fail in seconds, with a clear message.
+
+Before any of these, before anything is launched or submitted, `stage_feasibility` fails a
+stage that cannot run as configured (a dataset smaller than one batch across its processes; on
+GPUs, a step the memory model says does not fit `launch.gpu_memory_gb`). Such a failure is
+deterministic, so it is raised once, never retried.
+
+Checks, in order of cost:
+
+1. the topology's GPU needs against the GPUs this machine sees;
+2. storage: every stage's MDS index is readable and the run folder is writable;
+3. free disk under the run folder against an estimate of the checkpoints (weights, AdamW
+   moments, EMA, times `train.keep_checkpoints`, plus one export);
+4. a collective: `accelerate launch -m models.collective_check` all-reduces across every launched
+   process, bounded by `launch.health_timeout_s` (skipped for one process on a machine
+   without a GPU: there is no collective to form and no device to probe).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from kiln_config import LaunchConfig, TrainConfig
+from tasks.launch.accelerate import LaunchError, cuda_available, launch_module
+from tasks.launch.common import topology_processes
+from tasks.runtime.logs import task_logger
+
+__all__ = [
+    "HealthCheckError",
+    "check_collective",
+    "check_disk",
+    "check_gpus",
+    "check_stages",
+    "check_storage",
+    "checkpoint_bytes",
+    "preflight",
+    "stage_feasibility",
+]
+
+
+class HealthCheckError(RuntimeError):
+    """The machine or cluster is not fit to start this training run."""
+
+
+def check_gpus(accelerate_config: str, num_processes: int | None, visible: int | None = None):
+    """GPU topologies need one visible GPU per process on each machine."""
+    cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
+    dist = str(cfg.get("distributed_type", "NO")).upper()
+    if cfg.get("use_cpu") or dist not in ("MULTI_GPU", "FSDP", "DEEPSPEED"):
+        return
+    procs = num_processes or int(cfg.get("num_processes") or 1)
+    per_machine = -(-procs // int(cfg.get("num_machines") or 1))
+    if visible is None:
+        import torch
+
+        visible = torch.cuda.device_count()
+    if visible < per_machine:
+        raise HealthCheckError(
+            f"topology {Path(accelerate_config).name} ({dist}) starts {per_machine} processes "
+            f"per machine, one per GPU, but this machine sees {visible} GPU(s). Check "
+            "CUDA_VISIBLE_DEVICES and the driver, set launch.num_processes, or use "
+            "configs/accelerate/single.yaml (one process) or cpu-ddp-2.yaml (CPU)."
+        )
+
+
+def check_storage(run_dir: Path, shard_dirs: list[str]) -> None:
+    """Every stage's dataset index parses (each bucket's, for a bucketed stage), and the run
+    folder accepts a write."""
+    for d in shard_dirs:
+        indexes = [Path(d) / "index.json"]
+        try:
+            if (Path(d) / "buckets.json").is_file():
+                buckets = json.loads((Path(d) / "buckets.json").read_text())["buckets"]
+                indexes = [Path(d) / b["name"] / "index.json" for b in buckets]
+            for index in indexes:
+                json.loads(index.read_text())
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise HealthCheckError(f"storage: cannot read the dataset index in {d}: {e}") from e
+    probe = run_dir / ".health-probe"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise HealthCheckError(f"storage: the run folder {run_dir} is not writable: {e}") from e
+
+
+def checkpoint_bytes(train: TrainConfig) -> int:
+    """Disk a stage needs: `keep_checkpoints` x (fp32 weights + 2 AdamW moments + EMA in
+    `train.ema_dtype`) plus one fp32 export. Parameters are counted on a meta copy of the UNet
+    (no memory)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(train.model.unet)
+    n = sum(p.numel() for p in unet.parameters())
+    ema_bytes = (2 if train.ema_dtype == "bfloat16" else 4) if train.ema.enabled else 0
+    per_ckpt = n * (4 * 3 + ema_bytes)
+    return per_ckpt * train.keep_checkpoints + n * 4 * 2  # export: EMA and raw UNet
+
+
+def check_disk(run_dir: Path, train: TrainConfig) -> None:
+    need = checkpoint_bytes(train)
+    free = shutil.disk_usage(run_dir if run_dir.exists() else run_dir.parent).free
+    if free < need:
+        raise HealthCheckError(
+            f"disk: {free / 1e9:.1f} GB free under {run_dir}, but a stage's checkpoints need "
+            f"about {need / 1e9:.1f} GB (train.keep_checkpoints={train.keep_checkpoints}); "
+            "free space, lower keep_checkpoints, or move storage.root"
+        )
+
+
+def check_collective(launch: LaunchConfig, out: Path, timeout_s: float, nodes: int = 1) -> dict:
+    """All-reduce across every process of the launch; returns models.collective_check's report.
+
+    On a cluster backend the check is one job on `nodes` nodes (the largest pending stage's),
+    so every rank of such an allocation takes part, as the stage's will.
+    """
+    try:
+        launch_module(launch, "models.collective_check", ["--out", str(out)], nodes=nodes,
+                      workdir=out, name="health", timeout_s=timeout_s)  # fmt: skip
+    except LaunchError as e:
+        raise HealthCheckError(
+            f"collective: the all-reduce across the processes of "
+            f"{Path(launch.accelerate_config).name} did not complete ({e}). Check that every "
+            "node is up and can reach main_process_ip:main_process_port, and the NCCL/gloo "
+            "setup."
+        ) from e
+    return json.loads((out / "health.json").read_text())
+
+
+@task(name="preflight-health-check", cache_policy=NO_CACHE)
+def preflight(
+    train: TrainConfig,
+    launch: LaunchConfig,
+    run_dir: str,
+    shard_dirs: list[str],
+    nodes: int = 1,
+) -> dict:
+    """Run every check; raise HealthCheckError naming the first that fails. On a cluster
+    backend the all-reduce runs as a job across `nodes` nodes."""
+    log = task_logger(__name__)
+    run = Path(run_dir)
+    local = launch.backend == "local"
+    if local:  # on a cluster the GPUs are on the nodes, not on this machine
+        check_gpus(launch.accelerate_config, launch.num_processes)
+    check_storage(run, shard_dirs)
+    check_disk(run, train)
+    if (local and topology_processes(launch.accelerate_config, launch.num_processes) == 1
+            and not cuda_available()):  # fmt: skip
+        # One CPU process: no collective to form and no device to probe.
+        report = {"world_size": 1, "collective": "skipped: one CPU process, nothing to all-reduce"}
+    else:
+        report = check_collective(launch, run / "health", launch.health_timeout_s, nodes)
+    log.info("pre-flight health check passed: %s", report)
+    return report
+
+
+def _stage_samples(stats: dict) -> int:
+    """Samples the loader can batch from: a bucketed stage batches each bucket on its own,
+    so its largest bucket."""
+    buckets = stats.get("buckets")
+    return max(buckets.values()) if buckets else int(stats.get("samples", 0))
+
+
+def check_stages(
+    train: TrainConfig,
+    launch: LaunchConfig,
+    stage_stats: dict[int, dict],
+    pending: list[int],
+    on_gpu: bool,
+    precomputed: bool = False,
+) -> None:
+    """Raise HealthCheckError for the first pending stage that cannot run as configured.
+
+    Args:
+        train: The `train` section.
+        launch: The `launch` section (topology, processes, GPU memory).
+        stage_stats: Per resolution, the dataset version's stage entry in shards.json.
+        pending: Indexes of the stages still to train.
+        on_gpu: Whether the stages train on GPUs (then the memory model is checked too).
+        precomputed: Latents and text states come from shards (no frozen encoders).
+    """
+    from tasks.launch.accelerate import stage_processes
+
+    worlds = stage_processes(launch, train)
+    for i in pending:
+        s, world = train.stages[i], worlds[i]
+        if s.resolution not in stage_stats or train.mix:
+            continue  # no count (check_storage names a missing dataset); a mix is resampled
+        have = _stage_samples(stage_stats[s.resolution])
+        need = s.batch_size * world
+        if have < need:
+            raise HealthCheckError(
+                f"stage {i + 1} ({s.resolution}px): its dataset has {have} training samples, "
+                f"fewer than one batch of {s.batch_size} per process on {world} processes "
+                f"({need}); add images, lower train.stages.{i}.batch_size (raising "
+                "gradient_accumulation_steps keeps the global batch) or train on fewer processes"
+            )
+    if on_gpu:
+        _check_memory(train, launch, worlds, pending, precomputed)
+
+
+def _check_memory(train, launch, worlds, pending, precomputed) -> None:
+    from tasks.planning.memory_model import memory_plan
+
+    plan = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb,
+                       precomputed)  # fmt: skip
+    for i in pending:
+        mem = plan[i]["configured"]
+        if not mem["fits"]:
+            s = train.stages[i]
+            raise HealthCheckError(
+                f"stage {i + 1} ({s.resolution}px): the memory model puts a step at "
+                f"{mem['total'] / 1e9:.1f} GB per GPU ({mem['setup']}, batch {s.batch_size}), "
+                f"over launch.gpu_memory_gb {launch.gpu_memory_gb:g}; "
+                f"{plan[i]['recommendation']['text']} (`kiln plan` shows every component)"
+            )
+
+
+@task(name="stage-feasibility", cache_policy=NO_CACHE, retries=0)
+def stage_feasibility(
+    train: TrainConfig,
+    launch: LaunchConfig,
+    stage_stats: dict[int, dict],
+    pending: list[int],
+    precomputed: bool = False,
+) -> None:
+    """`check_stages` before anything is launched: the GPU memory check when the stages train
+    on GPUs (a topology without `use_cpu`, and GPUs: this machine's for a local launch, the
+    backend's `gpus_per_node` on a cluster)."""
+    topology = yaml.safe_load(Path(launch.accelerate_config).read_text()) or {}
+    gpus = {"slurm": launch.slurm.gpus_per_node, "kubernetes": launch.kubernetes.gpus_per_node}
+    has_gpus = cuda_available() if launch.backend == "local" else bool(gpus[launch.backend])
+    on_gpu = has_gpus and not topology.get("use_cpu")
+    check_stages(train, launch, stage_stats, pending, on_gpu, precomputed)
+    task_logger(__name__).info("every pending stage fits its dataset%s",
+                               " and GPU memory" if on_gpu else "")  # fmt: skip

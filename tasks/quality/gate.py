@@ -1,0 +1,525 @@
+"""Validate: run the Great Expectations suite on a catalog and quarantine the failing rows.
+
+The suite runs on the current catalog view (every source ingested into the root), so exact
+and near duplicates are caught across runs. The row-local rules run a partition of the view
+at a time (`check_partition`, Prefect tasks on local threads or a Dask cluster), so memory is
+set by the partition size; the cross-catalog rules then run over the view's hashes (about 24
+bytes a row). Rows that an earlier verdict in the same chain already checked under the same
+suite are not checked again: a new ingest's rows are checked, and compared with the rest for
+duplicates (`validate_catalog`).
+
+Outputs are listed in `validate_catalog`; the quarantine is written before the gate is
+checked, so a failing gate still leaves every reason on disk. The gate's verdict is written
+with the catalog (`catalog/<ingest_id>/verdict.json`), and the shard step refuses a catalog
+whose verdict is missing or failed unless told otherwise (`gate_for_sharding`). The clean
+rows are the view less the verdict's rejects (`scan_clean`); nothing view-sized is written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from data_quality.suite import (
+    INGEST_REASONS,
+    REASONS,
+    SAMPLE,
+    TERMS_REASONS,
+    CrossCheck,
+    RowCheck,
+    apply_cross,
+    check_columns,
+    check_rows,
+    cross_catalog,
+    expectation_summaries,
+    hash_columns,
+    suite_key,
+    write_data_docs,
+)
+from data_quality.terms import check_terms
+from kiln_config import QualityConfig
+from tasks.catalog.takedown import takedown_set
+from tasks.catalog.view import (
+    ACCEPTED_COLUMNS,
+    ROW_GROUP,
+    ViewPart,
+    chain,
+    read_part,
+    view_columns,
+    view_parts,
+    view_versions,
+    write_verdict_rows,
+)
+from tasks.runtime.logs import task_logger
+from tasks.runtime.progress import Progress
+from tasks.runtime.runners import partition_runner
+from tasks.storage.layout import Layout
+
+__all__ = [
+    "PARTITION_ROWS", "REJECTS_FILE", "VERDICT_FILE", "QualityGateError", "ValidateResult",
+    "check_partition", "gate_for_sharding", "read_clean", "read_verdict", "reasons_table",
+    "scan_clean", "validate_catalog",
+]  # fmt: skip
+
+VERDICT_FILE = "verdict.json"  # in catalog/<ingest_id>/, beside the two files below
+REJECTS_FILE = "rejects.parquet"  # the view's rows the validate step quarantined
+FLAGS_FILE = "near_duplicates.parquet"  # near-duplicates kept (not dropped): near_duplicate_of
+SAMPLE_FILE = "docs_sample.parquet"  # the failing rows the Data Docs show (bounded)
+PARTITION_ROWS = 2 * ROW_GROUP  # rows per validate task
+OVERRIDE_FLAG = "--allow-failed-gate"
+
+
+class QualityGateError(RuntimeError):
+    """Too large a fraction of the input was rejected."""
+
+
+@dataclass
+class ValidateResult:
+    ingest_id: str
+    listed: int
+    clean: int
+    rejected_ingest: int
+    rejected_validate: int
+    reject_fraction: float
+    max_reject_fraction: float
+    reasons: dict[str, int] = field(default_factory=dict)
+    manifest_problems: int = 0
+    near_duplicates: int = 0
+    expectations: list[dict] = field(default_factory=list)
+    data_docs: str | None = None
+    checked_rows: int = 0  # rows the row-local rules ran on in this run
+    incremental_from: str | None = None  # the verdict whose checked rows this run kept
+    takedowns: int = 0  # rows quarantined as on the takedown list
+    license_expired: int = 0  # rows quarantined as their license had ended (or had no date)
+
+    @property
+    def passed(self) -> bool:
+        return self.reject_fraction <= self.max_reject_fraction
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
+
+
+def reasons_table(reasons: dict[str, int]) -> str:
+    """A markdown table of quarantine reasons ({reason: files}) with counts."""
+    lines = ["| reason | files | meaning |", "|---|---:|---|"]
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        meaning = {**INGEST_REASONS, **TERMS_REASONS, **REASONS}.get(reason, "")
+        lines.append(f"| `{reason}` | {n} | {meaning} |")
+    return "\n".join(lines)
+
+
+def _write_parquet(df: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_suffix(".parquet.tmp")
+    df.to_parquet(tmp, index=False)
+    tmp.replace(path)
+
+
+def _write_verdict(path: Path, result: ValidateResult, **extra) -> None:
+    """The gate's verdict, written atomically (a reader sees the old file or the new one)."""
+    verdict = {
+        "ingest_id": result.ingest_id,
+        "passed": result.passed,
+        "reject_fraction": result.reject_fraction,
+        "max_reject_fraction": result.max_reject_fraction,
+        "listed": result.listed,
+        "clean": result.clean,
+        "reasons": result.reasons,
+        "validated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        **extra,
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(verdict, indent=2))
+    tmp.replace(path)
+
+
+def read_verdict(root: str, ingest_id: str) -> dict | None:
+    """The quality verdict recorded with a catalog, or None when it was never validated."""
+    path = Layout(Path(root)).catalog(ingest_id) / VERDICT_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def gate_for_sharding(root: str, ingest_id: str, *, allow_failed_gate: bool = False) -> dict:
+    """Check the catalog's recorded verdict before it is sharded; return its lineage record.
+
+    The record (`passed`, `overridden`, reject fraction, limit and reasons) goes into the
+    dataset version's `shards.json`.
+
+    Raises:
+        QualityGateError: the verdict failed or is missing, and `allow_failed_gate` is false.
+    """
+    log = task_logger(__name__)
+    path = Layout(Path(root)).catalog(ingest_id) / VERDICT_FILE
+    verdict = read_verdict(root, ingest_id)
+    if verdict is None:
+        if not allow_failed_gate:
+            raise QualityGateError(
+                f"catalog {ingest_id} has no quality verdict ({path} missing): run "
+                f"`kiln validate` first, or pass {OVERRIDE_FLAG} (allow_failed_gate) to shard "
+                "it unchecked"
+            )
+        log.warning("sharding %s without a quality verdict (%s)", ingest_id, OVERRIDE_FLAG)
+        return {"passed": None, "overridden": True, "verdict": None, "reasons": {}}
+    record = {
+        "passed": bool(verdict["passed"]),
+        "overridden": False,
+        "verdict": str(path),
+        "reject_fraction": verdict["reject_fraction"],
+        "max_reject_fraction": verdict["max_reject_fraction"],
+        "reasons": verdict["reasons"],
+    }
+    if record["passed"]:
+        return record
+    summary = (
+        f"catalog {ingest_id} failed the quality gate: rejected "
+        f"{verdict['reject_fraction']:.1%} of {verdict['listed']} files > "
+        f"quality.max_reject_fraction ({verdict['max_reject_fraction']:.1%})"
+    )
+    if not allow_failed_gate:
+        raise QualityGateError(
+            f"{summary}; refusing to shard it.\n{reasons_table(verdict['reasons'])}\n"
+            f"Fix the source or the quality settings and run `kiln validate` again, or pass "
+            f"{OVERRIDE_FLAG} (allow_failed_gate) to shard it anyway; the override is recorded "
+            "in the dataset's shards.json."
+        )
+    log.warning("%s; sharding it anyway (%s)", summary, OVERRIDE_FLAG)
+    return {**record, "overridden": True}
+
+
+@task(name="check-partition", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def check_partition(
+    part: ViewPart, row_groups: list[int], columns: list[str], rules: QualityConfig
+) -> RowCheck:
+    """The row-local rules on some row groups of one ingest's rows (pure reads: a retry is
+    safe; on a Dask worker, the root must be mounted at the same path)."""
+    return check_rows(read_part(part, columns, row_groups), rules)
+
+
+def _partitions(parts: list[ViewPart], rows: int) -> list[tuple[ViewPart, list[int]]]:
+    per = max(1, rows // ROW_GROUP)
+    return [(p, list(range(g, min(g + per, p.row_groups))))
+            for p in parts for g in range(0, p.row_groups, per)]  # fmt: skip
+
+
+def _base(layout: Layout, links: list[dict], key: str) -> dict | None:
+    """The newest verdict in the chain reached under the suite `key`, when no accepted row
+    left the view after it: its rows need no second check."""
+    for s in reversed(links):
+        folder = layout.catalog(s["id"])
+        v = json.loads((folder / VERDICT_FILE).read_text()) if (
+            folder / VERDICT_FILE).is_file() else None  # fmt: skip
+        if v and v.get("suite") == key and (folder / REJECTS_FILE).is_file():
+            return {**v, "id": s["id"], "seq": int(s["ingest_seq"]),
+                    "rejects": pd.read_parquet(folder / REJECTS_FILE),
+                    "flags": pd.read_parquet(folder / FLAGS_FILE),
+                    "sample": pd.read_parquet(folder / SAMPLE_FILE)}  # fmt: skip
+        if s.get("superseded_accepted", 1):  # older catalogs do not say: assume some left
+            return None
+    return None
+
+
+def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | None) -> list:
+    """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
+    so that memory stays a few partitions whatever the catalog's size."""
+    out, window = [], []
+    progress = Progress("validate", sum(p.rows for p in {p.path: p for p, _ in tasks}.values()),
+                        "rows")  # fmt: skip
+
+    def done(future) -> None:
+        out.append(future.result())
+        progress.advance(out[-1].rows)
+
+    with partition_runner(workers, dask_address) as runner:
+        limit = len(tasks) if dask_address else workers
+        for part, groups in tasks:
+            args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules}
+            window.append(runner.submit(check_partition, args))
+            if len(window) >= limit:
+                done(window.pop(0))
+        for f in window:
+            done(f)
+    progress.finish()
+    return out
+
+
+def _hashes(parts: list[ViewPart]):
+    for p in parts:
+        for g in range(p.row_groups):
+            yield hash_columns(read_part(p, ["sha256", "phash"], [g]))
+
+
+def _keys_at(parts: list[ViewPart]):
+    """keys_at(positions) -> (sources, keys) of the view's rows at those positions, read a row
+    group at a time."""
+
+    def keys_at(positions: np.ndarray):
+        src = np.empty(len(positions), object)
+        key = np.empty(len(positions), object)
+        start, last = 0, int(positions.max())
+        for p in parts:
+            for g in range(p.row_groups):
+                if start > last:
+                    return src, key
+                df = read_part(p, ["source", "key"], [g])
+                i = np.flatnonzero((positions >= start) & (positions < start + len(df)))
+                src[i] = df["source"].to_numpy(object)[positions[i] - start]
+                key[i] = df["key"].to_numpy(object)[positions[i] - start]
+                start += len(df)
+        return src, key
+
+    return keys_at
+
+
+def _merge(checks: list[RowCheck], offset: int) -> RowCheck:
+    """The partitions' results as one, positions counted from `offset`."""
+    rejected, counts, start = [], {}, offset
+    for c in checks:
+        rejected.append(c.rejected.assign(pos=c.rejected["pos"] + start))
+        for r, n in c.counts.items():
+            counts[r] = counts.get(r, 0) + n
+        start += c.rows
+    cols = ["source", "key", "reason", "detail", "pos"]
+    hashes = tuple(np.concatenate([c.hashes[i] for c in checks]) if checks
+                   else np.zeros(0, np.uint64) for i in range(3))  # fmt: skip
+    return RowCheck(
+        rows=start - offset,
+        rejected=pd.concat(
+            [r for r in rejected if len(r)] or [pd.DataFrame(columns=cols)], ignore_index=True
+        ),  # fmt: skip
+        counts=counts,
+        sample=pd.concat([c.sample for c in checks], ignore_index=True) if checks else None,
+        hashes=hashes,
+    )
+
+
+def _bounded_sample(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    frames = [f for f in frames if f is not None and len(f)]
+    if not frames:
+        return pd.DataFrame()
+    cols = list(dict.fromkeys(c for f in frames for c in f.columns))
+    return pd.concat([f.reindex(columns=cols) for f in frames], ignore_index=True).head(
+        SAMPLE * len(REASONS)
+    )
+
+
+def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityConfig):
+    """The licensing terms (data_quality/terms.py) on every row of the view, a row group at a
+    time: the takedown list and the date change between runs, so no verdict is reused."""
+    want = ["source", "key"] + [c for c in (rules.contributor_column, rules.license_end_column)
+                                if c in columns]  # fmt: skip
+    takedowns, today = takedown_set(root), datetime.now(UTC).date()
+    found = [check_terms(read_part(p, want, [g]), rules, takedowns, today)
+             for p in parts for g in range(p.row_groups)]  # fmt: skip
+    return pd.concat([f for f in found if len(f)] or [check_terms(pd.DataFrame(), rules,
+                     takedowns, today)], ignore_index=True)  # fmt: skip
+
+
+def _with_terms(rejects: pd.DataFrame, terms: pd.DataFrame) -> pd.DataFrame:
+    """The suite's rejects with the terms' in their place: a row the terms quarantine is
+    quarantined under the terms' reason, whatever the suite said of it."""
+    if "reason" in rejects.columns:  # an earlier run's terms are recomputed, never kept
+        rejects = rejects[~rejects["reason"].isin(list(TERMS_REASONS))]
+    if not len(terms):
+        return rejects.reset_index(drop=True)
+    uid = rejects["source"].astype(str) + "\0" + rejects["key"].astype(str)
+    gone = set(terms["source"].astype(str) + "\0" + terms["key"].astype(str))
+    kept = rejects[~uid.isin(gone)]
+    return pd.concat([f for f in (kept, terms) if len(f)], ignore_index=True)
+
+
+@task(name="validate-catalog", cache_policy=NO_CACHE)
+def validate_catalog(
+    root: str,
+    ingest_id: str,
+    rules: QualityConfig,
+    *,
+    allow_failed_gate: bool = False,
+    dask_address: str | None = None,
+    workers: int = 2,
+    partition_rows: int = PARTITION_ROWS,
+) -> ValidateResult:
+    """Run the suite on the view after `ingest_id`; raise QualityGateError past the threshold.
+
+    Rows are checked a partition (`partition_rows`) at a time, `workers` partitions at once on
+    local threads, or on the Dask cluster at `dask_address`. When an earlier catalog of the
+    chain was validated under the same rules and no accepted row has left the view since,
+    only the rows ingested after it are checked, and compared with the others for duplicates.
+    The licensing terms (data_quality/terms.py: the takedown list, license ends) run on every
+    row at every run and override the suite's reason; they are not counted in the gate's
+    reject fraction.
+
+    Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
+    `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
+    `verdict.json` (passed, reject fraction, limit, reasons, the suite's key, the catalog table
+    versions it checked); the rejects and flags also go to the Delta tables
+    `catalog/tables/rejects` and `.../flags` (column `verdict`: the ingest id); and, in
+    `quality/<ingest_id>/`, the Data Docs site, `quarantine.parquet` (every quarantined row of
+    the view, ingest and validate steps), `quarantine_sample.parquet` (up to 20 rows a
+    reason: what MLflow gets) and `summary.json`. All of it is written before the
+    gate is checked. With `allow_failed_gate` a failed gate is logged instead of raised (the
+    verdict still says failed, and the shard step needs the same override).
+    """
+    log = task_logger(__name__)
+    layout = Layout(Path(root))
+    cat = layout.catalog(ingest_id)
+    if not (cat / "summary.json").is_file():
+        raise FileNotFoundError(
+            f"no catalog view for ingest {ingest_id} under {root}: run `kiln ingest` first"
+        )
+    links = chain(layout, ingest_id)
+    key = suite_key(rules)
+    base = _base(layout, links, key)
+    # An old verdict must never vouch for the rejects this run is about to write.
+    (cat / VERDICT_FILE).unlink(missing_ok=True)
+    parts = view_parts(layout, ingest_id, "accepted")
+    columns = view_columns(parts) if parts else list(ACCEPTED_COLUMNS)
+    if sum(p.rows for p in parts):
+        check_columns(columns, rules)
+    if rules.min_aesthetic is not None and rules.aesthetic_column not in columns:
+        log.warning("quality.min_aesthetic set, but no %r column: check skipped",
+                    rules.aesthetic_column)  # fmt: skip
+    after = base["seq"] if base else 0
+    old_parts = [p for p in parts if p.seq <= after]
+    new_parts = [p for p in parts if p.seq > after]
+    old_rows = int(base["rows"]) if base else 0
+    checks = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
+                         dask_address)  # fmt: skip
+    new = _merge(checks, old_rows)
+    cross = cross_catalog(new.hashes, rules, _hashes(old_parts), old_rows) if new.rows else (
+        CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64)))  # fmt: skip
+    found = apply_cross(new, cross, rules, _keys_at(parts), offset=old_rows)
+    counts = dict(base["counts"]) if base else {}
+    for r, n in found["counts"].items():
+        counts[r] = counts.get(r, 0) + n
+    rejects = pd.concat([f for f in (base["rejects"] if base else None, found["rejected"])
+                         if f is not None and len(f)] or [found["rejected"]],
+                        ignore_index=True)  # fmt: skip
+    flags = pd.concat([f for f in (base["flags"] if base else None, found["flags"])
+                       if f is not None and len(f)] or [found["flags"]],
+                      ignore_index=True)  # fmt: skip
+    rejects = _with_terms(rejects, _terms(root, parts, columns, rules))
+    rows = old_rows + new.rows
+    sample = _bounded_sample([base["sample"] if base else None, new.sample])
+    if not len(sample) and rows:
+        sample = check_rows(read_part(parts[0], columns, [0]).head(3), rules, gx_check=False,
+                            hashes=False).sample  # fmt: skip
+    near = int(base.get("near_duplicates", 0) if base else 0) + found["near_duplicates"]
+
+    qdir = layout.quality(ingest_id)
+    shutil.rmtree(qdir, ignore_errors=True)  # a re-run rebuilds the docs, never appends
+    qdir.mkdir(parents=True)
+    docs = write_data_docs(qdir, rules, sample, counts, rows) if rows else None
+    ingest_q = pd.concat(
+        [read_part(p) for p in view_parts(layout, ingest_id, "quarantine")] or [pd.DataFrame()],
+        ignore_index=True,
+    )
+    new_q = rejects.assign(step="validate", ingest_id=ingest_id)
+    quarantine = pd.concat([f for f in (ingest_q, new_q) if len(f)] or [new_q], ignore_index=True)
+    quarantine = quarantine.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
+    _write_parquet(quarantine, qdir / "quarantine.parquet")
+    by_reason = (
+        quarantine.groupby("reason", sort=True).head(SAMPLE) if len(quarantine) else quarantine
+    )
+    _write_parquet(by_reason, qdir / "quarantine_sample.parquet")
+    for df, name in ((rejects, REJECTS_FILE), (flags, FLAGS_FILE), (sample, SAMPLE_FILE)):
+        _write_parquet(df.astype({c: object for c in df.columns if df[c].dtype == object}),
+                       cat / name)  # fmt: skip
+    # The same rows as Delta tables (`verdict` = this ingest id), for other engines and SQL.
+    tables = {t: write_verdict_rows(layout, t, pd.read_parquet(cat / f), ingest_id)
+              for t, f in (("rejects", REJECTS_FILE), ("flags", FLAGS_FILE))}  # fmt: skip
+
+    step = quarantine["step"] if len(quarantine) else pd.Series(dtype=object)
+    files_q = quarantine[~step.eq("ingest-manifest")] if len(quarantine) else quarantine
+    listed = rows + int(step.eq("ingest").sum())
+    # Withdrawn and expired rows leave the data, but say nothing of its quality: the gate's
+    # fraction counts the other reasons only.
+    why = files_q["reason"] if len(files_q) else pd.Series([], dtype=object)
+    terms = why.isin(list(TERMS_REASONS))
+    result = ValidateResult(
+        ingest_id=ingest_id,
+        listed=listed,
+        clean=rows - len(rejects),
+        rejected_ingest=listed - rows,
+        rejected_validate=len(rejects),
+        reject_fraction=round(int((~terms).sum()) / listed, 4) if listed else 0.0,
+        max_reject_fraction=rules.max_reject_fraction,
+        reasons=files_q["reason"].value_counts().to_dict() if len(files_q) else {},
+        manifest_problems=int(step.eq("ingest-manifest").sum()),
+        near_duplicates=near,
+        expectations=expectation_summaries(rules, counts),
+        data_docs=docs,
+        checked_rows=new.rows,
+        incremental_from=base["id"] if base else None,
+        takedowns=int(why.eq("takedown").sum()),
+        license_expired=int(why.isin(["license_expired", "license_end_invalid"]).sum()),
+    )
+    assert result.clean + len(files_q) == listed, "clean + quarantined must equal files listed"
+    (qdir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
+    _write_verdict(cat / VERDICT_FILE, result, suite=key, rows=rows, counts=counts,
+                   near_duplicates=near, table_versions=view_versions(layout, ingest_id),
+                   verdict_table_versions=tables)  # fmt: skip
+    if not result.passed:
+        msg = (
+            f"quality gate failed for {ingest_id}: rejected {len(files_q)}/{listed} files "
+            f"({result.reject_fraction:.1%}) > quality.max_reject_fraction "
+            f"({rules.max_reject_fraction:.1%})\n{reasons_table(result.reasons)}\n"
+            f"quarantine: {qdir / 'quarantine.parquet'}"
+        )
+        if not allow_failed_gate:
+            raise QualityGateError(msg)
+        log.warning("%s\ncontinuing: %s was given", msg, OVERRIDE_FLAG)
+        return result
+    log.info("validated %s: %d clean, %d quarantined; checked %d rows%s", ingest_id,
+             result.clean, len(files_q), new.rows,
+             f" (the rest were checked for {base['id']})" if base else "")  # fmt: skip
+    return result
+
+
+def scan_clean(root: str, ingest_id: str, columns: list[str] | None = None):
+    """The clean rows of a validated catalog, a row group at a time: the view after
+    `ingest_id` less the rows its verdict quarantined (only `columns`, when given)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from tasks.catalog.view import scan_view
+
+    layout = Layout(Path(root))
+    cat = layout.catalog(ingest_id)
+    rejects = pd.read_parquet(cat / REJECTS_FILE, columns=["source", "key"])
+    gone = pa.array((rejects["source"] + "\0" + rejects["key"]).tolist(), pa.string())
+    flags = pd.read_parquet(cat / FLAGS_FILE).set_index(["source", "key"])["near_duplicate_of"]
+    need = None if columns is None else list(dict.fromkeys([*columns, "source", "key"]))
+    if need is not None and "near_duplicate_of" in need:
+        need.remove("near_duplicate_of")
+    for batch in scan_view(layout, ingest_id, "accepted", need):
+        if len(gone) and len(batch):
+            uid = (batch["source"].astype(str) + "\0" + batch["key"].astype(str)).tolist()
+            batch = batch[~pc.is_in(pa.array(uid, pa.string()), value_set=gone).to_numpy(
+                zero_copy_only=False)]  # fmt: skip
+        if columns is None or "near_duplicate_of" in columns:
+            at = pd.MultiIndex.from_arrays([batch["source"], batch["key"]])
+            batch = batch.assign(near_duplicate_of=flags.reindex(at).to_numpy(object))
+        yield batch if columns is None else batch[columns]
+
+
+def read_clean(root: str, ingest_id: str, columns: list[str] | None = None) -> pd.DataFrame:
+    """The clean rows of a validated catalog as one frame (see `scan_clean`)."""
+    layout = Layout(Path(root))
+    if not (layout.catalog(ingest_id) / REJECTS_FILE).is_file():
+        raise FileNotFoundError(
+            f"catalog {ingest_id} has not been validated "
+            f"({layout.catalog(ingest_id) / REJECTS_FILE} missing): run `kiln validate` first"
+        )
+    got = [b for b in scan_clean(root, ingest_id, columns) if len(b)]
+    if got:
+        return pd.concat(got, ignore_index=True)
+    parts = view_parts(layout, ingest_id, "accepted")
+    return pd.DataFrame(columns=columns or (view_columns(parts) if parts else ACCEPTED_COLUMNS))

@@ -1,0 +1,123 @@
+"""Where every artefact lives under the storage root (see DESIGN.md, "Storage").
+
+Each step records the id of its newest output in `<root>/<kind>/LATEST`, so that the next
+step, run on its own, finds its input without being told.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Layout", "is_published", "new_run_id"]
+
+KINDS = ("catalog", "shards", "runs", "eval")
+
+
+def is_published(dataset: Path) -> bool:
+    """Whether an MDS dataset folder is complete: its index.json, or for a stage written as
+    aspect-ratio buckets, its buckets.json (written after every bucket's index)."""
+    return (dataset / "index.json").is_file() or (dataset / "buckets.json").is_file()
+
+
+def new_run_id() -> str:
+    """A new training run's id: `run-<UTC timestamp>`."""
+    return time.strftime("run-%Y%m%d-%H%M%S", time.gmtime())
+
+
+@dataclass(frozen=True)
+class Layout:
+    root: Path
+
+    def catalog(self, ingest_id: str) -> Path:
+        return self.root / "catalog" / ingest_id
+
+    def quality(self, ingest_id: str) -> Path:
+        return self.root / "quality" / ingest_id
+
+    def shards(self, version: str, resolution: int | None = None) -> Path:
+        base = self.root / "shards" / version
+        return base if resolution is None else base / str(resolution)
+
+    def latents(self, version: str, resolution: int, encoder_key: str) -> Path:
+        """Precomputed latents of a stage, for one set of frozen encoders."""
+        return self.root / "shards" / version / f"{resolution}-latents-{encoder_key}"
+
+    def val_shards(self, version: str, resolution: int) -> Path:
+        """A stage's held-out validation split (never in the training shards)."""
+        return self.root / "shards" / version / f"{resolution}-val"
+
+    def val_latents(self, version: str, resolution: int, encoder_key: str) -> Path:
+        """Precomputed latents of a stage's validation split."""
+        return self.root / "shards" / version / f"{resolution}-val-latents-{encoder_key}"
+
+    def vae_cache(self) -> Path:
+        """Fitted VAEs (`train.model.vae.fit`), one folder per key (models/vae_fit.py)."""
+        return self.root / "vae"
+
+    def run(self, run_id: str) -> Path:
+        return self.root / "runs" / run_id
+
+    def run_config(self, run_id: str) -> Path:
+        """The run's config snapshot: what every step of the run reads after it starts."""
+        return self.run(run_id) / "config.yaml"
+
+    def config(self, config_hash: str) -> Path:
+        """A validated config the CLI hands to a flow run (content-addressed, never edited)."""
+        return self.root / "configs" / f"{config_hash}.yaml"
+
+    def stage(self, run_id: str, resolution: int) -> Path:
+        return self.run(run_id) / f"stage-{resolution}"
+
+    def takedowns(self) -> Path:
+        """The takedown list: one file per addition, never edited (tasks/catalog/takedown.py)."""
+        return self.root / "takedowns"
+
+    def dataset_rows(self, version: str) -> Path:
+        """The rows a dataset version holds, with their licensing columns
+        (tasks/catalog/lineage.py)."""
+        return self.root / "shards" / version / "rows.parquet"
+
+    def study(self, study_id: str) -> Path:
+        return self.root / "eval" / study_id
+
+    def set_latest(self, kind: str, ident: str) -> None:
+        assert kind in KINDS, kind
+        path = self.root / kind / "LATEST"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(ident + "\n")
+        tmp.replace(path)
+
+    def latest_or_none(self, kind: str) -> str | None:
+        assert kind in KINDS, kind
+        path = self.root / kind / "LATEST"
+        return path.read_text().strip() if path.is_file() else None
+
+    def latest(self, kind: str, needed_by: str) -> str:
+        """The newest id of `kind`, or a clear error naming the step that must run first."""
+        assert kind in KINDS, kind
+        path = self.root / kind / "LATEST"
+        if not path.is_file():
+            before = {"catalog": "ingest", "shards": "shard", "runs": "train", "eval": "evaluate"}
+            raise FileNotFoundError(
+                f"{needed_by} needs the output of `kiln {before[kind]}`, but {path} does not "
+                f"exist under root {self.root}; run `kiln {before[kind]}` first"
+            )
+        return path.read_text().strip()
+
+    def finished_run(self, run_id: str | None, needed_by: str) -> tuple[str, dict]:
+        """(run id, run.json) of a training run that has exported; default the newest run."""
+        run_id = run_id or self.latest("runs", needed_by)
+        path = self.run(run_id) / "run.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{needed_by}: no training run {run_id} under {self.root}")
+        record = json.loads(path.read_text())
+        if "export" not in record:
+            raise FileNotFoundError(
+                f"{needed_by}: training run {run_id} has not finished (no export in run.json); "
+                f"resume it with `kiln train --run-id {run_id}`"
+            )
+        return run_id, record
