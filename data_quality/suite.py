@@ -27,6 +27,7 @@ import pyarrow.compute as pc
 
 from data_quality.near_dup import near_duplicates, near_duplicates_against, phash_to_uint64
 from kiln_config import QualityConfig
+from kiln_config.errors import InputError
 
 __all__ = [
     "CROSS_REASONS", "INGEST_REASONS", "REASONS", "TERMS_REASONS", "QualityVerdict", "RowCheck",
@@ -166,7 +167,7 @@ def check_columns(columns, rules: QualityConfig) -> None:
     if missing:
         raise ValueError(f"catalog is missing columns {sorted(missing)}; got {list(columns)}")
     if rules.allowed_licenses is not None and rules.license_column not in columns:
-        raise ValueError(
+        raise InputError(
             f"quality.allowed_licenses is set but the catalog has no {rules.license_column!r} "
             f"column; add it to ingest.metadata_columns (columns: {list(columns)})"
         )

@@ -28,6 +28,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from human_eval.store import QUESTIONS
 from kiln_config import PipelineConfig
+from kiln_config.errors import MissingInput
 from tasks.evaluation.comparison import (
     create_comparison_task,
     log_to_mlflow,
@@ -66,7 +67,7 @@ def _pipeline_identity(folder: Path) -> str:
         # A stage's raw weights (final-raw/) sit beside its export (final/): point at it.
         export = folder.parent / "final"
         hint = f" (did you mean {export}?)" if (export / "model_index.json").is_file() else ""
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{folder} is not an exported pipeline (no model_index.json) nor a study (no "
             f"study.json){hint}: pass a study id, models:/NAME@ALIAS, models:/NAME/VERSION or "
             "a pipeline folder written by `kiln train` (a stage's final/)"

@@ -20,6 +20,7 @@ from prefect.artifacts import create_markdown_artifact
 from flows.human_evaluation import study_for_model
 from flows.pipeline import kiln_pipeline
 from kiln_config import PipelineConfig
+from kiln_config.errors import InputError
 from tasks.evaluation.comparison import create_comparison_task
 from tasks.inputs import as_config, check_inputs
 from tasks.storage.layout import Layout
@@ -50,7 +51,7 @@ def retrain_flow(
         log.info(why)
         return {"skipped": why}
     if not cfg.train.init_from_model:
-        raise ValueError(
+        raise InputError(
             "train.init_from_model is not set, so this would train from "
             "scratch; use the kiln-pipeline flow for that, or set it to "
             f"models:/{cfg.registry.model_name}@champion"

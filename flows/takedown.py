@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig
+from kiln_config.errors import InputError
 from tasks.catalog.lineage import resolve_image
 from tasks.catalog.takedown import add_takedown
 from tasks.inputs import as_config
@@ -40,7 +41,7 @@ def read_keys_file(path: str | Path) -> list[str]:
         keys = [line.split(",")[0].strip() for line in text]
     keys = [k for k in keys if k]
     if not keys:
-        raise ValueError(f"takedown --file {path}: no key in the file")
+        raise InputError(f"takedown --file {path}: no key in the file")
     return keys
 
 

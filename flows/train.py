@@ -23,6 +23,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig, StageRun, encoder_key, run_config, write_snapshot
+from kiln_config.errors import InputError, MissingInput
 from tasks.evaluation.grid_artifact import sample_grid_report
 from tasks.inputs import as_config, check_inputs
 from tasks.launch.accelerate import launch_stage
@@ -102,7 +103,7 @@ def resolve_warm_start(cfg: PipelineConfig, layout: Layout) -> dict:
         try:
             mv = resolve_version(client, ref)
         except PromotionRefused as e:  # no such alias or version
-            raise ValueError(f"train.init_from_model: {e}") from e
+            raise InputError(f"train.init_from_model: {e}") from e
         out.update(
             name=mv.name, version=str(mv.version), resolved=f"models:/{mv.name}/{mv.version}"
         )
@@ -110,7 +111,7 @@ def resolve_warm_start(cfg: PipelineConfig, layout: Layout) -> dict:
     try:
         _, folder = resolve_pipeline(ref, cfg.tracking_uri, layout.root)
     except (FileNotFoundError, LookupError, MlflowException) as e:
-        raise ValueError(f"train.init_from_model {cfg.train.init_from_model}: {e}") from e
+        raise InputError(f"train.init_from_model {cfg.train.init_from_model}: {e}") from e
     out["folder"] = str(folder)
     get_run_logger().info(
         "warm start: stage 1 starts from %s (%s)", out.get("resolved", ref), folder
@@ -129,7 +130,7 @@ def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) ->
         )
         if not is_published(path):
             kind = "precomputed latents" if latents else "shards"
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"train.mix: {m.dataset_version} has no {kind} for {res}px at {path}; shard it "
                 "with the same settings (and shards.precompute) first"
             )
@@ -214,7 +215,7 @@ def _train_locked(
         write_snapshot(cfg, snapshot)
     record = _run_record(cfg, layout, run_id, version, warm)
     if record["dataset_version"] != version and dataset_version is not None:
-        raise ValueError(
+        raise InputError(
             f"run {run_id} trains on {record['dataset_version']}, not {dataset_version}: "
             "start a new run to train on other data"
         )

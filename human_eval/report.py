@@ -30,6 +30,7 @@ from human_eval.stats import (
     scores_of,
 )
 from human_eval.store import QUESTIONS, RatingStore
+from kiln_config.errors import NotFound
 
 __all__ = [
     "NO_VOTES", "build_report", "gold_accuracy", "plot_preference", "preference_figure",
@@ -251,7 +252,7 @@ def build_report(
     cmp = store.comparison(comparison_id)
     if cmp is None:
         known = [c.id for c in store.comparisons()]
-        raise KeyError(f"no comparison {comparison_id!r}; known: {known or 'none'}")
+        raise NotFound(f"no comparison {comparison_id!r}; known: {known or 'none'}")
     votes = store.votes(comparison_id)
     report = {
         "comparison": cmp.id, "study_a": cmp.study_a, "study_b": cmp.study_b,

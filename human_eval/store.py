@@ -41,6 +41,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
+from kiln_config.errors import NotFound
+
 __all__ = [
     "ANSWERS", "QUESTIONS", "Comparison", "Image", "Pair", "Rater", "RatingStore", "Task", "Vote",
     "default_url",
@@ -280,7 +282,7 @@ class RatingStore:
     def add_raters(self, comparison_id: str, n: int) -> list[tuple[str, str]]:
         """Invite `n` raters: [(pseudonym, token)]; tokens are unguessable (token_urlsafe)."""
         if self.comparison(comparison_id) is None:
-            raise KeyError(f"no comparison {comparison_id!r}; create it with `kiln compare`")
+            raise NotFound(f"no comparison {comparison_id!r}; create it with `kiln compare`")
         out = []
         with self.session() as s:
             start = s.scalar(select(func.count()).where(Rater.comparison_id == comparison_id))
@@ -461,7 +463,7 @@ class RatingStore:
         with self.session() as s:
             cmp = s.get(Comparison, comparison_id)
             if cmp is None:
-                raise KeyError(f"no comparison {comparison_id!r}")
+                raise NotFound(f"no comparison {comparison_id!r}")
             regular = (Pair.comparison_id == comparison_id) & ~Pair.gold
             pairs = s.scalar(select(func.count()).where(regular))
             k = cmp.raters_per_pair

@@ -17,11 +17,12 @@ from pathlib import Path
 from PIL import Image as PILImage
 
 from human_eval.store import RatingStore
+from kiln_config.errors import InputError, MissingInput
 
 __all__ = ["Study", "StudyMismatch", "create_comparison", "load_study", "match_studies"]
 
 
-class StudyMismatch(ValueError):
+class StudyMismatch(InputError):
     """Two studies that cannot be compared side by side."""
 
 
@@ -45,7 +46,7 @@ def load_study(ref: str | Path, root: str | Path | None = None) -> Study:
         folder = Path(root) / "eval" / str(ref)
     path = folder / "study.json"
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no study {ref!r}: {path} does not exist; run `kiln evaluate` to create it"
         )
     data = json.loads(path.read_text())
@@ -132,18 +133,18 @@ def create_comparison(
         (comparison id, whether it was created now).
     """
     if raters_per_pair < 1 or gold < 0:
-        raise ValueError(f"raters_per_pair must be >= 1 and gold >= 0 "
+        raise InputError(f"raters_per_pair must be >= 1 and gold >= 0 "
                          f"(got {raters_per_pair}, {gold})")  # fmt: skip
     matched = match_studies(a, b)
     key = json.dumps([a.study_id, b.study_id, raters_per_pair, gold]).encode()
     cid = name or "cmp-" + hashlib.sha256(key).hexdigest()[:10]
     # ASCII only: the id names a folder and (lowercased) a Prefect artifact key.
     if not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", cid):
-        raise ValueError(f"--name: letters, digits, - and _ only, 64 at most (got {cid!r})")
+        raise InputError(f"--name: letters, digits, - and _ only, 64 at most (got {cid!r})")
     existing = store.comparison(cid)
     if existing is not None:
         if (existing.study_a, existing.study_b) != (a.study_id, b.study_id):
-            raise ValueError(f"comparison {cid!r} already exists for {existing.study_a} vs "
+            raise InputError(f"comparison {cid!r} already exists for {existing.study_a} vs "
                              f"{existing.study_b}; choose another --name")  # fmt: skip
         return cid, False
     items = [
@@ -163,7 +164,7 @@ def _gold_pairs(items: list[dict], n: int, rng: random.Random) -> list[dict]:
     if n == 0:
         return []
     if len({it["prompt"] for it in items}) < 2 or n > len(items):
-        raise ValueError(f"--gold {n}: needs at least two prompts and at most {len(items)} "
+        raise InputError(f"--gold {n}: needs at least two prompts and at most {len(items)} "
                          "gold pairs")  # fmt: skip
     out = []
     for it in rng.sample(items, n):

@@ -17,7 +17,7 @@ import json
 
 import click
 
-from kiln_cli.options import KilnError, config_options, load_checked
+from kiln_cli.options import CliError, config_options, load_checked
 
 __all__ = ["catalog"]
 
@@ -34,10 +34,7 @@ def catalog_show(config_path: str, root: str | None) -> None:
     from tasks.catalog.admin import show
 
     cfg = load_checked(config_path, root)
-    try:
-        click.echo(json.dumps(show(cfg.storage.root), indent=2, default=str))
-    except ValueError as e:
-        raise KilnError(str(e)) from e
+    click.echo(json.dumps(show(cfg.storage.root), indent=2, default=str))
 
 
 @catalog.command("sql")
@@ -59,8 +56,8 @@ def catalog_sql(config_path: str, root: str | None, statement: str, version: int
     cfg = load_checked(config_path, root)
     try:
         result = query(cfg.storage.root, statement, version)
-    except (ValueError, duckdb.Error) as e:
-        raise KilnError(str(e)) from e
+    except duckdb.Error as e:  # the user's statement
+        raise CliError(str(e)) from e
     click.echo(result.to_pandas().to_string(index=False) if result.num_rows else "(no rows)")
 
 
@@ -89,10 +86,7 @@ def catalog_export(
     from tasks.catalog.admin import export
 
     cfg = load_checked(config_path, root)
-    try:
-        n = export(cfg.storage.root, out, fmt, version)
-    except ValueError as e:
-        raise KilnError(str(e)) from e
+    n = export(cfg.storage.root, out, fmt, version)
     click.echo(f"wrote {n} rows to {out}")
 
 
@@ -111,11 +105,8 @@ def catalog_compact(config_path: str, root: str | None, retain_hours: float) -> 
     from tasks.catalog.admin import compact, registered_versions
 
     cfg = load_checked(config_path, root)
-    try:
-        keep = registered_versions(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name)
-        click.echo(json.dumps(compact(cfg.storage.root, retain_hours, keep), indent=2))
-    except ValueError as e:
-        raise KilnError(str(e)) from e
+    keep = registered_versions(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name)
+    click.echo(json.dumps(compact(cfg.storage.root, retain_hours, keep), indent=2))
 
 
 @catalog.command("migrate")

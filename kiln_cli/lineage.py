@@ -17,7 +17,7 @@ import json
 
 import click
 
-from kiln_cli.options import KilnError, config_options, load_checked
+from kiln_cli.options import config_options, load_checked
 
 __all__ = ["lineage", "takedown"]
 
@@ -47,11 +47,8 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
     from tasks.registry.lineage import image_lineage
 
     cfg = load_checked(config_path, root)
-    try:
-        found = image_lineage(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name,
-                              key_or_path, cfg.quality)  # fmt: skip
-    except LookupError as e:
-        raise KilnError(str(e)) from e
+    found = image_lineage(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name,
+                          key_or_path, cfg.quality)  # fmt: skip
     click.echo(f"image {key_or_path}: in {len(found)} dataset version(s)")
     click.echo(_table(found))
 
@@ -66,13 +63,9 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 def lineage_model(config_path: str, root: str | None, model_uri: str, csv_path: str | None) -> None:
     """What a registered version (models:/NAME/N or models:/NAME@ALIAS) trained on."""
     from tasks.registry.lineage import model_lineage
-    from tasks.registry.tracking import ModelVersionNotFound
 
     cfg = load_checked(config_path, root)
-    try:
-        info = model_lineage(cfg.storage.root, cfg.tracking_uri, model_uri, cfg.quality)
-    except (ValueError, ModelVersionNotFound, FileNotFoundError) as e:
-        raise KilnError(str(e)) from e
+    info = model_lineage(cfg.storage.root, cfg.tracking_uri, model_uri, cfg.quality)
     aliases = f" ({', '.join(info['aliases'])})" if info["aliases"] else ""
     click.echo(f"{info['name']} version {info['version']}{aliases}: run {info['run_id']}, "
                f"dataset version {info['dataset_version']} ({info['images']} images); "
@@ -113,10 +106,7 @@ def takedown_add(
 
     cfg = load_checked(config_path, root)
     wanted = list(keys) or (read_keys_file(keys_file) if keys_file else None)
-    try:
-        result = takedown_flow(cfg, reason=reason, keys=wanted, contributor=contributor, by=by)
-    except LookupError as e:
-        raise KilnError(str(e)) from e
+    result = takedown_flow(cfg, reason=reason, keys=wanted, contributor=contributor, by=by)
     click.echo(json.dumps(result, indent=2, default=str))
 
 

@@ -19,14 +19,17 @@ import click
 from kiln_cli.options import (
     CONFIG,
     ROOT,
+    CliError,
     ConfigDefault,
-    KilnError,
     KilnGroup,
     config_options,
     load_checked,
 )
 
-__all__ = ["main"]
+__all__ = ["PREFECT_UI_PORT", "main"]
+
+PREFECT_UI_PORT = 4200
+"""Where `kiln ui` serves the Prefect UI unless given `--port`."""
 
 ALLOW_FAILED_GATE = click.option(
     "--allow-failed-gate",
@@ -198,6 +201,7 @@ def plan(
         memory_and_scale,
         save_plan,
     )
+    from tasks.storage.layout import Layout
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
@@ -211,8 +215,8 @@ def plan(
         )  # fmt: skip
         memory_and_scale(result, cfg.train, cfg.launch, cfg.shards.precompute)
     except (OSError, ValueError) as e:  # an unreadable topology or shards.json, a bad setting
-        raise KilnError(str(e)) from e
-    save_plan(result, Path(cfg.storage.root) / "runs" / "plan.json")
+        raise CliError(str(e)) from e
+    save_plan(result, Layout(Path(cfg.storage.root)).plan())
     click.echo(format_plan(result))
     click.echo()
     click.echo(format_memory(result))
@@ -242,22 +246,24 @@ def _val_samples(cfg) -> list[int] | None:
     "exported pipeline folder (same prompts, seeds and settings; an existing study is reused).",
 )
 def evaluate(config_path: str, root: str | None, run_id: str | None, model: str | None) -> None:
-    """Generate images for every DrawBench prompt and seed into <root>/eval/<study_id>/.
+    """Generate images for each evaluation prompt and seed into <root>/eval/<study_id>/: the
+    prompts the config names (`evaluate.prompts_csv`, the preset's own or DrawBench).
 
     With --model, the study of any registered model or pipeline folder, generated with the
     config's `evaluate` settings unless it exists (content-addressed); prints its id and path.
     """
     if model and run_id:
-        raise KilnError("--model and --run-id exclude each other: pass one")
+        raise CliError("--model and --run-id exclude each other: pass one")
     if not model:
         _show(_call("flows.evaluate:evaluate_flow", config_path, root, ("evaluate",),
                     run_id=run_id)[1])  # fmt: skip
         return
     cfg = load_checked(config_path, root, ("evaluate",))
     from flows.human_evaluation import study_for_model
+    from tasks.storage.layout import Layout
 
     study_id = study_for_model(cfg, model)
-    _show({"study_id": study_id, "path": str(Path(cfg.storage.root) / "eval" / study_id)})
+    _show({"study_id": study_id, "path": str(Layout(Path(cfg.storage.root)).study(study_id))})
 
 
 @main.command()
@@ -287,23 +293,21 @@ def register(config_path: str, root: str | None, run_id: str | None, study_id: s
               help="CFG scale.")  # fmt: skip
 @click.option("--out", default="generated", show_default=True, help="Folder for the PNGs.")
 def generate(
-    config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int,
-    steps: int | None, guidance: float | None, out: str,
+    config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int, out: str
 ) -> None:  # fmt: skip
     """Generate PNG files from a registered model (or an export) for one prompt."""
     from tasks.evaluation.export_pngs import generate_images, resolve_pipeline
 
     cfg = load_checked(config_path, root)
-    ev = cfg.evaluate
+    ev = cfg.evaluate  # --steps and --guidance applied
     _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
     try:
         result = generate_images(
             folder, prompt, Path(out), n=n, seed=seed,
-            steps=ev.num_inference_steps if steps is None else steps,
-            guidance_scale=ev.guidance_scale if guidance is None else guidance,
+            steps=ev.num_inference_steps, guidance_scale=ev.guidance_scale,
         )  # fmt: skip
     except OSError as e:  # an unwritable --out
-        raise KilnError(str(e)) from e
+        raise CliError(str(e)) from e
     _show(result)
 
 
@@ -328,7 +332,7 @@ def promote(
 
     The gate reads the candidate's human-evaluation comparison against the current champion
     from MLflow: enough votes on every pair, the 95% CI of its preference at or above
-    min_pref_ci_low for quality and alignment, no DrawBench category below
+    min_pref_ci_low for quality and alignment, no prompt category below
     min_category_pref, and no worse validation loss. The old champion becomes
     `previous-champion`; `kiln rollback` swaps them back. A candidate whose dataset holds a
     taken-down image is refused unless --allow-takedown --reason says why.
@@ -348,7 +352,7 @@ def rollback(config_path: str, root: str | None, reason: str | None) -> None:
 
 
 @main.command()
-@click.option("--port", default=4200, show_default=True, help="Port on 127.0.0.1.")
+@click.option("--port", default=PREFECT_UI_PORT, show_default=True, help="Port on 127.0.0.1.")
 def ui(port: int) -> None:
     """Serve the Prefect UI (flow runs, logs, artifacts) at http://127.0.0.1:PORT."""
     os.environ.update(_ui_env(port, os.environ))
@@ -442,23 +446,24 @@ def _mlflow_ui(tracking_uri: str, port: int, runner) -> int:
 
 def _where(cfg, config_path: str, result: dict) -> None:
     from kiln_config import redact_uri
+    from tasks.storage.layout import Layout
 
-    r = Path(cfg.storage.root)
+    layout = Layout(Path(cfg.storage.root))
     ing = result["ingest"]["ingest_id"]
     lines = [
         "",
         "Kiln pipeline finished. Outputs:",
-        f"  catalog      {r / 'catalog' / ing}/ (the ingest's rows, verdict.json, rejects)",
-        f"  quality      {r / 'quality' / ing / 'summary.json'}",
-        f"  shards       {r / 'shards' / result['shards']['dataset_version']}/",
-        f"  config       {r / 'runs' / result['run']['run_id'] / 'config.yaml'} (as run)",
+        f"  catalog      {layout.catalog(ing)}/ (the ingest's rows, verdict.json, rejects)",
+        f"  quality      {layout.quality(ing) / 'summary.json'}",
+        f"  shards       {layout.shards(result['shards']['dataset_version'])}/",
+        f"  config       {layout.run_config(result['run']['run_id'])} (as run)",
         f"  model export {result['run']['export']}",
-        f"  DrawBench    {result['study']['path']}/ ({result['study']['images']} images)",
+        f"  study        {result['study']['path']}/ ({result['study']['images']} images)",
         f"  registry     {result['model']['uri_by_alias']} (version {result['model']['version']})",
         f"  tracking     {redact_uri(cfg.tracking_uri)}",
         "",
         "Open the UIs:",
-        "  Prefect  kiln ui                          -> http://127.0.0.1:4200",
+        f"  Prefect  kiln ui                          -> http://127.0.0.1:{PREFECT_UI_PORT}",
         f"  MLflow   kiln mlflow-ui --config {config_path} (prints its address)",
     ]
     click.echo("\n".join(lines))

@@ -1,6 +1,6 @@
 """What every `kiln` command shares (`kiln_cli/main.py`, `kiln_cli/rate.py`): the `--config` and
-`--root` options, options whose default is a config field's, the one way a config is loaded
-and checked, and the one error translator.
+`--root` options, options that set a config field, the one way a config is loaded and
+checked, and the one error path: a user's error is one line, a bug prints its traceback.
 
 Only click is imported at module level, so `kiln --help` stays fast.
 """
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from kiln_config import PipelineConfig
 
 __all__ = [
-    "CONFIG", "ROOT", "ConfigDefault", "KilnError", "KilnGroup", "config_options",
+    "CONFIG", "ROOT", "CliError", "ConfigDefault", "KilnGroup", "config_options",
     "load_checked", "schema_default",
 ]  # fmt: skip
 
@@ -51,12 +51,24 @@ def schema_default(field: str):
 
 
 class ConfigDefault(click.Option):
-    """An option that defaults to a config field: unset (None), the command reads the loaded
-    config's value; `--help` shows the field and its schema default (imported only then)."""
+    """An option that sets a config field. Given, it overrides the loaded config's value,
+    validated by the schema like the file's own; left out, the config's value applies, and
+    the config's default is the schema's. `--help` shows the field and its schema default
+    (the schema is imported only then).
+
+    The option is not passed to the command: `load_checked` applies it, and the command
+    reads the field from the config it returns.
+    """
 
     def __init__(self, *args, field: str, **kwargs) -> None:
         self.field = field
-        super().__init__(*args, default=None, show_default=False, **kwargs)
+        super().__init__(*args, default=None, show_default=False, expose_value=False, **kwargs)
+
+    def handle_parse_result(self, ctx: click.Context, opts, args):
+        value, args = super().handle_parse_result(ctx, opts, args)
+        if value is not None:
+            ctx.meta.setdefault(_OVERRIDES, {})[self.field] = (self.opts[-1], value)
+        return value, args
 
     def get_help_record(self, ctx: click.Context):
         record = super().get_help_record(ctx)
@@ -66,12 +78,49 @@ class ConfigDefault(click.Option):
         return opts, f"{text}  [default: {self.field}, {schema_default(self.field)}]"
 
 
-class KilnError(click.ClickException):
+_OVERRIDES = "kiln.config_overrides"
+
+
+def _apply_overrides(cfg: PipelineConfig) -> None:
+    """Set the fields of the current command's `ConfigDefault` options that were given."""
+    from pydantic import ValidationError
+
+    from kiln_config import ConfigError
+
+    ctx = click.get_current_context(silent=True)
+    for field, (opt, value) in (ctx.meta.get(_OVERRIDES, {}) if ctx else {}).items():
+        *parents, leaf = field.split(".")
+        section = cfg
+        for name in parents:
+            section = getattr(section, name)
+        try:
+            type(section).__pydantic_validator__.validate_assignment(section, leaf, value)
+        except ValidationError as e:
+            msg = e.errors()[0]["msg"]
+            raise ConfigError(f"{opt} ({field}): {msg} (received {value!r})") from None
+
+
+class CliError(click.ClickException):
     """An expected failure: shown as `kiln: error: ...` lines on stderr, exit code 1."""
 
     def show(self, file=None) -> None:
         for line in self.format_message().splitlines() or [""]:
             click.echo(f"kiln: error: {line}", err=True, file=file)
+
+
+class _Bug(click.ClickException):
+    """An exception Kiln did not expect: a bug. Its traceback is printed first, then one line
+    saying so; exit code 70 (EX_SOFTWARE), apart from a user's error (1)."""
+
+    exit_code = 70
+
+    def show(self, file=None) -> None:
+        click.echo(
+            f"kiln: bug: {self.format_message()} is a bug in Kiln, not a mistake in your input "
+            "or config. Please report it to Kiln's maintainers with the traceback above and "
+            "the command you ran.",
+            err=True, file=file,
+        )  # fmt: skip
 
 
 def load_checked(
@@ -82,12 +131,12 @@ def load_checked(
     source: str | None = None,
     exclusive: bool = False,
 ) -> PipelineConfig:
-    """A command's one config load: validated, overrides applied, the inputs of `steps`
-    checked (`tasks.inputs.check_inputs`), before any flow (or Prefect) is imported.
+    """A command's one config load: validated, overrides applied (`--root`, `--source` and
+    the command's `ConfigDefault` options), the inputs of `steps` checked
+    (`tasks.inputs.check_inputs`), before any flow (or Prefect) is imported.
 
-    An `exclusive` command (one that takes the root's training lock, tasks/storage/lock.py) fails
-    here
-    too when another process holds it.
+    An `exclusive` command (one that takes the root's training lock, tasks/storage/lock.py)
+    fails here too when another process holds it.
     """
     from kiln_config import load_config
     from tasks.inputs import check_inputs
@@ -96,39 +145,33 @@ def load_checked(
     try:
         cfg = load_config(config_path, root=root, source=source)
     except OSError as e:  # an unreadable file: ConfigError covers a missing or invalid one
-        raise KilnError(str(e)) from e
+        raise CliError(str(e)) from e
+    _apply_overrides(cfg)
     check_inputs(cfg, steps)
     busy = exclusive and busy_reason(Path(cfg.storage.root))
     if busy:
-        raise KilnError(busy)
+        raise CliError(busy)
     return cfg
 
 
-def _expected(e: Exception) -> KilnError | None:
-    """`e` as the one line a user acts on, or None when it is not a failure Kiln expects.
+def _expected(e: Exception) -> str | None:
+    """`e` as the one line a user acts on, or None when it is a bug in Kiln.
 
-    The domain errors' modules import Prefect and MLflow: they are imported here, on the
-    error path only, and only when `e` is none of the builtin kinds.
+    Expected are Kiln's own errors (`kiln_config.errors.KilnError`), what the operating system
+    refused (an `OSError`: a permission, a full disk; it names the path) and what the MLflow
+    registry answered. Any other exception, a `KeyError` or `ValueError` included, is a bug.
+    MLflow is imported here, on the error path only.
     """
-    if isinstance(e, KeyError):  # the ratings store's "no such comparison"
-        return KilnError(str(e.args[0]) if e.args else "KeyError")
-    if isinstance(e, (ValueError, FileNotFoundError)):  # ConfigError is a ValueError
-        return KilnError(str(e))
-    if isinstance(e, LookupError) and not isinstance(e, IndexError):  # IndexError: a bug
-        return KilnError(str(e))  # ModelVersionNotFound and its kind: a name that is not there
+    from kiln_config.errors import KilnError
+
+    if isinstance(e, KilnError):
+        return str(e)
+    if isinstance(e, OSError):
+        return f"{type(e).__name__}: {e}"
     from mlflow.exceptions import MlflowException
 
-    from tasks.launch.accelerate import LaunchError
-    from tasks.launch.preflight import HealthCheckError
-    from tasks.quality.gate import QualityGateError
-    from tasks.registry.promotion import PromotionRefused
-    from tasks.storage.lock import RootBusy
-
     if isinstance(e, MlflowException):
-        return KilnError(f"registry: {e.message}")
-    if isinstance(e, (QualityGateError, LaunchError, HealthCheckError, RootBusy,
-                      PromotionRefused)):  # fmt: skip
-        return KilnError(str(e))
+        return f"registry: {e.message}"
     return None
 
 
@@ -146,13 +189,14 @@ def _exit_cleanly_on_sigterm() -> None:
 
 
 class KilnGroup(click.Group):
-    """The one error path of every `kiln` command, subgroups included: an expected failure
-    is `kiln: error: <message>`; an unexpected one is one line plus a hint, unless
-    `kiln --debug` was given. Exit code 1 either way.
+    """The one error path of every `kiln` command, subgroups included. An error the user can
+    fix (`_expected`) is `kiln: error: <message>`, exit code 1, with its traceback only under
+    `kiln --debug`. Any other exception is a bug: its traceback, then one `kiln: bug:` line
+    saying so, exit code 70. Ctrl-C stops as click makes it (`Aborted!`).
 
     A flow's own failure logs (Prefect's, with the traceback) are still printed while it runs
-    and kept in the UI; what this removes is the second, longer traceback of the same
-    exception that Python prints on the way out.
+    and kept in the UI; what this removes is the second, longer traceback of an expected
+    error that Python prints on the way out.
     """
 
     def invoke(self, ctx: click.Context):
@@ -165,19 +209,15 @@ class KilnGroup(click.Group):
         except click.ClickException as e:
             if debug:
                 traceback.print_exception(e)  # the chain shows the cause's traceback
-            if isinstance(e, KilnError):
+            if isinstance(e, CliError):
                 raise
-            raise KilnError(e.format_message()) from e
+            raise CliError(e.format_message()) from e
         except Exception as e:
-            error = _expected(e)
-            if error is not None:
-                if debug:
-                    traceback.print_exception(e)
-                raise error from e
+            line = _expected(e)
+            if line is None:
+                traceback.print_exception(e)
+                first = (str(e).strip().splitlines() or [""])[0][:300]
+                raise _Bug(f"{type(e).__name__}: {first}" if first else type(e).__name__) from e
             if debug:
-                raise
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            raise KilnError(
-                f"{type(e).__name__}: {first} (run `kiln --debug {ctx.invoked_subcommand} ...` "
-                "for the traceback)"
-            ) from e
+                traceback.print_exception(e)
+            raise CliError(line) from e

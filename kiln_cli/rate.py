@@ -51,13 +51,7 @@ def _load(config_path: str, root: str | None, steps: tuple[str, ...] = ()):
               help="Attention checks per rater.")  # fmt: skip
 @click.option("--name", default=None, help="Comparison id (default: a hash of the studies).")
 def compare(
-    config_path: str,
-    root: str | None,
-    study_a: str,
-    study_b: str,
-    raters_per_pair: int | None,
-    gold: int | None,
-    name: str | None,
+    config_path: str, root: str | None, study_a: str, study_b: str, name: str | None
 ) -> None:
     """Create the blind A/B comparison of two studies with the same prompts and seeds.
 
@@ -70,7 +64,7 @@ def compare(
 
     models = [is_model_ref(study_a), is_model_ref(study_b)]
     cfg, store = _load(config_path, root, ("evaluate",) if any(models) else ())
-    he = cfg.human_eval
+    he = cfg.human_eval  # --raters-per-pair and --gold applied
     if models[0]:
         study_a = study_for_model(cfg, study_a)
     if models[1]:
@@ -79,9 +73,7 @@ def compare(
     b = load_study(study_b, cfg.storage.root)
     cid, created = create_comparison(
         store, a, b,
-        raters_per_pair=he.raters_per_pair if raters_per_pair is None else raters_per_pair,
-        gold=he.gold_per_rater if gold is None else gold,
-        name=name, seed=he.seed,
+        raters_per_pair=he.raters_per_pair, gold=he.gold_per_rater, name=name, seed=he.seed,
     )  # fmt: skip
     click.echo(f"{'created' if created else 'exists:'} {a.study_id} (A) vs {b.study_id} (B)",
                err=True)  # fmt: skip
@@ -97,13 +89,12 @@ def rate() -> None:
 @config_options
 @click.option("--host", cls=ConfigDefault, field="human_eval.host", help="Listen address.")
 @click.option("--port", type=int, cls=ConfigDefault, field="human_eval.port", help="Port.")
-def serve(config_path: str, root: str | None, host: str | None, port: int | None) -> None:
+def serve(config_path: str, root: str | None) -> None:
     """Serve the rating pages; prints the admin link (never part of a rater link)."""
     from human_eval.app import serve as run_app
 
     cfg, store = _load(config_path, root)
-    host = cfg.human_eval.host if host is None else host
-    port = cfg.human_eval.port if port is None else port
+    host, port = cfg.human_eval.host, cfg.human_eval.port  # --host and --port applied
     click.echo(f"Rating app at http://{host}:{port}/rate/<token> (kiln rate invite)")
     click.echo(f"Admin page: http://{host}:{port}/admin/{store.admin_token()}")
     he = cfg.human_eval  # the admin page's running result: the report's settings
@@ -118,20 +109,12 @@ def serve(config_path: str, root: str | None, host: str | None, port: int | None
 @click.option("--host", cls=ConfigDefault, field="human_eval.host", help="Host in the links.")
 @click.option("--port", type=int, cls=ConfigDefault, field="human_eval.port",
               help="Port in the links.")  # fmt: skip
-def invite(
-    config_path: str,
-    root: str | None,
-    comparison: str,
-    raters: int,
-    host: str | None,
-    port: int | None,
-) -> None:
+def invite(config_path: str, root: str | None, comparison: str, raters: int) -> None:
     """Print one rating link per new rater: http://HOST:PORT/rate/<token>."""
     cfg, store = _load(config_path, root)
     if raters < 1:
         raise click.UsageError(f"--raters must be at least 1 (got {raters})")
-    host = cfg.human_eval.host if host is None else host
-    port = cfg.human_eval.port if port is None else port
+    host, port = cfg.human_eval.host, cfg.human_eval.port  # --host and --port applied
     links = store.add_raters(comparison, raters)
     for pseudonym, token in links:
         click.echo(f"{pseudonym}\thttp://{host}:{port}/rate/{token}")
@@ -143,10 +126,11 @@ def invite(
 def report(config_path: str, root: str | None, comparison: str) -> None:
     """Write report.json, votes.csv and preference.png under <root>/human_eval/<comparison>/."""
     from human_eval.report import build_report
+    from tasks.storage.layout import Layout
 
     cfg, store = _load(config_path, root)
     he = cfg.human_eval
-    out = Path(cfg.storage.root) / "human_eval" / comparison
+    out = Layout(Path(cfg.storage.root)).comparison_report(comparison)
     result = build_report(store, comparison, out, min_gold_accuracy=he.min_gold_accuracy,
                           n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
     summary = {

@@ -19,6 +19,12 @@ from kiln_config.data import (
     QualityConfig,
     ShardsConfig,
 )
+from kiln_config.errors import (
+    InputError,
+    KilnError,
+    MissingInput,
+    NotFound,
+)
 from kiln_config.evaluate import (
     EvalMetricsConfig,
     EvaluateConfig,
@@ -80,9 +86,13 @@ __all__ = [
     "GpuLimitConfig",
     "HumanEvalConfig",
     "IngestConfig",
+    "InputError",
+    "KilnError",
     "KubernetesConfig",
     "LaunchConfig",
+    "MissingInput",
     "ModelConfig",
+    "NotFound",
     "PROJECT_DIR",
     "PipelineConfig",
     "QualityConfig",

@@ -1,5 +1,6 @@
-"""What every config section shares: the strict base model, the config error, and the
-helpers the schema itself uses (hashing, URI checks, secrets masked in dumps).
+"""What every config section shares: the strict base model, the config error
+(`kiln_config/errors.py`), and the helpers the schema itself uses (hashing, URI checks,
+secrets masked in dumps).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pydantic import (
     SerializationInfo,
 )
 
+from kiln_config.errors import ConfigError
+
 __all__ = [
     "ConfigError",
     "REVEAL_SECRETS",
@@ -25,10 +28,6 @@ __all__ = [
     "redact_uri",
     "stable_hash",
 ]
-
-
-class ConfigError(ValueError):
-    """A config file failed validation. The message names each bad field and its value."""
 
 
 class Strict(BaseModel):

@@ -15,6 +15,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from kiln_config.errors import KilnError
+
 if TYPE_CHECKING:
     from accelerate import Accelerator
 
@@ -28,7 +30,7 @@ __all__ = ["DIVERGED", "TrainingDiverged", "divergence", "fail_diverged", "raise
 log = logging.getLogger("kiln.train")
 
 
-class TrainingDiverged(FloatingPointError):
+class TrainingDiverged(KilnError, FloatingPointError):
     """The loss or the gradient norm went non-finite. The message names the step and the last
     finite loss; `<output_dir>/DIVERGED.json` keeps it for every relaunch."""
 

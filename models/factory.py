@@ -22,6 +22,7 @@ from diffusers import AutoencoderKL, DDIMScheduler, DDPMScheduler, UNet2DConditi
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizerFast
 
 from kiln_config import Component, ModelConfig, TokenizerConfig
+from kiln_config.errors import InputError
 
 log = logging.getLogger("kiln.factory")
 
@@ -202,7 +203,7 @@ def build_components(
     tokenizer = build_tokenizer(cfg.tokenizer)
     text_encoder = _load(CLIPTextModel, cfg.text_encoder, "text_encoder")
     if text_encoder.config.vocab_size < len(tokenizer):
-        raise ValueError(
+        raise InputError(
             f"model.text_encoder vocab_size {text_encoder.config.vocab_size} is smaller than "
             f"the tokenizer's {len(tokenizer)} tokens"
         )
@@ -215,7 +216,7 @@ def build_components(
     vae = _load(AutoencoderKL, cfg.vae, "vae")
     unet = build_unet(cfg, init_unet_from)
     if unet.config.cross_attention_dim != text_encoder.config.hidden_size:
-        raise ValueError(
+        raise InputError(
             f"model.unet.cross_attention_dim ({unet.config.cross_attention_dim}) must equal the "
             f"text encoder's hidden size ({text_encoder.config.hidden_size})"
         )

@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import DistributedType
 
+from kiln_config.errors import InputError, MissingInput
 from models.collation import KilnCollate
 from models.decoding import width_height
 from models.loader import TRAINING_COLUMNS, ImageCaptionDataset, _stored_ids_match, dataset_buckets
@@ -69,7 +70,7 @@ SUBSET_T = -2  # the one whose seed orders the split: the eval subset is its fir
 def eval_timesteps(num_train_timesteps: int, n: int) -> list[int]:
     """`n` evenly spaced timesteps, the middle of each of n equal bins of [0, T)."""
     if not 1 <= n <= num_train_timesteps:
-        raise ValueError(f"train.val_timesteps must be in [1, {num_train_timesteps}], got {n}")
+        raise InputError(f"train.val_timesteps must be in [1, {num_train_timesteps}], got {n}")
     return [(2 * i + 1) * num_train_timesteps // (2 * n) for i in range(n)]
 
 
@@ -117,7 +118,7 @@ class EvalSet:
         from streaming import Stream
 
         if not Path(local).is_dir():
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"val_shards {local} is not a folder: run the shard step with "
                 "shards.val_fraction > 0, or unset val_shards"
             )
@@ -382,7 +383,7 @@ def bootstrap_cond_gap(
     export_dir = Path(export_dir)
     run: StageRun = load_yaml_model(StageRun, export_dir.parent / "stage.yaml")
     if run.val_shards is None:
-        raise ValueError(
+        raise InputError(
             f"{export_dir.parent / 'stage.yaml'} sets no val_shards: the stage had no "
             "validation split (shards.val_fraction), so there is no gap to test"
         )

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from kiln_config.errors import KilnError
+
 __all__ = [
     "FID_RESIZE",
     "MetricUnavailable",
@@ -45,7 +47,7 @@ __all__ = [
 FID_RESIZE = "bilinear, antialias=True, to 299x299 (torchmetrics FrechetInceptionDistance)"
 
 
-class MetricUnavailable(RuntimeError):
+class MetricUnavailable(KilnError, RuntimeError):
     """A metric cannot run here (weights missing or unloadable); the message names the fix."""
 
 

@@ -26,6 +26,7 @@ from streaming import StreamingDataLoader
 from transformers import PreTrainedTokenizerBase
 
 from kiln_config import TrainConfig
+from kiln_config.errors import InputError, MissingInput
 from models.collation import KilnCollate
 from models.decoding import Size, width_height
 from models.mds_reader import MDSReader
@@ -208,7 +209,7 @@ def _fetch_top_file(local: str, remote: str) -> None:
     try:
         CloudDownloader.direct_download(f"{remote}/buckets.json", str(Path(local) / "buckets.json"))
     except Exception as e:
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{remote} has neither index.json nor buckets.json: is this dataset version "
             "published there (the shard flow publishes it when shards.remote is set)?"
         ) from e
@@ -287,7 +288,7 @@ def build_loader(
     `cfg.seed` (so a resumed run flips the same ones). Precomputed latents are not flipped.
     """
     if not 0 <= cfg.hflip <= 1:  # validated in TrainConfig, but a copy can bypass that
-        raise ValueError(f"hflip is a probability in [0, 1], got {cfg.hflip!r}")
+        raise InputError(f"hflip is a probability in [0, 1], got {cfg.hflip!r}")
     streams, sizes = _streams(local, remote, mix or [], resolution)
     dataset = _dataset(cfg, local, remote, streams, bool(sizes), batch_size, stage_index,
                        epoch_size)  # fmt: skip

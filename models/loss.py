@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.training_utils import compute_snr
 
+from kiln_config.errors import InputError
 from models.collation import device_pixels
 from models.decoding import normalize_pixels
 from models.factory import Components
@@ -95,7 +96,7 @@ def diffusion_target(sched, latents: torch.Tensor, noise: torch.Tensor, t: torch
         return sched.get_velocity(latents, noise, t)
     if kind == "epsilon":
         return noise
-    raise ValueError(
+    raise InputError(
         f"train.model.noise_scheduler.prediction_type {kind!r} is not supported: "
         "use 'epsilon' or 'v_prediction'"
     )

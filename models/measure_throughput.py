@@ -21,6 +21,7 @@ from PIL import Image
 from streaming import MDSWriter
 
 from kiln_config import StageRun, TrainConfig
+from kiln_config.errors import InputError
 from models.cpu_threads import cpu_threads_per_process
 
 __all__ = ["MAX_MEASURED_VAL", "measure_stage", "write_synthetic_shards"]
@@ -83,7 +84,7 @@ def _measure(
     train: TrainConfig, stage_index: int, steps: int, work_dir: str | None, val_samples: int | None
 ) -> dict:
     if steps < 4:
-        raise ValueError(f"steps must be at least 4 (warm-up plus a measured window), got {steps}")
+        raise InputError(f"steps must be at least 4 (warm-up plus a measured window), got {steps}")
     stage = train.stages[stage_index]
     cfg = train.model_copy(deep=True)
     window = max(2, steps // 2)

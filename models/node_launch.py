@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from kiln_config.errors import InputError
 from models.cpu_threads import cpu_threads_per_process
 
 __all__ = ["NodeLaunchError", "NodeRole", "accelerate_argv", "from_flags", "from_slurm",
@@ -31,7 +32,7 @@ __all__ = ["NodeLaunchError", "NodeRole", "accelerate_argv", "from_flags", "from
 DEFAULT_PORT = 29500  # torchrun's and accelerate's default rendezvous port
 
 
-class NodeLaunchError(ValueError):
+class NodeLaunchError(InputError):
     """What the engine gave this node is missing or contradicts itself; names the variable."""
 
 

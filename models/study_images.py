@@ -20,6 +20,7 @@ import torch
 from accelerate import PartialState
 from diffusers import StableDiffusionPipeline
 
+from kiln_config.errors import InputError, MissingInput
 from models.tokenization import truncate_prompts
 
 __all__ = ["generate_images", "load_pipeline", "main", "read_prompts"]
@@ -31,12 +32,12 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
     """Rows of a DrawBench-style CSV (columns `Prompts`, `Category`) as {prompt, category}."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"evaluate.prompts_csv not found: {path}")
+        raise MissingInput(f"evaluate.prompts_csv not found: {path}")
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         cols = reader.fieldnames or []
         if "Prompts" not in cols:
-            raise ValueError(
+            raise InputError(
                 f"{path} must have a 'Prompts' column (and optionally 'Category'); got {cols}"
             )
         rows = [
@@ -45,7 +46,7 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
             if (r.get("Prompts") or "").strip()
         ]
     if not rows:
-        raise ValueError(f"{path} holds no prompts")
+        raise InputError(f"{path} holds no prompts")
     return rows[:limit] if limit else rows
 
 

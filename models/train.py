@@ -41,6 +41,7 @@ from diffusers.optimization import get_scheduler
 from diffusers.training_utils import EMAModel
 
 from kiln_config import StageRun, load_yaml_model
+from kiln_config.errors import InputError
 from models.checkpoint import TrainState, resume, save_due_checkpoint
 from models.divergence import (
     DIVERGED,
@@ -115,7 +116,7 @@ def build_models(run: StageRun, accelerator: Accelerator):
     )
     ema = None
     if cfg.ema.enabled and accelerator.distributed_type == DistributedType.FSDP:
-        raise ValueError(
+        raise InputError(
             "train.ema.enabled is not supported with an FSDP topology: the EMA would track "
             "each rank's parameter shards. Disable EMA for FSDP, or use DDP (multi-gpu.yaml)."
         )

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
 from kiln_config import VaeFitConfig, stable_hash
+from kiln_config.errors import InputError
 from models.decoding import decode_uint8
 
 __all__ = [
@@ -140,7 +141,7 @@ def fit_vae(config: dict, fit: VaeFitConfig, images: list[torch.Tensor]) -> Auto
 def _fit(config: dict, fit: VaeFitConfig, images: list[torch.Tensor]) -> AutoencoderKL:
     images = [i for i in images if min(i.shape[1:]) >= fit.resolution]
     if not images:
-        raise ValueError(
+        raise InputError(
             f"train.model.vae.fit.resolution: no image is {fit.resolution} px on both sides; "
             "lower it to at most the smallest stage resolution"
         )

@@ -247,12 +247,66 @@ def test_debug_flag_shows_the_traceback(tmp_path):
     assert "PermissionError" in proc.stderr
 
 
-def test_unexpected_error_is_one_line_with_the_debug_hint():
-    proc, _ = _kiln("demo-data", "/sys/kiln-demo")  # read-only: an OSError nobody expects
+def test_what_the_system_refuses_is_one_line_naming_the_path():
+    proc, _ = _kiln("demo-data", "/sys/kiln-demo")  # read-only: the user picks another folder
     assert proc.returncode == 1
     (line,) = proc.stderr.splitlines()
-    assert line.startswith("kiln: error: PermissionError: ")
-    assert line.endswith("(run `kiln --debug demo-data ...` for the traceback)")
+    assert line.startswith("kiln: error: PermissionError: ") and "'/sys/kiln-demo'" in line
+
+
+def _studies(tmp_path, make_config, study: dict | None):
+    """(config, folder A, folder B): two study folders holding `study` as their study.json."""
+    import json
+
+    cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", tmp_path)
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders if study is not None else ():
+        folder.mkdir()
+        (folder / "study.json").write_text(json.dumps({"study_id": folder.name, **study}))
+    return str(cfg), *map(str, folders)
+
+
+def test_a_bug_in_kiln_prints_its_traceback_and_says_it_is_a_bug(tmp_path, make_config):
+    # A study.json without its settings: reading it, Kiln's own code raises a KeyError that
+    # no check expects. It must not read as the user's mistake.
+    cfg, a, b = _studies(tmp_path, make_config, {"items": []})
+    proc, _ = _kiln("compare", "--config", cfg, "--a", a, "--b", b)
+    assert proc.returncode == 70, proc.stderr
+    err = proc.stderr
+    assert "Traceback (most recent call last):" in err and "in load_study" in err
+    assert "KeyError: 'settings'" in err
+    last = err.splitlines()[-1]
+    assert last.startswith("kiln: bug: KeyError: 'settings' is a bug in Kiln, not a mistake")
+    assert "report it" in last and "with the traceback above" in last
+    assert err.index("Traceback") < err.index("kiln: bug:")
+    assert "kiln: error:" not in err
+
+
+def test_a_user_error_is_one_line_naming_the_fix(tmp_path, make_config):
+    cfg, a, b = _studies(tmp_path, make_config, None)  # no study in either folder
+    proc, _ = _kiln("compare", "--config", cfg, "--a", a, "--b", b)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        f"kiln: error: no study {a!r}: {tmp_path / 'root' / 'eval' / a}/study.json does not "
+        "exist; run `kiln evaluate` to create it"
+    ]
+
+
+def test_every_error_kiln_expects_derives_from_one_base():
+    from kiln_config import ConfigError, InputError, KilnError, MissingInput, NotFound
+    from tasks.launch.common import LaunchError, StageDiverged
+    from tasks.quality.gate import QualityGateError
+    from tasks.registry.promotion import PromotionRefused
+    from tasks.registry.tracking import ModelVersionNotFound
+
+    for kind in (ConfigError, InputError, MissingInput, NotFound, LaunchError, StageDiverged,
+                 QualityGateError, PromotionRefused, ModelVersionNotFound):  # fmt: skip
+        assert issubclass(kind, KilnError), kind
+    # Each keeps the builtin kind its callers catch.
+    assert issubclass(ConfigError, ValueError) and issubclass(MissingInput, FileNotFoundError)
+    assert issubclass(NotFound, KeyError) and str(NotFound("no comparison 'x'")) == (
+        "no comparison 'x'"
+    ), "a KeyError's text, not quoted"
 
 
 def test_run_checks_the_tracking_folder_before_any_work(tmp_path, demo_src, make_config):

@@ -27,6 +27,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from kiln_config.errors import InputError
 from tasks.catalog.view import (
     TABLES,
     chain,
@@ -60,7 +61,7 @@ def _versions(layout: Layout, version: int | None) -> dict[str, int | None]:
     dt = open_table(layout, "accepted")
     if dt is None or not 0 <= version <= dt.version():
         newest = None if dt is None else dt.version()
-        raise ValueError(f"--version {version}: the accepted table's versions are 0..{newest}")
+        raise InputError(f"--version {version}: the accepted table's versions are 0..{newest}")
     return {"accepted": version, "quarantine": open_table(layout, "quarantine").version()}
 
 
@@ -96,7 +97,7 @@ def _connect(root: str, version: int | None):
     con = duckdb.connect()
     datasets = {table: _dataset(layout, table, versions[table]) for table in TABLES}
     if all(data is None for data in datasets.values()):
-        raise ValueError(
+        raise InputError(
             f"no catalog tables under {layout.root / 'catalog'}: run `kiln ingest` first "
             "(or `kiln catalog migrate` for a root of the older layout)"
         )
@@ -136,13 +137,13 @@ def query(root: str, sql: str, version: int | None = None) -> pa.Table:
     try:
         return con.execute(sql).to_arrow_table()
     except duckdb.Error as e:
-        raise ValueError(f"catalog sql: {e}") from e
+        raise InputError(f"catalog sql: {e}") from e
 
 
 def export(root: str, out: str, fmt: str = "parquet", version: int | None = None) -> int:
     """Write the clean view to `out` as `fmt` ("parquet" or "csv"); returns the row count."""
     if fmt not in ("parquet", "csv"):
-        raise ValueError(f"--format must be parquet or csv, got {fmt!r}")
+        raise InputError(f"--format must be parquet or csv, got {fmt!r}")
     con = _connect(root, version)
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     con.execute(f"COPY (SELECT * FROM clean) TO {sql_str(out)} (FORMAT {fmt})")
@@ -187,7 +188,7 @@ def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
     from tasks.catalog.view import VERDICT_TABLES, writer_properties
 
     if retain_hours < 0:
-        raise ValueError(f"catalog.retain_hours must be >= 0, got {retain_hours}")
+        raise InputError(f"catalog.retain_hours must be >= 0, got {retain_hours}")
     layout, out = Layout(Path(root)), {}
     for table in (*TABLES, *VERDICT_TABLES):
         dt = open_table(layout, table)

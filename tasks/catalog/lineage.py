@@ -31,6 +31,7 @@ import yaml
 
 from data_quality.terms import license_ends
 from kiln_config import QualityConfig
+from kiln_config.errors import MissingInput, NotFound
 from tasks.catalog.view import scan_view
 from tasks.storage.layout import Layout, is_published
 
@@ -93,7 +94,7 @@ def dataset_rows(root: str | Path, version: str, rules: QualityConfig | None = N
         return pd.read_parquet(cached)
     shards_json = layout.shards(version) / "shards.json"
     if not shards_json.is_file():
-        raise FileNotFoundError(f"dataset version {version!r}: no {shards_json}; run `kiln shard`")
+        raise MissingInput(f"dataset version {version!r}: no {shards_json}; run `kiln shard`")
     ingest_id = json.loads(shards_json.read_text())["ingest_id"]
     stages: dict[str, list[str]] = {}
     for name, folders in _stage_datasets(layout.shards(version)).items():
@@ -216,7 +217,7 @@ def resolve_image(root: str | Path, key_or_path: str, rules: QualityConfig | Non
         hits.append(b[(b["key"].astype(str) == want) | (path == want.rstrip("/"))])
     found = pd.concat(hits, ignore_index=True) if hits else pd.DataFrame()
     if not len(found):
-        raise LookupError(
+        raise NotFound(
             f"image {key_or_path!r}: no catalog row has that key or path (<source>/<key>) in "
             f"catalog {ingest_id} under {root}"
         )

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from data_quality.terms import Takedowns
+from kiln_config.errors import InputError
 from tasks.storage.layout import Layout
 
 __all__ = ["TAKEDOWN_COLUMNS", "add_takedown", "read_takedowns", "takedown_set"]
@@ -51,9 +52,9 @@ def add_takedown(
         ValueError: no reason, or not exactly one of images and contributor.
     """
     if not (reason or "").strip():
-        raise ValueError("takedown reason: a reason is required (received an empty one)")
+        raise InputError("takedown reason: a reason is required (received an empty one)")
     if bool(images) == bool(contributor):
-        raise ValueError(
+        raise InputError(
             "takedown: give either images or a contributor, exactly one of them "
             f"(received images={images!r}, contributor={contributor!r})"
         )

@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable, WriterProperties, write_deltalake
 
+from kiln_config.errors import InputError, MissingInput
 from tasks.ingest.sources import CATALOG_COLUMNS
 from tasks.storage.layout import Layout
 
@@ -118,7 +119,7 @@ def view_versions(layout: Layout, ingest_id: str | None) -> dict[str, int | None
         return dict.fromkeys(TABLES)
     summary = json.loads((layout.catalog(ingest_id) / "summary.json").read_text())
     if "table_versions" not in summary:
-        raise ValueError(
+        raise InputError(
             f"catalog {ingest_id} under {layout.root} is in the pre-Delta layout (no "
             "table_versions in its summary.json): run `kiln catalog migrate` once"
         )
@@ -148,7 +149,7 @@ def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -
                                          a["path"])):  # fmt: skip
         path = root / unquote(a["path"])
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"catalog view of {ingest_id}: {table} table version {dt.version()} needs "
                 f"{path}, which `kiln catalog compact` vacuumed (older than --retain-hours)"
             )
@@ -262,7 +263,7 @@ def _arrow(df: pd.DataFrame, dt: DeltaTable | None, seq: int) -> pa.Table:
             try:
                 t = t.set_column(i, f.name, col.cast(want))
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                raise ValueError(
+                raise InputError(
                     f"catalog column {f.name!r}: {f.type} values do not fit the "
                     f"table's type {want} ({e})"
                 ) from e

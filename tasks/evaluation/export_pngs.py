@@ -12,6 +12,8 @@ import json
 import time
 from pathlib import Path
 
+from kiln_config.errors import InputError, MissingInput
+
 __all__ = ["generate_images", "resolve_pipeline"]
 
 
@@ -29,7 +31,7 @@ def resolve_pipeline(model: str, tracking_uri: str, root: Path) -> tuple[str, Pa
         return ident, Path(folder())
     path = Path(model)
     if not (path / "model_index.json").is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"--model {model}: not an exported pipeline (no model_index.json); pass "
             "models:/NAME@ALIAS, models:/NAME/VERSION or a folder written by `kiln train`"
         )
@@ -57,7 +59,7 @@ def generate_images(
     from models.study_images import generate_images as generate
 
     if n < 1 or steps < 1 or batch_size < 1:
-        raise ValueError(f"--n, --steps and --batch-size must be at least 1 (got {n}, {steps}, "
+        raise InputError(f"--n, --steps and --batch-size must be at least 1 (got {n}, {steps}, "
                          f"{batch_size})")  # fmt: skip
     pipe = load_pipeline(str(pipeline_dir))
     out.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,8 @@ from collections import Counter
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from kiln_config.errors import InputError, KilnError, MissingInput
+
 __all__ = [
     "DRAWBENCH_CATEGORIES",
     "DRAWBENCH_REPO",
@@ -44,7 +46,7 @@ DRAWBENCH_CATEGORIES = [
 ENV_CSV = "KILN_DRAWBENCH_CSV"
 
 
-class PromptsUnavailable(RuntimeError):
+class PromptsUnavailable(KilnError, RuntimeError):
     """No prompts could be had: no local file, and the Hub could not be reached."""
 
 
@@ -52,7 +54,7 @@ def check_drawbench(rows: list[tuple[str, str]], source: str) -> None:
     """Raise ValueError unless `rows` are the 200 DrawBench prompts in its 11 categories."""
     cats = Counter(c for _, c in rows)
     if len(rows) != 200 or set(cats) != set(DRAWBENCH_CATEGORIES):
-        raise ValueError(
+        raise InputError(
             f"{source} is not DrawBench: expected 200 prompts in the 11 categories "
             f"{DRAWBENCH_CATEGORIES}, got {len(rows)} prompts in {sorted(cats)}"
         )
@@ -152,7 +154,7 @@ def resolve_prompts(prompts_csv: str | None, **fetch) -> Path:
     if prompts_csv:
         path = Path(prompts_csv)
         if not path.is_file():
-            raise FileNotFoundError(f"evaluate.prompts_csv: file not found: {path}")
+            raise MissingInput(f"evaluate.prompts_csv: file not found: {path}")
         return path
     env = os.environ.get(ENV_CSV)
     if env and Path(env).is_file():

@@ -47,6 +47,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from kiln_config.errors import InputError, MissingInput
 from tasks.catalog.view import (
     ACCEPTED_COLUMNS,
     QUARANTINE_COLUMNS,
@@ -225,12 +226,12 @@ class _Plan:
 
 def _open_source(cfg: IngestConfig, endpoint_url: str | None) -> Storage:
     if not cfg.source:
-        raise ValueError("ingest.source is not set: give a local folder or s3://bucket/prefix")
+        raise InputError("ingest.source is not set: give a local folder or s3://bucket/prefix")
     if cfg.layout not in ("auto", *LAYOUTS):
-        raise ValueError(f"ingest.layout must be auto or one of {LAYOUTS}, got {cfg.layout!r}")
+        raise InputError(f"ingest.layout must be auto or one of {LAYOUTS}, got {cfg.layout!r}")
     store = Storage(cfg.source, endpoint_url)
     if not store.is_s3 and not store.path.is_dir():
-        raise FileNotFoundError(f"ingest source {cfg.source!r} does not exist")
+        raise MissingInput(f"ingest source {cfg.source!r} does not exist")
     return store
 
 

@@ -34,6 +34,7 @@ from kiln_config import (
     LaunchConfig,
     StageRun,
 )
+from kiln_config.errors import MissingInput
 from models.cpu_threads import cpu_threads_per_process
 from models.divergence import DIVERGED
 from tasks.launch.common import (
@@ -91,7 +92,7 @@ def accelerate_command(
     core and `kiln plan`'s measurement (all cores) 30% optimistic.
     """
     if not Path(accelerate_config).is_file():
-        raise FileNotFoundError(f"launch.accelerate_config not found: {accelerate_config}")
+        raise MissingInput(f"launch.accelerate_config not found: {accelerate_config}")
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_config]
     if num_processes:
         cmd += ["--num_processes", str(num_processes)]

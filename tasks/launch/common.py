@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from kiln_config import LaunchConfig, TrainConfig
+from kiln_config import KilnError, LaunchConfig, TrainConfig
+from kiln_config.errors import MissingInput
 
 __all__ = [
     "ClusterJob",
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 
-class LaunchError(RuntimeError):
+class LaunchError(KilnError, RuntimeError):
     """An `accelerate launch` exited non-zero or hung; the message holds its last output lines."""
 
 
@@ -49,8 +50,8 @@ def topology_processes(accelerate_config: str, override: int | None) -> int:
     if override:
         return override
     if not Path(accelerate_config).is_file():
-        raise FileNotFoundError(f"launch.accelerate_config: file not found "
-                                f"(received {accelerate_config!r})")  # fmt: skip
+        raise MissingInput(f"launch.accelerate_config: file not found "
+                           f"(received {accelerate_config!r})")  # fmt: skip
     cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
     return int(cfg.get("num_processes") or 1)
 

@@ -26,7 +26,7 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from kiln_config import LaunchConfig, TrainConfig
+from kiln_config import KilnError, LaunchConfig, TrainConfig
 from tasks.launch.accelerate import LaunchError, cuda_available, launch_module
 from tasks.launch.common import topology_processes
 from tasks.runtime.logs import task_logger
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-class HealthCheckError(RuntimeError):
+class HealthCheckError(KilnError, RuntimeError):
     """The machine or cluster is not fit to start this training run."""
 
 

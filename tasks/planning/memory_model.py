@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kiln_config import Component, TrainConfig
+from kiln_config.errors import InputError
 from tasks.planning.activation_trace import trace_activations, unet_parameter_count
 
 __all__ = [
@@ -202,7 +203,7 @@ def topology_setup(accelerate_config: str) -> tuple[str, str]:
     fsdp = str(cfg.get("distributed_type", "NO")).upper() == "FSDP"
     sharding = str((cfg.get("fsdp_config") or {}).get("fsdp_sharding_strategy", ""))
     if fsdp and sharding.upper() not in ("SHARD_GRAD_OP", "2"):
-        raise ValueError(
+        raise InputError(
             "launch.accelerate_config: the memory model covers FSDP's SHARD_GRAD_OP only "
             f"(received fsdp_sharding_strategy {sharding!r})"
         )

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kiln_config import TrainConfig
+from kiln_config.errors import InputError
 
 __all__ = [
     "StagePlan",
@@ -68,9 +69,9 @@ def make_plan(
     from models.flops import train_flops_per_sample
 
     if (img_per_s is None) == (measure_steps is None):
-        raise ValueError("give exactly one of --img-per-s and --measure-steps")
+        raise InputError("give exactly one of --img-per-s and --measure-steps")
     if img_per_s is not None and img_per_s <= 0:
-        raise ValueError(f"--img-per-s must be positive, got {img_per_s}")
+        raise InputError(f"--img-per-s must be positive, got {img_per_s}")
     if isinstance(num_processes, int):
         num_processes = [num_processes] * len(train.stages)
     rates: list[tuple[float, str]] = []

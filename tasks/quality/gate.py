@@ -45,7 +45,8 @@ from data_quality.suite import (
     write_data_docs,
 )
 from data_quality.terms import check_terms
-from kiln_config import QualityConfig
+from kiln_config import KilnError, QualityConfig
+from kiln_config.errors import MissingInput
 from tasks.catalog.takedown import takedown_set
 from tasks.catalog.view import (
     ACCEPTED_COLUMNS,
@@ -77,7 +78,7 @@ PARTITION_ROWS = 2 * ROW_GROUP  # rows per validate task
 OVERRIDE_FLAG = "--allow-failed-gate"
 
 
-class QualityGateError(RuntimeError):
+class QualityGateError(KilnError, RuntimeError):
     """Too large a fraction of the input was rejected."""
 
 
@@ -371,7 +372,7 @@ def validate_catalog(
     layout = Layout(Path(root))
     cat = layout.catalog(ingest_id)
     if not (cat / "summary.json").is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no catalog view for ingest {ingest_id} under {root}: run `kiln ingest` first"
         )
     links = chain(layout, ingest_id)
@@ -514,7 +515,7 @@ def read_clean(root: str, ingest_id: str, columns: list[str] | None = None) -> p
     """The clean rows of a validated catalog as one frame (see `scan_clean`)."""
     layout = Layout(Path(root))
     if not (layout.catalog(ingest_id) / REJECTS_FILE).is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"catalog {ingest_id} has not been validated "
             f"({layout.catalog(ingest_id) / REJECTS_FILE} missing): run `kiln validate` first"
         )

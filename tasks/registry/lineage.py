@@ -23,6 +23,7 @@ import pandas as pd
 from mlflow.tracking import MlflowClient
 
 from kiln_config import QualityConfig
+from kiln_config.errors import InputError
 from tasks.catalog.lineage import (
     REPORT_ARTIFACT,
     contributors_report,
@@ -68,7 +69,7 @@ def model_lineage(root: str | Path, tracking_uri: str, ref: str,
     mv = model_version(_client(tracking_uri), ref)
     version, run_id = mv.tags.get("dataset_version"), mv.tags.get("run_id", "")
     if not version:
-        raise ValueError(f"{ref}: the version has no dataset_version tag (not registered by Kiln)")
+        raise InputError(f"{ref}: the version has no dataset_version tag (not registered by Kiln)")
     rows = dataset_rows(root, version, rules)
     by = (rows.assign(**{c: rows[c].fillna("(none)") for c in ("license", "contributor")})
           .groupby(["source", "license", "contributor"], sort=True).size()

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from kiln_config import GateConfig
+from kiln_config import GateConfig, KilnError
 from tasks.registry.lineage import TAKEDOWN_TAG
 from tasks.registry.tracking import ModelVersionNotFound, model_version
 
@@ -48,7 +48,7 @@ QUESTIONS = ("quality", "alignment")
 VAL_LOSS = "ema/val/loss"  # the training run's held-out loss, when both have it
 
 
-class PromotionRefused(RuntimeError):
+class PromotionRefused(KilnError, RuntimeError):
     """The gate refused the candidate, or the request itself is invalid; the message says why."""
 
 

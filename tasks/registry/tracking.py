@@ -27,6 +27,7 @@ from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from kiln_config.errors import InputError, MissingInput, NotFound
 from tasks.runtime.logs import task_logger
 
 __all__ = [
@@ -263,7 +264,7 @@ def _log_quality_run(
     from mlflow.entities import Metric, Param
 
     if not docs_dir.is_dir():
-        raise FileNotFoundError(f"no quality folder at {docs_dir}")
+        raise MissingInput(f"no quality folder at {docs_dir}")
     client = MlflowClient(tracking_uri)
     exp_id = ensure_experiment(client, experiment, artifact_root)
     passed = summary["reject_fraction"] <= summary["max_reject_fraction"]
@@ -375,7 +376,7 @@ def register_model(
     from kiln_pyfunc import KilnDiffusionModel, signature
 
     if not (Path(export_dir) / "model_index.json").is_file():
-        raise FileNotFoundError(f"no exported pipeline at {export_dir} (model_index.json missing)")
+        raise MissingInput(f"no exported pipeline at {export_dir} (model_index.json missing)")
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     reqs = [f"{p}=={importlib.metadata.version(p)}" for p in SERVING_PACKAGES]
     ended = client.get_run(mlflow_run_id).info
@@ -424,7 +425,7 @@ def register_model(
     }
 
 
-class ModelVersionNotFound(LookupError):
+class ModelVersionNotFound(NotFound):
     """A models:/ URI names no version in the registry (no such model, alias or version)."""
 
 
@@ -441,7 +442,7 @@ def model_version(client: MlflowClient, ref: str):
 
     m = re.fullmatch(r"models:/([^/@]+)(?:@([\w-]+)|/(\d+))", ref)
     if m is None:
-        raise ValueError(f"{ref!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+        raise InputError(f"{ref!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
     name, alias, number = m.groups()
     try:
         return (client.get_model_version_by_alias(name, alias) if alias

@@ -24,6 +24,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from kiln_config.errors import MissingInput
 from tasks.runtime.logs import task_logger
 from tasks.storage.layout import Layout, is_published
 from tasks.storage.objects import Storage
@@ -63,7 +64,7 @@ def publish_dataset(base: str | Path, dest: Storage, workers: int = 8) -> Publis
     """
     base = Path(base)
     if not (base / "shards.json").is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{base} is not a finished dataset version (no shards.json): run `kiln shard` first"
         )
     log = task_logger(__name__)

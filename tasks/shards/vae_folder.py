@@ -17,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from kiln_config import TrainConfig, VaeComponent
+from kiln_config.errors import MissingInput
 from tasks.runtime.logs import task_logger
 from tasks.storage.layout import Layout
 
@@ -35,7 +36,7 @@ def stage_image_folders(layout: Layout, version: str, resolutions: list[int]) ->
             buckets = json.loads((stage / "buckets.json").read_text())["buckets"]
             folders += [stage / b["name"] for b in buckets]
         else:
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"fitting the VAE needs the shards of {version} at {r}px, but {stage} is not "
                 "a complete dataset; run `kiln shard`"
             )

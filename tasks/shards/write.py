@@ -56,6 +56,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from kiln_config.errors import InputError, MissingInput
 from tasks.catalog.view import view_columns, view_parts, view_versions
 from tasks.ingest.render import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.ingest.sources import CATALOG_COLUMNS
@@ -455,7 +456,7 @@ def write_shards(
     layout = Layout(Path(root))
     rejects = layout.catalog(ingest_id) / REJECTS_FILE
     if not rejects.is_file():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"catalog {ingest_id} has not been validated ({rejects} missing): "
             "run `kiln validate` first"
         )
@@ -471,7 +472,7 @@ def write_shards(
     }
     unknown = sorted(set(bucket_stages or []) - set(resolutions))
     if unknown:
-        raise ValueError(f"bucket stages {unknown} are not stage resolutions {sorted(resolutions)}")
+        raise InputError(f"bucket stages {unknown} are not stage resolutions {sorted(resolutions)}")
     buckets = {r: aspect_buckets(r, cfg.bucket_step, cfg.bucket_max_aspect)
                for r in bucket_stages or []}  # fmt: skip
     if buckets:  # only then: versions written without buckets keep their hash
@@ -534,7 +535,7 @@ def _check_stage(r: int, n: int, total: int, bucketed: bool, factor: float) -> N
     if not n:
         need = (f"covers its aspect bucket of {r}px with an upscale <= {1 / factor:g}"
                 if bucketed else f"has a short side >= {r * factor:g}px")  # fmt: skip
-        raise ValueError(
+        raise InputError(
             f"stage {r}px has no images: none of {total} clean images {need} "
             f"(resolution and shards.min_side_factor {factor})"
         )
@@ -542,7 +543,7 @@ def _check_stage(r: int, n: int, total: int, bucketed: bool, factor: float) -> N
 
 def _check_split(r: int, train: int, val: int, cfg: ShardsConfig) -> None:
     if not train:
-        raise ValueError(
+        raise InputError(
             f"stage {r}px has no training images: all {val} of its images are held out for "
             f"validation (lower shards.val_fraction {cfg.val_fraction} or shards.val_max "
             f"{cfg.val_max})"

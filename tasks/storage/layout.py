@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln_config.errors import MissingInput
+
 __all__ = ["Layout", "is_published", "new_run_id"]
 
 KINDS = ("catalog", "shards", "runs", "eval")
@@ -83,6 +85,14 @@ class Layout:
     def study(self, study_id: str) -> Path:
         return self.root / "eval" / study_id
 
+    def plan(self) -> Path:
+        """The newest `kiln plan` (tasks/planning/plan.py); the train flow's summary reads it."""
+        return self.root / "runs" / "plan.json"
+
+    def comparison_report(self, comparison_id: str) -> Path:
+        """A human evaluation's report, votes and chart (`kiln rate report`)."""
+        return self.root / "human_eval" / comparison_id
+
     def set_latest(self, kind: str, ident: str) -> None:
         assert kind in KINDS, kind
         path = self.root / kind / "LATEST"
@@ -102,7 +112,7 @@ class Layout:
         path = self.root / kind / "LATEST"
         if not path.is_file():
             before = {"catalog": "ingest", "shards": "shard", "runs": "train", "eval": "evaluate"}
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"{needed_by} needs the output of `kiln {before[kind]}`, but {path} does not "
                 f"exist under root {self.root}; run `kiln {before[kind]}` first"
             )
@@ -113,10 +123,10 @@ class Layout:
         run_id = run_id or self.latest("runs", needed_by)
         path = self.run(run_id) / "run.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{needed_by}: no training run {run_id} under {self.root}")
+            raise MissingInput(f"{needed_by}: no training run {run_id} under {self.root}")
         record = json.loads(path.read_text())
         if "export" not in record:
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"{needed_by}: training run {run_id} has not finished (no export in run.json); "
                 f"resume it with `kiln train --run-id {run_id}`"
             )

@@ -23,13 +23,15 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kiln_config.errors import KilnError
+
 __all__ = ["RootBusy", "busy_reason", "root_busy", "root_lock"]
 
 _held: dict[str, int] = {}  # lock path -> depth, in this process
 _guard = threading.Lock()
 
 
-class RootBusy(RuntimeError):
+class RootBusy(KilnError, RuntimeError):
     """Another process trains on this root."""
 
 

@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
+from kiln_config.errors import InputError, KilnError
+
 __all__ = ["ObjectInfo", "ProbeError", "Storage", "worker_storage"]
 
 
-class ProbeError(OSError):
+class ProbeError(KilnError, OSError):
     """A storage root cannot be listed; the message names the URI and the cause."""
 
 
@@ -37,10 +39,10 @@ class Storage:
         parsed = urlparse(self.uri)
         self.is_s3 = parsed.scheme == "s3"
         if parsed.scheme not in ("", "s3", "file"):
-            raise ValueError(f"unsupported storage URI scheme {parsed.scheme!r} in {uri!r}")
+            raise InputError(f"unsupported storage URI scheme {parsed.scheme!r} in {uri!r}")
         if self.is_s3:
             if not parsed.netloc:
-                raise ValueError(f"S3 URI has no bucket: {uri!r}")
+                raise InputError(f"S3 URI has no bucket: {uri!r}")
             self.bucket = parsed.netloc
             self.prefix = parsed.path.strip("/")
             self.endpoint_url = endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None
