@@ -93,7 +93,8 @@ def main(debug: bool) -> None:
 
 @main.command("demo-data")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--n", default=60, show_default=True, help="Number of image files, 5 planted bad.")
+@click.option("--n", default=60, show_default=True, type=click.IntRange(min=8),
+              help="Number of image files, 5 planted bad.")  # fmt: skip
 @click.option("--seed", default=0, show_default=True, help="Random seed; same seed, same bytes.")
 def demo_data(directory: str, n: int, seed: int) -> None:
     """Write a generated, captioned image set (imagefolder layout) to DIRECTORY.
@@ -214,7 +215,7 @@ def plan(
             processes_per_machine=processes_per_machine(cfg.launch),
         )  # fmt: skip
         memory_and_scale(result, cfg.train, cfg.launch, cfg.shards.precompute)
-    except (OSError, ValueError) as e:  # an unreadable topology or shards.json, a bad setting
+    except OSError as e:  # an unreadable topology or shards.json
         raise CliError(str(e)) from e
     save_plan(result, Layout(Path(cfg.storage.root)).plan())
     click.echo(format_plan(result))

@@ -19,8 +19,6 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from kiln_config.errors import InputError
-
 __all__ = ["CONTRIBUTORS", "PLANTED", "licensing", "write_demo_dataset"]
 
 COLORS = {
@@ -119,7 +117,7 @@ def write_demo_dataset(out_dir: str | Path, n: int = 60, seed: int = 0) -> dict:
         A summary: counts and the planted items.
     """
     if n < 8:
-        raise InputError(f"n must be at least 8 (5 planted bad items plus good ones), got {n}")
+        raise ValueError(f"n must be at least 8 (5 planted bad items plus good ones), got {n}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)

@@ -400,6 +400,19 @@ def test_evaluate_takes_a_model_or_a_run_not_both():
     assert result.exit_code != 0 and "--model and --run-id exclude each other" in result.output
 
 
+def test_an_option_is_checked_like_its_config_field():
+    result = CliRunner().invoke(
+        main,
+        ["generate", "--config", "configs/tiny.yaml", "--model", "models:/kiln-t2i@champion",
+         "--prompt", "a red circle", "--steps", "0"],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert result.stderr.splitlines() == [
+        "kiln: error: --steps (evaluate.num_inference_steps): Input should be greater than 0 "
+        "(received 0)"
+    ]
+
+
 def test_a_rate_command_error_is_one_kiln_error_line(tmp_path, make_config):
     """The rate group fails like every other command: `kiln: error:` on stderr, exit 1."""
     cfg = make_config(tmp_path / "tiny.yaml", tmp_path / "root", tmp_path)

@@ -101,6 +101,22 @@ def test_clear_errors(setup):
     assert unknown.exit_code == 1 and "kiln compare" in unknown.output
 
 
+def test_an_option_given_overrides_its_config_field(setup):
+    config, root = setup  # the config sets human_eval.port 9911
+    common = ["--config", config, "--root", root]
+    made = _run("compare", *common, "--a", "run-a-1111", "--b", "run-b-2222", "--gold", "2",
+                "--raters-per-pair", "3")  # fmt: skip
+    cid = made.stdout.strip().splitlines()[-1]
+    given = _run("rate", "invite", *common, "--comparison", cid, "--raters", "1",
+                 "--host", "localhost", "--port", "9912")  # fmt: skip
+    assert given.exit_code == 0, given.output
+    assert re.search(r"\thttp://localhost:9912/rate/[\w-]{32}$", given.stdout, re.M)
+    bad = _run("rate", "invite", *common, "--comparison", cid, "--raters", "1", "--port", "0")
+    assert bad.exit_code == 1
+    assert "--port (human_eval.port): Input should be greater than 0 (received 0)" in bad.output
+    assert "http" not in bad.stdout, "no link printed"
+
+
 def test_evaluate_model_errors_are_one_line(setup):
     config, root = setup
     result = _run("evaluate", "--config", config, "--root", root, "--model", "models:/kiln-t2i/x")
