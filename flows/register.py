@@ -92,6 +92,7 @@ def register_flow(
         lineage,
         _val_metrics(record),
         card=model_card(record, shards, _study_scores(layout, study_id)),
+        evaluate=cfg.evaluate,
     )
     # The contributors' report, the earliest license end and any takedowns, on the version.
     info["licensing"] = register_lineage(cfg.storage.root, cfg.tracking_uri, info["name"],
