@@ -164,9 +164,7 @@ class TrainConfig(Strict):
     sample_seeds: list[int] = Field(
         default_factory=lambda: [0, 1], min_length=1, description="Fixed seeds (grid columns)."
     )
-    sample_steps: int = Field(
-        INFERENCE_STEPS, gt=0, description="Inference steps per grid image."
-    )
+    sample_steps: int = Field(INFERENCE_STEPS, gt=0, description="Inference steps per grid image.")
     sample_guidance_scale: float = Field(
         GUIDANCE_SCALE, ge=0, description="Classifier-free guidance."
     )
