@@ -62,8 +62,8 @@ def register_flow(
     layout = Layout(Path(cfg.storage.root))
     run_id, record = layout.finished_run(run_id, "register")
     cfg = run_config(cfg, layout.run_config(run_id), get_run_logger())
-    if study_id is None and (layout.root / "eval" / "LATEST").is_file():
-        study_id = layout.latest("eval", "register")
+    if study_id is None:
+        study_id = layout.latest_or_none("eval")
     ingest = json.loads((layout.catalog(record["ingest_id"]) / "summary.json").read_text())
     lineage = {
         "run_id": run_id,

@@ -148,8 +148,11 @@ def summarize_comparison(
                      seed=seed, **_pairs_of(store, comparison_id))  # fmt: skip
 
 
-def ranking(store: RatingStore, *, min_gold_accuracy: float, seed: int) -> dict | None:
-    """Bradley-Terry strengths of every model in the store's comparisons, per question.
+def ranking(
+    store: RatingStore, *, min_gold_accuracy: float, n_resamples: int, seed: int
+) -> dict | None:
+    """Bradley-Terry strengths of every model in the store's comparisons, per question, with
+    intervals from `n_resamples` bootstrap resamples.
 
     None with fewer than three models (one comparison already says all about two).
     """
@@ -169,7 +172,7 @@ def ranking(store: RatingStore, *, min_gold_accuracy: float, seed: int) -> dict 
     out = {"models": models}
     for q, rows in outcomes.items():
         if rows:
-            out[q] = bradley_terry(len(models), rows, seed=seed)
+            out[q] = bradley_terry(len(models), rows, n_resamples=n_resamples, seed=seed)
     return out
 
 
@@ -260,7 +263,7 @@ def build_report(
         **summarize_comparison(store, cmp.id, min_gold_accuracy=min_gold_accuracy,
                                n_resamples=n_resamples, seed=seed, votes=votes),
     }  # fmt: skip
-    bt = ranking(store, min_gold_accuracy=min_gold_accuracy, seed=seed)
+    bt = ranking(store, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples, seed=seed)
     if bt is not None:
         report["bradley_terry"] = bt
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -110,7 +110,7 @@ def bradley_terry(
     n_models: int,
     outcomes: Sequence[tuple[int, int, float]],
     *,
-    n_resamples: int = 200,
+    n_resamples: int,
     level: float = 0.95,
     seed: int = 0,
 ) -> dict:
@@ -119,7 +119,8 @@ def bradley_terry(
     Args:
         outcomes: (i, j, score of i): 1 when i won, 0 when j won, 0.5 for a tie. A tie counts
             as half a win each way: every outcome enters `choix` twice, a tie once each way.
-        n_resamples: bootstrap resamples of the outcomes for the intervals.
+        n_resamples: bootstrap resamples of the outcomes for the intervals
+            (`human_eval.bootstrap_resamples`).
 
     Returns:
         {"strength": [...], "ci": [[low, high], ...], "order": model indices, strongest

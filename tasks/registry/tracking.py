@@ -29,6 +29,7 @@ from prefect.cache_policies import NO_CACHE
 
 from kiln_config import EvaluateConfig
 from tasks.runtime.logs import task_logger
+from tasks.storage.layout import Layout
 
 __all__ = [
     "EXPERIMENT_DESCRIPTION",
@@ -472,7 +473,7 @@ def registered_pipeline(tracking_uri: str, root: Path, uri: str):
     mv = model_version(MlflowClient(tracking_uri, registry_uri=tracking_uri), uri)
     name = mv.name
     run_id = mv.tags.get("run_id", "")
-    run_json = Path(root) / "runs" / run_id / "run.json" if run_id else None
+    run_json = Layout(Path(root)).run_record(run_id) if run_id else None
     if run_json is not None and run_json.is_file():
         export = json.loads(run_json.read_text()).get("export")
         if export and Path(export).is_dir():
@@ -481,7 +482,7 @@ def registered_pipeline(tracking_uri: str, root: Path, uri: str):
     def download() -> Path:
         import mlflow.artifacts
 
-        dst = Path(root) / "models" / f"{name}-v{mv.version}"
+        dst = Layout(Path(root)).registered_model(name, mv.version)
         if (dst / "MLmodel").is_file():
             return _pipeline_in(dst)
         # A models:/ URI is resolved by a client on the *global* registry URI, whatever
