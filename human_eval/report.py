@@ -2,7 +2,7 @@
 
 Writes `<root>/human_eval/<comparison>/{report.json, votes.csv, preference.png}`:
 
-- per question (quality, alignment), overall and per DrawBench category: A's preference rate
+- per question (quality, alignment), overall and per prompt category: A's preference rate
   (ties half), the share of ties, a 95% bootstrap interval over prompts, and the pairs, votes
   and prompts behind it;
 - Krippendorff's alpha (nominal) per question, with the number of pairs it used;

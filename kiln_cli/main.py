@@ -453,7 +453,8 @@ def _where(cfg, config_path: str, result: dict) -> None:
         f"  shards       {r / 'shards' / result['shards']['dataset_version']}/",
         f"  config       {r / 'runs' / result['run']['run_id'] / 'config.yaml'} (as run)",
         f"  model export {result['run']['export']}",
-        f"  DrawBench    {result['study']['path']}/ ({result['study']['images']} images)",
+        f"  study        {result['study']['path']}/ ({result['study']['images']} images of the "
+        f"{result['study']['prompts']} prompts)",
         f"  registry     {result['model']['uri_by_alias']} (version {result['model']['version']})",
         f"  tracking     {redact_uri(cfg.tracking_uri)}",
         "",

@@ -67,7 +67,7 @@ class GateConfig(Strict):
         0.5, ge=0, le=1, description="Lower 95% CI bound of the candidate's preference rate."
     )
     min_category_pref: float = Field(
-        0.4, ge=0, le=1, description="No DrawBench category's preference may be below this."
+        0.4, ge=0, le=1, description="No prompt category's preference may be below this."
     )
     max_val_loss_increase: float = Field(
         0.02, ge=0, description="Validation loss may exceed the champion's by this fraction."

@@ -90,7 +90,7 @@ def _with_human_eval(description: str | None, report: dict) -> str:
 
 
 def category_metric_slug(category: str) -> str:
-    """A DrawBench category as a metric-name part: "Gary Marcus et al." -> gary_marcus_et_al."""
+    """A prompt category as a metric-name part: "Gary Marcus et al." -> gary_marcus_et_al."""
     return re.sub(r"[^a-z0-9]+", "_", category.lower()).strip("_") or "none"
 
 
