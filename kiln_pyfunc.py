@@ -5,11 +5,11 @@ PNG bytes of the generated image, its width and height. Optional params:
 `num_inference_steps`, `guidance_scale`, `seed` (row i uses seed + i), `height`, `width`,
 `batch_size` (prompts per pipeline call, so a 500-row frame does not run out of memory). The
 steps and guidance default to what the model was evaluated with (`evaluate.num_inference_steps`
-and `evaluate.guidance_scale`), given at registration (`KilnDiffusionModel(steps, guidance)`)
-and shown in the signature's params. A
-prompt longer than the text encoder reads is cut first (`truncate_prompts`); the output keeps
-it as given. On CUDA the pipeline runs in bfloat16 (float16 where bf16 is unsupported); on CPU
-in float32.
+and `evaluate.guidance_scale`): registration passes them in (`KilnDiffusionModel(steps,
+guidance)`), since this module reads no config, and the signature's params show them. A prompt
+longer than the text encoder reads is cut first (`truncate_prompts`); the output keeps it as
+given. On CUDA the pipeline runs in bfloat16 (float16 where bf16 is unsupported); on CPU in
+float32.
 
 This module is the only Kiln code a registered model ships (`code_paths`), under a name no
 consumer's package can shadow: it imports nothing else from Kiln.
