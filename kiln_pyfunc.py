@@ -3,10 +3,13 @@
 `predict` takes a DataFrame with a `prompt` column and returns one row per prompt with the
 PNG bytes of the generated image, its width and height. Optional params:
 `num_inference_steps`, `guidance_scale`, `seed` (row i uses seed + i), `height`, `width`,
-`batch_size` (prompts per pipeline call, so a 500-row frame does not run out of memory). A
-prompt longer than the text encoder reads is cut first (`truncate_prompts`); the output keeps
-it as given. On CUDA the pipeline runs in bfloat16 (float16 where bf16 is unsupported); on CPU
-in float32.
+`batch_size` (prompts per pipeline call, so a 500-row frame does not run out of memory). The
+steps and guidance default to what the model was evaluated with (`evaluate.num_inference_steps`
+and `evaluate.guidance_scale`): registration passes them in (`KilnDiffusionModel(steps,
+guidance)`), since this module reads no config, and the signature's params show them. A prompt
+longer than the text encoder reads is cut first (`truncate_prompts`); the output keeps it as
+given. On CUDA the pipeline runs in bfloat16 (float16 where bf16 is unsupported); on CPU in
+float32.
 
 This module is the only Kiln code a registered model ships (`code_paths`), under a name no
 consumer's package can shadow: it imports nothing else from Kiln.
@@ -21,25 +24,37 @@ from typing import TYPE_CHECKING
 import mlflow.pyfunc
 import pandas as pd
 
-__all__ = ["KilnDiffusionModel", "load_pipeline", "signature", "truncate_prompts"]
+__all__ = [
+    "SERVING_PARAMS",
+    "KilnDiffusionModel",
+    "default_params",
+    "load_pipeline",
+    "signature",
+    "truncate_prompts",
+]
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("kiln.pyfunc")
 
-DEFAULT_PARAMS = {
-    "num_inference_steps": 25,
-    "guidance_scale": 7.5,
-    "seed": 0,
-    "height": 0,
-    "width": 0,
-    "batch_size": 4,
-}
+SERVING_PARAMS = {"seed": 0, "height": 0, "width": 0, "batch_size": 4}
+"""The params no config section holds: they belong to serving (height and width 0: the
+model's own size)."""
 
 
-def signature():
-    """Input: `prompt` strings. Output: prompt, PNG bytes, width, height. Params as above."""
+def default_params(num_inference_steps: int, guidance_scale: float) -> dict[str, int | float]:
+    """Every param's default: the evaluation's steps and guidance, then `SERVING_PARAMS`."""
+    return {
+        "num_inference_steps": int(num_inference_steps),
+        "guidance_scale": float(guidance_scale),
+        **SERVING_PARAMS,
+    }
+
+
+def signature(defaults: dict[str, int | float]):
+    """Input: `prompt` strings. Output: prompt, PNG bytes, width, height. Params as above,
+    with `defaults` (`default_params`) as their defaults."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
@@ -56,7 +71,7 @@ def signature():
         params=ParamSchema(
             [
                 ParamSpec(name, "double" if isinstance(v, float) else "long", v)
-                for name, v in DEFAULT_PARAMS.items()
+                for name, v in defaults.items()
             ]
         ),
     )
@@ -77,7 +92,15 @@ def load_pipeline(path: str):
 
 
 class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
-    """Wraps the exported diffusers `StableDiffusionPipeline` (artifact `pipeline`)."""
+    """Wraps the exported diffusers `StableDiffusionPipeline` (artifact `pipeline`).
+
+    Args:
+        num_inference_steps: Default denoising steps of `predict`.
+        guidance_scale: Default classifier-free guidance of `predict`.
+    """
+
+    def __init__(self, num_inference_steps: int, guidance_scale: float) -> None:
+        self.defaults = default_params(num_inference_steps, guidance_scale)
 
     def load_context(self, context) -> None:
         self.pipe = load_pipeline(context.artifacts["pipeline"])
@@ -94,7 +117,7 @@ class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
                 else type(model_input).__name__
             )
             raise ValueError(f"predict needs a DataFrame with a 'prompt' column; got {got}")
-        p = {**DEFAULT_PARAMS, **(params or {})}
+        p = {**self.defaults, **(params or {})}
         prompts = [str(x) for x in model_input["prompt"].tolist()]
         size = {k: int(p[k]) for k in ("height", "width") if int(p[k]) > 0}
         batch = int(p["batch_size"])

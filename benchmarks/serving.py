@@ -45,7 +45,8 @@ def _register(root: Path) -> str:
     from models.factory import build_components, sampling_scheduler
     from tasks.registry.tracking import ensure_experiment, register_model
 
-    c = build_components(load_config(REPO / "configs" / "tiny.yaml").train.model, seed=0)
+    cfg = load_config(REPO / "configs" / "tiny.yaml")
+    c = build_components(cfg.train.model, seed=0)
     export = root / "final"
     StableDiffusionPipeline(
         vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer, unet=c.unet,
@@ -56,7 +57,8 @@ def _register(root: Path) -> str:
     client = MlflowClient(uri)
     run_id = client.create_run(ensure_experiment(client, "bench", str(root / "art"))).info.run_id
     client.set_terminated(run_id)
-    register_model.fn(uri, run_id, str(export), "kiln-bench", "candidate", {"run_id": "bench"})
+    register_model.fn(uri, run_id, str(export), "kiln-bench", "candidate", {"run_id": "bench"},
+                      evaluate=cfg.evaluate)  # fmt: skip
     return uri
 
 

@@ -1,7 +1,7 @@
-"""Evaluate flow: generate images for every DrawBench prompt and seed with the trained model,
-lay them out as one contact sheet per category, and compute CLIP score and FID when their
-weights are configured (`evaluate.metrics`); a metric without weights is skipped, and the
-study's artifact says why.
+"""Evaluate flow: generate images for every prompt (`evaluate.prompts_csv`, DrawBench when
+unset) and seed with the trained model, lay them out as one contact sheet per category, and
+compute CLIP score and FID when their weights are configured (`evaluate.metrics`); a metric
+without weights is skipped, and the study's artifact says why.
 
 The settings come from the training run's config snapshot, not the file passed in: editing
 the file while a run trains does not change how it is evaluated.
@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig, run_config, stable_hash
 from tasks.evaluation.contact_sheet import write_contact_sheets
+from tasks.evaluation.prompts import prompt_set_name
 from tasks.evaluation.study_metrics import compute_study_metrics, log_study_metrics, metrics_report
 from tasks.inputs import as_config, check_inputs
 from tasks.launch.accelerate import launch_generate
@@ -93,15 +94,17 @@ def evaluate_flow(
         [str(p) for p in sheets.values()],
     )
     layout.set_latest("eval", study_id)
+    prompts = prompt_set_name(study["prompts_csv"])
     create_markdown_artifact(
-        key="drawbench-study",
+        key="evaluation-study",
         description=f"Study {study_id}",
-        markdown=study_report(study_id, study["items"], ev.seeds, str(study_dir))
+        markdown=study_report(study_id, study["items"], ev.seeds, str(study_dir), prompts)
         + "\n\n"
         + metrics_report(metrics, sheets, url),
     )
     return {
         "study_id": study_id,
+        "prompts": prompts,
         "images": len(study["items"]),
         "path": str(study_dir),
         "contact_sheets": {c: str(p) for c, p in sheets.items()},

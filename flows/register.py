@@ -13,6 +13,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig, config_hash, run_config
+from tasks.evaluation.prompts import prompt_set_name
 from tasks.evaluation.study_metrics import metrics_lineage
 from tasks.inputs import as_config
 from tasks.registry.lineage import register_lineage
@@ -24,13 +25,17 @@ __all__ = ["register_flow"]
 
 
 def _study_scores(layout: Layout, study_id: str | None) -> dict | None:
-    """The study id with its CLIP score and FID when `kiln evaluate` computed them."""
+    """The study id, its prompt set's name, and its CLIP score and FID when `kiln evaluate`
+    computed them."""
     if not study_id:
         return None
     path = layout.study(study_id) / "metrics.json"
     metrics = json.loads(path.read_text()) if path.is_file() else {}
-    return {"study_id": study_id, **{k: m["value"] for k, m in metrics.items()
-                                     if isinstance(m, dict) and "value" in m}}  # fmt: skip
+    study = layout.study(study_id) / "study.json"
+    prompts = json.loads(study.read_text())["prompts_csv"] if study.is_file() else None
+    return {"study_id": study_id, **({"prompts": prompt_set_name(prompts)} if prompts else {}),
+            **{k: m["value"] for k, m in metrics.items()
+               if isinstance(m, dict) and "value" in m}}  # fmt: skip
 
 
 def _val_metrics(record: dict) -> dict[str, float]:
@@ -62,8 +67,8 @@ def register_flow(
     layout = Layout(Path(cfg.storage.root))
     run_id, record = layout.finished_run(run_id, "register")
     cfg = run_config(cfg, layout.run_config(run_id), get_run_logger())
-    if study_id is None and (layout.root / "eval" / "LATEST").is_file():
-        study_id = layout.latest("eval", "register")
+    if study_id is None:
+        study_id = layout.latest_or_none("eval")
     ingest = json.loads((layout.catalog(record["ingest_id"]) / "summary.json").read_text())
     lineage = {
         "run_id": run_id,
@@ -92,6 +97,7 @@ def register_flow(
         lineage,
         _val_metrics(record),
         card=model_card(record, shards, _study_scores(layout, study_id)),
+        evaluate=cfg.evaluate,
     )
     # The contributors' report, the earliest license end and any takedowns, on the version.
     info["licensing"] = register_lineage(cfg.storage.root, cfg.tracking_uri, info["name"],

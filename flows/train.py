@@ -41,7 +41,7 @@ __all__ = ["train_flow"]
 def _run_record(
     cfg: PipelineConfig, layout: Layout, run_id: str, version: str, warm: dict | None = None
 ) -> dict:
-    path = layout.run(run_id) / "run.json"
+    path = layout.run_record(run_id)
     if path.is_file():
         return json.loads(path.read_text())
     shards = json.loads((layout.shards(version) / "shards.json").read_text())
@@ -61,7 +61,7 @@ def _run_record(
             },
         },
         tags={"kiln.run_id": run_id, "kiln.dataset_version": version},
-        artifact_root=str(Path(cfg.storage.root) / "mlartifacts"),
+        artifact_root=str(layout.mlflow_artifacts()),
         dataset=(
             version,
             f"{cfg.shards.remote}/{version}" if cfg.shards.remote else str(layout.shards(version)),
@@ -154,7 +154,7 @@ def _val_shards(cfg: PipelineConfig, layout: Layout, version: str, res: int,
 def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str]) -> dict:
     """StageRun fields that stream the published copies of `shards` and `mix` (under
     `shards.remote`, as `tasks.shards.publish` lays them out) through `shards.cache_dir`."""
-    rel = [Path(p).relative_to(layout.root / "shards").as_posix() for p in [shards, *mix]]
+    rel = [Path(p).relative_to(layout.folder("shards")).as_posix() for p in [shards, *mix]]
     remotes = [f"{cfg.shards.remote}/{r}" for r in rel]
     caches = [str(Path(cfg.shards.cache_dir, r)) for r in rel]
     return {"shards_remote": remotes[0], "shards_cache": caches[0], "mix_remotes": remotes[1:],
@@ -259,7 +259,7 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
     # Stage 1 starts from random weights, or from the warm-start model's UNet.
     init_from: str | None = record.get("init_from_model", {}).get("folder")
     manifest: dict = {}
-    plan_path = layout.root / "runs" / "plan.json"  # written by `kiln plan`
+    plan_path = layout.plan()  # written by `kiln plan`
     plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
     pending = [
         s for s in cfg.train.stages
@@ -330,4 +330,4 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
                 description=f"{run_id} stage {stage.resolution}px samples",
             )
     record["export"] = manifest["export"]
-    (layout.run(run_id) / "run.json").write_text(json.dumps(record, indent=2))
+    layout.run_record(run_id).write_text(json.dumps(record, indent=2))

@@ -60,7 +60,7 @@ def validate_flow(
                 ingest_id,
                 str(qdir),
                 summary,
-                artifact_root=str(Path(cfg.storage.root) / "mlartifacts"),
+                artifact_root=str(layout.mlflow_artifacts()),
             )
             create_markdown_artifact(
                 key="quality-gate",

@@ -1,4 +1,4 @@
-"""Kiln human evaluation: blind A/B ratings of two DrawBench studies, and their statistics.
+"""Kiln human evaluation: blind A/B ratings of two evaluation studies, and their statistics.
 
 - `store`: the ratings database (SQLAlchemy; SQLite in WAL mode by default);
 - `studies`: `kiln evaluate` output and the comparison built from two studies;

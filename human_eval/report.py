@@ -2,7 +2,7 @@
 
 Writes `<root>/human_eval/<comparison>/{report.json, votes.csv, preference.png}`:
 
-- per question (quality, alignment), overall and per DrawBench category: A's preference rate
+- per question (quality, alignment), overall and per prompt category: A's preference rate
   (ties half), the share of ties, a 95% bootstrap interval over prompts, and the pairs, votes
   and prompts behind it;
 - Krippendorff's alpha (nominal) per question, with the number of pairs it used;
@@ -149,8 +149,11 @@ def summarize_comparison(
                      seed=seed, **_pairs_of(store, comparison_id))  # fmt: skip
 
 
-def ranking(store: RatingStore, *, min_gold_accuracy: float, seed: int) -> dict | None:
-    """Bradley-Terry strengths of every model in the store's comparisons, per question.
+def ranking(
+    store: RatingStore, *, min_gold_accuracy: float, n_resamples: int, seed: int
+) -> dict | None:
+    """Bradley-Terry strengths of every model in the store's comparisons, per question, with
+    intervals from `n_resamples` bootstrap resamples.
 
     None with fewer than three models (one comparison already says all about two).
     """
@@ -170,7 +173,7 @@ def ranking(store: RatingStore, *, min_gold_accuracy: float, seed: int) -> dict 
     out = {"models": models}
     for q, rows in outcomes.items():
         if rows:
-            out[q] = bradley_terry(len(models), rows, seed=seed)
+            out[q] = bradley_terry(len(models), rows, n_resamples=n_resamples, seed=seed)
     return out
 
 
@@ -261,7 +264,7 @@ def build_report(
         **summarize_comparison(store, cmp.id, min_gold_accuracy=min_gold_accuracy,
                                n_resamples=n_resamples, seed=seed, votes=votes),
     }  # fmt: skip
-    bt = ranking(store, min_gold_accuracy=min_gold_accuracy, seed=seed)
+    bt = ranking(store, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples, seed=seed)
     if bt is not None:
         report["bradley_terry"] = bt
     out_dir.mkdir(parents=True, exist_ok=True)

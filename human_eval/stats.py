@@ -5,7 +5,8 @@
   one prompt (several raters, several seeds) are correlated, and resampling them one by one
   would give intervals that are too narrow.
 - Inter-rater agreement is Krippendorff's alpha (nominal), from the `krippendorff` package.
-- A ranking of three or more models is a Bradley-Terry fit from `choix`.
+- A ranking of three or more models is a Bradley-Terry fit from `choix` (I-LSR on a matrix
+  of win counts), its intervals from as many resamples as the preference's.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def bradley_terry(
     n_models: int,
     outcomes: Sequence[tuple[int, int, float]],
     *,
-    n_resamples: int = 200,
+    n_resamples: int,
     level: float = 0.95,
     seed: int = 0,
 ) -> dict:
@@ -119,7 +120,8 @@ def bradley_terry(
     Args:
         outcomes: (i, j, score of i): 1 when i won, 0 when j won, 0.5 for a tie. A tie counts
             as half a win each way: every outcome enters `choix` twice, a tie once each way.
-        n_resamples: bootstrap resamples of the outcomes for the intervals.
+        n_resamples: bootstrap resamples of the outcomes for the intervals
+            (`human_eval.bootstrap_resamples`).
 
     Returns:
         {"strength": [...], "ci": [[low, high], ...], "order": model indices, strongest
@@ -132,12 +134,14 @@ def bradley_terry(
         raise ValueError("bradley_terry: no outcomes")
 
     def fit(rows: np.ndarray) -> np.ndarray:
-        comps = []
-        for i, j, s in rows:
-            i, j = int(i), int(j)
-            comps += [(i, j)] * int(round(2 * s)) + [(j, i)] * int(round(2 * (1 - s)))
+        # Wins as counts, wins[i, j]: times i beat j (in half-outcomes); the dense form of
+        # the same I-LSR fit, so that a resample costs array sums, not a Python list.
+        i, j = rows[:, 0].astype(int), rows[:, 1].astype(int)
+        wins = np.zeros((n_models, n_models))
+        np.add.at(wins, (i, j), np.round(2 * rows[:, 2]))
+        np.add.at(wins, (j, i), np.round(2 * (1 - rows[:, 2])))
         # A small L2 penalty keeps the fit finite when one model never loses.
-        return choix.ilsr_pairwise(n_models, comps, alpha=0.01)
+        return choix.ilsr_pairwise_dense(wins, alpha=0.01)
 
     strength = fit(data)
     rng = np.random.default_rng(seed)

@@ -45,7 +45,7 @@ from kiln_config.errors import NotFound
 
 __all__ = [
     "ANSWERS", "QUESTIONS", "Comparison", "Image", "Pair", "Rater", "RatingStore", "Task", "Vote",
-    "default_url",
+    "sqlite_url",
 ]  # fmt: skip
 
 QUESTIONS = ("quality", "alignment")
@@ -144,9 +144,9 @@ class Meta(Base):
     value: Mapped[str] = mapped_column(Text)
 
 
-def default_url(root: str | Path) -> str:
-    """`sqlite:///<root>/human_eval/ratings.db` (the folder is created)."""
-    path = Path(root) / "human_eval" / "ratings.db"
+def sqlite_url(path: str | Path) -> str:
+    """`sqlite:///<path>` for the SQLite file `path` (its folder is created)."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"
 
@@ -199,9 +199,10 @@ class RatingStore:
         self._lock = threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
 
     @classmethod
-    def open(cls, root: str | Path, url: str | None = None) -> RatingStore:
-        """The store of a storage root, or of `url` (human_eval.database_url) when given."""
-        return cls(url or default_url(root))
+    def open(cls, path: str | Path, url: str | None = None) -> RatingStore:
+        """The store at `url` (human_eval.database_url) when given, else the SQLite file
+        `path` (the root's, `Layout.ratings_db`)."""
+        return cls(url or sqlite_url(path))
 
     def close(self) -> None:
         """Close the connections: on SQLite, the last one folds the write-ahead log back into

@@ -35,15 +35,15 @@ class Study:
     items: list[dict]  # {index, prompt, category, seed, path}
 
 
-def load_study(ref: str | Path, root: str | Path | None = None) -> Study:
-    """A study by folder, or by id under `<root>/eval/`.
+def load_study(ref: str | Path, studies: str | Path | None = None) -> Study:
+    """A study by folder, or by id in `studies` (the root's study folder, `<root>/eval/`).
 
     Raises:
         FileNotFoundError: naming where study.json was looked for.
     """
     folder = Path(ref)
-    if not (folder / "study.json").is_file() and root is not None:
-        folder = Path(root) / "eval" / str(ref)
+    if not (folder / "study.json").is_file() and studies is not None:
+        folder = Path(studies) / str(ref)
     path = folder / "study.json"
     if not path.is_file():
         raise MissingInput(

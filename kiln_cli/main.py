@@ -459,7 +459,8 @@ def _where(cfg, config_path: str, result: dict) -> None:
         f"  shards       {layout.shards(result['shards']['dataset_version'])}/",
         f"  config       {layout.run_config(result['run']['run_id'])} (as run)",
         f"  model export {result['run']['export']}",
-        f"  study        {result['study']['path']}/ ({result['study']['images']} images)",
+        f"  study        {result['study']['path']}/ ({result['study']['images']} images of the "
+        f"{result['study']['prompts']} prompts)",
         f"  registry     {result['model']['uri_by_alias']} (version {result['model']['version']})",
         f"  tracking     {redact_uri(cfg.tracking_uri)}",
         "",

@@ -28,9 +28,11 @@ COMPARISON = click.option("--comparison", required=True, help="Comparison id (ki
 def _load(config_path: str, root: str | None, steps: tuple[str, ...] = ()):
     """(config, ratings store); the store closes however the command ends."""
     from human_eval.store import RatingStore
+    from tasks.storage.layout import Layout
 
     cfg = load_checked(config_path, root, steps)
-    store = RatingStore.open(cfg.storage.root, cfg.human_eval.database_url)
+    store = RatingStore.open(Layout(Path(cfg.storage.root)).ratings_db(),
+                             cfg.human_eval.database_url)  # fmt: skip
     click.get_current_context().call_on_close(store.close)
     return cfg, store
 
@@ -61,6 +63,7 @@ def compare(
     """
     from flows.human_evaluation import is_model_ref, study_for_model
     from human_eval.studies import create_comparison, load_study
+    from tasks.storage.layout import Layout
 
     models = [is_model_ref(study_a), is_model_ref(study_b)]
     cfg, store = _load(config_path, root, ("evaluate",) if any(models) else ())
@@ -69,8 +72,8 @@ def compare(
         study_a = study_for_model(cfg, study_a)
     if models[1]:
         study_b = study_for_model(cfg, study_b)
-    a = load_study(study_a, cfg.storage.root)
-    b = load_study(study_b, cfg.storage.root)
+    studies = Layout(Path(cfg.storage.root)).folder("eval")
+    a, b = load_study(study_a, studies), load_study(study_b, studies)
     cid, created = create_comparison(
         store, a, b,
         raters_per_pair=he.raters_per_pair, gold=he.gold_per_rater, name=name, seed=he.seed,
@@ -130,7 +133,7 @@ def report(config_path: str, root: str | None, comparison: str) -> None:
 
     cfg, store = _load(config_path, root)
     he = cfg.human_eval
-    out = Layout(Path(cfg.storage.root)).comparison_report(comparison)
+    out = Layout(Path(cfg.storage.root)).comparison(comparison)
     result = build_report(store, comparison, out, min_gold_accuracy=he.min_gold_accuracy,
                           n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
     summary = {

@@ -15,6 +15,7 @@ from kiln_config.base import (
 )
 from kiln_config.data import (
     CATALOG_COLUMNS,
+    SOURCE_FORMATS,
     IngestConfig,
     QualityConfig,
     ShardsConfig,
@@ -101,6 +102,7 @@ __all__ = [
     "RetrainConfig",
     "SecretUri",
     "ShardsConfig",
+    "SOURCE_FORMATS",
     "SlurmConfig",
     "StageConfig",
     "StageRun",

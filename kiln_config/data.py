@@ -27,13 +27,16 @@ CATALOG_COLUMNS = [
     "ingest_seq",
 ]  # fmt: skip
 
-__all__ = ["CATALOG_COLUMNS", "IngestConfig", "QualityConfig", "ShardsConfig"]
+__all__ = ["CATALOG_COLUMNS", "SOURCE_FORMATS", "IngestConfig", "QualityConfig", "ShardsConfig"]
+
+SOURCE_FORMATS = ("imagefolder", "img2dataset", "webdataset")
+"""The formats of a source's files that ingest reads (tasks/ingest/sources.py)."""
 
 
 class IngestConfig(Strict):
     source: str | None = Field(None, description="Local folder or s3://bucket/prefix.")
-    layout: Literal["auto", "imagefolder", "img2dataset", "webdataset"] = Field(
-        "auto", description="Source layout; auto detects it from the listing."
+    layout: Literal[("auto", *SOURCE_FORMATS)] = Field(
+        "auto", description="Format of the source's files; auto detects it from the listing."
     )
     metadata_file: str | None = Field(
         None, description="imagefolder manifest; default metadata.jsonl, .csv or .parquet."

@@ -10,7 +10,21 @@ from pydantic import (
 
 from kiln_config.base import SecretUri, Strict
 
-__all__ = ["EvalMetricsConfig", "EvaluateConfig", "GateConfig", "HumanEvalConfig"]
+__all__ = [
+    "GUIDANCE_SCALE",
+    "INFERENCE_STEPS",
+    "EvalMetricsConfig",
+    "EvaluateConfig",
+    "GateConfig",
+    "HumanEvalConfig",
+]
+
+INFERENCE_STEPS = 25
+"""Denoising steps of a generated image: the study's (`evaluate.num_inference_steps`) and the
+sample grid's (`train.sample_steps`) default."""
+GUIDANCE_SCALE = 7.5
+"""Classifier-free guidance of a generated image: `evaluate.guidance_scale` and
+`train.sample_guidance_scale` by default."""
 
 
 class EvalMetricsConfig(Strict):
@@ -35,8 +49,8 @@ class EvaluateConfig(Strict):
         "DrawBench prompts fetched once from the Hugging Face Hub (tasks/evaluation/prompts.py).",
     )
     seeds: list[int] = Field(default_factory=lambda: [0], min_length=1)
-    num_inference_steps: int = Field(25, gt=0)
-    guidance_scale: float = Field(7.5, ge=0)
+    num_inference_steps: int = Field(INFERENCE_STEPS, gt=0)
+    guidance_scale: float = Field(GUIDANCE_SCALE, ge=0)
     batch_size: int = Field(8, gt=0)
     limit: int | None = Field(None, gt=0, description="Use only the first N prompts.")
     metrics: EvalMetricsConfig = Field(default_factory=EvalMetricsConfig)
@@ -53,7 +67,7 @@ class GateConfig(Strict):
         0.5, ge=0, le=1, description="Lower 95% CI bound of the candidate's preference rate."
     )
     min_category_pref: float = Field(
-        0.4, ge=0, le=1, description="No DrawBench category's preference may be below this."
+        0.4, ge=0, le=1, description="No prompt category's preference may be below this."
     )
     max_val_loss_increase: float = Field(
         0.02, ge=0, description="Validation loss may exceed the champion's by this fraction."

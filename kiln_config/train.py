@@ -12,6 +12,7 @@ from pydantic import (
 )
 
 from kiln_config.base import Strict
+from kiln_config.evaluate import GUIDANCE_SCALE, INFERENCE_STEPS
 from kiln_config.model import ModelConfig
 
 __all__ = [
@@ -163,8 +164,10 @@ class TrainConfig(Strict):
     sample_seeds: list[int] = Field(
         default_factory=lambda: [0, 1], min_length=1, description="Fixed seeds (grid columns)."
     )
-    sample_steps: int = Field(25, gt=0, description="Inference steps per grid image.")
-    sample_guidance_scale: float = Field(7.5, ge=0, description="Classifier-free guidance.")
+    sample_steps: int = Field(INFERENCE_STEPS, gt=0, description="Inference steps per grid image.")
+    sample_guidance_scale: float = Field(
+        GUIDANCE_SCALE, ge=0, description="Classifier-free guidance."
+    )
 
     @model_validator(mode="after")
     def _mix_total(self) -> TrainConfig:

@@ -1,6 +1,7 @@
-"""Generate evaluation images for a prompt set (DrawBench), split across processes:
+"""Generate evaluation images for a prompt set (`evaluate.prompts_csv`), split across
+processes:
 
-    accelerate launch -m models.study_images --pipeline FINAL --prompts drawbench.csv --out STUDY
+    accelerate launch -m models.study_images --pipeline FINAL --prompts prompts.csv --out STUDY
 
 Each (prompt, seed) pair gets its own generator, so an image depends only on its prompt and
 seed, never on batching or process count. Existing images are kept, so a relaunch after a
@@ -20,6 +21,7 @@ import torch
 from accelerate import PartialState
 from diffusers import StableDiffusionPipeline
 
+from kiln_config import EvaluateConfig
 from kiln_config.errors import InputError, MissingInput
 from models.tokenization import truncate_prompts
 
@@ -29,7 +31,8 @@ log = logging.getLogger("kiln.generate")
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Rows of a DrawBench-style CSV (columns `Prompts`, `Category`) as {prompt, category}."""
+    """Rows of a prompts CSV (columns `Prompts`, `Category`, as DrawBench's) as
+    {prompt, category}."""
     path = Path(path)
     if not path.is_file():
         raise MissingInput(f"evaluate.prompts_csv not found: {path}")
@@ -103,14 +106,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ev = EvaluateConfig()  # the `evaluate` section's defaults
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pipeline", required=True, help="Exported StableDiffusionPipeline folder")
     p.add_argument("--prompts", required=True, help="CSV with Prompts,Category columns")
     p.add_argument("--out", required=True, help="Study folder: images/ and study.json")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--steps", type=int, required=True, help="evaluate.num_inference_steps")
-    p.add_argument("--guidance", type=float, required=True, help="evaluate.guidance_scale")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seeds", type=int, nargs="+", default=ev.seeds, help="evaluate.seeds")
+    p.add_argument("--steps", type=int, default=ev.num_inference_steps,
+                   help="evaluate.num_inference_steps")  # fmt: skip
+    p.add_argument("--guidance", type=float, default=ev.guidance_scale,
+                   help="evaluate.guidance_scale")  # fmt: skip
+    p.add_argument("--batch-size", type=int, default=ev.batch_size, help="evaluate.batch_size")
     p.add_argument("--limit", type=int, default=None, help="Only the first N prompts")
     p.add_argument("--model-ref", default="", help="Recorded in study.json (e.g. run id)")
     return p.parse_args(argv)

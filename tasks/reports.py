@@ -45,7 +45,7 @@ def ingest_report(r: IngestResult) -> str:
         )
     )
     return (
-        f"## Ingest `{r.ingest_id}` ({r.layout} layout)\n\n"
+        f"## Ingest `{r.ingest_id}` ({r.layout} source)\n\n"
         f"Source `{r.source}`: {state}.\n\n"
         f"**{r.listed}** items listed = **{r.accepted}** accepted + **{r.quarantined}** "
         f"quarantined. Manifest problems: {r.manifest_problems}. The catalog view of this root "
@@ -262,13 +262,16 @@ def write_loss_curves(stage_dir: str | Path) -> Path | None:
     return out
 
 
-def study_report(study_id: str, items: list[dict], seeds: list[int], path: str) -> str:
-    """Images per DrawBench category of one study."""
+def study_report(
+    study_id: str, items: list[dict], seeds: list[int], path: str, prompts: str
+) -> str:
+    """Images per prompt category of one study; `prompts` names its prompt set
+    (`tasks.evaluation.prompts.prompt_set_name`)."""
     cats: dict[str, int] = {}
     for it in items:
         cats[it["category"]] = cats.get(it["category"], 0) + 1
     return (
-        f"## DrawBench study `{study_id}`\n\n{len(items)} images "
+        f"## Study `{study_id}` ({prompts} prompts)\n\n{len(items)} images "
         f"({len(seeds)} seed(s) per prompt) at `{path}`.\n\n"
         "| category | images |\n|---|---:|\n"
         + "\n".join(f"| {c} | {n} |" for c, n in sorted(cats.items()))
@@ -312,7 +315,8 @@ def pipeline_report(result: dict, run: dict) -> str:
         ("train", f"`{run['run_id']}`",
          f"stages {', '.join(f'{r}px' for r in stages)}; final loss {loss:.4f}; "
          f"{gpu_h:.4g} GPU-hours"),
-        ("evaluate", f"`{st['study_id']}`", f"{st['images']} images at `{st['path']}`"),
+        ("evaluate", f"`{st['study_id']}`",
+         f"{st['images']} images of the {st['prompts']} prompts at `{st['path']}`"),
         ("register", f"`{model['name']}` v{model['version']}",
          f"alias `{model['alias']}`: `{model['uri_by_alias']}`"),
     ]  # fmt: skip
@@ -328,7 +332,8 @@ def model_card(record: dict, shards: dict, study: dict | None = None) -> str:
     Args:
         record: The training run's run.json (stages with their manifests).
         shards: The dataset version's shards.json.
-        study: {"study_id", and "clip_score"/"fid" when computed}.
+        study: {"study_id", "prompts" (its prompt set's name), and "clip_score"/"fid" when
+            computed}.
     """
     st = shards.get("stages", {})
     counts = ", ".join(f"{r}px {s.get('samples', '?')} train + {s.get('val_samples', 0)} val"
@@ -361,8 +366,9 @@ def model_card(record: dict, shards: dict, study: dict | None = None) -> str:
     lines += ["", f"**Compute**: {gpu_h:.4g} GPU-hours, ${cost:,.2f}."]
     if study:
         scores = ", ".join(f"{k} {study[k]:.4g}" for k in ("clip_score", "fid") if k in study)
-        lines.append(f"**DrawBench study**: `{study['study_id']}`" + (f" ({scores})." if scores
-                                                                       else "."))  # fmt: skip
+        on = f" on the {study['prompts']} prompts" if study.get("prompts") else ""
+        lines.append(f"**Evaluation study**: `{study['study_id']}`{on}"
+                     + (f" ({scores})." if scores else "."))  # fmt: skip
     lines.append("**Human evaluation**: none yet (see `kiln rate`; added here when reported).")
     return "\n".join(lines)
 

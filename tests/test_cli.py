@@ -197,11 +197,13 @@ def test_run_summary_and_register_artifact_redact_the_tracking_uri(
     model = {"name": "kiln-t2i", "version": "1", "alias": "candidate",
              "uri_by_alias": "models:/kiln-t2i@candidate"}  # fmt: skip
     result = {"ingest": {"ingest_id": "i"}, "shards": {"dataset_version": "d"},
-              "run": {"run_id": "r", "export": "e"}, "study": {"path": "s", "images": 1},
+              "run": {"run_id": "r", "export": "e"},
+              "study": {"path": "s", "images": 1, "prompts": "tiny.csv"},
               "model": model}  # fmt: skip
     _where(cfg, "c.yaml", result)
     out = capsys.readouterr()
     assert "s3cret-pw" not in out.out + out.err and "kiln:***@db.internal" in out.out
+    assert "(1 images of the tiny.csv prompts)" in out.out
     markdown = registered_report(model, {"run_id": "r"}, cfg.tracking_uri)
     assert "s3cret-pw" not in markdown and "kiln:***@db.internal" in markdown
 

@@ -13,6 +13,8 @@ import pandas as pd
 import pytest
 import yaml
 
+from kiln_config import load_config
+
 pytestmark = pytest.mark.e2e
 
 
@@ -205,7 +207,8 @@ def test_registry_alias_loads_and_generates(pipeline_run, tmp_path):
         px = lambda b: np.asarray(Image.open(io.BytesIO(b)), dtype=np.float32)
         import kiln_pyfunc
         v = MlflowClient(uri).get_model_version_by_alias("kiln-t2i", "candidate")
-        print(json.dumps({{"size": img.size, "tags": v.tags, "rows": len(df),
+        defaults = {{p.name: p.default for p in model.metadata.signature.params}}
+        print(json.dumps({{"size": img.size, "tags": v.tags, "rows": len(df), "defaults": defaults,
                           "diff": float(np.abs(px(df["image"][0]) - px(one["image"][0])).max()),
                           "owner": models.OWNER,
                           "shipped": kiln_pyfunc.__file__}}))
@@ -215,6 +218,11 @@ def test_registry_alias_loads_and_generates(pipeline_run, tmp_path):
     )
     got = json.loads(out.strip().splitlines()[-1])
     assert got["size"] == [64, 64] and got["rows"] == 5
+    ev = load_config(root / "runs" / result["run"]["run_id"] / "config.yaml").evaluate
+    assert (got["defaults"]["num_inference_steps"], got["defaults"]["guidance_scale"]) == (
+        ev.num_inference_steps,
+        ev.guidance_scale,
+    ), "the steps and guidance it was evaluated with"
     # Its seed fixes an image; batching changes only float rounding in the batched kernels.
     assert got["diff"] <= 3, "an image depends on its seed, not on the batching"
     assert got["owner"] == "consumer", "the consumer's own `models` package is untouched"
@@ -261,8 +269,11 @@ def test_export_loads_with_diffusers(pipeline_run):
 
 
 def test_study_has_one_image_per_prompt_and_seed(pipeline_run, drawbench_csv):
-    _, result, env, _ = pipeline_run
+    _, result, env, run_out = pipeline_run
     study_dir = Path(result["study"]["path"])
+    # Named by the configured prompts file, which is not DrawBench.
+    assert result["study"]["prompts"] == drawbench_csv.name
+    assert f"images of the {drawbench_csv.name} prompts)" in run_out
     out = _py(
         f"""
         import csv, json

@@ -18,6 +18,8 @@ import httpx
 import pytest
 import yaml
 
+from tasks.storage.layout import Layout
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,7 +265,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         v2 = client.get_model_version_by_alias("kiln-t2i", "candidate")
         assert str(v2.version) == "2" and v2.tags["parent_version"] == "1"
         assert str(client.get_model_version_by_alias("kiln-t2i", "champion").version) == "1"
-        (cmp,) = RatingStore.open(root).comparisons()
+        (cmp,) = RatingStore.open(Layout(root).ratings_db()).comparisons()
         assert cmp.model_b == first["run"]["run_id"], "against the champion's own run"
         assert cmp.model_a != cmp.model_b and cmp.study_a != cmp.study_b
 

@@ -98,7 +98,7 @@ def _connect(root: str, version: int | None):
     datasets = {table: _dataset(layout, table, versions[table]) for table in TABLES}
     if all(data is None for data in datasets.values()):
         raise InputError(
-            f"no catalog tables under {layout.root / 'catalog'}: run `kiln ingest` first "
+            f"no catalog tables under {layout.folder('catalog')}: run `kiln ingest` first "
             "(or `kiln catalog migrate` for a root of the older layout)"
         )
     empty = pa.table({"source": pa.array([], pa.string()), "key": pa.array([], pa.string())})
@@ -220,7 +220,7 @@ def migrate(root: str) -> list[str]:
     latest = layout.latest_or_none("catalog")
     if latest is None or "table_versions" in chain(layout, latest)[-1]:
         return []
-    shutil.rmtree(layout.root / "catalog" / "tables", ignore_errors=True)
+    shutil.rmtree(layout.catalog_tables(), ignore_errors=True)
     links, versions = catalog_legacy.chain(layout, latest), {}
     for s in links:
         versions[s["id"]] = _migrate_one(layout, s)

@@ -92,7 +92,7 @@ def table_path(layout: Layout, table: str) -> Path:
     """Where the Delta table `table` (of `TABLES` or `VERDICT_TABLES`) of the root lives."""
     if table not in (*TABLES, *VERDICT_TABLES):
         raise ValueError(f"catalog table must be one of {TABLES + VERDICT_TABLES}, got {table!r}")
-    return layout.root / "catalog" / "tables" / table
+    return layout.catalog_tables() / table
 
 
 def open_table(layout: Layout, table: str, version: int | None = None) -> DeltaTable | None:

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from human_eval.report import build_report
 from human_eval.store import QUESTIONS, RatingStore
 from human_eval.studies import create_comparison, load_study
+from tasks.storage.layout import Layout
 
 __all__ = [
     "category_metric_slug",
@@ -33,9 +34,11 @@ def create_comparison_task(
     name: str | None, seed: int,
 ) -> str:  # fmt: skip
     """Create (or find) the comparison; idempotent, so a retried flow reuses it."""
-    with RatingStore.open(root, url) as store:
+    layout = Layout(Path(root))
+    with RatingStore.open(layout.ratings_db(), url) as store:
         cid, created = create_comparison(
-            store, load_study(study_a, root), load_study(study_b, root),
+            store, load_study(study_a, layout.folder("eval")),
+            load_study(study_b, layout.folder("eval")),
             raters_per_pair=k, gold=gold, name=name, seed=seed,
         )  # fmt: skip
     get_run_logger().info("comparison %s %s", cid, "created" if created else "exists")
@@ -47,7 +50,7 @@ def wait_for_votes(root: str, url: str | None, cid: str, wait_s: float, poll_s: 
     """Poll the store until every pair has K votes or `wait_s` has passed."""
     log = get_run_logger()
     deadline = time.monotonic() + wait_s
-    with RatingStore.open(root, url) as store:
+    with RatingStore.open(Layout(Path(root)).ratings_db(), url) as store:
         while True:
             done, target = store.progress(cid)
             if done >= target or time.monotonic() >= deadline:
@@ -62,10 +65,10 @@ def wait_for_votes(root: str, url: str | None, cid: str, wait_s: float, poll_s: 
 
 @task(name="build-human-eval-report", cache_policy=NO_CACHE)
 def report_task(root: str, url: str | None, cid: str, min_gold: float, n: int, seed: int) -> dict:
-    out = Path(root) / "human_eval" / cid
-    with RatingStore.open(root, url) as store:
-        return build_report(store, cid, out, min_gold_accuracy=min_gold, n_resamples=n,
-                            seed=seed)  # fmt: skip
+    layout = Layout(Path(root))
+    with RatingStore.open(layout.ratings_db(), url) as store:
+        return build_report(store, cid, layout.comparison(cid), min_gold_accuracy=min_gold,
+                            n_resamples=n, seed=seed)  # fmt: skip
 
 
 def _with_human_eval(description: str | None, report: dict) -> str:
@@ -87,7 +90,7 @@ def _with_human_eval(description: str | None, report: dict) -> str:
 
 
 def category_metric_slug(category: str) -> str:
-    """A DrawBench category as a metric-name part: "Gary Marcus et al." -> gary_marcus_et_al."""
+    """A prompt category as a metric-name part: "Gary Marcus et al." -> gary_marcus_et_al."""
     return re.sub(r"[^a-z0-9]+", "_", category.lower()).strip("_") or "none"
 
 
@@ -120,7 +123,7 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
     """
     from mlflow.tracking import MlflowClient
 
-    run_json = Path(root) / "runs" / report["model_a"] / "run.json"
+    run_json = Layout(Path(root)).run_record(report["model_a"])
     if not run_json.is_file():
         get_run_logger().warning("study A's model %r is not a training run under %s: nothing "
                                  "logged to MLflow", report["model_a"], root)  # fmt: skip

@@ -1,4 +1,4 @@
-"""Contact sheets of an evaluation study: one PNG per DrawBench category.
+"""Contact sheets of an evaluation study: one PNG per prompt category.
 
 Each prompt gets a cell: its images side by side (one per seed, in the study's seed order) and
 the prompt's text wrapped under them, so a person reads a whole category at a glance instead

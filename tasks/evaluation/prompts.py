@@ -29,6 +29,7 @@ __all__ = [
     "PromptsUnavailable",
     "check_drawbench",
     "fetch_drawbench",
+    "prompt_set_name",
     "resolve_prompts",
 ]
 
@@ -50,14 +51,31 @@ class PromptsUnavailable(KilnError, RuntimeError):
     """No prompts could be had: no local file, and the Hub could not be reached."""
 
 
+def _is_drawbench(rows: list[tuple[str, str]]) -> bool:
+    """Whether (prompt, category) `rows` are 200 prompts in DrawBench's 11 categories."""
+    return len(rows) == 200 and {c for _, c in rows} == set(DRAWBENCH_CATEGORIES)
+
+
 def check_drawbench(rows: list[tuple[str, str]], source: str) -> None:
     """Raise ValueError unless `rows` are the 200 DrawBench prompts in its 11 categories."""
-    cats = Counter(c for _, c in rows)
-    if len(rows) != 200 or set(cats) != set(DRAWBENCH_CATEGORIES):
+    if not _is_drawbench(rows):
+        cats = Counter(c for _, c in rows)
         raise InputError(
             f"{source} is not DrawBench: expected 200 prompts in the 11 categories "
             f"{DRAWBENCH_CATEGORIES}, got {len(rows)} prompts in {sorted(cats)}"
         )
+
+
+def prompt_set_name(path: str | Path) -> str:
+    """What reports call a study's prompts: "DrawBench" when the file holds DrawBench's 200
+    prompts in its 11 categories, else the file's name (the tiny preset's `tiny.csv`)."""
+    path = Path(path)
+    if not path.is_file():  # removed since the study: its name is what is left
+        return path.name
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = [(r.get("Prompts") or "", r.get("Category") or "")
+                for r in csv.DictReader(f) if (r.get("Prompts") or "").strip()]  # fmt: skip
+    return "DrawBench" if _is_drawbench(rows) else path.name
 
 
 def _cache_dir() -> Path:

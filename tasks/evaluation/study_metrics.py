@@ -5,7 +5,7 @@ FID compares the validation split of the model's final stage (held out from trai
 images generated from the same validation captions (the COCO-FID protocol, so both sets show
 the same content), `min(evaluate.metrics.fid_max_images, validation images)` of each. The
 generated set lives in `<study>/fid/` and is reused by a second evaluation. CLIP score reads
-the study's own DrawBench images and prompts.
+the study's own images and prompts.
 
 A metric whose weights are not configured, missing or unloadable is skipped: its entry holds
 `skipped` (the reason, naming the fix) and the evaluation goes on.

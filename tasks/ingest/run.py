@@ -60,11 +60,11 @@ from tasks.catalog.view import (
 )
 from tasks.ingest.inspect import InspectOptions, inspect_item
 from tasks.ingest.sources import (
-    LAYOUTS,
     MANIFEST_NAMES,
+    SOURCE_FORMATS,
     Item,
     Manifest,
-    detect_layout,
+    detect_source_format,
     plan_items,
     read_manifest,
 )
@@ -92,7 +92,7 @@ __all__ = [
 class IngestResult:
     ingest_id: str
     source: str
-    layout: str
+    layout: str  # the source's format, named as its setting (`ingest.layout`)
     listed: int  # items of this source now: accepted + quarantined (files or tar samples)
     accepted: int  # of `listed`
     quarantined: int  # of `listed`
@@ -160,12 +160,12 @@ def ingest_source(
         plan = _plan_run(store, listing, cfg, cat_layout)
         if plan.ingest_id is None:
             log.info("source %s unchanged since %s: nothing to decode", plan.src, plan.previous)
-            return _result_for(plan.previous, plan.src, plan.layout, len(plan.mine_acc),
+            return _result_for(plan.previous, plan.src, plan.source_format, len(plan.mine_acc),
                                plan.mine_q, plan.prev_summary, reused=True)  # fmt: skip
         log.info(
-            "ingest %s (%s layout): %d items listed, %d new or changed, %d removed; decoding "
+            "ingest %s (%s source): %d items listed, %d new or changed, %d removed; decoding "
             "in partitions of %d on %s",
-            plan.ingest_id, plan.layout, plan.listed, len(plan.todo), len(plan.removed),
+            plan.ingest_id, plan.source_format, plan.listed, len(plan.todo), len(plan.removed),
             cfg.partition_size,
             "Dask " + dask_address if dask_address else f"{n_workers} processes",
         )  # fmt: skip
@@ -198,7 +198,7 @@ class _Plan:
     """One run's work: what the source holds now, against the view of the previous ingest."""
 
     src: str
-    layout: str
+    source_format: str
     listing: list[ObjectInfo]
     manifest: Manifest
     items: list[Item]  # every item of the source now
@@ -227,8 +227,10 @@ class _Plan:
 def _open_source(cfg: IngestConfig, endpoint_url: str | None) -> Storage:
     if not cfg.source:
         raise InputError("ingest.source is not set: give a local folder or s3://bucket/prefix")
-    if cfg.layout not in ("auto", *LAYOUTS):
-        raise InputError(f"ingest.layout must be auto or one of {LAYOUTS}, got {cfg.layout!r}")
+    if cfg.layout not in ("auto", *SOURCE_FORMATS):
+        raise InputError(
+            f"ingest.layout must be auto or one of {SOURCE_FORMATS}, got {cfg.layout!r}"
+        )
     store = Storage(cfg.source, endpoint_url)
     if not store.is_s3 and not store.path.is_dir():
         raise MissingInput(f"ingest source {cfg.source!r} does not exist")
@@ -247,12 +249,12 @@ def _list_source(store: Storage, runner, endpoint_url: str | None) -> list[Objec
     return sorted(listing, key=lambda o: o.key)
 
 
-def _read_layout(
+def _read_source(
     store: Storage, listing: list[ObjectInfo], cfg: IngestConfig
 ) -> tuple[str, Manifest, list[Item], list[dict]]:
-    """(layout, manifest, items, listing rejects) of the source as listed."""
+    """(source format, manifest, items, listing rejects) of the source as listed."""
     exts = {e.lower() for e in cfg.image_extensions}
-    chosen = cfg.layout if cfg.layout != "auto" else detect_layout(listing, exts)
+    chosen = cfg.layout if cfg.layout != "auto" else detect_source_format(listing, exts)
     manifest_obj = None
     if chosen == "imagefolder":
         names = [cfg.metadata_file] if cfg.metadata_file else list(MANIFEST_NAMES)
@@ -271,7 +273,7 @@ def _plan_run(
 ) -> _Plan:
     """Compare the listing with the view, item by item: what to decode, what is gone."""
     src = store.url()
-    chosen, manifest, items, listing_rejects = _read_layout(store, listing, cfg)
+    chosen, manifest, items, listing_rejects = _read_source(store, listing, cfg)
     previous = cat_layout.latest_or_none("catalog")
     prev_summary = (
         json.loads((cat_layout.catalog(previous) / "summary.json").read_text()) if previous else {}
@@ -305,7 +307,7 @@ def _plan_run(
         state = {**settings, "previous": previous, "manifest": manifest.version}
         ingest_id = _ingest_id(src, state, delta, removed)
     return _Plan(
-        src=src, layout=chosen, listing=listing, manifest=manifest, items=items,
+        src=src, source_format=chosen, listing=listing, manifest=manifest, items=items,
         listing_rejects=listing_rejects, settings=settings, previous=previous,
         prev_summary=prev_summary, mine_acc=mine_acc, mine_q=mine_q, seq=seq, todo=todo,
         rejects=rejects, removed=removed, ingest_id=ingest_id,
@@ -432,7 +434,7 @@ def _summarize(plan: _Plan, acc_df: pd.DataFrame, q_df: pd.DataFrame) -> tuple[I
         "view_quarantined": int(before.get("view_quarantined", 0)) - len(old_q) + len(keep_q)
         + len(q_df),
     }  # fmt: skip
-    result = _result_for(plan.ingest_id, plan.src, plan.layout, len(keep_acc) + len(acc_df),
+    result = _result_for(plan.ingest_id, plan.src, plan.source_format, len(keep_acc) + len(acc_df),
                          mine_q, totals, reused=False)  # fmt: skip
     result.new_items, result.removed_items = len(plan.todo) + len(plan.rejects), len(plan.removed)
     result.unchanged_items = plan.listed - result.new_items
@@ -455,7 +457,7 @@ def _summarize(plan: _Plan, acc_df: pd.DataFrame, q_df: pd.DataFrame) -> tuple[I
 def _result_for(
     ingest_id: str,
     src: str,
-    layout: str,
+    source_format: str,
     accepted: int,
     mine_q: pd.DataFrame,
     totals: dict,
@@ -468,7 +470,7 @@ def _result_for(
     return IngestResult(
         ingest_id=ingest_id,
         source=src,
-        layout=layout,
+        layout=source_format,
         listed=accepted + len(files_q),
         accepted=accepted,
         quarantined=len(files_q),

@@ -1,6 +1,6 @@
-"""Source layouts: turn a listing into the items that ingest decodes.
+"""Source formats: turn a listing into the items that ingest decodes.
 
-Three layouts, detected from the listing or set with `ingest.layout`:
+Three formats of a source's files, detected from the listing or set with `ingest.layout`:
 
 * **imagefolder** (Hugging Face): image files plus one manifest at the top level,
   `metadata.jsonl`, `.csv` or `.parquet`, with a `file_name` column and a caption column.
@@ -25,22 +25,21 @@ import math
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 
-from kiln_config import CATALOG_COLUMNS
+from kiln_config import CATALOG_COLUMNS, SOURCE_FORMATS
 from tasks.storage.objects import ObjectInfo, Storage
 
 __all__ = [
     "CATALOG_COLUMNS",
-    "LAYOUTS",
     "MANIFEST_NAMES",
+    "SOURCE_FORMATS",
     "Item",
     "Manifest",
-    "detect_layout",
+    "detect_source_format",
     "is_unsafe_key",
     "plan_items",
     "read_manifest",
 ]
 
-LAYOUTS = ("imagefolder", "img2dataset", "webdataset")
 # Columns of an accepted catalog row; pass-through metadata columns come after these.
 MANIFEST_NAMES = ("metadata.jsonl", "metadata.csv", "metadata.parquet")
 SIDECAR_EXTS = (".txt", ".json")
@@ -75,8 +74,8 @@ class Manifest:
     problems: list[dict] = field(default_factory=list)
 
 
-def detect_layout(listing: list[ObjectInfo], image_exts: set[str]) -> str:
-    """Guess the layout: tars mean webdataset, a top-level manifest imagefolder, `.txt`
+def detect_source_format(listing: list[ObjectInfo], image_exts: set[str]) -> str:
+    """Guess the source's format: tars mean webdataset, a top-level manifest imagefolder, `.txt`
     sidecars img2dataset; anything else is treated as an imagefolder without a manifest."""
     keys = {o.key for o in listing}
     if any(k.lower().endswith(".tar") for k in keys):
@@ -193,7 +192,7 @@ def _version(*parts: object) -> str:
 
 def plan_items(
     listing: list[ObjectInfo],
-    layout: str,
+    source_format: str,
     manifest: Manifest,
     image_exts: set[str],
 ) -> tuple[list[Item], list[dict]]:
@@ -209,7 +208,7 @@ def plan_items(
     consumed: set[str] = set()
     if manifest.name:
         consumed.add(manifest.name)
-    if layout == "img2dataset":
+    if source_format == "img2dataset":
         for o in listing:
             stem, ext = _split_ext(o.key)
             if ext in image_exts and not is_unsafe_key(o.key):
@@ -225,13 +224,13 @@ def plan_items(
             rejected.append(
                 {**_problem(o.key, "unsafe_key", "path escapes the source"), "version": o.version}
             )
-        elif layout == "webdataset" and ext == ".tar":
+        elif source_format == "webdataset" and ext == ".tar":
             items.append(Item(key=o.key, kind="tar", version=_version(o.size, o.version)))
         elif ext not in image_exts:
             rejected.append(
                 {**_problem(o.key, "unsupported_extension", o.key), "version": o.version}
             )
-        elif layout == "img2dataset":
+        elif source_format == "img2dataset":
             txt, js = by_key.get(f"{stem}.txt"), by_key.get(f"{stem}.json")
             items.append(
                 Item(

@@ -154,10 +154,10 @@ def image_lineage(root: str | Path, tracking_uri: str, name: str, key_or_path: s
     the image `key_or_path` (a catalog key or `<source>/<key>`): one row per dataset version
     holding it, with `stages`, the `runs` that trained on it, their `draws`, and the
     registered `versions` with their aliases ("3 (champion)")."""
-    layout_root = Path(root)
+    layout = Layout(Path(root))
     images = set(resolve_image(root, key_or_path, rules))
     runs: dict[str, list[str]] = {}
-    for rj in sorted((layout_root / "runs").glob("run-*/run.json")):
+    for rj in sorted(layout.folder("runs").glob("run-*/run.json")):
         record = json.loads(rj.read_text())
         if "dataset_version" in record:
             runs.setdefault(str(record["dataset_version"]), []).append(rj.parent.name)
@@ -168,7 +168,7 @@ def image_lineage(root: str | Path, tracking_uri: str, name: str, key_or_path: s
         aliases = f" ({', '.join(mv.aliases)})" if mv.aliases else ""
         versions.setdefault(mv.tags.get("dataset_version", ""), []).append(f"{mv.version}{aliases}")
     out = []
-    for sj in sorted((layout_root / "shards").glob("*/shards.json")):
+    for sj in sorted(layout.folder("shards").glob("*/shards.json")):
         version = sj.parent.name
         rows = dataset_rows(root, version, rules)
         hit = rows[[(s, k) in images for s, k in zip(rows["source"], rows["key"], strict=True)]]

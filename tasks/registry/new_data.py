@@ -71,7 +71,7 @@ class NewData:
 
 def _trained_run(layout: Layout) -> tuple[str | None, dict]:
     """(run id, run.json) of the newest training run that exported, or (None, {})."""
-    runs = layout.root / "runs"
+    runs = layout.folder("runs")
     for run in sorted(runs.glob("run-*"), reverse=True) if runs.is_dir() else []:
         path = run / "run.json"
         record = json.loads(path.read_text()) if path.is_file() else {}

@@ -27,8 +27,10 @@ from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from kiln_config import EvaluateConfig
 from kiln_config.errors import InputError, MissingInput, NotFound
 from tasks.runtime.logs import task_logger
+from tasks.storage.layout import Layout
 
 __all__ = [
     "EXPERIMENT_DESCRIPTION",
@@ -321,7 +323,7 @@ def model_description(model_name: str) -> str:
         "```python\nimport mlflow, pandas as pd\n"
         f'model = mlflow.pyfunc.load_model("models:/{model_name}@candidate")\n'
         'out = model.predict(pd.DataFrame({"prompt": ["a red circle"]}),\n'
-        '                    params={"num_inference_steps": 25, "seed": 0})\n'
+        '                    params={"num_inference_steps": 50, "seed": 7})\n'
         "# one row per prompt: prompt, image (PNG bytes), width, height\n```\n\n"
         "Aliases, not stages: `candidate` is the newest registered version; point `champion` "
         "at the one that serves."
@@ -358,10 +360,14 @@ def register_model(
     lineage: dict[str, str],
     metrics: dict[str, float] | None = None,
     card: str | None = None,
+    *,
+    evaluate: EvaluateConfig,
 ) -> dict:
     """Log `export_dir` as a pyfunc model in the training run, register it, set `alias`.
 
     `card` (tasks.reports.model_card) follows the lineage in the version's description.
+    `evaluate` gives the model's default inference steps and guidance: those it was
+    evaluated with.
 
     `metrics` (the last stage's validation loss and conditioning gap) are logged on the
     logged model that the version is registered from (the version's metrics in MLflow 3), and
@@ -373,13 +379,14 @@ def register_model(
     import mlflow
 
     import kiln_pyfunc
-    from kiln_pyfunc import KilnDiffusionModel, signature
+    from kiln_pyfunc import KilnDiffusionModel, default_params, signature
 
     if not (Path(export_dir) / "model_index.json").is_file():
         raise MissingInput(f"no exported pipeline at {export_dir} (model_index.json missing)")
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     reqs = [f"{p}=={importlib.metadata.version(p)}" for p in SERVING_PACKAGES]
     ended = client.get_run(mlflow_run_id).info
+    steps, guidance = evaluate.num_inference_steps, evaluate.guidance_scale
     with mlflow_uris(tracking_uri):
         try:
             # Resuming a run sets it RUNNING (and FAILED if logging raises); the training
@@ -387,11 +394,11 @@ def register_model(
             with mlflow.start_run(run_id=mlflow_run_id):
                 info = mlflow.pyfunc.log_model(
                     name="model",
-                    python_model=KilnDiffusionModel(),
+                    python_model=KilnDiffusionModel(steps, guidance),
                     artifacts={"pipeline": export_dir},
                     code_paths=[kiln_pyfunc.__file__],
                     pip_requirements=reqs,
-                    signature=signature(),
+                    signature=signature(default_params(steps, guidance)),
                 )
                 if metrics:
                     mlflow.log_metrics(metrics, model_id=info.model_id)
@@ -467,7 +474,7 @@ def registered_pipeline(tracking_uri: str, root: Path, uri: str):
     mv = model_version(MlflowClient(tracking_uri, registry_uri=tracking_uri), uri)
     name = mv.name
     run_id = mv.tags.get("run_id", "")
-    run_json = Path(root) / "runs" / run_id / "run.json" if run_id else None
+    run_json = Layout(Path(root)).run_record(run_id) if run_id else None
     if run_json is not None and run_json.is_file():
         export = json.loads(run_json.read_text()).get("export")
         if export and Path(export).is_dir():
@@ -476,7 +483,7 @@ def registered_pipeline(tracking_uri: str, root: Path, uri: str):
     def download() -> Path:
         import mlflow.artifacts
 
-        dst = Path(root) / "models" / f"{name}-v{mv.version}"
+        dst = Layout(Path(root)).registered_model(name, mv.version)
         if (dst / "MLmodel").is_file():
             return _pipeline_in(dst)
         # A models:/ URI is resolved by a client on the *global* registry URI, whatever

@@ -1,7 +1,10 @@
-"""Where every artefact lives under the storage root (see DESIGN.md, "Storage").
+"""Where every artefact lives under the storage root (docs/architecture.md, "Storage layout").
 
 Each step records the id of its newest output in `<root>/<kind>/LATEST`, so that the next
-step, run on its own, finds its input without being told.
+step, run on its own, finds its input without being told. Two defaults under the root are
+the config's, since kiln_config is below this layer: the tracking store
+(`sqlite:///<root>/mlflow.db`, `PipelineConfig.tracking_uri`) and the streaming cache
+(`<root>/cache`, `shards.cache_dir`).
 """
 
 from __future__ import annotations
@@ -33,42 +36,67 @@ def new_run_id() -> str:
 class Layout:
     root: Path
 
+    def folder(self, kind: str) -> Path:
+        """The folder of every output of one kind (`catalog`, `shards`, `runs`, `eval`)."""
+        assert kind in KINDS, kind
+        return self.root / kind
+
     def catalog(self, ingest_id: str) -> Path:
-        return self.root / "catalog" / ingest_id
+        return self.folder("catalog") / ingest_id
+
+    def catalog_tables(self) -> Path:
+        """The catalog's Delta tables, one folder each (tasks/catalog/view.py)."""
+        return self.folder("catalog") / "tables"
 
     def quality(self, ingest_id: str) -> Path:
         return self.root / "quality" / ingest_id
 
     def shards(self, version: str, resolution: int | None = None) -> Path:
-        base = self.root / "shards" / version
+        base = self.folder("shards") / version
         return base if resolution is None else base / str(resolution)
 
     def latents(self, version: str, resolution: int, encoder_key: str) -> Path:
         """Precomputed latents of a stage, for one set of frozen encoders."""
-        return self.root / "shards" / version / f"{resolution}-latents-{encoder_key}"
+        return self.folder("shards") / version / f"{resolution}-latents-{encoder_key}"
 
     def val_shards(self, version: str, resolution: int) -> Path:
         """A stage's held-out validation split (never in the training shards)."""
-        return self.root / "shards" / version / f"{resolution}-val"
+        return self.folder("shards") / version / f"{resolution}-val"
 
     def val_latents(self, version: str, resolution: int, encoder_key: str) -> Path:
         """Precomputed latents of a stage's validation split."""
-        return self.root / "shards" / version / f"{resolution}-val-latents-{encoder_key}"
+        return self.folder("shards") / version / f"{resolution}-val-latents-{encoder_key}"
 
     def vae_cache(self) -> Path:
         """Fitted VAEs (`train.model.vae.fit`), one folder per key (models/vae_fit.py)."""
         return self.root / "vae"
 
     def run(self, run_id: str) -> Path:
-        return self.root / "runs" / run_id
+        return self.folder("runs") / run_id
+
+    def run_record(self, run_id: str) -> Path:
+        """The run's `run.json`: its stages, dataset version, MLflow run and export."""
+        return self.run(run_id) / "run.json"
 
     def run_config(self, run_id: str) -> Path:
         """The run's config snapshot: what every step of the run reads after it starts."""
         return self.run(run_id) / "config.yaml"
 
-    def config(self, config_hash: str) -> Path:
-        """A validated config the CLI hands to a flow run (content-addressed, never edited)."""
-        return self.root / "configs" / f"{config_hash}.yaml"
+    def plan(self) -> Path:
+        """`kiln plan`'s newest plan, which `kiln train` reads for its world sizes."""
+        return self.folder("runs") / "plan.json"
+
+    def train_lock(self) -> Path:
+        """The lock one training holds on the root (tasks/storage/lock.py)."""
+        return self.root / ".kiln-train.lock"
+
+    def mlflow_artifacts(self) -> Path:
+        """The artifact root of the experiments a local tracking store creates."""
+        return self.root / "mlartifacts"
+
+    def registered_model(self, name: str, version: str | int) -> Path:
+        """A registered version downloaded from the registry (tasks/registry/tracking.py)."""
+        return self.root / "models" / f"{name}-v{version}"
 
     def stage(self, run_id: str, resolution: int) -> Path:
         return self.run(run_id) / f"stage-{resolution}"
@@ -80,36 +108,33 @@ class Layout:
     def dataset_rows(self, version: str) -> Path:
         """The rows a dataset version holds, with their licensing columns
         (tasks/catalog/lineage.py)."""
-        return self.root / "shards" / version / "rows.parquet"
+        return self.folder("shards") / version / "rows.parquet"
 
     def study(self, study_id: str) -> Path:
-        return self.root / "eval" / study_id
+        return self.folder("eval") / study_id
 
-    def plan(self) -> Path:
-        """The newest `kiln plan` (tasks/planning/plan.py); the train flow's summary reads it."""
-        return self.root / "runs" / "plan.json"
+    def ratings_db(self) -> Path:
+        """The human evaluation's SQLite store when `human_eval.database_url` is unset."""
+        return self.root / "human_eval" / "ratings.db"
 
-    def comparison_report(self, comparison_id: str) -> Path:
-        """A human evaluation's report, votes and chart (`kiln rate report`)."""
+    def comparison(self, comparison_id: str) -> Path:
+        """A human comparison's report, votes and chart (human_eval/report.py)."""
         return self.root / "human_eval" / comparison_id
 
     def set_latest(self, kind: str, ident: str) -> None:
-        assert kind in KINDS, kind
-        path = self.root / kind / "LATEST"
+        path = self.folder(kind) / "LATEST"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(ident + "\n")
         tmp.replace(path)
 
     def latest_or_none(self, kind: str) -> str | None:
-        assert kind in KINDS, kind
-        path = self.root / kind / "LATEST"
+        path = self.folder(kind) / "LATEST"
         return path.read_text().strip() if path.is_file() else None
 
     def latest(self, kind: str, needed_by: str) -> str:
         """The newest id of `kind`, or a clear error naming the step that must run first."""
-        assert kind in KINDS, kind
-        path = self.root / kind / "LATEST"
+        path = self.folder(kind) / "LATEST"
         if not path.is_file():
             before = {"catalog": "ingest", "shards": "shard", "runs": "train", "eval": "evaluate"}
             raise MissingInput(
@@ -121,7 +146,7 @@ class Layout:
     def finished_run(self, run_id: str | None, needed_by: str) -> tuple[str, dict]:
         """(run id, run.json) of a training run that has exported; default the newest run."""
         run_id = run_id or self.latest("runs", needed_by)
-        path = self.run(run_id) / "run.json"
+        path = self.run_record(run_id)
         if not path.is_file():
             raise MissingInput(f"{needed_by}: no training run {run_id} under {self.root}")
         record = json.loads(path.read_text())

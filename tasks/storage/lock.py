@@ -24,6 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kiln_config.errors import KilnError
+from tasks.storage.layout import Layout
 
 __all__ = ["RootBusy", "busy_reason", "root_busy", "root_lock"]
 
@@ -58,7 +59,7 @@ def root_lock(root: Path, what: str) -> Iterator[None]:
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    path = str((root / ".kiln-train.lock").resolve())
+    path = str(Layout(root).train_lock().resolve())
     with _guard:
         if path in _held:
             _held[path] += 1
@@ -110,7 +111,7 @@ def busy_reason(root: Path) -> str | None:
     """The message `root_lock` would raise now, or None when no other process holds the
     lock: a probe for the CLI, which fails at once instead of after a Prefect server start.
     The flow still takes the lock itself (a probe is no reservation)."""
-    path = Path(root) / ".kiln-train.lock"
+    path = Layout(Path(root)).train_lock()
     if not path.is_file() or not root_busy(root):
         return None
     with _guard:
@@ -127,7 +128,7 @@ def busy_reason(root: Path) -> str | None:
 
 def root_busy(root: Path) -> bool:
     """Whether a training holds `<root>/.kiln-train.lock` now (this process's own counts)."""
-    path = Path(root) / ".kiln-train.lock"
+    path = Layout(Path(root)).train_lock()
     if not path.is_file():
         return False
     key = str(path.resolve())

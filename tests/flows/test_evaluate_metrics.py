@@ -254,7 +254,7 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     assert cs["sha256"] == weights_sha256(clip)["sha256"] and "bicubic" in cs["resize"]
     assert f"no file at {missing}" in out["metrics"]["fid"]["skipped"]
 
-    md = Artifact.get("drawbench-study").data
+    md = Artifact.get("evaluation-study").data
     assert "contact/" in md and "| FID | skipped: " in md and "| CLIP score | " in md
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     run = client.get_run(record["mlflow_run_id"])

@@ -15,6 +15,7 @@ import yaml
 from human_eval.report import build_report
 from human_eval.store import Pair, RatingStore, Task
 from human_eval.studies import create_comparison, load_study
+from tasks.storage.layout import Layout
 
 from .conftest import free_port, many_prompts, start_server, stop, write_study
 
@@ -33,7 +34,7 @@ def served(tmp_path, make_config):
     data = yaml.safe_load(cfg.read_text())
     data["human_eval"] = {"port": free_port(), **SETTINGS}
     cfg.write_text(yaml.safe_dump(data))
-    store = RatingStore.open(root)
+    store = RatingStore.open(Layout(root).ratings_db())
     cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=3, gold=2)
     tokens = [t for _, t in store.add_raters(cid, 3)]
     common = ["--config", str(cfg), "--root", str(root)]

@@ -8,8 +8,9 @@ import socket
 import httpx
 import pytest
 
-from human_eval.store import RatingStore, default_url
+from human_eval.store import RatingStore, sqlite_url
 from human_eval.studies import create_comparison, load_study
+from tasks.storage.layout import Layout
 
 from .conftest import PROMPTS, free_port, serve_argv, start_server, stop, write_study
 
@@ -25,7 +26,7 @@ def app_server(tmp_path_factory):
     prompts = [(XSS, "Misspellings"), *PROMPTS]
     a = write_study(root, "run-alpha-1111", prompts=prompts, model="run-alpha")
     b = write_study(root, "run-beta-2222", prompts=prompts, colour=(0, 90, 200), model="run-beta")
-    url = default_url(root)
+    url = sqlite_url(Layout(root).ratings_db())
     store = RatingStore(url)
     cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=2, gold=1)
     tokens = [t for _, t in store.add_raters(cid, 3)]

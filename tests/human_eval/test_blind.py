@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 from PIL import Image, PngImagePlugin
 
-from human_eval.store import RatingStore, default_url
+from human_eval.store import RatingStore, sqlite_url
 from human_eval.studies import create_comparison, load_study
+from tasks.storage.layout import Layout
 
 from .conftest import PROMPTS, free_port, serve_argv, start_server, stop, write_study
 
@@ -78,7 +79,7 @@ def two_days(tmp_path):
     assert (old / "images" / "0000-s0.png").stat().st_size != (
         new / "images" / "0000-s0.png"
     ).stat().st_size
-    url = default_url(root)
+    url = sqlite_url(Layout(root).ratings_db())
     store = RatingStore(url)
     cid, _ = create_comparison(store, load_study(old), load_study(new), raters_per_pair=1,
                                gold=0)  # fmt: skip

@@ -18,6 +18,7 @@ from human_eval.report import build_report
 from human_eval.store import RatingStore
 from kiln_cli.main import main as cli
 from kiln_config import load_config
+from tasks.storage.layout import Layout
 
 from .conftest import PROMPTS, free_port, start_server, stop, write_study
 
@@ -50,7 +51,9 @@ def served(tmp_path, make_config):
     link = re.search(r"http://\S+", invite.stdout).group(0)
     port = data["human_eval"]["port"]
     proc, _ = start_server(["kiln_cli.main", "rate", "serve", *common], port)
-    admin = f"http://127.0.0.1:{port}/admin/{RatingStore.open(root).admin_token()}"
+    admin = (
+        f"http://127.0.0.1:{port}/admin/{RatingStore.open(Layout(root).ratings_db()).admin_token()}"
+    )
     yield {"link": link, "root": root, "cid": cid, "token": link.rsplit("/", 1)[1],
            "admin": admin, "config": cfg}  # fmt: skip
     stop(proc)
@@ -129,7 +132,7 @@ def test_rate_with_keyboard_and_clicks_in_chromium(served, tmp_path):
         browser.close()
     assert seen_xss and not dialogs  # the XSS prompt was shown, as text, and ran nothing
 
-    store = RatingStore.open(served["root"])
+    store = RatingStore.open(Layout(served["root"]).ratings_db())
     votes = store.votes(served["cid"])
     assert len(votes) == 20  # 10 tasks x 2 questions, none twice
     with store.engine.connect() as con:

@@ -10,6 +10,7 @@ import yaml
 
 from human_eval.store import RatingStore
 from human_eval.studies import create_comparison, load_study
+from tasks.storage.layout import Layout
 
 from .conftest import many_prompts, write_study
 from .test_report import _simulate
@@ -49,7 +50,7 @@ def test_flow_reports_and_logs_metrics_and_tags(tmp_path, make_config):
     a = write_study(root, "cand-study", prompts=prompts, size=8, model="run-cand")
     b = write_study(root, "champ-study", prompts=prompts, size=8, colour=(9, 9, 250),
                     model="run-champ")  # fmt: skip
-    store = RatingStore.open(root)
+    store = RatingStore.open(Layout(root).ratings_db())
     cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=3, gold=2,
                                name="cand-vs-champ")  # fmt: skip
     _simulate(store, cid, 3, p_a=0.8, rng=np.random.default_rng(5))

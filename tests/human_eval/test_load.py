@@ -17,8 +17,9 @@ import httpx
 import numpy as np
 import pytest
 
-from human_eval.store import RatingStore, default_url
+from human_eval.store import RatingStore, sqlite_url
 from human_eval.studies import create_comparison, load_study
+from tasks.storage.layout import Layout
 
 from .conftest import free_port, many_prompts, serve_argv, start_server, stop, write_study
 
@@ -31,7 +32,7 @@ def _setup(root):
     prompts = many_prompts(250)  # 250 pairs x K=5: room for 1,250 votes
     a = write_study(root, "study-a", prompts=prompts, size=16)
     b = write_study(root, "study-b", prompts=prompts, size=16, colour=(0, 0, 250))
-    url = default_url(root)
+    url = sqlite_url(Layout(root).ratings_db())
     store = RatingStore(url)
     cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=5, gold=0)
     tokens = [t for _, t in store.add_raters(cid, RATERS)]

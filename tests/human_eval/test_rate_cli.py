@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from human_eval.store import RatingStore
 from kiln_cli.main import main as cli
 from kiln_config import load_config
+from tasks.storage.layout import Layout
 
 from .conftest import write_study
 
@@ -66,7 +67,7 @@ def test_compare_invite_report(setup):
     assert invite.exit_code == 0, invite.output
     links = re.findall(r"http://127\.0\.0\.1:9911/rate/([\w-]{32})$", invite.stdout, re.M)
     assert len(set(links)) == 3
-    store = RatingStore.open(root)
+    store = RatingStore.open(Layout(root).ratings_db())
     rater = store.rater(links[0])
     task = store.next_task(rater)
     store.record_vote(rater, task.task_id, {"quality": "left", "alignment": "left"})

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from human_eval.report import build_report
-from human_eval.store import RatingStore, Task, Vote, default_url
+from human_eval.store import RatingStore, Task, Vote, sqlite_url
 from human_eval.studies import create_comparison, load_study
 from kiln_config import HumanEvalConfig
+from tasks.storage.layout import Layout
 
 from .conftest import many_prompts, write_study
 
@@ -47,7 +48,7 @@ def _comparison(root, n_prompts, gold, name=None, b="study-b"):
     prompts = many_prompts(n_prompts)
     a = write_study(root, "study-a", prompts=prompts, size=8, model="run-a")
     other = write_study(root, b, prompts=prompts, size=8, colour=(0, 0, 250), model=f"run-{b}")
-    store = RatingStore(default_url(root))
+    store = RatingStore(sqlite_url(Layout(root).ratings_db()))
     cid, _ = create_comparison(store, load_study(a), load_study(other), raters_per_pair=5,
                                gold=gold, name=name)  # fmt: skip
     return store, cid

@@ -105,3 +105,16 @@ def test_bradley_terry_recovers_the_order_of_three_models():
     assert bt["ci"][1][0] > bt["ci"][0][1]
     for k in range(3):
         assert bt["ci"][k][0] <= bt["strength"][k] <= bt["ci"][k][1]
+
+
+def test_bradley_terry_is_choix_fit_with_a_tie_as_half_a_win_each_way():
+    """The fit on win counts equals choix's fit on (winner, loser) pairs: a win entered
+    twice, a tie once each way."""
+    import choix
+
+    outcomes = [(0, 1, 1.0), (0, 1, 0.5), (1, 2, 1.0), (2, 1, 0.0), (0, 2, 0.0), (2, 0, 0.5)]
+    pairs = [(0, 1), (0, 1), (0, 1), (1, 0), (1, 2), (1, 2), (1, 2), (1, 2), (2, 0), (2, 0),
+             (2, 0), (0, 2)]  # fmt: skip
+    expected = choix.ilsr_pairwise(3, pairs, alpha=0.01)
+    got = bradley_terry(3, outcomes, n_resamples=100, seed=0)["strength"]
+    assert got == pytest.approx(expected.tolist(), abs=1e-9)

@@ -5,8 +5,9 @@ import sqlite3
 
 import pytest
 
-from human_eval.store import RatingStore, default_url
+from human_eval.store import RatingStore, sqlite_url
 from human_eval.studies import StudyMismatch, create_comparison, load_study
+from tasks.storage.layout import Layout
 
 from .conftest import PROMPTS, write_study
 
@@ -14,14 +15,14 @@ K = {"raters_per_pair": 5, "gold": 10}
 
 
 def _store(root):
-    return RatingStore.open(root)
+    return RatingStore.open(Layout(root).ratings_db())
 
 
 def test_database_is_sqlite_in_wal_mode_under_the_root(two_studies):
     root, _, _ = two_studies
     store = _store(root)
     store.admin_token()
-    assert default_url(root).endswith("human_eval/ratings.db")
+    assert sqlite_url(Layout(root).ratings_db()).endswith("human_eval/ratings.db")
     con = sqlite3.connect(root / "human_eval" / "ratings.db")
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -31,7 +32,7 @@ def test_database_is_sqlite_in_wal_mode_under_the_root(two_studies):
 def test_comparison_is_created_once(two_studies):
     root, a, b = two_studies
     store = _store(root)
-    sa, sb = load_study("run-a-1111", root), load_study(b)
+    sa, sb = load_study("run-a-1111", Layout(root).folder("eval")), load_study(b)
     cid, created = create_comparison(store, sa, sb, raters_per_pair=2, gold=2)
     assert created and cid.startswith("cmp-")
     assert create_comparison(store, sa, sb, raters_per_pair=2, gold=2) == (cid, False)
@@ -64,7 +65,7 @@ def test_same_study_twice_and_missing_study_are_clear_errors(two_studies):
     with pytest.raises(StudyMismatch, match="same study"):
         create_comparison(_store(root), load_study(a), load_study(a), **K)
     with pytest.raises(FileNotFoundError, match="run `kiln evaluate`"):
-        load_study("nope", root)
+        load_study("nope", Layout(root).folder("eval"))
 
 
 def _answer(store, rater, rng, answers=None):

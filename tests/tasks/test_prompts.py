@@ -11,6 +11,7 @@ import http.server
 import io
 import threading
 import time
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -22,6 +23,7 @@ from tasks.evaluation.prompts import (
     DRAWBENCH_REPO,
     PromptsUnavailable,
     fetch_drawbench,
+    prompt_set_name,
     resolve_prompts,
 )
 
@@ -135,3 +137,14 @@ def test_a_copy_that_is_not_drawbench_is_refused(tmp_path, fake_hub):
     with pytest.raises(ValueError, match="expected 200 prompts"):
         fetch_drawbench(tmp_path / "kiln", endpoint=endpoint, hf_cache=str(tmp_path / "hf"))
     assert not (tmp_path / "kiln" / "drawbench.csv").exists()
+
+
+def test_a_prompt_set_is_named_drawbench_only_when_it_is(tmp_path, fake_hub, monkeypatch):
+    """Reports name a study's prompts as the config chose them: DrawBench's 200, or a file."""
+    endpoint, _ = fake_hub
+    monkeypatch.delenv("KILN_DRAWBENCH_CSV", raising=False)
+    kw = {"cache_dir": tmp_path / "kiln", "endpoint": endpoint, "hf_cache": str(tmp_path / "hf")}
+    assert prompt_set_name(resolve_prompts(None, **kw)) == "DrawBench"
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "prompts" / "tiny.csv"
+    assert prompt_set_name(tiny) == "tiny.csv"
+    assert prompt_set_name(tmp_path / "gone.csv") == "gone.csv"

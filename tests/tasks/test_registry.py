@@ -7,6 +7,7 @@ import logging
 import pytest
 from mlflow.tracking import MlflowClient
 
+from kiln_config import EvaluateConfig
 from tasks.registry.tracking import (
     EXPERIMENT_DESCRIPTION,
     EXPERIMENT_KIND,
@@ -151,13 +152,38 @@ def test_registered_version_carries_the_validation_metrics(tmp_path, tracking_ur
     ]
     metrics = {"ema/val/loss": 0.25, "ema/val/cond_gap": 0.0125}
     info = register_model.fn(tracking_uri, run_id, _tiny_export(tmp_path / "final"), "kiln-val",
-                             "candidate", {"run_id": "run-1"}, metrics)  # fmt: skip
+                             "candidate", {"run_id": "run-1"}, metrics,
+                             evaluate=EvaluateConfig())  # fmt: skip
     version = client.get_model_version("kiln-val", info["version"])
     model_id = version.source.removeprefix("models:/")
     logged = {m.key: m.value for m in client.get_logged_model(model_id).metrics}
     assert logged == metrics
     run_metrics = client.get_run(run_id).data.metrics
     assert {k: run_metrics[k] for k in metrics} == metrics, "the run has them too (promotion)"
+
+
+def test_registered_model_defaults_to_the_steps_and_guidance_it_was_evaluated_with(
+    tmp_path, tracking_uri
+):
+    """The pyfunc's default steps and guidance come from `evaluate`, in its signature and in
+    `predict`; the params no config section holds keep the pyfunc's own defaults."""
+    import mlflow
+
+    from kiln_pyfunc import SERVING_PARAMS
+    from tasks.registry.tracking import mlflow_uris, register_model
+
+    client = MlflowClient(tracking_uri)
+    run_id = client.create_run(ensure_experiment(client, "kiln-gen", str(tmp_path))).info.run_id
+    client.set_terminated(run_id)
+    evaluate = EvaluateConfig(num_inference_steps=3, guidance_scale=2.5)
+    info = register_model.fn(tracking_uri, run_id, _tiny_export(tmp_path / "final"), "kiln-gen",
+                             "candidate", {"run_id": "run-1"}, evaluate=evaluate)  # fmt: skip
+    with mlflow_uris(tracking_uri):
+        model = mlflow.pyfunc.load_model(info["model_uri"])
+    params = {p.name: p.default for p in model.metadata.signature.params}
+    expected = {"num_inference_steps": 3, "guidance_scale": 2.5, **SERVING_PARAMS}
+    assert params == expected
+    assert model.unwrap_python_model().defaults == expected
 
 
 def test_a_run_artifact_that_cannot_be_logged_is_a_warning(tmp_path, caplog):

@@ -35,7 +35,8 @@ def test_pipeline_table_links_every_step():
         "quality": {"ingest_id": "ing-1", "clean": 50, "rejected_ingest": 5,
                     "rejected_validate": 5, "passed": True},
         "shards": {"dataset_version": "ds-abc", "stages": {"32": {"samples": 50}}},
-        "study": {"study_id": "run-1-xyz", "images": 12, "path": "/r/eval/run-1-xyz"},
+        "study": {"study_id": "run-1-xyz", "prompts": "tiny.csv", "images": 12,
+                  "path": "/r/eval/run-1-xyz"},
         "model": {"name": "kiln-t2i", "version": "3", "alias": "candidate",
                   "uri_by_alias": "models:/kiln-t2i@candidate"},
     }  # fmt: skip
@@ -45,7 +46,8 @@ def test_pipeline_table_links_every_step():
     }}  # fmt: skip
     md = pipeline_report(result, run)
     for text in ("`ing-1`", "gate passed: 50 clean, 10 quarantined", "`ds-abc`", "`run-1`",
-                 "final loss 0.2000", "0.75 GPU-hours", "`run-1-xyz`", "`kiln-t2i` v3",
+                 "final loss 0.2000", "0.75 GPU-hours", "`run-1-xyz`",
+                 "12 images of the tiny.csv prompts", "`kiln-t2i` v3",
                  "models:/kiln-t2i@candidate"):  # fmt: skip
         assert text in md, text
 
@@ -106,3 +108,14 @@ def test_loss_curves_png_from_metrics_jsonl(tmp_path):
         assert img.format == "PNG" and img.size == (1000, 400)
         colours = img.convert("RGB").getcolors(1 << 20)
     assert len(colours) > 10, "the figure has drawn lines, not a blank canvas"
+
+
+def test_a_study_is_named_by_its_prompt_set():
+    from tasks.reports import model_card, study_report
+
+    items = [{"category": "Colors"}, {"category": "Counting"}]
+    md = study_report("run-1-xyz", items, [0], "/r/eval/run-1-xyz", "tiny.csv")
+    assert md.startswith("## Study `run-1-xyz` (tiny.csv prompts)") and "DrawBench" not in md
+    record = {"dataset_version": "ds-abc", "ingest_id": "ing-1", "stages": {}}
+    card = model_card(record, {}, {"study_id": "run-1-xyz", "prompts": "DrawBench"})
+    assert "**Evaluation study**: `run-1-xyz` on the DrawBench prompts." in card
