@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -34,7 +35,13 @@ from tasks.catalog_view import ViewPart, read_part
 from tasks.logs import task_logger
 from tasks.runners import partition_runner
 
-__all__ = ["DUP_PARTITION_ROWS", "dup_partitions_for", "hash_rows", "partitioned_cross"]
+__all__ = [
+    "DUP_PARTITION_ROWS",
+    "dup_partitions_for",
+    "hash_rows",
+    "old_hash_batches",
+    "partitioned_cross",
+]
 
 DUP_PARTITION_ROWS = 1 << 19  # rows per hash-prefix partition (about 130 MB of search)
 
@@ -76,6 +83,39 @@ def near_partition(
 ) -> tuple[np.ndarray, np.ndarray]:
     """One near partition's hits (positions, near_duplicate_of)."""
     return near_duplicates_in(lead_files, part, d, design, first)
+
+
+def old_hash_batches(old: list[ViewPart], new: list[ViewPart]):
+    """The old rows' hashes for the driver search, a row group at a time, hashing only what
+    the new rows can match.
+
+    An old row's sha256 matters only when a new row has it: the others all get one label
+    (sha_hi, sha_lo) that no new row has, which keeps every comparison the search makes
+    ("the same sha256 as this new row?") and skips hashing the old sha256 strings, the bulk
+    of an incremental validate's work on a large catalog. pHashes are parsed as they are.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from data_quality.near_dup import phash_to_uint64
+
+    shas = pd.concat([read_part(p, ["sha256"]) for p in new] or [pd.DataFrame({"sha256": []})])
+    new_sha = pa.array(shas["sha256"].astype(str).tolist(), pa.string())
+    mine = set(hash_columns(shas.assign(phash="0" * 16))[0].tolist())
+    label = next(v for v in range(len(mine) + 1) if v not in mine)  # no new row's sha_hi
+    for p in old:
+        f = pq.ParquetFile(p.path)
+        for g in range(f.num_row_groups):
+            t = f.read_row_group(g, columns=["sha256", "phash"])
+            sha = t.column("sha256").cast(pa.string())
+            hit = pc.is_in(sha, value_set=new_sha).to_numpy(zero_copy_only=False)
+            hi = np.full(len(t), label, np.uint64)
+            lo = np.zeros(len(t), np.uint64)
+            if hit.any():
+                df = t.filter(pa.array(hit)).to_pandas()
+                hi[hit], lo[hit], _ = hash_columns(df)
+            yield hi, lo, phash_to_uint64(t.column("phash").to_numpy(zero_copy_only=False))
 
 
 def _map(fn, calls: list[dict], workers: int, dask_address: str | None) -> list:

@@ -42,7 +42,6 @@ from data_quality.suite import (
     check_rows,
     cross_catalog,
     expectation_summaries,
-    hash_columns,
     suite_key,
     write_data_docs,
 )
@@ -58,7 +57,7 @@ from tasks.catalog_view import (
     view_versions,
     write_verdict_rows,
 )
-from tasks.dup_search import dup_partitions_for, partitioned_cross
+from tasks.dup_search import dup_partitions_for, old_hash_batches, partitioned_cross
 from tasks.layout import Layout
 from tasks.logs import task_logger
 from tasks.progress import Progress
@@ -266,12 +265,6 @@ def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | N
     return out
 
 
-def _hashes(parts: list[ViewPart]):
-    for p in parts:
-        for g in range(p.row_groups):
-            yield hash_columns(read_part(p, ["sha256", "phash"], [g]))
-
-
 def _keys_at(parts: list[ViewPart]):
     """keys_at(positions) -> (sources, keys) of the view's rows at those positions, read a row
     group at a time."""
@@ -427,7 +420,7 @@ def validate_catalog(
                                   rules.near_duplicate_distance, dup_partitions,
                                   workers=workers, dask_address=dask_address)  # fmt: skip
     elif new.rows:
-        cross = cross_catalog(new.hashes, rules, _hashes(old_parts), old_rows)
+        cross = cross_catalog(new.hashes, rules, old_hash_batches(old_parts, new_parts), old_rows)
     else:
         cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
     found = apply_cross(new, cross, rules, _keys_at(parts), offset=old_rows)
