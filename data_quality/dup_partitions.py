@@ -11,13 +11,16 @@ the same answers come from partitions that each hold a share of the rows, so tha
    the first row of each sha256 on its own. The same pass counts the distinct pHashes of a
    partition by pHash, whose sum picks the multi-index hashing design (`near_tables`) that
    `near_dup.near_duplicates` would pick for the whole catalog.
-3. Lead files. Every table of that design keys its buckets on a set of blocks that starts
-   with its first ("lead") block, so two rows of one bucket share their lead block's value.
-   Each hash file is split again, once per lead block, by a hash of that block's value.
-4. Near duplicates. A partition (lead block, prefix) runs the tables of its lead block over
-   its rows: the buckets, their re-indexing and their hot-row caps are those of the whole
-   search, so each row's answer there is the answer `near_duplicates` folds from those tables.
-   A row's answer is the smallest over its partitions (`merge_hits`).
+3. Table files. Every table of that design keys its buckets on some of the pHash's bits, so
+   the rows of one bucket share their key. Each hash file is split again, once per table, by
+   the same 32-bit hash of the key that the table sorts by (so a partition holds whole
+   buckets). Splitting by table, not by a block that several tables share, keeps a skewed
+   block (a fifth of the rows with one 16-bit value, say) from filling one partition: a key
+   spans more bits, and only rows with the same whole key (one bucket) must meet.
+4. Near duplicates. A partition (table, prefix) runs that table over its rows: the buckets,
+   their re-indexing and their hot-row caps are those of the whole search, so each row's
+   answer there is the one `near_duplicates` folds from that table. A row's answer is the
+   smallest over its partitions (`merge_hits`).
 
 A row's position is its place in the catalog's priority order (`offset` of its file plus its
 index in the file). Only rows at `first` or later are targets, so an incremental validate asks
@@ -58,7 +61,7 @@ __all__ = [
     "merge_hits",
     "near_duplicates_in",
     "near_tables",
-    "split_by_lead",
+    "split_by_table",
     "write_hash_file",
 ]
 
@@ -156,31 +159,30 @@ def count_distinct(files: Files, part: int) -> int:
 
 def near_tables(max_distance: int, distinct: int) -> tuple[int, int, list[int]]:
     """The design `near_dup.near_duplicates` picks for `distinct` pHash values: `(m, j)` and
-    the lead blocks of its tables (bit masks), in table order."""
+    the key masks of its tables, in table order."""
     m, j = _choose_blocks(max_distance, distinct, 0)
-    leads = dict.fromkeys(int(t[0]) for t in _table_masks(max_distance, m, j))
-    return m, j, list(leads)
+    return m, j, [int(t[1]) for t in _table_masks(max_distance, m, j)]
 
 
-def split_by_lead(path: str | Path, out: list[str | Path], leads: list[int], parts: int) -> None:
-    """Split one hash file once per lead block: `out[i]` gets its rows sorted by the
-    partition of a hash of their `leads[i]` block (column `np`, one row group each)."""
+def split_by_table(path: str | Path, out: list[str | Path], keys: list[int], parts: int) -> None:
+    """Split one hash file once per table: `out[i]` gets its rows sorted by the partition of
+    the 32-bit hash of their key under mask `keys[i]` (column `np`, one row group each)."""
     parts = _check_parts(parts)
-    if len(out) != len(leads):
-        raise ValueError(f"out: expected one file per lead block ({len(leads)}), got {len(out)}")
+    if len(out) != len(keys):
+        raise ValueError(f"out: expected one file per table ({len(keys)}), got {len(out)}")
     t = pq.read_table(path, columns=["idx", "hi", "ph"])
     idx, hi, ph = (t.column(c).to_numpy() for c in ("idx", "hi", "ph"))
     back = np.argsort(idx, kind="stable")  # the file's own order, so each part keeps it
     idx, hi, ph = idx[back], hi[back], ph[back]
-    for dest, lead in zip(out, leads, strict=True):
-        key = _part_of(_hash32(ph, np.uint64(lead)), parts)
+    for dest, mask in zip(out, keys, strict=True):
+        key = _part_of(_hash32(ph, np.uint64(mask)), parts)
         order = np.argsort(key, kind="stable")
         table = pa.table({"np": key[order], "idx": idx[order], "hi": hi[order], "ph": ph[order]})
         _write_sorted(Path(dest), table, "np", parts)
 
 
-def _near_local(ph, hi, d: int, m: int, j: int, lead: int, cap: int) -> np.ndarray:
-    """`near_dup.near_duplicates` over these rows with the tables of one lead block only."""
+def _near_local(ph, hi, d: int, m: int, j: int, table: int, cap: int) -> np.ndarray:
+    """`near_dup.near_duplicates` over these rows with one table (key mask) only."""
     n = len(ph)
     if n < 2:
         return np.full(n, -1, dtype=np.int64)
@@ -188,7 +190,7 @@ def _near_local(ph, hi, d: int, m: int, j: int, lead: int, cap: int) -> np.ndarr
     second = _second(value_of, first, hi)
     values = ph if value_of is None else ph[first]
     best, other = first.copy(), second.copy()
-    for target, source in _near_pairs(values, None, d, m, j, cap, lead=np.uint64(lead)):
+    for target, source in _near_pairs(values, None, d, m, j, cap, table=np.uint64(table)):
         cand = np.concatenate([first[source], second[source]])
         _offer(best, other, np.concatenate([target, target]), cand, hi)
     if value_of is not None:
@@ -197,18 +199,18 @@ def _near_local(ph, hi, d: int, m: int, j: int, lead: int, cap: int) -> np.ndarr
 
 
 def near_duplicates_in(
-    lead_files: list[Files],
+    table_files: list[Files],
     part: int,
     max_distance: int,
     design: tuple[int, int, list[int]],
     first: int = 0,
     hot_bucket_cap: int = HOT_BUCKET_CAP,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Near duplicates found in partition `part` of every lead block.
+    """Near duplicates found in partition `part` of every table.
 
     Args:
-        lead_files: per lead block of `design`, its files (path, offset) in position order.
-        part: the partition (0 to parts - 1) of each lead block's split.
+        table_files: per table of `design`, its files (path, offset) in position order.
+        part: the partition (0 to parts - 1) of each table's split.
         max_distance: largest Hamming distance that counts as a match.
         design: `near_tables(max_distance, distinct)` for the whole catalog.
         first: the first position that is a target.
@@ -218,13 +220,13 @@ def near_duplicates_in(
         (positions, near_duplicate_of): int64 arrays, sorted by position, one row each: the
         smallest earlier position within `max_distance` (of another sha256) found here.
     """
-    m, j, leads = design
-    if len(lead_files) != len(leads):
-        raise ValueError(f"lead_files: expected {len(leads)} lists, got {len(lead_files)}")
+    m, j, keys = design
+    if len(table_files) != len(keys):
+        raise ValueError(f"table_files: expected {len(keys)} lists, got {len(table_files)}")
     found_pos, found_of = [], []
-    for files, lead in zip(lead_files, leads, strict=True):
+    for files, key in zip(table_files, keys, strict=True):
         r = _read(files, "np", part, ["hi", "ph"])
-        ans = _near_local(r["ph"], r["hi"], max_distance, m, j, lead, hot_bucket_cap)
+        ans = _near_local(r["ph"], r["hi"], max_distance, m, j, key, hot_bucket_cap)
         hit = (ans >= 0) & (r["pos"] >= first)
         found_pos.append(r["pos"][hit])
         found_of.append(r["pos"][ans[hit]])

@@ -3,7 +3,7 @@
 The validate step's row checks write each partition's hashes (`check_partition` with a
 `hash_path`); rows an earlier verdict already checked get theirs from `hash_rows`. Then
 (data_quality/dup_partitions.py) each exact partition finds its sha256 copies and counts its
-distinct pHashes, each hash file is split by lead block, and each near partition runs its
+distinct pHashes, each hash file is split by table, and each near partition runs its
 share of the multi-index hashing tables. Every task reads its own rows from the hash files
 with a filter and returns only its hits, so the driver holds the hits and the list of files,
 never the catalog's hashes. On Dask the root (and its hash folder) must be mounted at the
@@ -27,7 +27,7 @@ from data_quality.dup_partitions import (
     merge_hits,
     near_duplicates_in,
     near_tables,
-    split_by_lead,
+    split_by_table,
     write_hash_file,
 )
 from data_quality.suite import CrossCheck, hash_columns
@@ -70,19 +70,19 @@ def exact_partition(files: Files, part: int, first: int) -> tuple[np.ndarray, np
     return pos, of, count_distinct(files, part)
 
 
-@task(name="split-by-lead", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def split_files(files: Files, leads: list[int], parts: int) -> None:
-    """Split hash files by lead block (`<file>.lead<i>` beside each)."""
+@task(name="split-by-table", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def split_files(files: Files, keys: list[int], parts: int) -> None:
+    """Split hash files by table (`<file>.table<i>` beside each)."""
     for path, _ in files:
-        split_by_lead(path, [f"{path}.lead{i}" for i in range(len(leads))], leads, parts)
+        split_by_table(path, [f"{path}.table{i}" for i in range(len(keys))], keys, parts)
 
 
 @task(name="near-duplicates", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def near_partition(
-    lead_files: list[Files], part: int, d: int, design: tuple, first: int
+    table_files: list[Files], part: int, d: int, design: tuple, first: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """One near partition's hits (positions, near_duplicate_of)."""
-    return near_duplicates_in(lead_files, part, d, design, first)
+    return near_duplicates_in(table_files, part, d, design, first)
 
 
 def old_hash_batches(old: list[ViewPart], new: list[ViewPart]):
@@ -171,10 +171,10 @@ def partitioned_cross(
                                        for k in range(parts)], workers, dask_address)  # fmt: skip
         design = near_tables(max_distance, sum(e[2] for e in exact))
         groups = [files[i::parts] for i in range(min(parts, len(files)))]
-        _map(split_files, [{"files": g, "leads": design[2], "parts": parts} for g in groups],
+        _map(split_files, [{"files": g, "keys": design[2], "parts": parts} for g in groups],
              workers, dask_address)  # fmt: skip
-        lead_files = [[(f"{p}.lead{i}", o) for p, o in files] for i in range(len(design[2]))]
-        near = _map(near_partition, [{"lead_files": lead_files, "part": k, "d": max_distance,
+        table_files = [[(f"{p}.table{i}", o) for p, o in files] for i in range(len(design[2]))]
+        near = _map(near_partition, [{"table_files": table_files, "part": k, "d": max_distance,
                                       "design": design, "first": first}
                                      for k in range(parts)], workers, dask_address)  # fmt: skip
     finally:
@@ -187,6 +187,6 @@ def partitioned_cross(
     nd = np.full(len(pos), -1, np.int64)
     nd[np.searchsorted(pos, near_pos)] = near_of
     log.info("duplicate search: %d rows in %d hash partitions (%d blocks, keys of %d, %d "
-             "lead blocks): %d exact, %d near", start, parts, design[0], design[1],
+             "tables): %d exact, %d near", start, parts, design[0], design[1],
              len(design[2]), len(dup_pos), len(near_pos))  # fmt: skip
     return CrossCheck(duplicate_of=dup, near_duplicate_of=nd, positions=pos)

@@ -12,7 +12,7 @@ from data_quality.dup_partitions import (
     merge_hits,
     near_duplicates_in,
     near_tables,
-    split_by_lead,
+    split_by_table,
     write_hash_file,
 )
 from data_quality.rules import QualityConfig
@@ -59,13 +59,13 @@ def partitioned(tmp_path, hashes, d: int, parts: int, cuts: list[int], first: in
         pos, of = exact_duplicates(files, k, first)
         dup[pos - first] = of
     design = near_tables(d, sum(count_distinct(files, k) for k in range(parts)))
-    lead_files = [[] for _ in design[2]]
+    table_files = [[] for _ in design[2]]
     for path, offset in files:
-        out = [f"{path}.lead{i}" for i in range(len(design[2]))]
-        split_by_lead(path, out, design[2], parts)
+        out = [f"{path}.table{i}" for i in range(len(design[2]))]
+        split_by_table(path, out, design[2], parts)
         for i, o in enumerate(out):
-            lead_files[i].append((o, offset))
-    got = [near_duplicates_in(lead_files, k, d, design, first) for k in range(parts)]
+            table_files[i].append((o, offset))
+    got = [near_duplicates_in(table_files, k, d, design, first) for k in range(parts)]
     pos, of = merge_hits([g[0] for g in got], [g[1] for g in got])
     near = np.full(n - first, -1, np.int64)
     near[pos - first] = of
