@@ -264,6 +264,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="100000,1000000,3000000")
     ap.add_argument("--dask-sizes", default="", help="Sizes also run on a Dask LocalCluster.")
     ap.add_argument("--work", default=None, help="Scratch folder (default: a temporary one).")
+    ap.add_argument("--steps", default="validate,validate_incremental,shard_plan,ingest_append",
+                    help="Steps to run (comma-separated).")  # fmt: skip
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
     dask_sizes = {int(x) for x in args.dask_sizes.split(",") if x}
@@ -306,7 +308,7 @@ def main() -> None:
                     steps.append(("ingest_append", [*base, "ingest", "--config", str(cfg),
                                                     "--root", str(root), "--source",
                                                     str(extra_src)]))  # fmt: skip
-                for step, cmd in steps:
+                for step, cmd in [s for s in steps if s[0] in args.steps.split(",")]:
                     if step == "validate":  # every row checked: no earlier verdict to start from
                         for v in (root / "catalog").glob("*/verdict.json"):
                             v.unlink()
