@@ -345,6 +345,23 @@ def _with_terms(rejects: pd.DataFrame, terms: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([f for f in (kept, terms) if len(f)], ignore_index=True)
 
 
+def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
+    """(hash partitions, their scratch folder, created empty) for the duplicate checks; (0,
+    None) when the driver runs them (see `validate_catalog`)."""
+    if dup_partitions is not None and (isinstance(dup_partitions, bool) or not isinstance(
+            dup_partitions, int) or dup_partitions < 0):  # fmt: skip
+        raise ValueError(f"dup_partitions: expected None or an int >= 0, got {dup_partitions!r}")
+    if dup_partitions is None:
+        new_rows = sum(p.rows for p in new_parts)
+        dup_partitions = dup_partitions_for(sum(p.rows for p in parts), new_rows, partition_rows)
+    if not dup_partitions:
+        return 0, None
+    hash_dir = cat / "dup-hashes"
+    shutil.rmtree(hash_dir, ignore_errors=True)
+    hash_dir.mkdir()
+    return dup_partitions, hash_dir
+
+
 @task(name="validate-catalog", cache_policy=NO_CACHE)
 def validate_catalog(
     root: str,
@@ -362,7 +379,7 @@ def validate_catalog(
     Rows are checked a partition (`partition_rows`) at a time, `workers` partitions at once on
     local threads, or on the Dask cluster at `dask_address`. The duplicate checks run in
     `dup_partitions` hash-prefix partitions (tasks/dup_search.py; None: one per about 500k
-    rows when more than one partition of rows is new, else on the driver, whose memory then
+    rows when more than one partition of rows is new, else 0: on the driver, whose memory then
     holds the new rows' hashes and a row group of the old). When an earlier catalog of the
     chain was validated under the same rules and no accepted row has left the view since,
     only the rows ingested after it are checked, and compared with the others for duplicates.
@@ -404,15 +421,9 @@ def validate_catalog(
     old_parts = [p for p in parts if p.seq <= after]
     new_parts = [p for p in parts if p.seq > after]
     old_rows = int(base["rows"]) if base else 0
-    tasks = _partitions(new_parts, partition_rows)
-    if dup_partitions is None:
-        new_rows = sum(p.rows for p in new_parts)
-        dup_partitions = dup_partitions_for(sum(p.rows for p in parts), new_rows, partition_rows)
-    hash_dir = cat / "dup-hashes" if dup_partitions else None
-    if hash_dir is not None:
-        shutil.rmtree(hash_dir, ignore_errors=True)
-        hash_dir.mkdir()
-    checks = _run_checks(tasks, rules, columns, workers, dask_address, hash_dir, dup_partitions)
+    dup_partitions, hash_dir = _dup_plan(cat, dup_partitions, parts, new_parts, partition_rows)
+    checks = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
+                         dask_address, hash_dir, dup_partitions)  # fmt: skip
     new = _merge(checks, old_rows)
     if hash_dir is not None:
         files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]

@@ -74,6 +74,8 @@ def test_copies_across_runs_are_caught_in_partitions(tmp_path):
     assert q.loc["copy.jpg", "detail"].endswith("/orig.jpg"), "the earlier run's copy is kept"
     near = read_clean(str(root), second.ingest_id).set_index("key")["near_duplicate_of"]
     assert near["resized.jpg"].endswith("/orig.jpg") and flagged.near_duplicates == 1
+    with pytest.raises(ValueError, match="dup_partitions: expected None or an int >= 0, got -1"):
+        validate_catalog.fn(str(root), second.ingest_id, RULES, dup_partitions=-1)
 
 
 def test_incremental_and_full_validates_in_partitions_match_the_driver(tmp_path, demo_src):
