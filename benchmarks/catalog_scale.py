@@ -95,6 +95,7 @@ WORDS = [
     "night",
     "market",
 ]
+CHUNK = 1_000_000  # rows synthesised and written at once
 HOT = np.array([0x0, 0xFFFFFFFFFFFFFFFF, 0x8000800080008000], dtype=np.uint64)
 
 
@@ -134,8 +135,20 @@ def synth(n: int, seed: int, start: int, seq: int, ingest_id: str) -> pd.DataFra
     })  # fmt: skip
 
 
-def write_ingest(root: Path, ingest_id: str, rows: pd.DataFrame, seq: int, prev: str | None,
+def chunks(n: int, seed: int, start: int, seq: int, ingest_id: str):
+    """`synth` rows a million at a time (one frame when n is at most that), so that a
+    10M-row catalog is written in a few GB; exact copies stay within a million rows."""
+    if n <= CHUNK:
+        yield synth(n, seed, start, seq, ingest_id)
+        return
+    for i, lo in enumerate(range(0, n, CHUNK)):
+        yield synth(min(CHUNK, n - lo), seed * 1000 + i, start + lo, seq, ingest_id)
+
+
+def write_ingest(root: Path, ingest_id: str, frames, seq: int, prev: str | None,
                  totals: int) -> None:  # fmt: skip
+    from deltalake import write_deltalake
+
     from tasks.catalog import view as catalog_view
     from tasks.storage.layout import Layout
 
@@ -143,12 +156,21 @@ def write_ingest(root: Path, ingest_id: str, rows: pd.DataFrame, seq: int, prev:
                 "metadata_columns": ["license", "aesthetic"], "max_pixels": 178956970,
                 "image_extensions": [".jpg"]}  # fmt: skip
     layout = Layout(root)
-    versions = {"accepted": catalog_view.write_ingest(layout, "accepted", rows, SOURCE, seq,
-                                                      "false"), "quarantine": None}  # fmt: skip
+    frames = iter(frames)
+    rows = next(frames)
+    new_items = len(rows)
+    version = catalog_view.write_ingest(layout, "accepted", rows, SOURCE, seq, "false")
+    for rows in frames:  # the same ingest's further rows, appended to its partition
+        dt = catalog_view.open_table(layout, "accepted")
+        write_deltalake(dt, catalog_view._arrow(rows, dt, seq), mode="append",
+                        writer_properties=catalog_view.writer_properties())  # fmt: skip
+        version = catalog_view.open_table(layout, "accepted").version()
+        new_items += len(rows)
+    versions = {"accepted": version, "quarantine": None}
     summary = {
         "ingest_id": ingest_id, "source": SOURCE, "layout": "imagefolder", "listed": totals,
         "accepted": totals, "quarantined": 0, "reasons": {}, "manifest_problems": 0,
-        "new_items": len(rows), "view_accepted": totals, "view_quarantined": 0,
+        "new_items": new_items, "view_accepted": totals, "view_quarantined": 0,
         "ingest_seq": seq, "previous": prev, "settings": settings, "superseded_accepted": 0,
         "manifests": {SOURCE: "none"}, "source_settings": {SOURCE: settings}, "removed": [],
         "table_versions": versions,
@@ -242,12 +264,14 @@ def main() -> None:
     ap.add_argument("--sizes", default="100000,1000000,3000000")
     ap.add_argument("--dask-sizes", default="", help="Sizes also run on a Dask LocalCluster.")
     ap.add_argument("--work", default=None, help="Scratch folder (default: a temporary one).")
+    ap.add_argument("--steps", default="validate,validate_incremental,shard_plan,ingest_append",
+                    help="Steps to run (comma-separated).")  # fmt: skip
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
     dask_sizes = {int(x) for x in args.dask_sizes.split(",") if x}
     work = Path(args.work or tempfile.mkdtemp(prefix="kiln-catalog-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    kiln = str(Path(sys.executable).parent / "kiln")
+    kiln = [sys.executable, "-m", "kiln_cli.main"]  # this checkout's CLI, whatever is installed
     server, env = _prefect_server(work)
     cluster = None
     runs = []
@@ -265,13 +289,13 @@ def main() -> None:
         for n in sizes:
             root = work / f"root-{n}"
             shutil.rmtree(root, ignore_errors=True)
-            write_ingest(root, "ing-bench-base", synth(n, 1, 0, 1, "ing-bench-base"), 1, None, n)
-            write_ingest(root, "ing-bench-more", synth(10_000, 2, n, 2, "ing-bench-more"), 2,
+            write_ingest(root, "ing-bench-base", chunks(n, 1, 0, 1, "ing-bench-base"), 1, None, n)
+            write_ingest(root, "ing-bench-more", chunks(10_000, 2, n, 2, "ing-bench-more"), 2,
                          "ing-bench-base", n + 10_000)  # fmt: skip
             engines = ["local"] + (["dask"] if n in dask_sizes else [])
             for engine in engines:
                 cfg = _config(work, root, cluster.scheduler_address if engine == "dask" else None)
-                base = [kiln, "--debug"]
+                base = [*kiln, "--debug"]
                 steps = [
                     ("validate", [*base, "validate", "--config", str(cfg), "--root", str(root),
                                   "--ingest-id", "ing-bench-base"]),
@@ -284,7 +308,7 @@ def main() -> None:
                     steps.append(("ingest_append", [*base, "ingest", "--config", str(cfg),
                                                     "--root", str(root), "--source",
                                                     str(extra_src)]))  # fmt: skip
-                for step, cmd in steps:
+                for step, cmd in [s for s in steps if s[0] in args.steps.split(",")]:
                     if step == "validate":  # every row checked: no earlier verdict to start from
                         for v in (root / "catalog").glob("*/verdict.json"):
                             v.unlink()

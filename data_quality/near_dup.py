@@ -342,13 +342,20 @@ def _table_masks(d: int, m: int, j: int) -> Iterator[tuple[np.uint64, np.uint64,
 
 
 def _near_pairs(
-    values: np.ndarray, ref: np.ndarray | None, d: int, m: int, j: int, cap: int
+    values: np.ndarray,
+    ref: np.ndarray | None,
+    d: int,
+    m: int,
+    j: int,
+    cap: int,
+    table: np.uint64 | None = None,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield batches of (target id, source id) for pairs within distance `d`: the source's
     representatives are candidates for the target's rows. Self join (`ref` None): ids index
     `values`, and a pair goes both ways, as an earlier value can still be the answer for later
     rows of a value (hot rows only look back). Otherwise: targets index `values`, sources
-    `ref`. Pairs may repeat."""
+    `ref`. Pairs may repeat. With `table` (a key mask), only that table
+    (data_quality/dup_partitions.py runs each table on its own rows)."""
     self_join = ref is None
     if self_join and d == 0:
         return  # distinct values are never within distance 0
@@ -356,9 +363,11 @@ def _near_pairs(
     both = values if self_join else np.concatenate([ref, values])  # refs sort first in a bucket
     targets, sources = [], []
     # Tables that share a first block share a split of the rows into parts (by that block).
-    for lead, group in groupby(_table_masks(d, m, j), key=lambda table: table[0]):
-        group = list(group)
-        for ids, vals in _partitions(both, lead):
+    for first, group in groupby(_table_masks(d, m, j), key=lambda t: t[0]):
+        group = [t for t in group if table is None or t[1] == table]
+        if not group:
+            continue
+        for ids, vals in _partitions(both, first):
             for _, mask, subs in group:
                 key = _hash32(vals, mask)
                 for q, r, both_ways in _table_pairs(ids, vals, key, mask, subs, d, cap, n_ref):

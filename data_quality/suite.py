@@ -359,10 +359,12 @@ def hash_columns(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @dataclass
 class CrossCheck:
     """The cross-catalog rules over the new rows: for each, the position (in the whole
-    catalog's priority order) of the row it duplicates, or -1."""
+    catalog's priority order) of the row it duplicates, or -1. With `positions`, only the
+    rows at those positions (the others have no duplicate): the partitioned search's form."""
 
     duplicate_of: np.ndarray
     near_duplicate_of: np.ndarray
+    positions: np.ndarray | None = None
 
 
 def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0) -> CrossCheck:
@@ -414,20 +416,19 @@ def apply_cross(
     near_duplicate_of) and `counts`. `keys_at(positions)` gives the (sources, keys) of
     catalog positions, for the rows hit and the rows they duplicate."""
     dup, near = cross.duplicate_of, cross.near_duplicate_of
+    pos = np.arange(len(dup)) + offset if cross.positions is None else cross.positions
     counts = {**rows.counts, "duplicate_sha256": int((dup >= 0).sum())}
     if rules.drop_near_duplicates:
         counts["near_duplicate"] = int((near >= 0).sum())
-    free = np.ones(len(dup), bool)
-    free[rows.rejected["pos"].to_numpy(np.int64) - offset] = False
+    free = ~np.isin(pos, rows.rejected["pos"].to_numpy(np.int64))
     is_dup = free & (dup >= 0)
     is_near = free & ~is_dup & (near >= 0)
-    need = np.unique(np.concatenate([
-        np.flatnonzero(is_dup | is_near) + offset, dup[is_dup], near[is_near]]))  # fmt: skip
+    need = np.unique(np.concatenate([pos[is_dup | is_near], dup[is_dup], near[is_near]]))
     src, key = keys_at(need) if len(need) else (np.array([], object), np.array([], object))
     at = {int(p): i for i, p in enumerate(need)}
 
     def frame(hit, targets, reason, what):
-        me = [at[int(p)] for p in np.flatnonzero(hit) + offset]
+        me = [at[int(p)] for p in pos[hit]]
         of = [at[int(p)] for p in targets[hit]]
         uid = [f"{str(src[i]).rstrip('/')}/{key[i]}" for i in of]
         out = pd.DataFrame({"source": src[me], "key": key[me], "reason": reason,

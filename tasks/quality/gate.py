@@ -28,6 +28,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from data_quality.dup_partitions import write_hash_file
 from data_quality.suite import (
     INGEST_REASONS,
     REASONS,
@@ -40,7 +41,6 @@ from data_quality.suite import (
     check_rows,
     cross_catalog,
     expectation_summaries,
-    hash_columns,
     suite_key,
     write_data_docs,
 )
@@ -59,6 +59,7 @@ from tasks.catalog.view import (
     view_versions,
     write_verdict_rows,
 )
+from tasks.quality.dup_search import dup_partitions_for, old_hash_batches, partitioned_cross
 from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
 from tasks.runtime.runners import partition_runner
@@ -197,11 +198,21 @@ def gate_for_sharding(root: str, ingest_id: str, *, allow_failed_gate: bool = Fa
 
 @task(name="check-partition", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def check_partition(
-    part: ViewPart, row_groups: list[int], columns: list[str], rules: QualityConfig
+    part: ViewPart,
+    row_groups: list[int],
+    columns: list[str],
+    rules: QualityConfig,
+    hash_path: str | None = None,
+    hash_parts: int = 0,
 ) -> RowCheck:
     """The row-local rules on some row groups of one ingest's rows (pure reads: a retry is
-    safe; on a Dask worker, the root must be mounted at the same path)."""
-    return check_rows(read_part(part, columns, row_groups), rules)
+    safe; on a Dask worker, the root must be mounted at the same path). With `hash_path`, the
+    rows' hashes go to that file for the partitioned duplicate search instead of the result."""
+    check = check_rows(read_part(part, columns, row_groups), rules)
+    if hash_path:
+        write_hash_file(hash_path, check.hashes, hash_parts)
+        check.hashes = None
+    return check
 
 
 def _partitions(parts: list[ViewPart], rows: int) -> list[tuple[ViewPart, list[int]]]:
@@ -227,9 +238,11 @@ def _base(layout: Layout, links: list[dict], key: str) -> dict | None:
     return None
 
 
-def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | None) -> list:
+def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | None,
+                hash_dir: Path | None = None, hash_parts: int = 0) -> list:  # fmt: skip
     """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
-    so that memory stays a few partitions whatever the catalog's size."""
+    so that memory stays a few partitions whatever the catalog's size. With `hash_dir`, each
+    writes its hashes there (`<n>.parquet`) for `hash_parts` duplicate partitions."""
     out, window = [], []
     progress = Progress("validate", sum(p.rows for p in {p.path: p for p, _ in tasks}.values()),
                         "rows")  # fmt: skip
@@ -240,8 +253,10 @@ def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | N
 
     with partition_runner(workers, dask_address) as runner:
         limit = len(tasks) if dask_address else workers
-        for part, groups in tasks:
+        for i, (part, groups) in enumerate(tasks):
             args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules}
+            if hash_dir is not None:
+                args.update(hash_path=str(hash_dir / f"{i:06d}.parquet"), hash_parts=hash_parts)
             window.append(runner.submit(check_partition, args))
             if len(window) >= limit:
                 done(window.pop(0))
@@ -249,12 +264,6 @@ def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | N
             done(f)
     progress.finish()
     return out
-
-
-def _hashes(parts: list[ViewPart]):
-    for p in parts:
-        for g in range(p.row_groups):
-            yield hash_columns(read_part(p, ["sha256", "phash"], [g]))
 
 
 def _keys_at(parts: list[ViewPart]):
@@ -288,8 +297,9 @@ def _merge(checks: list[RowCheck], offset: int) -> RowCheck:
             counts[r] = counts.get(r, 0) + n
         start += c.rows
     cols = ["source", "key", "reason", "detail", "pos"]
-    hashes = tuple(np.concatenate([c.hashes[i] for c in checks]) if checks
-                   else np.zeros(0, np.uint64) for i in range(3))  # fmt: skip
+    hashes = None if any(c.hashes is None for c in checks) else tuple(
+        np.concatenate([c.hashes[i] for c in checks]) if checks else np.zeros(0, np.uint64)
+        for i in range(3))  # fmt: skip
     return RowCheck(
         rows=start - offset,
         rejected=pd.concat(
@@ -336,6 +346,23 @@ def _with_terms(rejects: pd.DataFrame, terms: pd.DataFrame) -> pd.DataFrame:
     return pd.concat([f for f in (kept, terms) if len(f)], ignore_index=True)
 
 
+def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
+    """(hash partitions, their scratch folder, created empty) for the duplicate checks; (0,
+    None) when the driver runs them (see `validate_catalog`)."""
+    if dup_partitions is not None and (isinstance(dup_partitions, bool) or not isinstance(
+            dup_partitions, int) or dup_partitions < 0):  # fmt: skip
+        raise ValueError(f"dup_partitions: expected None or an int >= 0, got {dup_partitions!r}")
+    if dup_partitions is None:
+        new_rows = sum(p.rows for p in new_parts)
+        dup_partitions = dup_partitions_for(sum(p.rows for p in parts), new_rows, partition_rows)
+    if not dup_partitions:
+        return 0, None
+    hash_dir = cat / "dup-hashes"
+    shutil.rmtree(hash_dir, ignore_errors=True)
+    hash_dir.mkdir()
+    return dup_partitions, hash_dir
+
+
 @task(name="validate-catalog", cache_policy=NO_CACHE)
 def validate_catalog(
     root: str,
@@ -346,11 +373,15 @@ def validate_catalog(
     dask_address: str | None = None,
     workers: int = 2,
     partition_rows: int = PARTITION_ROWS,
+    dup_partitions: int | None = None,
 ) -> ValidateResult:
     """Run the suite on the view after `ingest_id`; raise QualityGateError past the threshold.
 
     Rows are checked a partition (`partition_rows`) at a time, `workers` partitions at once on
-    local threads, or on the Dask cluster at `dask_address`. When an earlier catalog of the
+    local threads, or on the Dask cluster at `dask_address`. The duplicate checks run in
+    `dup_partitions` hash-prefix partitions (tasks/dup_search.py; None: one per about 500k
+    rows when more than one partition of rows is new, else 0: on the driver, whose memory then
+    holds the new rows' hashes and a row group of the old). When an earlier catalog of the
     chain was validated under the same rules and no accepted row has left the view since,
     only the rows ingested after it are checked, and compared with the others for duplicates.
     The licensing terms (data_quality/terms.py: the takedown list, license ends) run on every
@@ -391,11 +422,19 @@ def validate_catalog(
     old_parts = [p for p in parts if p.seq <= after]
     new_parts = [p for p in parts if p.seq > after]
     old_rows = int(base["rows"]) if base else 0
+    dup_partitions, hash_dir = _dup_plan(cat, dup_partitions, parts, new_parts, partition_rows)
     checks = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
-                         dask_address)  # fmt: skip
+                         dask_address, hash_dir, dup_partitions)  # fmt: skip
     new = _merge(checks, old_rows)
-    cross = cross_catalog(new.hashes, rules, _hashes(old_parts), old_rows) if new.rows else (
-        CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64)))  # fmt: skip
+    if hash_dir is not None:
+        files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
+        cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
+                                  rules.near_duplicate_distance, dup_partitions,
+                                  workers=workers, dask_address=dask_address)  # fmt: skip
+    elif new.rows:
+        cross = cross_catalog(new.hashes, rules, old_hash_batches(old_parts, new_parts), old_rows)
+    else:
+        cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
     found = apply_cross(new, cross, rules, _keys_at(parts), offset=old_rows)
     counts = dict(base["counts"]) if base else {}
     for r, n in found["counts"].items():
