@@ -34,8 +34,8 @@ from kiln_config import (
     LaunchConfig,
     StageRun,
 )
+from models.callbacks.divergence import DIVERGED
 from models.cpu_threads import cpu_threads_per_process
-from models.divergence import DIVERGED
 from tasks.launch.common import (
     ClusterJob,
     HeartbeatWatch,
