@@ -1,4 +1,4 @@
-"""The cost of a training sample grid (models/sample_grid.py) against the training step time.
+"""The cost of a training sample grid (models/callbacks/sample_grid.py) against the step time.
 
     python benchmarks/sample_grids.py --config configs/tiny.yaml --out grids.json
 
@@ -23,8 +23,8 @@ import torch
 from accelerate import Accelerator
 
 from kiln_config import StageRun, load_config
+from models.callbacks.sample_grid import sample_grid
 from models.measure_throughput import measure_stage
-from models.sample_grid import sample_grid
 from models.train import build_models
 from models.train_metrics import MetricsSink
 

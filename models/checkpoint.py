@@ -7,9 +7,9 @@ logged metrics, which the manifest needs even when a launch resumes at the last 
 written under a temporary name and renamed only when complete, and `kiln_state.json` is the
 last file written, so a folder without it is never resumed from.
 
-The training loop's two checkpoint steps are `resume` (at the start of a launch) and
-`save_due_checkpoint` (after an optimizer step); `TrainState` is what they carry from one
-launch of a stage to the next.
+The training loop resumes with `resume` at the start of a launch and saves through the
+`DueCheckpoint` callback (`models.callbacks.checkpoint`) after an optimizer step; the
+`TrainState` (`models.state`) is what they carry from one launch of a stage to the next.
 """
 
 from __future__ import annotations
@@ -17,22 +17,19 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from accelerate import Accelerator
 
-if TYPE_CHECKING:
-    from models.train import TrainContext
+from models.state import TrainContext, TrainState
 
 __all__ = [
-    "TrainState",
+    "STATE_FILE",
+    "checkpoint_extra",
     "latest_checkpoint",
     "load_checkpoint",
     "resume",
     "save_checkpoint",
-    "save_due_checkpoint",
 ]
 
 log = logging.getLogger(__name__)
@@ -82,21 +79,6 @@ def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
     return json.loads((path / STATE_FILE).read_text())
 
 
-# -- the training state ---------------------------------------------------------------------------
-
-
-@dataclass
-class TrainState:
-    """Where the stage's training stands; checkpointed with the models, so it spans launches."""
-
-    step: int = 0
-    loader_state: dict | None = None
-    losses: list[float] = field(default_factory=list)  # logged window means, over all launches
-    last_log_step: int = 0  # the step of losses[-1]
-    elapsed_s: float = 0.0  # training wall time over every launch of the stage (logged windows)
-    val: list[dict] = field(default_factory=list)  # each validation's metrics, over all launches
-
-
 def resume(ctx: TrainContext) -> TrainState:
     """The state of the newest complete checkpoint in `checkpoints/`, restored into the
     models, optimizer, RNGs, loader and metrics sink; a fresh state when there is none."""
@@ -121,13 +103,10 @@ def resume(ctx: TrainContext) -> TrainState:
     return state
 
 
-def save_due_checkpoint(ctx: TrainContext, state: TrainState) -> None:
-    """Checkpoint every `checkpoint_every` steps and at the stage's last step: Accelerate's
-    state plus the loader position and the histories the manifest needs."""
-    cfg = ctx.run.train
-    if state.step % cfg.checkpoint_every and state.step != ctx.run.stage.max_steps:
-        return
-    extra = {
+def checkpoint_extra(ctx: TrainContext, state: TrainState) -> dict:
+    """What a checkpoint keeps beside Accelerate's state: the loader position and the
+    histories the manifest needs (`resume` reads them back)."""
+    return {
         "loader": ctx.loader.state_dict(),
         "elapsed_s": state.elapsed_s,
         "losses": state.losses,
@@ -135,5 +114,3 @@ def save_due_checkpoint(ctx: TrainContext, state: TrainState) -> None:
         "metrics": ctx.sink.last,
         "val": state.val,
     }
-    save_checkpoint(ctx.accelerator, ctx.out / "checkpoints", state.step, extra,
-                    cfg.keep_checkpoints)  # fmt: skip

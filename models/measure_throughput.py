@@ -152,7 +152,8 @@ def _train_steps(run: StageRun):
     Accelerator it ran under."""
     from accelerate import Accelerator
 
-    from models.train import TrainContext, build_dataloader, build_models, train_loop
+    from models.state import TrainContext
+    from models.train import build_dataloader, build_models, train_loop
     from models.train_metrics import MetricsSink
 
     accelerator = Accelerator(

@@ -30,43 +30,35 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
-from diffusers.training_utils import EMAModel
 
 from kiln_config import StageRun, load_yaml_model
 from kiln_config.errors import InputError
-from models.checkpoint import TrainState, resume, save_due_checkpoint
-from models.divergence import (
-    DIVERGED,
-    TrainingDiverged,
-    divergence,
-    fail_diverged,
-    raise_if_diverged,
-)
+from models.callbacks import Callbacks, StepEnd
+from models.callbacks.checkpoint import DueCheckpoint
+from models.callbacks.divergence import DivergenceCheck, raise_if_diverged
+from models.callbacks.faults import StepFaults
+from models.callbacks.heldout_loss import HeldOutLoss, build_validator
+from models.callbacks.sample_grid import SampleGrids, sample_grid, sample_grids
+from models.checkpoint import resume
 from models.ema import EMA_DTYPES, KilnEMA
 from models.export import export_unet, write_pipeline
 from models.factory import Components, build_components, vae_scale_factor
-from models.faults import kill_in_export, nan_loss, perturb_weights, step_fault
+from models.faults import Faults
 from models.flops import device_peak_flops, train_flops_per_sample
-from models.heldout_loss import build_validator
-from models.loader import KilnLoader, build_loader, precomputed_columns
+from models.loader import build_loader, precomputed_columns
 from models.loss import denoising_loss
-from models.sample_grid import maybe_sample_grid, sample_grid, sample_grids
 from models.stale_streaming_files import clean_stale_streaming
+from models.state import TrainContext, TrainState
 from models.train_metrics import MetricsSink, MetricsWindow, system_metrics
 
 __all__ = [
-    "DIVERGED",
-    "TrainContext",
-    "TrainState",
-    "TrainingDiverged",
+    "build_callbacks",
     "build_dataloader",
     "build_models",
     "check_identical_weights",
@@ -163,28 +155,27 @@ def build_dataloader(run: StageRun, comps: Components):
                         stage_index=run.stage_index, remote=remote, mix=mix)  # fmt: skip
 
 
-@dataclass
-class TrainContext:
-    """Everything one stage's training steps use, built once by the script's phases."""
+def build_callbacks(ctx: TrainContext, checkpoints: bool = True) -> Callbacks:
+    """The training loop's side concerns, in the order they act after each optimizer step.
 
-    run: StageRun
-    accelerator: Accelerator
-    comps: Components
-    optimizer: torch.optim.Optimizer
-    lr_scheduler: AcceleratedScheduler
-    ema: EMAModel | None
-    weight_dtype: torch.dtype
-    loader: KilnLoader
-    sink: MetricsSink
-
-    @property
-    def out(self) -> Path:
-        """The stage's output folder."""
-        return Path(self.run.output_dir)
+    The divergence check comes first, so nothing of a diverged state is evaluated or saved;
+    the checkpoint comes after the validation it keeps and the grid a resume must not skip;
+    the fault injection after it all. Without `checkpoints` (a throughput measurement) there
+    are no grids, no checkpoints and no validation at step 0.
+    """
+    callbacks = [DivergenceCheck()]
+    val = build_validator(ctx.run, ctx.accelerator, ctx.comps, ctx.ema, ctx.weight_dtype)
+    if val is not None:  # None: the stage has no validation split
+        callbacks.append(HeldOutLoss(val, at_start=checkpoints))
+    if checkpoints:
+        callbacks += [SampleGrids(), DueCheckpoint()]
+    return Callbacks([*callbacks, StepFaults()])
 
 
 def train_loop(ctx: TrainContext, checkpoints: bool = True) -> TrainState:
-    """Optimizer steps until `max_steps`, checkpointing and resuming through `checkpoints/`.
+    """Optimizer steps until `max_steps`, resuming from `checkpoints/`; the side concerns
+    (validation, sample grids, the divergence check, checkpoints, fault injection) are the
+    callbacks of `build_callbacks`, called at each event.
 
     Args:
         ctx: The stage's models, loader and metrics sink.
@@ -194,15 +185,12 @@ def train_loop(ctx: TrainContext, checkpoints: bool = True) -> TrainState:
     Returns:
         The training state at the stage's last step.
     """
-    run, accelerator, max_steps = ctx.run, ctx.accelerator, ctx.run.stage.max_steps
+    accelerator, max_steps = ctx.accelerator, ctx.run.stage.max_steps
     perf = _perf_setup(ctx)
-    val = build_validator(run, accelerator, ctx.comps, ctx.ema, ctx.weight_dtype)  # None: no split
+    callbacks = build_callbacks(ctx, checkpoints)
     state = resume(ctx) if checkpoints else TrainState()
     window = _metrics_window(ctx, perf)
-    if val is not None and checkpoints and state.step == 0:
-        # The starting point of the curve: the weights the stage begins from (random, the
-        # previous stage's or a warm start's), comparable with every later evaluation.
-        window.exclude(val.run(state, ctx.sink))
+    callbacks.on_fit_start(ctx, state, window)
     with _sample_keys_log(ctx) as log_keys:
         for batch in _batches(ctx, state, window):
             loss, grad_norm = train_step(ctx, batch, state.step)
@@ -216,23 +204,10 @@ def train_loop(ctx: TrainContext, checkpoints: bool = True) -> TrainState:
             window.steps += 1
             ctx.sink.heartbeat(state.step)
             mean_loss = log_window(ctx, state, window, grad_norm)
-            # Every hook below runs before the checkpoint: the diverged state is never saved,
-            # a resume finds the validation it keeps, and never skips a grid.
-            cause = divergence(grad_norm, accelerator.optimizer_step_was_skipped, mean_loss)
-            if cause is not None:
-                fail_diverged(accelerator, ctx.out, ctx.sink, state, cause)
-            if val is not None and val.due(state.step):
-                window.exclude(val.run(state, ctx.sink))  # off the next window's step time
-            if checkpoints:
-                window.exclude(maybe_sample_grid(run, accelerator, ctx.comps, ctx.ema,
-                                                 state.step, ctx.sink))  # fmt: skip
-                save_due_checkpoint(ctx, state)
-            step_fault(run.faults, state.step, ctx.out)
+            callbacks.on_step_end(ctx, state, window, StepEnd(grad_norm, mean_loss))
             if state.step >= max_steps:
                 break
-    if val is not None:
-        val.finish(state, ctx.sink)
-        val.evalset.close()
+    callbacks.on_fit_end(ctx, state)
     return state
 
 
@@ -252,7 +227,7 @@ def train_step(ctx: TrainContext, batch: dict, step: int) -> tuple[torch.Tensor,
     accelerator, cfg, grad_norm = ctx.accelerator, ctx.run.train, None
     with accelerator.accumulate(ctx.comps.unet):
         loss = denoising_loss(ctx.comps, batch, ctx.weight_dtype, accelerator.device, cfg)
-        loss = nan_loss(ctx.run.faults, step + 1, loss)
+        loss = ctx.faults.at("loss", loss, step=step + 1)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             norm = accelerator.clip_grad_norm_(ctx.comps.unet.parameters(), cfg.max_grad_norm)
@@ -423,7 +398,7 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
     Raises:
         RuntimeError: when DDP ranks hold different weights (nothing is exported).
     """
-    out = Path(run.output_dir)
+    out, faults = Path(run.output_dir), Faults.of(run)
     accelerator.wait_for_everyone()
     unet, checksums = _agreed_unet(run, accelerator, comps)
     if not accelerator.is_main_process:
@@ -434,16 +409,16 @@ def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
         shutil.rmtree(raw_tmp, ignore_errors=True)
         unet.save_pretrained(raw_tmp / "unet")
         _replace_dir(raw_tmp, out / "final-raw")
-        kill_in_export(run.faults, "after_raw", out)
+        faults.at("export:after_raw")
     tmp = out / ".final.tmp"
     write_pipeline(comps, export, tmp)
-    kill_in_export(run.faults, "after_final_tmp", out)
+    faults.at("export:after_final_tmp")
     _replace_dir(tmp, out / "final")
-    kill_in_export(run.faults, "after_final", out)
+    faults.at("export:after_final")
     manifest = _manifest(run, accelerator, ema, state, sink, checksums)
     manifest_tmp = out / ".manifest.json.tmp"
     manifest_tmp.write_text(json.dumps(manifest, indent=2))
-    kill_in_export(run.faults, "after_manifest_tmp", out)
+    faults.at("export:after_manifest_tmp")
     manifest_tmp.replace(out / "manifest.json")
     log.info("exported %s", out / "final")
 
@@ -456,7 +431,7 @@ def _agreed_unet(run, accelerator, comps) -> tuple[torch.nn.Module | None, list[
         RuntimeError: when DDP ranks hold different weights.
     """
     unet = accelerator.unwrap_model(comps.unet)
-    perturb_weights(run.faults, unet, accelerator.process_index)
+    Faults.of(run).at("weights", unet, rank=accelerator.process_index)
     # Every rank reports a checksum of its weights: DDP must have kept them identical.
     sums = accelerator.gather(
         torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64)

@@ -35,8 +35,8 @@ from kiln_config import (
     StageRun,
 )
 from kiln_config.errors import MissingInput
+from models.callbacks.divergence import DIVERGED
 from models.cpu_threads import cpu_threads_per_process
-from models.divergence import DIVERGED
 from tasks.launch.common import (
     ClusterJob,
     HeartbeatWatch,

@@ -14,6 +14,7 @@ cannot be generated is an error, since it means the export is broken.
 Generation draws from explicit generators only, under `fork_rng`, so the training RNG (noise,
 timesteps, caption dropout) is exactly where it was, and a run with grids trains the same
 weights as one without. The training UNet is never touched: the EMA weights go into a copy.
+`SampleGrids` is the training loop's callback that draws the intermediate steps' grids.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
@@ -29,12 +31,17 @@ from accelerate.utils import DistributedType
 from PIL import Image, ImageDraw, ImageFont
 
 from kiln_config import StageRun
+from models.callbacks.base import Callback, StepEnd
 from models.export import export_unet, write_pipeline
 from models.study_images import generate_images, load_pipeline
 
+if TYPE_CHECKING:
+    from models.state import TrainContext, TrainState
+    from models.train_metrics import MetricsWindow
+
 __all__ = [
+    "SampleGrids",
     "grid_image",
-    "maybe_sample_grid",
     "sample_grid",
     "sample_grids",
     "tile_box",
@@ -56,20 +63,20 @@ def sample_grids(out_dir: str | Path) -> list[Path]:
     return sorted((Path(out_dir) / "samples").glob("step-*.png"))
 
 
-def maybe_sample_grid(
-    run: StageRun, accelerator: Accelerator, comps, ema, step: int, sink
-) -> float:
-    """The grid of an intermediate step when `train.sample_every` says so, on every rank.
+class SampleGrids(Callback):
+    """The grid of every `train.sample_every`-th intermediate step, on every rank; its seconds
+    stay off the metrics window's step time. The stage's last step is left to the training
+    script's end-of-stage grid, drawn once the optimizer state is released."""
 
-    The last step is left to the end-of-stage call. Returns the seconds spent (0.0 when no
-    grid was due), so the caller can keep them off its step-time clock.
-    """
-    every = run.train.sample_every
-    if every is None or step % every or step >= run.stage.max_steps:
-        return 0.0
-    t0 = time.perf_counter()
-    sample_grid(run, accelerator, comps, ema, step, sink)
-    return time.perf_counter() - t0
+    def on_step_end(
+        self, ctx: TrainContext, state: TrainState, window: MetricsWindow, step: StepEnd
+    ) -> None:
+        run, every = ctx.run, ctx.run.train.sample_every
+        if every is None or state.step % every or state.step >= run.stage.max_steps:
+            return
+        t0 = time.perf_counter()
+        sample_grid(run, ctx.accelerator, ctx.comps, ctx.ema, state.step, ctx.sink)
+        window.exclude(time.perf_counter() - t0)
 
 
 def sample_grid(

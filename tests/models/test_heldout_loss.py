@@ -1,4 +1,5 @@
-"""The held-out validation loss and conditioning gap (models/heldout_loss.py)."""
+"""The held-out validation loss and conditioning gap: during training
+(models/callbacks/heldout_loss.py) and of an export (models/heldout_loss.py)."""
 
 import io
 import json
@@ -16,7 +17,7 @@ from safetensors.torch import load_file
 from streaming import MDSWriter
 
 from kiln_config import StageRun, load_config
-from models.heldout_loss import _noise, build_validator, eval_timesteps, noise_seed
+from models.callbacks.heldout_loss import _noise, build_validator, eval_timesteps, noise_seed
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = load_config(REPO / "configs" / "tiny.yaml").train
