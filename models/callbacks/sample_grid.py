@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from PIL import Image, ImageDraw, ImageFont
 
-from kiln_config import StageRun
+from kiln_config import EvaluateConfig, StageRun
 from models.callbacks.base import Callback, StepEnd
 from models.export import export_unet, write_pipeline
 from models.study_images import generate_images, load_pipeline
@@ -55,7 +55,9 @@ HEADER_HEIGHT = 20  # the seed row
 PAD = 2
 MIN_TILE = 128  # smaller images are enlarged (nearest neighbour) to at least this side
 FONT_SIZE = 12
-BATCH = 8  # images per pipeline call (evaluate.batch_size's default)
+# Images per pipeline call: `kiln evaluate`'s default batch, so that a grid's images are the
+# ones a study of the same prompts and seeds draws.
+BATCH = EvaluateConfig.model_fields["batch_size"].default
 
 
 def sample_grids(out_dir: str | Path) -> list[Path]:
