@@ -31,7 +31,7 @@ def test_serve_builds_a_deployment_per_flow():
 def test_the_human_eval_flow_has_a_deployment_to_start_from_the_ui():
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     (dep,) = [d for d in spec["deployments"] if d["name"] == "human-eval"]
-    assert dep["entrypoint"] == "flows/human_evaluation.py:human_eval_flow"
+    assert dep["entrypoint"] == "flows/entry.py:human_eval"
     assert "schedules" not in dep
 
 
@@ -43,7 +43,7 @@ def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
     for name in ("weekly-retrain", "from-scratch", "tiny-pipeline"):
         assert deps[name]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     weekly = deps["weekly-retrain"]
-    assert weekly["entrypoint"] == "flows/retrain.py:retrain_flow" and weekly["schedules"]
+    assert weekly["entrypoint"] == "flows/entry.py:retrain" and weekly["schedules"]
     cfg = load_config(REPO / weekly["parameters"]["config"])
     assert cfg.train.init_from_model == "models:/kiln-t2i@champion"
     assert len(cfg.train.stages) == 1, "one stage at the champion's final resolution"
