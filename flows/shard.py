@@ -7,7 +7,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from kiln_config import PipelineConfig, StageRun, encoder_key
+from kiln_config import PipelineConfig, PrecomputeRun, encoder_key
 from tasks.launch.accelerate import launch_precompute
 from tasks.reports import shards_report
 from tasks.shards.publish import publish_shards
@@ -72,12 +72,12 @@ def shard_flow(
             # The held-out split, when the stage has one, is encoded in the same launch.
             val = layout.val_shards(version, res) if result.stages[res]["val_samples"] else None
             val_out = layout.val_latents(version, res, encoder_key(cfg)) if val else None
-            spec = StageRun(train=cfg.train, stage_index=i, shards=str(images),
-                            output_dir=str(out.parent), val_shards=val and str(val))  # fmt: skip
-            launch_precompute.with_options(name=f"precompute-{res}px")(
-                spec, str(out), cfg.launch, text=cfg.shards.precompute_text,
-                val_out_dir=val_out and str(val_out),
+            run = PrecomputeRun(
+                train=cfg.train, stage_index=i, shards=str(images), out_dir=str(out),
+                val_shards=val and str(val), val_out_dir=val_out and str(val_out),
+                text=cfg.shards.precompute_text,
             )  # fmt: skip
+            launch_precompute.with_options(name=f"precompute-{res}px")(run, cfg.launch)
             result.stages[res]["latents"] = str(out)
             if val_out:
                 result.stages[res]["val_latents"] = str(val_out)
