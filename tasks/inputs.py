@@ -1,6 +1,7 @@
 """The inputs a step needs, checked before it starts: the source, the topology file, the
 tracking store, the cluster and the evaluation prompts. Every check reads; none changes
-the config it checks.
+the config it checks. A value a check finds (the resolved prompts file, `prompts_file`) is
+returned, and the step that needs it sets it on its own copy (`with_prompts`).
 """
 
 from __future__ import annotations
