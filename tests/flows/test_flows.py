@@ -103,7 +103,8 @@ def test_a_flow_run_records_its_config_without_credentials(tmp_path, demo_src, m
     while the flow itself, and the run's snapshot, use them."""
     from prefect.client.orchestration import get_client
 
-    from kiln_config import _snapshot_text, load_config
+    from kiln_config import load_config
+    from kiln_config.pipeline import _snapshot_text
 
     cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
     cfg.storage.endpoint_url = "http://AKIDKILN:endpoint-s3cr3t@127.0.0.1:9"  # unused: a folder
