@@ -3,11 +3,10 @@
     python deployments/serve.py --config configs/sd2-base.yaml --cron "0 3 * * 0"
 
 The retraining pipeline runs on the cron schedule, and when the ingest of this config's root
-reports enough new images (the `kiln.ingest.completed` event, tasks/registry/new_data.py); every
-flow
-can also be started on demand from the Prefect UI. Parameters are config paths, never copies
-of hyperparameters: each deployment runs an entry of flows/entry.py, which loads and checks
-the path and runs the flow on the loaded config.
+reports enough new images (the `kiln.ingest.completed` event, tasks/registry/new_data.py);
+every flow can also be started on demand from the Prefect UI. Parameters are config paths,
+never copies of hyperparameters: each deployment runs an entry of flows/entry.py, which loads
+and checks the path and runs the flow on the loaded config.
 """
 
 from __future__ import annotations
