@@ -229,13 +229,13 @@ def _run(work: Path, size: dict, args) -> dict:
         w = csv.writer(f)
         w.writerow(["Prompts", "Category"])
         w.writerows([c, "demo"] for c in captions)
+    from kiln_config import EvaluateConfig, StudyRun, write_run_file
     from models.study_images import main as generate
 
-    generate([
-        "--pipeline", str(stage / "final"), "--prompts", str(csv_path), "--out",
-        str(work / "held_out"), "--seeds", "0", "--steps", str(size["gen_steps"]),
-        "--guidance", "4.0", "--batch-size", "16",
-    ])  # fmt: skip
+    ev = EvaluateConfig(prompts_csv=str(csv_path), seeds=[0], batch_size=16,
+                        num_inference_steps=size["gen_steps"], guidance_scale=4.0)  # fmt: skip
+    study = StudyRun(pipeline=str(stage / "final"), out_dir=str(work / "held_out"), evaluate=ev)
+    generate(["--config", str(write_run_file(study, work / "held_out.yaml"))])
     from PIL import Image
 
     images = [

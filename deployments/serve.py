@@ -3,10 +3,10 @@
     python deployments/serve.py --config configs/sd2-base.yaml --cron "0 3 * * 0"
 
 The retraining pipeline runs on the cron schedule, and when the ingest of this config's root
-reports enough new images (the `kiln.ingest.completed` event, tasks/registry/new_data.py); every
-flow
-can also be started on demand from the Prefect UI. Parameters are config paths, never copies
-of hyperparameters.
+reports enough new images (the `kiln.ingest.completed` event, tasks/registry/new_data.py);
+every flow can also be started on demand from the Prefect UI. Parameters are config paths,
+never copies of hyperparameters: each deployment runs an entry of flows/entry.py, which loads
+and checks the path and runs the flow on the loaded config.
 """
 
 from __future__ import annotations
@@ -15,13 +15,7 @@ import argparse
 
 from prefect import serve
 
-from flows.evaluate import evaluate_flow
-from flows.ingest import ingest_flow
-from flows.pipeline import kiln_pipeline
-from flows.register import register_flow
-from flows.shard import shard_flow
-from flows.train import train_flow
-from flows.validate import validate_flow
+from flows import entry
 
 
 def build_deployments(config_path: str, cron: str | None) -> list:
@@ -47,12 +41,13 @@ def build_deployments(config_path: str, cron: str | None) -> list:
         },  # fmt: skip
     )
     deployments = [
-        kiln_pipeline.to_deployment(
+        entry.pipeline.to_deployment(
             "retrain", parameters=params, cron=cron, concurrency_limit=one, triggers=[new_data]
         )  # fmt: skip
     ]
-    for f in (ingest_flow, validate_flow, shard_flow, train_flow, evaluate_flow, register_flow):
-        limit = one if f is train_flow else None
+    for f in (entry.ingest, entry.validate, entry.shard, entry.train, entry.evaluate,
+              entry.register):  # fmt: skip
+        limit = one if f is entry.train else None
         deployments.append(f.to_deployment(f.name.removeprefix("kiln-"), parameters=params,
                                            concurrency_limit=limit))  # fmt: skip
     return deployments

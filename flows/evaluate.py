@@ -18,7 +18,7 @@ from kiln_config import PipelineConfig, run_config, stable_hash
 from tasks.evaluation.contact_sheet import write_contact_sheets
 from tasks.evaluation.prompts import prompt_set_name
 from tasks.evaluation.study_metrics import compute_study_metrics, log_study_metrics, metrics_report
-from tasks.inputs import as_config, check_inputs
+from tasks.inputs import prompts_file
 from tasks.launch.accelerate import launch_generate
 from tasks.reports import study_report
 from tasks.storage.layout import Layout
@@ -32,7 +32,8 @@ def study_id_for(model_ident: str, ev) -> str:
 
     Args:
         model_ident: A training run id, or an id of a registered model or pipeline folder.
-        ev: The config's `evaluate` section, with `prompts_csv` resolved (`check_inputs`).
+        ev: The config's `evaluate` section, with `prompts_csv` resolved
+            (`tasks.inputs.prompts_file`).
     """
     settings = [
         Path(ev.prompts_csv).read_bytes().hex(),
@@ -45,24 +46,18 @@ def study_id_for(model_ident: str, ev) -> str:
 
 
 @flow(name="kiln-evaluate", log_prints=True)
-def evaluate_flow(
-    config: PipelineConfig | str, root: str | None = None, run_id: str | None = None
-) -> dict:
+def evaluate_flow(config: PipelineConfig, run_id: str | None = None) -> dict:
     """Write `<root>/eval/<study_id>/{images/,study.json}` for a training run's final export.
 
     Args:
-        config: The loaded config (checked by the caller), or a pipeline YAML path: finds the
-            root; the settings come from the run's snapshot.
-        root: With a path: overrides `storage.root`.
+        config: The loaded config: finds the root; the settings come from the run's snapshot,
+            its prompts file resolved here (`tasks.inputs.prompts_file`).
         run_id: Training run to evaluate; default the newest.
     """
-    given = as_config(config, root=root)
-    layout = Layout(Path(given.storage.root))
+    layout = Layout(Path(config.storage.root))
     run_id, record = layout.finished_run(run_id, "evaluate")
-    cfg = run_config(given, layout.run_config(run_id), get_run_logger())
-    if cfg is not given or not isinstance(config, PipelineConfig):
-        check_inputs(cfg, ("evaluate",))  # the run's own settings (resolves its prompts)
-    ev = cfg.evaluate
+    cfg = run_config(config, layout.run_config(run_id), get_run_logger())
+    ev = cfg.evaluate.model_copy(update={"prompts_csv": prompts_file(cfg)})
     study_id = study_id_for(run_id, ev)
     study = launch_generate(
         record["export"], ev.prompts_csv, str(layout.study(study_id)),

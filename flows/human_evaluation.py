@@ -36,7 +36,7 @@ from tasks.evaluation.comparison import (
     report_task,
     wait_for_votes,
 )
-from tasks.inputs import as_config
+from tasks.inputs import prompts_file
 
 __all__ = ["human_eval_flow", "is_model_ref", "study_for_model"]
 
@@ -86,7 +86,7 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     `kiln evaluate --run-id` writes; another version is downloaded from the registry; a
     pipeline folder is named by a hash of its path.
 
-    `cfg` has passed `check_inputs` for the `evaluate` step (its prompts file is resolved).
+    The prompts file is resolved here (`tasks.inputs.prompts_file`).
 
     Raises:
         ValueError: a URI that is not models:/NAME@ALIAS or models:/NAME/VERSION.
@@ -96,7 +96,8 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     from tasks.registry.tracking import registered_pipeline
     from tasks.storage.layout import Layout
 
-    ev, layout = cfg.evaluate, Layout(Path(cfg.storage.root))
+    ev = cfg.evaluate.model_copy(update={"prompts_csv": prompts_file(cfg)})
+    layout = Layout(Path(cfg.storage.root))
     if ref.startswith("models:/"):
         ident, pipeline = registered_pipeline(cfg.tracking_uri, layout.root, ref)
     else:
@@ -143,10 +144,9 @@ def _markdown(report: dict, wait: dict, chart_url: str | None = None) -> str:
 
 @flow(name="kiln-human-eval", log_prints=True)
 def human_eval_flow(
-    config: PipelineConfig | str,
+    config: PipelineConfig,
     study_a: str,
     study_b: str,
-    root: str | None = None,
     wait_s: float = 0.0,
     poll_s: float = 60.0,
     raters_per_pair: int | None = None,
@@ -156,18 +156,16 @@ def human_eval_flow(
     """Compare study A (the candidate) with study B, wait for votes, report and log.
 
     Args:
-        config: The loaded config, or a pipeline YAML path (storage root, `human_eval` and
-            `registry` sections).
+        config: The loaded config (storage root, `human_eval` and `registry` sections).
         study_a: Study id under `<root>/eval/` or a study folder: the candidate.
         study_b: The model it would replace.
-        root: With a path: overrides `storage.root`.
         wait_s: How long to wait for every pair's K votes (0: report what there is now).
         poll_s: Seconds between checks while waiting.
         raters_per_pair: K (default `human_eval.raters_per_pair`).
         gold: Attention checks per rater (default `human_eval.gold_per_rater`).
         name: Comparison id (default a hash of the studies and settings).
     """
-    cfg = as_config(config, root=root)
+    cfg = config
     he, r = cfg.human_eval, cfg.storage.root
     k = raters_per_pair or he.raters_per_pair
     n_gold = he.gold_per_rater if gold is None else gold

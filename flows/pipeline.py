@@ -1,8 +1,8 @@
 """The whole pipeline as one Prefect flow run, with a subflow per step.
 
-The config is loaded and checked once (by the CLI, or here when a deployment passes a path)
-and the loaded object is passed to every step, so editing the file during a multi-day run
-changes nothing in it. The train step writes it to the training run's folder
+The config is loaded and checked once (by the CLI, or by a deployment's entry in
+flows/entry.py) and the loaded object is passed to every step, so editing the file during a
+multi-day run changes nothing in it. The train step writes it to the training run's folder
 (`<root>/runs/<run_id>/config.yaml`), and evaluate and register use the config it trained with.
 """
 
@@ -20,7 +20,7 @@ from flows.shard import shard_flow
 from flows.train import train_flow
 from flows.validate import validate_flow
 from kiln_config import PipelineConfig
-from tasks.inputs import as_config
+from tasks.inputs import with_prompts
 from tasks.reports import pipeline_report
 from tasks.storage.layout import new_run_id
 from tasks.storage.lock import root_lock
@@ -30,25 +30,23 @@ __all__ = ["kiln_pipeline"]
 
 @flow(name="kiln-pipeline", log_prints=True)
 def kiln_pipeline(
-    config: PipelineConfig | str,
-    root: str | None = None,
-    source: str | None = None,
+    config: PipelineConfig,
     allow_failed_gate: bool = False,
     only_new_data: bool = False,
 ) -> dict:
     """ingest -> validate -> shard -> train (all stages) -> evaluate -> register.
 
     Args:
-        config: The loaded config (checked by the caller), or a pipeline YAML path.
-        root: Overrides `storage.root`.
-        source: Overrides `ingest.source`.
+        config: The loaded config, the inputs of every step checked by the caller.
         allow_failed_gate: Go on past a failed quality gate (recorded in shards.json).
         only_new_data: Stop after the ingest, returning `{"ingest", "skipped"}`, when no
             accepted image is new or changed since the newest finished training (a retrain
             queued behind another, or the weekly cron the night after a triggered one) and no
             image it trained on has been taken down since.
     """
-    cfg = as_config(config, ("ingest", "train", "evaluate", "register"), root=root, source=source)
+    # The resolved prompts file goes into the training run's snapshot: the study reads the
+    # file the run recorded, even if KILN_DRAWBENCH_CSV changes before it is evaluated.
+    cfg = with_prompts(config)
     run_id = new_run_id()
     # The whole pipeline holds the root's training lock (its train subflow re-enters it):
     # a second `kiln run` on this root fails at once instead of racing on the same folders.

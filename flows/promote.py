@@ -12,7 +12,6 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig
-from tasks.inputs import as_config
 from tasks.registry.lineage import tag_takedowns
 from tasks.registry.promotion import PromotionRefused, promote, rollback
 
@@ -31,7 +30,7 @@ def _markdown(title: str, record: dict) -> str:
 
 @flow(name="kiln-promote", log_prints=True)
 def promote_flow(
-    config: PipelineConfig | str,
+    config: PipelineConfig,
     candidate: str | None = None,
     first: bool = False,
     force: bool = False,
@@ -42,7 +41,7 @@ def promote_flow(
     in `registry.gate` passes, and its dataset holds no taken-down image.
 
     Args:
-        config: The loaded config, or a pipeline YAML path (registry and gate settings).
+        config: The loaded config (registry and gate settings).
         candidate: models:/NAME@ALIAS or models:/NAME/VERSION.
         first: Promote with no champion yet (nothing to compare against).
         force: Promote past a refused gate; needs `reason`.
@@ -50,12 +49,13 @@ def promote_flow(
         allow_takedown: Promote a candidate whose dataset holds taken-down images; needs
             `reason`.
     """
-    cfg = as_config(config)
-    ref = candidate or f"models:/{cfg.registry.model_name}@{cfg.registry.alias}"
+    ref = candidate or f"models:/{config.registry.model_name}@{config.registry.alias}"
     # The takedown tags as of now (a takedown since the last tagging is counted too).
-    tag_takedowns(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name, cfg.quality)
+    tag_takedowns(
+        config.storage.root, config.tracking_uri, config.registry.model_name, config.quality
+    )
     try:
-        record = promote(cfg.tracking_uri, ref, cfg.registry.gate, first=first, force=force,
+        record = promote(config.tracking_uri, ref, config.registry.gate, first=first, force=force,
                          reason=reason, allow_takedown=allow_takedown)  # fmt: skip
     except PromotionRefused as e:
         create_markdown_artifact(key="promotion", description=f"{ref}: refused",
@@ -69,10 +69,12 @@ def promote_flow(
 
 
 @flow(name="kiln-rollback", log_prints=True)
-def rollback_flow(config: PipelineConfig | str, reason: str | None = None) -> dict:
+def rollback_flow(config: PipelineConfig, reason: str | None = None) -> dict:
     """Swap `champion` and `previous-champion` of `registry.model_name`."""
-    cfg = as_config(config)
-    record = rollback(cfg.tracking_uri, cfg.registry.model_name, reason)
-    create_markdown_artifact(key="rollback", description=f"{cfg.registry.model_name} rolled back",
-                             markdown=_markdown("Rollback", record))  # fmt: skip
+    record = rollback(config.tracking_uri, config.registry.model_name, reason)
+    create_markdown_artifact(
+        key="rollback",
+        description=f"{config.registry.model_name} rolled back",
+        markdown=_markdown("Rollback", record),
+    )
     return record

@@ -15,7 +15,6 @@ from prefect.artifacts import create_markdown_artifact
 from kiln_config import PipelineConfig, config_hash, run_config
 from tasks.evaluation.prompts import prompt_set_name
 from tasks.evaluation.study_metrics import metrics_lineage
-from tasks.inputs import as_config
 from tasks.registry.lineage import register_lineage
 from tasks.registry.tracking import register_model
 from tasks.reports import model_card, registered_report
@@ -49,24 +48,20 @@ def _val_metrics(record: dict) -> dict[str, float]:
 
 @flow(name="kiln-register", log_prints=True)
 def register_flow(
-    config: PipelineConfig | str,
-    root: str | None = None,
+    config: PipelineConfig,
     run_id: str | None = None,
     study_id: str | None = None,
 ) -> dict:
     """Register the run's final export as a new version of `registry.model_name`.
 
     Args:
-        config: The loaded config (checked by the caller), or a pipeline YAML path: finds the
-            root; the settings come from the run's snapshot.
-        root: With a path: overrides `storage.root`.
+        config: The loaded config: finds the root; the settings come from the run's snapshot.
         run_id: Training run; default the newest.
         study_id: Evaluation study recorded in the lineage; default the newest, if any.
     """
-    cfg = as_config(config, root=root)
-    layout = Layout(Path(cfg.storage.root))
+    layout = Layout(Path(config.storage.root))
     run_id, record = layout.finished_run(run_id, "register")
-    cfg = run_config(cfg, layout.run_config(run_id), get_run_logger())
+    cfg = run_config(config, layout.run_config(run_id), get_run_logger())
     if study_id is None:
         study_id = layout.latest_or_none("eval")
     ingest = json.loads((layout.catalog(record["ingest_id"]) / "summary.json").read_text())

@@ -22,28 +22,26 @@ from flows.pipeline import kiln_pipeline
 from kiln_config import PipelineConfig
 from kiln_config.errors import InputError
 from tasks.evaluation.comparison import create_comparison_task
-from tasks.inputs import as_config, check_inputs
+from tasks.inputs import check_inputs
 from tasks.storage.layout import Layout
 
 __all__ = ["retrain_flow"]
 
 
 @flow(name="kiln-retrain", log_prints=True)
-def retrain_flow(
-    config: PipelineConfig | str, root: str | None = None, event_root: str | None = None
-) -> dict:
+def retrain_flow(config: PipelineConfig, event_root: str | None = None) -> dict:
     """Retrain from the champion, register the candidate, open its comparison. Nothing is
     trained when no image is new since the last training (returns `{"skipped": why}`).
 
     Args:
-        config: A retraining config (configs/sd2-retrain.yaml), loaded or its path:
-            `train.init_from_model` names the model to continue from.
-        root: With a path: overrides `storage.root`.
+        config: A loaded retraining config (configs/sd2-retrain.yaml):
+            `train.init_from_model` names the model to continue from. Its inputs are checked
+            here, once the retrain is known to be due.
         event_root: Set by the new-data trigger: the storage root whose ingest emitted
             `kiln.ingest.completed`. An event from another root (a developer's ingest on the
             same Prefect server) retrains nothing.
     """
-    cfg = as_config(config, root=root)
+    cfg = config
     log = get_run_logger()
     if event_root is not None and Path(event_root) != Path(cfg.storage.root):
         why = (f"the new-data event came from root {event_root}; this retrain trains "
@@ -63,10 +61,8 @@ def retrain_flow(
                                  markdown=f"## No retrain\n\n{result['skipped']}.")  # fmt: skip
         return result
     he, r = cfg.human_eval, cfg.storage.root
-    # The file to pass back: the user's, or (a deployment passes the loaded config) the run's
-    # own snapshot, which loads to the same values.
-    run_id = result["run"]["run_id"]
-    name = config if isinstance(config, str) else Layout(Path(r)).run_config(run_id)
+    # The file to pass back: the run's own snapshot, which loads to the same values.
+    name = Layout(Path(r)).run_config(result["run"]["run_id"])
     champion = f"models:/{cfg.registry.model_name}@champion"
     champ_study = study_for_model(cfg, champion)
     cid = create_comparison_task(r, he.database_url, result["study"]["study_id"], champ_study,

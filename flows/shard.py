@@ -7,8 +7,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
-from kiln_config import PipelineConfig, StageRun, encoder_key
-from tasks.inputs import as_config
+from kiln_config import PipelineConfig, PrecomputeRun, encoder_key
 from tasks.launch.accelerate import launch_precompute
 from tasks.reports import shards_report
 from tasks.shards.publish import publish_shards
@@ -21,8 +20,7 @@ __all__ = ["shard_flow"]
 
 @flow(name="kiln-shard", log_prints=True)
 def shard_flow(
-    config: PipelineConfig | str,
-    root: str | None = None,
+    config: PipelineConfig,
     ingest_id: str | None = None,
     allow_failed_gate: bool = False,
     dry_run: bool = False,
@@ -32,14 +30,13 @@ def shard_flow(
     latents, and publish the version to `shards.remote` when it is set.
 
     Args:
-        config: The loaded config (checked by the caller), or a pipeline YAML path.
-        root: With a path: overrides `storage.root`.
+        config: The loaded config, its `shard` inputs checked by the caller.
         ingest_id: Validated catalog to shard; default the newest ingest.
         allow_failed_gate: Shard a catalog that failed the quality gate (or has no verdict);
             the override is recorded in the dataset's shards.json.
         dry_run: Plan only: the dataset version and each stage's image counts.
     """
-    cfg = as_config(config, ("shard",), root=root)
+    cfg = config
     layout = Layout(Path(cfg.storage.root))
     ingest_id = ingest_id or layout.latest("catalog", "shard")
     result = write_shards(
@@ -75,12 +72,12 @@ def shard_flow(
             # The held-out split, when the stage has one, is encoded in the same launch.
             val = layout.val_shards(version, res) if result.stages[res]["val_samples"] else None
             val_out = layout.val_latents(version, res, encoder_key(cfg)) if val else None
-            spec = StageRun(train=cfg.train, stage_index=i, shards=str(images),
-                            output_dir=str(out.parent), val_shards=val and str(val))  # fmt: skip
-            launch_precompute.with_options(name=f"precompute-{res}px")(
-                spec, str(out), cfg.launch, text=cfg.shards.precompute_text,
-                val_out_dir=val_out and str(val_out),
+            run = PrecomputeRun(
+                train=cfg.train, stage_index=i, shards=str(images), out_dir=str(out),
+                val_shards=val and str(val), val_out_dir=val_out and str(val_out),
+                text=cfg.shards.precompute_text,
             )  # fmt: skip
+            launch_precompute.with_options(name=f"precompute-{res}px")(run, cfg.launch)
             result.stages[res]["latents"] = str(out)
             if val_out:
                 result.stages[res]["val_latents"] = str(val_out)

@@ -20,7 +20,6 @@ from kiln_config import PipelineConfig
 from kiln_config.errors import InputError
 from tasks.catalog.lineage import resolve_image
 from tasks.catalog.takedown import add_takedown
-from tasks.inputs import as_config
 from tasks.registry.lineage import tag_takedowns
 from tasks.registry.new_data import emit_takedown_added, taken_down_since_training
 
@@ -47,7 +46,7 @@ def read_keys_file(path: str | Path) -> list[str]:
 
 @flow(name="kiln-takedown", log_prints=True)
 def takedown_flow(
-    config: PipelineConfig | str,
+    config: PipelineConfig,
     reason: str,
     keys: list[str] | None = None,
     contributor: str | None = None,
@@ -58,18 +57,17 @@ def takedown_flow(
     `kiln.takedown.added`.
 
     Args:
-        config: The loaded config, or a pipeline YAML path.
+        config: The loaded config.
         reason: Why; recorded with who and when.
         keys: Images to take down; each must be in the newest catalog.
         contributor: A contributor whose every image is taken down.
         by: Who asked (default: the current user).
     """
-    cfg = as_config(config)
-    root = cfg.storage.root
-    images = sorted({uid for k in keys or [] for uid in resolve_image(root, k, cfg.quality)})
+    root = config.storage.root
+    images = sorted({uid for k in keys or [] for uid in resolve_image(root, k, config.quality)})
     added = add_takedown(root, reason, images=images or None, contributor=contributor, by=by)
-    tagged = tag_takedowns(root, cfg.tracking_uri, cfg.registry.model_name, cfg.quality)
-    down = taken_down_since_training(root, cfg.quality)
+    tagged = tag_takedowns(root, config.tracking_uri, config.registry.model_name, config.quality)
+    down = taken_down_since_training(root, config.quality)
     due = emit_takedown_added(root, len(added), down)
     what = f"{len(images)} images" if images else f"contributor `{contributor}`"
     get_run_logger().info("takedown %s: %s (%s); versions tagged: %s", added["id"].iloc[0],

@@ -25,7 +25,6 @@ from prefect.artifacts import create_markdown_artifact
 from kiln_config import PipelineConfig, StageRun, encoder_key, run_config, write_snapshot
 from kiln_config.errors import InputError, MissingInput
 from tasks.evaluation.grid_artifact import sample_grid_report
-from tasks.inputs import as_config, check_inputs
 from tasks.launch.accelerate import launch_stage
 from tasks.launch.preflight import preflight, stage_feasibility
 from tasks.registry.tracking import create_training_run, log_run_artifact, mark_training_run
@@ -163,42 +162,35 @@ def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str])
 
 @flow(name="kiln-train", log_prints=True)
 def train_flow(
-    config: PipelineConfig | str,
-    root: str | None = None,
+    config: PipelineConfig,
     dataset_version: str | None = None,
     run_id: str | None = None,
 ) -> dict:
     """Train every stage and export a StableDiffusionPipeline per stage.
 
     Args:
-        config: The loaded config (checked by the caller), or a pipeline YAML path; a resumed
-            run uses its own snapshot instead.
-        root: With a path: overrides `storage.root`.
+        config: The loaded config, its `train` inputs checked by the caller; a resumed run
+            uses its own snapshot instead (checked when the run began).
         dataset_version: Shards to train on; default the newest.
         run_id: Resume this run; default a new `run-<UTC timestamp>`.
 
     Returns:
         The run record (run.json), and under `"config"` the config the run trained with.
     """
-    checked = isinstance(config, PipelineConfig)
-    cfg = as_config(config, root=root)
-    layout = Layout(Path(cfg.storage.root))
+    layout = Layout(Path(config.storage.root))
     run_id = run_id or new_run_id()
     # One training writer per root: a second `kiln train`/`kiln run` fails here, at once,
     # naming the first, before it touches LATEST, a run folder or an MLflow run.
     with root_lock(layout.root, f"training run {run_id}"):
-        return _train_locked(cfg, layout, run_id, dataset_version, checked)
+        return _train_locked(config, layout, run_id, dataset_version)
 
 
 def _train_locked(
-    cfg: PipelineConfig, layout: Layout, run_id: str, dataset_version: str | None, checked: bool
+    cfg: PipelineConfig, layout: Layout, run_id: str, dataset_version: str | None
 ) -> dict:
     snapshot = layout.run_config(run_id)
     if snapshot.is_file():  # a resumed run keeps the config it started with
-        run_cfg = run_config(cfg, snapshot, get_run_logger())
-        checked, cfg = checked and run_cfg is cfg, run_cfg
-    if not checked:  # a path loaded here, or a resumed run's own snapshot
-        check_inputs(cfg, ("train",))
+        cfg = run_config(cfg, snapshot, get_run_logger())
     version = dataset_version or layout.latest("shards", "train")
     _feasible(cfg, layout, run_id, version)
     # A `train.model.vae.fit` VAE is fitted on this data (once, cached) and the snapshot names

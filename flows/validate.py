@@ -13,7 +13,6 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig
-from tasks.inputs import as_config
 from tasks.quality.gate import validate_catalog
 from tasks.registry.tracking import log_data_docs
 from tasks.reports import quality_report
@@ -24,30 +23,27 @@ __all__ = ["validate_flow"]
 
 @flow(name="kiln-validate", log_prints=True)
 def validate_flow(
-    config: PipelineConfig | str,
-    root: str | None = None,
+    config: PipelineConfig,
     ingest_id: str | None = None,
     allow_failed_gate: bool = False,
 ) -> dict:
     """Run the catalog suite; quarantine failing rows; fail past quality.max_reject_fraction.
 
     Args:
-        config: The loaded config, or a pipeline YAML path.
-        root: With a path: overrides `storage.root`.
+        config: The loaded config.
         ingest_id: Catalog to validate; default the newest ingest.
         allow_failed_gate: Log a failed gate instead of failing (the verdict still records
             the failure; the pipeline passes this when it is told to shard regardless).
     """
-    cfg = as_config(config, root=root)
-    layout = Layout(Path(cfg.storage.root))
+    layout = Layout(Path(config.storage.root))
     ingest_id = ingest_id or layout.latest("catalog", "validate")
     try:
         result = validate_catalog(
-            cfg.storage.root,
+            config.storage.root,
             ingest_id,
-            cfg.quality,
+            config.quality,
             allow_failed_gate=allow_failed_gate,
-            dask_address=cfg.execution.dask_address,
+            dask_address=config.execution.dask_address,
         )
         return result.to_dict()
     finally:
@@ -55,8 +51,8 @@ def validate_flow(
         if (qdir / "summary.json").is_file():
             summary = json.loads((qdir / "summary.json").read_text())
             docs_url = log_data_docs(
-                cfg.tracking_uri,
-                cfg.registry.experiment,
+                config.tracking_uri,
+                config.registry.experiment,
                 ingest_id,
                 str(qdir),
                 summary,

@@ -1,7 +1,8 @@
 """Kiln's configuration: every section's schema and the YAML loader, below every layer.
 
 One YAML file describes one pipeline (`PipelineConfig`); a launched process reads one
-resolved stage file (`StageRun`). Each default is declared here, once.
+resolved run file (`StageRun` for training; `PrecomputeRun`, `StudyRun`, `HealthCheckRun`).
+Each default is declared here, once.
 """
 
 from kiln_config.base import (
@@ -63,6 +64,12 @@ from kiln_config.pipeline import (
     run_config,
     write_snapshot,
 )
+from kiln_config.runs import (
+    HealthCheckRun,
+    PrecomputeRun,
+    StudyRun,
+    write_run_file,
+)
 from kiln_config.train import (
     DEFAULT_SAMPLE_PROMPTS,
     EMAConfig,
@@ -85,6 +92,7 @@ __all__ = [
     "FaultInjection",
     "GateConfig",
     "GpuLimitConfig",
+    "HealthCheckRun",
     "HumanEvalConfig",
     "IngestConfig",
     "InputError",
@@ -96,6 +104,7 @@ __all__ = [
     "NotFound",
     "PROJECT_DIR",
     "PipelineConfig",
+    "PrecomputeRun",
     "QualityConfig",
     "REVEAL_SECRETS",
     "RegistryConfig",
@@ -108,6 +117,7 @@ __all__ = [
     "StageRun",
     "StorageConfig",
     "StreamMix",
+    "StudyRun",
     "Strict",
     "TokenizerConfig",
     "TrainConfig",
@@ -124,4 +134,5 @@ __all__ = [
     "run_config",
     "stable_hash",
     "write_snapshot",
+    "write_run_file",
 ]

@@ -1,12 +1,12 @@
 """Pre-flight health check, launched with the same topology as training:
 
-    accelerate launch --config_file TOPOLOGY -m models.collective_check --out DIR
+    accelerate launch --config_file TOPOLOGY -m models.collective_check --config health.yaml
 
 Every process checks that it sees its device, then all processes all-reduce a tensor of ones;
-the sum must equal the world size. The main process writes `DIR/health.json`. A collective
-that cannot form (a node missing, a firewall, a broken NCCL or gloo setup) hangs or fails
-here, in seconds, instead of after the model is built; the launching task bounds it with a
-timeout.
+the sum must equal the world size. The main process writes `health.json` into the run file's
+`out_dir` (`kiln_config.HealthCheckRun`). A collective that cannot form (a node missing, a
+firewall, a broken NCCL or gloo setup) hangs or fails here, in seconds, instead of after the
+model is built; the launching task bounds it with a timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from kiln_config import HealthCheckRun, load_yaml_model
+
 __all__ = ["main"]
 
 log = logging.getLogger("kiln.collective_check")
@@ -27,8 +29,8 @@ log = logging.getLogger("kiln.collective_check")
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="Folder for health.json")
-    args = p.parse_args(argv)
+    p.add_argument("--config", required=True, help="Run file (kiln_config.HealthCheckRun)")
+    run: HealthCheckRun = load_yaml_model(HealthCheckRun, p.parse_args(argv).config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     dev = accelerator.device
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
             f"health check: all-reduce across {world} processes returned {total:g}, not {world}"
         )
     if accelerator.is_main_process:
-        out = Path(args.out)
+        out = Path(run.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         report = {
             "world_size": world,

@@ -1,17 +1,15 @@
 """Precompute VAE latents and text-encoder states for one stage's MDS dataset.
 
-    accelerate launch --config_file TOPOLOGY -m models.precompute --config stage.yaml \
-        --out shards/<version>/<res>-latents [--val-out shards/<version>/<res>-val-latents] \
-        [--no-text]
+    accelerate launch --config_file TOPOLOGY -m models.precompute --config precompute.yaml
 
-Reads the stage's image shards (`stage.yaml`'s `shards`), runs the frozen VAE encoder and
-text encoder once per sample, and writes a parallel MDS dataset with `latent_mean` and
-`latent_std` (fp16, the VAE's diagonal Gaussian), `text_hidden` (fp16) or, with `--no-text`,
-only `input_ids`, plus `key` and `caption`. Training then samples `mean + std * noise`, which
-is what `latent_dist.sample()` does, so the objective is unchanged (MosaicML reported 1.4-2x
-higher throughput from this). With `--val-out`, the stage's held-out validation split
-(`stage.yaml`'s `val_shards`) is encoded the same way in the same launch, so validation on
-latents sees exactly what training sees.
+The run file (`kiln_config.PrecomputeRun`) names the stage's image shards and the output
+folder. This runs the frozen VAE encoder and text encoder once per sample, and writes a
+parallel MDS dataset with `latent_mean` and `latent_std` (fp16, the VAE's diagonal Gaussian),
+`text_hidden` (fp16) or, without `text`, only `input_ids`, plus `key` and `caption`.
+Training then samples `mean + std * noise`, which is what `latent_dist.sample()` does, so the
+objective is unchanged (MosaicML reported 1.4-2x higher throughput from this). With
+`val_out_dir`, the stage's held-out validation split (`val_shards`) is encoded the same way in
+the same launch, so validation on latents sees exactly what training sees.
 
 Each rank encodes samples `rank::world` and writes its own part folder; the main process
 merges the parts into one `index.json` with streaming's `merge_index`. Everything is written
@@ -32,7 +30,7 @@ from accelerate import Accelerator
 from streaming import MDSWriter, StreamingDataset
 from streaming.base.util import merge_index
 
-from kiln_config import StageRun, load_yaml_model
+from kiln_config import PrecomputeRun, load_yaml_model
 from models.decoding import decode_pixels
 from models.factory import build_components
 from models.loader import dataset_buckets
@@ -66,15 +64,16 @@ def encode_batch(comps, pixels: torch.Tensor, captions: list[str], text: bool) -
     return out
 
 
-def _encode_dataset(accelerator, comps, dtype, src: Path, dst: Path, size, cols: dict, args) -> int:
+def _encode_dataset(accelerator, comps, dtype, src: Path, dst: Path, size, cols: dict,
+                    batch_size: int) -> int:  # fmt: skip
     """Encode this rank's share (every world-th sample) of one MDS image dataset into
     `dst/part-<rank>`; returns the number of samples encoded."""
     ds = StreamingDataset(local=str(src), batch_size=1, shuffle=False)
     rank, world = accelerator.process_index, accelerator.num_processes
     mine = list(range(rank, ds.num_samples, world))
     with MDSWriter(out=str(dst / f"part-{rank:05d}"), columns=cols, size_limit=1 << 26) as w:
-        for start in range(0, len(mine), args.batch_size):
-            samples = [ds.get_item(i) for i in mine[start : start + args.batch_size]]
+        for start in range(0, len(mine), batch_size):
+            samples = [ds.get_item(i) for i in mine[start : start + batch_size]]
             pixels = torch.stack([decode_pixels(s["image"], size) for s in samples])
             enc = encode_batch(
                 comps, pixels.to(accelerator.device, dtype=dtype),
@@ -95,7 +94,7 @@ def _complete(out: Path) -> bool:
 
 
 def _encode_folder(accelerator, comps, dtype, cols: dict, src: Path, out: Path, res: int,
-                   args) -> None:  # fmt: skip
+                   batch_size: int) -> None:  # fmt: skip
     """Encode one image dataset (`src`, square or in aspect buckets) into the latents dataset
     `out`, written under `<out>.tmp` and renamed into place when complete."""
     tmp = out.with_name(out.name + ".tmp")
@@ -112,7 +111,7 @@ def _encode_folder(accelerator, comps, dtype, cols: dict, src: Path, out: Path, 
     total = 0
     for name, size in parts:
         total += _encode_dataset(accelerator, comps, dtype, src / name, tmp / name, size, cols,
-                                 args)  # fmt: skip
+                                 batch_size)  # fmt: skip
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         for name in names:
@@ -128,24 +127,16 @@ def _encode_folder(accelerator, comps, dtype, cols: dict, src: Path, out: Path, 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", required=True, help="stage.yaml (kiln_config.StageRun)")
-    p.add_argument("--out", required=True, help="Output folder of the latents dataset")
-    p.add_argument("--val-out", help="Output folder of the validation split's latents "
-                   "(stage.yaml's val_shards)")  # fmt: skip
-    p.add_argument("--no-text", action="store_true", help="Store token ids, not text states")
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--config", required=True, help="Run file (kiln_config.PrecomputeRun)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    run: StageRun = load_yaml_model(StageRun, args.config)
-    if (args.val_out is None) != (run.val_shards is None):
-        raise ValueError(f"--val-out ({args.val_out!r}) and the stage's val_shards "
-                         f"({run.val_shards!r}) are given together")  # fmt: skip
-    todo = [(Path(run.shards), Path(args.out))]
-    if args.val_out:
-        todo.append((Path(run.val_shards), Path(args.val_out)))
+    run: PrecomputeRun = load_yaml_model(PrecomputeRun, args.config)
+    todo = [(Path(run.shards), Path(run.out_dir))]
+    if run.val_out_dir:
+        todo.append((Path(run.val_shards), Path(run.val_out_dir)))
     todo = [(src, out) for src, out in todo if not _complete(out)]
     if not todo:
-        log.info("latents already complete: %s", args.out)
+        log.info("latents already complete: %s", run.out_dir)
         return
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     if accelerator.is_local_main_process:  # a killed earlier launch's streaming files
@@ -158,11 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     comps.vae.to(accelerator.device, dtype=dtype).eval()
     comps.text_encoder.to(accelerator.device, dtype=dtype).eval()
     cols = dict(LATENT_COLUMNS)
-    cols["text_hidden" if not args.no_text else "input_ids"] = (
-        "ndarray:float16" if not args.no_text else "ndarray:int32"
+    cols["text_hidden" if run.text else "input_ids"] = (
+        "ndarray:float16" if run.text else "ndarray:int32"
     )
     for src, out in todo:  # the training set, then its validation split
-        _encode_folder(accelerator, comps, dtype, cols, src, out, run.stage.resolution, args)
+        _encode_folder(accelerator, comps, dtype, cols, src, out, run.stage.resolution,
+                       run.batch_size)  # fmt: skip
     accelerator.end_training()
 
 

@@ -1,7 +1,10 @@
 """Generate evaluation images for a prompt set (`evaluate.prompts_csv`), split across
 processes:
 
-    accelerate launch -m models.study_images --pipeline FINAL --prompts prompts.csv --out STUDY
+    accelerate launch -m models.study_images --config study.yaml
+
+The run file (`kiln_config.StudyRun`) names the pipeline, the study folder and the
+`evaluate` settings: the prompts file, seeds, inference steps, guidance, batch size and limit.
 
 Each (prompt, seed) pair gets its own generator, so an image depends only on its prompt and
 seed, never on batching or process count. Existing images are kept, so a relaunch after a
@@ -21,7 +24,7 @@ import torch
 from accelerate import PartialState
 from diffusers import StableDiffusionPipeline
 
-from kiln_config import EvaluateConfig
+from kiln_config import EvaluateConfig, StudyRun, load_yaml_model
 from kiln_config.errors import InputError, MissingInput
 from models.tokenization import truncate_prompts
 
@@ -80,58 +83,46 @@ def generate_images(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Generate every (prompt, seed) image still missing from `--out`, then `study.json`."""
-    args = _parse_args(argv)
+    """Generate every (prompt, seed) image still missing from the study folder, then
+    `study.json`."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="Run file (kiln_config.StudyRun)")
+    run: StudyRun = load_yaml_model(StudyRun, p.parse_args(argv).config)
+    ev = run.evaluate
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     state = PartialState(cpu=not torch.cuda.is_available())
-    out = Path(args.out)
+    out = Path(run.out_dir)
     (out / "images").mkdir(parents=True, exist_ok=True)
-    prompts = read_prompts(args.prompts, args.limit)
+    prompts = read_prompts(ev.prompts_csv, ev.limit)
     items = [
         {"index": i, **row, "seed": seed, "path": f"images/{i:04d}-s{seed}.png"}
         for i, row in enumerate(prompts)
-        for seed in args.seeds
+        for seed in ev.seeds
     ]
-    pipe = load_pipeline(args.pipeline, state.device)
+    pipe = load_pipeline(run.pipeline, state.device)
     t0 = time.perf_counter()
     with state.split_between_processes(items) as mine:
         todo = [it for it in mine if not (out / it["path"]).is_file()]
-        _generate_into(pipe, todo, out, args)
+        _generate_into(pipe, todo, out, ev)
         log.info("rank %d generated %d images", state.process_index, len(todo))
     state.wait_for_everyone()
     if state.is_main_process:
-        _write_study(out, args, pipe, items, round(time.perf_counter() - t0, 2))
+        _write_study(run, pipe, items, round(time.perf_counter() - t0, 2))
     state.wait_for_everyone()
     state.destroy_process_group()  # or a rank can abort at exit with the group still up
 
 
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ev = EvaluateConfig()  # the `evaluate` section's defaults
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pipeline", required=True, help="Exported StableDiffusionPipeline folder")
-    p.add_argument("--prompts", required=True, help="CSV with Prompts,Category columns")
-    p.add_argument("--out", required=True, help="Study folder: images/ and study.json")
-    p.add_argument("--seeds", type=int, nargs="+", default=ev.seeds, help="evaluate.seeds")
-    p.add_argument("--steps", type=int, default=ev.num_inference_steps,
-                   help="evaluate.num_inference_steps")  # fmt: skip
-    p.add_argument("--guidance", type=float, default=ev.guidance_scale,
-                   help="evaluate.guidance_scale")  # fmt: skip
-    p.add_argument("--batch-size", type=int, default=ev.batch_size, help="evaluate.batch_size")
-    p.add_argument("--limit", type=int, default=None, help="Only the first N prompts")
-    p.add_argument("--model-ref", default="", help="Recorded in study.json (e.g. run id)")
-    return p.parse_args(argv)
-
-
-def _generate_into(pipe: StableDiffusionPipeline, todo: list[dict], out: Path, args) -> None:
+def _generate_into(pipe: StableDiffusionPipeline, todo: list[dict], out: Path,
+                   ev: EvaluateConfig) -> None:  # fmt: skip
     """Generate `todo`'s images in batches, each PNG renamed into place when complete."""
-    for start in range(0, len(todo), args.batch_size):
-        batch = todo[start : start + args.batch_size]
+    for start in range(0, len(todo), ev.batch_size):
+        batch = todo[start : start + ev.batch_size]
         images = generate_images(
             pipe,
             [it["prompt"] for it in batch],  # study.json keeps the prompts as written
             [it["seed"] for it in batch],
-            args.steps,
-            args.guidance,
+            ev.num_inference_steps,
+            ev.guidance_scale,
         )
         for it, img in zip(batch, images, strict=True):
             tmp = out / (it["path"] + ".tmp")
@@ -139,23 +130,24 @@ def _generate_into(pipe: StableDiffusionPipeline, todo: list[dict], out: Path, a
             tmp.replace(out / it["path"])
 
 
-def _write_study(out: Path, args, pipe, items: list[dict], generated_s: float) -> None:
+def _write_study(run: StudyRun, pipe, items: list[dict], generated_s: float) -> None:
     """Write `study.json` last, once every image is on disk.
 
     Raises:
         RuntimeError: when an image is missing.
     """
+    out, ev = Path(run.out_dir), run.evaluate
     missing = [it["path"] for it in items if not (out / it["path"]).is_file()]
     if missing:
         raise RuntimeError(f"{len(missing)} images missing after generation, e.g. {missing[:3]}")
     study = {
         "study_id": out.name,
-        "model": {"pipeline": str(Path(args.pipeline).resolve()), "ref": args.model_ref},
-        "prompts_csv": str(Path(args.prompts).resolve()),
+        "model": {"pipeline": str(Path(run.pipeline).resolve()), "ref": run.model_ref},
+        "prompts_csv": str(Path(ev.prompts_csv).resolve()),
         "settings": {
-            "seeds": args.seeds,
-            "num_inference_steps": args.steps,
-            "guidance_scale": args.guidance,
+            "seeds": ev.seeds,
+            "num_inference_steps": ev.num_inference_steps,
+            "guidance_scale": ev.guidance_scale,
             "resolution": pipe.unet.config.sample_size * pipe.vae_scale_factor,
         },
         "generated_s": generated_s,

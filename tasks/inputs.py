@@ -1,6 +1,7 @@
 """The inputs a step needs, checked before it starts: the source, the topology file, the
 tracking store, the cluster and the evaluation prompts. Every check reads; none changes
-the config it checks.
+the config it checks. A value a check finds (the resolved prompts file, `prompts_file`) is
+returned, and the step that needs it sets it on its own copy (`with_prompts`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from kiln_config import ConfigError, PipelineConfig, is_remote, load_config, red
 from tasks.evaluation.prompts import PromptsUnavailable, resolve_prompts
 from tasks.storage.objects import ProbeError, Storage
 
-__all__ = ["SOURCE_FIX", "STEP_INPUTS", "as_config", "check_inputs", "tracking_folder"]
+__all__ = [
+    "SOURCE_FIX",
+    "STEP_INPUTS",
+    "check_inputs",
+    "load_checked",
+    "prompts_file",
+    "tracking_folder",
+    "with_prompts",
+]
 
 
 # The inputs each step needs before it starts; `check_inputs` checks them for the given steps.
@@ -68,15 +77,30 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
             check_kubernetes(cfg.launch.kubernetes)
         except KubernetesRejected as e:
             raise ConfigError(str(e)) from e
-    if "prompts" in need:
-        # The prompts are readable now, not after training: a configured file, the copy
-        # KILN_DRAWBENCH_CSV names, or DrawBench from the Hub (fetched once, then cached). The
-        # resolved path goes into the run's config snapshot.
-        try:
-            cfg.evaluate.prompts_csv = str(resolve_prompts(cfg.evaluate.prompts_csv))
-        except (PromptsUnavailable, FileNotFoundError) as e:
-            msg = str(e).removeprefix("evaluate.prompts_csv: ")
-            raise ConfigError(f"evaluate.prompts_csv: {msg}") from e
+    if "prompts" in need:  # readable now, not after training
+        prompts_file(cfg)
+
+
+def prompts_file(cfg: PipelineConfig) -> str:
+    """The evaluation prompts file `cfg` names, resolved: the configured file, the copy
+    `KILN_DRAWBENCH_CSV` names, or DrawBench from the Hub (fetched once, then cached).
+
+    Raises:
+        ConfigError: the configured file is missing, or DrawBench is neither cached nor
+            reachable; names `evaluate.prompts_csv` and both fixes.
+    """
+    try:
+        return str(resolve_prompts(cfg.evaluate.prompts_csv))
+    except (PromptsUnavailable, FileNotFoundError) as e:
+        msg = str(e).removeprefix("evaluate.prompts_csv: ")
+        raise ConfigError(f"evaluate.prompts_csv: {msg}") from e
+
+
+def with_prompts(cfg: PipelineConfig) -> PipelineConfig:
+    """A copy of `cfg` whose `evaluate.prompts_csv` is the resolved file (`prompts_file`), so
+    that a run's config snapshot names the file its study reads; `cfg` stays as given."""
+    ev = cfg.evaluate.model_copy(update={"prompts_csv": prompts_file(cfg)})
+    return cfg.model_copy(update={"evaluate": ev})
 
 
 SOURCE_FIX = "pass --source or set ingest.source"
@@ -191,35 +215,25 @@ def _check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
         ) from e
 
 
-def as_config(
-    config: PipelineConfig | str,
+def load_checked(
+    path: str,
     steps: tuple[str, ...] = (),
     *,
     root: str | None = None,
     source: str | None = None,
 ) -> PipelineConfig:
-    """A flow's config: the loaded one its caller passes, or a path loaded and checked here.
-
-    The CLI and the pipeline load and check the config once and pass the object down; a flow
-    started on its own (a deployment, a test) gets a path, and this is its one load.
+    """Load a pipeline YAML and check the inputs of `steps`: the one load of a flow run that a
+    deployment starts with a config path (flows/entry.py).
 
     Args:
-        config: A loaded config (already checked by the caller), or a pipeline YAML path.
-        steps: With a path: the steps whose inputs `check_inputs` checks.
-        root: With a path: overrides `storage.root`.
-        source: With a path: overrides `ingest.source`.
+        path: The pipeline YAML.
+        steps: The steps whose inputs `check_inputs` checks.
+        root: Overrides `storage.root`.
+        source: Overrides `ingest.source`.
 
     Raises:
         ConfigError: the file fails validation or an input check.
-        ValueError: `root` or `source` given with a loaded config (apply them when loading).
     """
-    if isinstance(config, PipelineConfig):
-        if root is not None or source is not None:
-            raise ValueError(
-                f"root={root!r}, source={source!r}: overrides apply to a config path; pass them "
-                "to load_config for a loaded config"
-            )
-        return config
-    cfg = load_config(config, root=root, source=source)
+    cfg = load_config(path, root=root, source=source)
     check_inputs(cfg, steps)
     return cfg

@@ -1,5 +1,6 @@
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,7 +32,7 @@ def test_serve_builds_a_deployment_per_flow():
 def test_the_human_eval_flow_has_a_deployment_to_start_from_the_ui():
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     (dep,) = [d for d in spec["deployments"] if d["name"] == "human-eval"]
-    assert dep["entrypoint"] == "flows/human_evaluation.py:human_eval_flow"
+    assert dep["entrypoint"] == "flows/entry.py:human_eval"
     assert "schedules" not in dep
 
 
@@ -43,7 +44,7 @@ def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
     for name in ("weekly-retrain", "from-scratch", "tiny-pipeline"):
         assert deps[name]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     weekly = deps["weekly-retrain"]
-    assert weekly["entrypoint"] == "flows/retrain.py:retrain_flow" and weekly["schedules"]
+    assert weekly["entrypoint"] == "flows/entry.py:retrain" and weekly["schedules"]
     cfg = load_config(REPO / weekly["parameters"]["config"])
     assert cfg.train.init_from_model == "models:/kiln-t2i@champion"
     assert len(cfg.train.stages) == 1, "one stage at the champion's final resolution"
@@ -58,3 +59,54 @@ def test_no_flow_module_shadows_a_top_level_package():
     for folder in ("flows", "deployments"):
         stems = {p.stem for p in (REPO / folder).glob("*.py")}
         assert not stems & (packages | modules), f"{folder}/ shadows {stems & (packages | modules)}"
+
+
+def test_each_entry_takes_a_config_path_and_the_parameters_of_its_flow():
+    """A deployment's form asks for a config path and the flow's own parameters; the run
+    carries the flow's name."""
+    import inspect
+
+    from prefect.utilities.callables import parameter_schema
+
+    from flows import entry
+    from flows.evaluate import evaluate_flow
+    from flows.human_evaluation import human_eval_flow
+    from flows.ingest import ingest_flow
+    from flows.pipeline import kiln_pipeline
+    from flows.promote import promote_flow
+    from flows.register import register_flow
+    from flows.retrain import retrain_flow
+    from flows.shard import shard_flow
+    from flows.train import train_flow
+    from flows.validate import validate_flow
+
+    typed = {"pipeline": kiln_pipeline, "retrain": retrain_flow, "ingest": ingest_flow,
+             "validate": validate_flow, "shard": shard_flow, "train": train_flow,
+             "evaluate": evaluate_flow, "register": register_flow, "promote": promote_flow,
+             "human_eval": human_eval_flow}  # fmt: skip
+    assert set(typed) == set(entry.__all__)
+    for name, flow in typed.items():
+        start = getattr(entry, name)
+        assert start.name == flow.name
+        assert parameter_schema(start).properties["config"]["type"] == "string"
+        assert "$ref" in str(parameter_schema(flow).properties["config"]), "a PipelineConfig"
+        ours = inspect.signature(start.fn).parameters
+        theirs = inspect.signature(flow.fn).parameters
+        assert list(ours)[1:] == list(theirs)[1:], name
+        for p in list(ours)[1:]:
+            assert (ours[p].annotation, ours[p].default) == (
+                theirs[p].annotation, theirs[p].default), (name, p)  # fmt: skip
+
+
+@pytest.mark.integration  # a Prefect flow run
+def test_an_entry_loads_and_checks_its_path(tmp_path):
+    """A bad path fails in the entry's own load, naming the file, before the flow's work."""
+    from flows import entry
+    from kiln_config import ConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {stages: []}\n")
+    state = entry.validate(str(bad), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError, match=str(bad)):
+        state.result()

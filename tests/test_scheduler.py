@@ -18,6 +18,7 @@ import httpx
 import pytest
 import yaml
 
+from kiln_config import load_config
 from tasks.storage.layout import Layout
 
 pytestmark = pytest.mark.e2e
@@ -198,8 +199,8 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     # continue from. No worker runs yet, so the scheduled ingest (due during this training on
     # a loaded machine, or soon after it) waits for one: the training, not the test, fills
     # the time until the schedule comes due.
-    first = kiln_pipeline(str(cfg))
-    promote_flow(str(cfg), first=True)
+    first = kiln_pipeline(load_config(cfg))
+    promote_flow(load_config(cfg), first=True)
     assert not [r for r in _states(api, ingest_id, manual_only=False)
                 if r["state_type"] not in ("SCHEDULED", "PENDING")], "nothing ran yet"  # fmt: skip
 

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
 from prefect import task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
@@ -32,7 +31,10 @@ from kiln_config import (
     EvaluateConfig,
     GpuLimitConfig,
     LaunchConfig,
+    PrecomputeRun,
     StageRun,
+    StudyRun,
+    write_run_file,
 )
 from kiln_config.errors import MissingInput
 from models.callbacks.divergence import DIVERGED
@@ -218,7 +220,8 @@ def launch_module(launch: LaunchConfig, module: str, args: list[str], *, nodes: 
 
 @task(name="launch-stage", cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_diverged)
 def launch_stage(stage: StageRun, launch: LaunchConfig) -> dict:
-    """Train one stage: write its stage.yaml, launch `models.train`, return its manifest.
+    """Train one stage: write its run file (stage.yaml), launch `models.train` on it, return
+    its manifest.
 
     `launch` gives the topology, the process count, the hang timeout and the GPU limit (the
     flow sets `retries=launch.max_restarts`). Idempotent: a relaunch resumes from the newest
@@ -232,8 +235,7 @@ def launch_stage(stage: StageRun, launch: LaunchConfig) -> dict:
     out = Path(stage.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     _raise_if_diverged(out)
-    stage_yaml = out / "stage.yaml"
-    stage_yaml.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
+    stage_yaml = write_run_file(stage, out / "stage.yaml")
     total = stage.stage.max_steps
     progress_id = None
     if TaskRunContext.get() is not None:  # called as a task, not through .fn()
@@ -275,56 +277,41 @@ def launch_generate(
 ) -> dict:
     """Generate the evaluation images with `models.study_images`; returns the study.json content.
 
+    The launch reads one run file (`kiln_config.StudyRun`), written into the study folder as
+    `run.yaml`.
+
     Args:
         pipeline_dir: The exported pipeline folder.
-        prompts_csv: Prompts file (`evaluate.prompts_csv`, or a subset of it).
+        prompts_csv: Prompts file (`evaluate.prompts_csv` resolved, or a subset of it).
         out_dir: The study folder.
         evaluate: Seeds, inference steps, guidance, batch size and prompt limit.
         launch: The topology, process count and GPU limit of the launch.
         model_ref: The model's identity, recorded in study.json.
     """
-    ev = evaluate
-    args = [
-        "--pipeline", pipeline_dir,
-        "--prompts", prompts_csv,
-        "--out", out_dir,
-        "--seeds", *map(str, ev.seeds),
-        "--steps", str(ev.num_inference_steps),
-        "--guidance", str(ev.guidance_scale),
-        "--batch-size", str(ev.batch_size),
-        "--model-ref", model_ref,
-    ]  # fmt: skip
-    if ev.limit:
-        args += ["--limit", str(ev.limit)]
-    cmd = accelerate_command(launch.accelerate_config, "models.study_images", args,
-                             launch.num_processes)  # fmt: skip
+    out = Path(out_dir)
+    run = StudyRun(pipeline=pipeline_dir, out_dir=out_dir, model_ref=model_ref,
+                   evaluate=evaluate.model_copy(update={"prompts_csv": prompts_csv}))  # fmt: skip
+    run_file = write_run_file(run, out / "run.yaml")
+    cmd = accelerate_command(launch.accelerate_config, "models.study_images",
+                             ["--config", str(run_file)], launch.num_processes)  # fmt: skip
     run_launch(cmd, gpu_limit=launch.gpu_limit)
-    return json.loads((Path(out_dir) / "study.json").read_text())
+    return json.loads((out / "study.json").read_text())
 
 
 @task(name="launch-precompute", cache_policy=NO_CACHE)
-def launch_precompute(
-    stage: StageRun,
-    out_dir: str,
-    launch: LaunchConfig,
-    *,
-    text: bool = True,
-    val_out_dir: str | None = None,
-) -> str:
+def launch_precompute(run: PrecomputeRun, launch: LaunchConfig) -> str:
     """Precompute one stage's latents with `models.precompute`; returns the dataset folder.
 
-    With `val_out_dir`, the same launch also encodes the stage's validation split
-    (`stage.val_shards`) into it. Idempotent: complete folders (see
+    The launch reads `run`, written beside the output as `.precompute-<name>.yaml`. With
+    `run.val_out_dir`, the same launch also encodes the stage's validation split
+    (`run.val_shards`) into it. Idempotent: complete folders (see
     `tasks.storage.layout.is_published`) are returned without work.
     """
-    out = Path(out_dir)
-    if is_published(out) and (val_out_dir is None or is_published(Path(val_out_dir))):
+    out, val_out = Path(run.out_dir), run.val_out_dir
+    if is_published(out) and (val_out is None or is_published(Path(val_out))):
         return str(out)
-    cfg_path = out.parent / f".precompute-{out.name}.yaml"
-    cfg_path.write_text(yaml.safe_dump(stage.model_dump(mode="json"), sort_keys=False))
-    args = ["--config", str(cfg_path), "--out", str(out)] + ([] if text else ["--no-text"])
-    args += ["--val-out", val_out_dir] if val_out_dir else []
-    cmd = accelerate_command(launch.accelerate_config, "models.precompute", args,
-                             launch.num_processes)  # fmt: skip
+    run_file = write_run_file(run, out.parent / f".precompute-{out.name}.yaml")
+    cmd = accelerate_command(launch.accelerate_config, "models.precompute",
+                             ["--config", str(run_file)], launch.num_processes)  # fmt: skip
     run_launch(cmd, gpu_limit=launch.gpu_limit)
     return str(out)

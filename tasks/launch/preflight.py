@@ -26,7 +26,7 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from kiln_config import KilnError, LaunchConfig, TrainConfig
+from kiln_config import HealthCheckRun, KilnError, LaunchConfig, TrainConfig, write_run_file
 from tasks.launch.accelerate import LaunchError, cuda_available, launch_module
 from tasks.launch.common import topology_processes
 from tasks.runtime.logs import task_logger
@@ -123,9 +123,10 @@ def check_collective(launch: LaunchConfig, out: Path, timeout_s: float, nodes: i
     On a cluster backend the check is one job on `nodes` nodes (the largest pending stage's),
     so every rank of such an allocation takes part, as the stage's will.
     """
+    run_file = write_run_file(HealthCheckRun(out_dir=str(out)), out / "health.yaml")
     try:
-        launch_module(launch, "models.collective_check", ["--out", str(out)], nodes=nodes,
-                      workdir=out, name="health", timeout_s=timeout_s)  # fmt: skip
+        launch_module(launch, "models.collective_check", ["--config", str(run_file)],
+                      nodes=nodes, workdir=out, name="health", timeout_s=timeout_s)  # fmt: skip
     except LaunchError as e:
         raise HealthCheckError(
             f"collective: the all-reduce across the processes of "

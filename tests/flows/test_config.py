@@ -328,17 +328,34 @@ def test_run_config_reuses_a_config_equal_to_the_snapshot(tmp_path, make_config,
     assert config_hash(kept) == config_hash(cfg)
 
 
-def test_as_config_loads_a_path_once_and_passes_a_loaded_config_through(
-    tmp_path, make_config, demo_src
-):
-    from tasks.inputs import as_config
+def test_load_checked_applies_overrides_and_checks_the_steps(tmp_path, make_config, demo_src):
+    from tasks.inputs import load_checked
 
     path = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src)
-    cfg = as_config(str(path), ("ingest",), root=str(tmp_path / "other"))
+    cfg = load_checked(str(path), ("ingest",), root=str(tmp_path / "other"))
     assert cfg.storage.root == str(tmp_path / "other")
-    assert as_config(cfg) is cfg
-    with pytest.raises(ValueError, match="overrides apply to a config path"):
-        as_config(cfg, root=str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match="ingest.source: "):
+        load_checked(str(path), ("ingest",), source=str(tmp_path / "no-such-folder"))
+
+
+def test_checking_the_prompts_leaves_the_config_as_given(tmp_path, make_config, demo_src,
+                                                         monkeypatch):  # fmt: skip
+    """The probe reads; the resolved file is returned, and set by the caller on a copy."""
+    from tasks.inputs import check_inputs, prompts_file, with_prompts
+
+    drawbench = tmp_path / "drawbench.csv"
+    drawbench.write_text("Prompts,Category\na red circle,Colors\n")
+    monkeypatch.setenv("KILN_DRAWBENCH_CSV", str(drawbench))
+    path = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
+                       **{"evaluate.prompts_csv": None})  # fmt: skip
+    cfg = load_config(path)
+    before = cfg.model_dump()
+    check_inputs(cfg, ("evaluate",))
+    assert cfg.model_dump() == before and cfg.evaluate.prompts_csv is None
+    assert prompts_file(cfg) == str(drawbench)
+    resolved = with_prompts(cfg)
+    assert resolved.evaluate.prompts_csv == str(drawbench)
+    assert cfg.evaluate.prompts_csv is None, "the given config stays as given"
 
 
 @pytest.mark.parametrize(

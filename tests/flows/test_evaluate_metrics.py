@@ -14,7 +14,13 @@ import scipy.linalg
 import torch
 from PIL import Image
 
-from kiln_config import EvalMetricsConfig, EvaluateConfig, LaunchConfig, TokenizerConfig
+from kiln_config import (
+    EvalMetricsConfig,
+    EvaluateConfig,
+    LaunchConfig,
+    TokenizerConfig,
+    load_config,
+)
 from models.image_metrics import clip_score, fid, load_clip, load_inception, weights_sha256
 from tasks.evaluation.contact_sheet import THUMB, write_contact_sheets
 from tasks.evaluation.study_metrics import compute_study_metrics, metrics_report
@@ -237,8 +243,8 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     cfg = make_config(tmp_path / "c.yaml", root, demo_src, **ONE_STAGE,
                       **{"evaluate.metrics": {"clip_model": str(clip),
                                               "inception_weights": str(missing)}})  # fmt: skip
-    record = train_flow(str(cfg), root=str(root), dataset_version=version)
-    out = evaluate_flow(str(cfg), root=str(root), run_id=record["run_id"])
+    record = train_flow(load_config(cfg, root=str(root)), dataset_version=version)
+    out = evaluate_flow(load_config(cfg, root=str(root)), run_id=record["run_id"])
 
     study = Path(out["path"])
     items = json.loads((study / "study.json").read_text())["items"]
@@ -291,7 +297,7 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     assert metrics["fid"]["images"] == 6
     assert metrics["fid"]["value"] == pytest.approx(_direct_fid(feature, real, fake), rel=1e-4)
 
-    info = register_flow(str(cfg), root=str(root), run_id=record["run_id"],
+    info = register_flow(load_config(cfg, root=str(root)), run_id=record["run_id"],
                          study_id=study.name)  # fmt: skip
     version_tags = client.get_model_version(info["name"], info["version"]).tags
     assert version_tags["study_id"] == study.name

@@ -13,6 +13,7 @@ from streaming import StreamingDataset
 from flows.ingest import ingest_flow
 from flows.shard import shard_flow
 from flows.validate import validate_flow
+from kiln_config import load_config
 from tasks.quality.gate import QualityGateError
 
 pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
@@ -74,13 +75,13 @@ def test_steps_run_alone_from_an_s3_source(
         f"s3://{bucket}/raw",
         **{"storage.endpoint_url": s3_endpoint},
     )
-    ing_state = ingest_flow(str(cfg), return_state=True)
+    ing_state = ingest_flow(load_config(cfg), return_state=True)
     ing = ing_state.result()
     assert ing["listed"] == 60 and ing["source"] == f"s3://{bucket}/raw"
-    q_state = validate_flow(str(cfg), return_state=True)  # finds the catalog through LATEST
+    q_state = validate_flow(load_config(cfg), return_state=True)  # finds the catalog through LATEST
     q = q_state.result()
     assert q["ingest_id"] == ing["ingest_id"] and q["passed"]
-    shards = shard_flow(str(cfg))  # re-reads the images from S3
+    shards = shard_flow(load_config(cfg))  # re-reads the images from S3
     s32 = shards["stages"][32]
     assert s32["samples"] + s32["val_samples"] == q["clean"], "every clean image is >= 32 px"
     assert s32["val_samples"] > 0, "tiny.yaml holds some images out for validation"
@@ -128,8 +129,8 @@ def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_sr
         tmp_path / "c.yaml", tmp_path / "root", demo_src,
         **{"quality.min_side": 90, "quality.max_reject_fraction": 0.05},
     )  # fmt: skip
-    ingest_flow(str(cfg))
-    state = validate_flow(str(cfg), return_state=True)
+    ingest_flow(load_config(cfg))
+    state = validate_flow(load_config(cfg), return_state=True)
     with pytest.raises(QualityGateError, match="quality gate failed"):
         state.result()
     summary = json.loads(next((tmp_path / "root" / "quality").glob("*/summary.json")).read_text())
@@ -143,9 +144,9 @@ def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_sr
 
 def test_shard_before_validate_says_so(tmp_path, demo_src, make_config):
     cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src)
-    ingest_flow(str(cfg))
+    ingest_flow(load_config(cfg))
     with pytest.raises(FileNotFoundError, match="run `kiln validate` first"):
-        shard_flow(str(cfg))
+        shard_flow(load_config(cfg))
 
 
 @pytest.mark.e2e
@@ -169,9 +170,9 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
            "shards.aspect_buckets": True, "shards.bucket_step": 8,
            "shards.remote": f"s3://{bucket}/datasets", "storage.endpoint_url": s3_endpoint},
     )  # fmt: skip
-    ingest_flow(str(cfg))
-    validate_flow(str(cfg))
-    shards = shard_flow(str(cfg))
+    ingest_flow(load_config(cfg))
+    validate_flow(load_config(cfg))
+    shards = shard_flow(load_config(cfg))
     version = shards["dataset_version"]
     assert shards["remote"] == f"s3://{bucket}/datasets/{version}"
     published = {o.key for o in Storage(f"s3://{bucket}/datasets", s3_endpoint).list(version)}
@@ -195,7 +196,7 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
         ds = StreamingDataset(local=str(latents_64 / b["name"]), batch_size=1)
         assert len(ds) == b["samples"]
         assert ds[0]["latent_mean"].shape[1:] == (b["height"] // 4, b["width"] // 4)
-    train_state = train_flow(str(cfg), return_state=True)
+    train_state = train_flow(load_config(cfg), return_state=True)
     record = train_state.result()
     assert record["health"]["world_size"] == 1
     assert list(record["stages"]) == ["64"]

@@ -22,6 +22,7 @@ from flows.shard import shard_flow
 from flows.train import train_flow
 from flows.validate import validate_flow
 from kiln_cli.main import main
+from kiln_config import load_config
 from kiln_demo.data import licensing
 from tasks.catalog.lineage import REPORT_ARTIFACT, dataset_rows
 from tasks.quality.gate import read_clean
@@ -56,11 +57,12 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     (shared / "vae").mkdir(exist_ok=True)
     (root / "vae").symlink_to(shared / "vae")  # the tiny preset's VAE, fitted once per session
     cfg = str(make_config(tmp_path / "tiny.yaml", root, demo_src, **ONE_STAGE))
-    ingest_id = ingest_flow(cfg)["ingest_id"]
-    validate_flow(cfg)
-    version = shard_flow(cfg)["dataset_version"]
-    run = train_flow(cfg, dataset_version=version)
-    v1 = register_flow(cfg, run_id=run["run_id"])
+    loaded = load_config(cfg)  # the flows take the loaded config; the commands its path
+    ingest_id = ingest_flow(loaded)["ingest_id"]
+    validate_flow(loaded)
+    version = shard_flow(loaded)["dataset_version"]
+    run = train_flow(loaded, dataset_version=version)
+    v1 = register_flow(loaded, run_id=run["run_id"])
     assert v1["licensing"]["report"] == REPORT_ARTIFACT
 
     # The model's lineage: its rows, and each contributor's draws equal to what was drawn.
@@ -104,17 +106,17 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     tags = client.get_model_version("kiln-t2i", v1["version"]).tags
     assert tags["kiln.takedown.images"] == "1"
     # The next standalone ingest's event asks for the retrain, though no image is new.
-    fresh = ingest_flow(cfg)["new_data"]
+    fresh = ingest_flow(loaded)["new_data"]
     assert fresh["new_since_training"] == 0 and fresh["retrain_due"]
 
     # The next validate quarantines it, whatever else it passes; then a whole contributor.
-    result = validate_flow(cfg)
+    result = validate_flow(loaded)
     assert result["takedowns"] == 1 and result["reasons"]["takedown"] == 1
     q = _quarantine(root, result["ingest_id"])
     assert q[q["reason"] == "takedown"]["key"].tolist() == [key]
     _kiln("takedown", "add", "--contributor", "cy-shoots", "--reason", "withdrawn", "--config",
           cfg)  # fmt: skip
-    result = validate_flow(cfg)
+    result = validate_flow(loaded)
     q = _quarantine(root, result["ingest_id"])
     gone = set(q[q["reason"] == "takedown"]["key"])
     meta = {r["file_name"]: r["contributor"] for r in
@@ -136,8 +138,8 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     # Promotion refuses the version that saw a taken-down image, unless told why.
     ref = f"models:/kiln-t2i/{v1['version']}"
     with pytest.raises(PromotionRefused, match="taken-down"):
-        promote_flow(cfg, candidate=ref, first=True)
-    done = promote_flow(cfg, candidate=ref, first=True, allow_takedown=True,
+        promote_flow(loaded, candidate=ref, first=True)
+    done = promote_flow(loaded, candidate=ref, first=True, allow_takedown=True,
                         reason="interim release approved by legal")  # fmt: skip
     assert done["outcome"] == "first"
     tags = client.get_model_version("kiln-t2i", v1["version"]).tags
@@ -146,7 +148,7 @@ def test_lineage_takedown_and_promotion_through_the_commands(
 
     # The retrain the takedown made due trains, though no image is new, on a dataset without
     # the taken-down images; the image's lineage still names the old version only.
-    retrained = kiln_pipeline(cfg, only_new_data=True)
+    retrained = kiln_pipeline(loaded, only_new_data=True)
     assert "skipped" not in retrained
     new_rows = dataset_rows(root, retrained["shards"]["dataset_version"])
     assert not set(new_rows["key"]) & (cy | {key} | set(more)) and len(new_rows)
@@ -169,7 +171,7 @@ def test_an_ended_license_is_quarantined(tmp_path, demo_src, make_config):
         if r["file_name"] == "00003.jpg":
             r["license_end"] = "end of next year"
     (src / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    cfg = str(make_config(tmp_path / "tiny.yaml", tmp_path / "root", src))
+    cfg = load_config(make_config(tmp_path / "tiny.yaml", tmp_path / "root", src))
     ingest_flow(cfg)
     result = validate_flow(cfg)
     assert result["license_expired"] == 4 and result["takedowns"] == 0

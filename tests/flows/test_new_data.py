@@ -44,7 +44,7 @@ def test_new_images_since_the_last_training_make_a_retrain_due(tmp_path, landing
     src, land = landing_src
     cfg = make_config(tmp_path / "tiny.yaml", tmp_path / "root", src,
                       **{"retrain.min_new_images": 10})  # fmt: skip
-    first = ingest_flow(str(cfg))["new_data"]
+    first = ingest_flow(load_config(cfg))["new_data"]
     accepted = first["view_accepted"]
     assert first["new_since_training"] == accepted == first["new_accepted"] > 10
     # Nothing to continue from yet: the first model is trained from scratch.
@@ -53,14 +53,14 @@ def test_new_images_since_the_last_training_make_a_retrain_due(tmp_path, landing
     assert "no finished training to continue from" in text
 
     done = _train_on(cfg, first["ingest_id"], "run-20260101-000000")
-    again = ingest_flow(str(cfg))["new_data"]
+    again = ingest_flow(load_config(cfg))["new_data"]
     assert (again["new_accepted"], again["new_since_training"]) == (0, 0)
     assert again["trained_run_id"] == done and not again["retrain_due"]
     assert "not due (0 < 10)" in new_data_report(new_data(tmp_path / "root", again["ingest_id"],
                                                           0, 10, True))  # fmt: skip
 
     landed = land()
-    after = ingest_flow(str(cfg))["new_data"]
+    after = ingest_flow(load_config(cfg))["new_data"]
     assert after["new_accepted"] == after["new_since_training"] == landed == 15
     assert after["trained_ingest_id"] == first["ingest_id"] and after["retrain_due"]
     text = new_data_report(new_data(tmp_path / "root", after["ingest_id"], 15, 10, True))
@@ -68,13 +68,13 @@ def test_new_images_since_the_last_training_make_a_retrain_due(tmp_path, landing
     assert "Retrain: **due**" in text
 
     # The pipeline's own ingest never asks for another pipeline.
-    inner = ingest_flow(str(cfg), standalone=False)["new_data"]
+    inner = ingest_flow(load_config(cfg), standalone=False)["new_data"]
     assert inner["new_since_training"] == 15 and not inner["retrain_due"]
 
     # A newer run that never finished (crashed, cancelled) trained on nothing: the baseline
     # stays the finished one.
     _train_on(cfg, after["ingest_id"], "run-20260102-000000", finished=False)
-    crashed = ingest_flow(str(cfg))["new_data"]
+    crashed = ingest_flow(load_config(cfg))["new_data"]
     assert crashed["trained_run_id"] == done and crashed["new_since_training"] == 15
 
 
@@ -82,7 +82,7 @@ def test_a_training_in_progress_holds_the_retrain_back(tmp_path, landing_src, ma
     src, land = landing_src
     root = tmp_path / "root"
     cfg = make_config(tmp_path / "tiny.yaml", root, src, **{"retrain.min_new_images": 10})
-    _train_on(cfg, ingest_flow(str(cfg))["ingest_id"], "run-20260101-000000")
+    _train_on(cfg, ingest_flow(load_config(cfg))["ingest_id"], "run-20260101-000000")
     land()
     holder = subprocess.Popen(
         [sys.executable, "-c",
@@ -93,10 +93,10 @@ def test_a_training_in_progress_holds_the_retrain_back(tmp_path, landing_src, ma
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        busy = ingest_flow(str(cfg))["new_data"]
+        busy = ingest_flow(load_config(cfg))["new_data"]
     finally:
         holder.kill()
         holder.wait()
     assert busy["root_busy"] and not busy["retrain_due"]
     assert busy["new_since_training"] >= 10
-    assert ingest_flow(str(cfg))["new_data"]["retrain_due"], "due once the training is gone"
+    assert ingest_flow(load_config(cfg))["new_data"]["retrain_due"], "due once the training is gone"

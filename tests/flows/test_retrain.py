@@ -12,6 +12,7 @@ from mlflow.tracking import MlflowClient
 from flows.promote import promote_flow
 from flows.register import register_flow
 from flows.train import train_flow
+from kiln_config import load_config
 from models.train import weights_sha256
 
 from .test_run_config import ONE_STAGE, _root_with_shards
@@ -24,15 +25,15 @@ def test_a_retrain_starts_from_the_champions_weights_and_names_its_parent(
 ):
     root, version = _root_with_shards(tmp_path, tiny_shards)
     cfg = make_config(tmp_path / "tiny.yaml", root, demo_src, **ONE_STAGE)
-    first = train_flow(str(cfg), dataset_version=version)
-    v1 = register_flow(str(cfg), run_id=first["run_id"])
-    promote_flow(str(cfg), candidate=f"models:/kiln-t2i/{v1['version']}", first=True)
+    first = train_flow(load_config(cfg), dataset_version=version)
+    v1 = register_flow(load_config(cfg), run_id=first["run_id"])
+    promote_flow(load_config(cfg), candidate=f"models:/kiln-t2i/{v1['version']}", first=True)
 
     retrain = yaml.safe_load(cfg.read_text())
     retrain["train"]["init_from_model"] = "models:/kiln-t2i@champion"
     retrain["train"]["stages"][0]["learning_rate"] = 1e-5
     (tmp_path / "retrain.yaml").write_text(yaml.safe_dump(retrain))
-    second = train_flow(str(tmp_path / "retrain.yaml"), dataset_version=version)
+    second = train_flow(load_config(tmp_path / "retrain.yaml"), dataset_version=version)
     assert second["init_from_model"]["resolved"] == f"models:/kiln-t2i/{v1['version']}"
 
     # Before its first step, the stage held exactly the champion's UNet (its EMA export).
@@ -53,7 +54,7 @@ def test_a_retrain_starts_from_the_champions_weights_and_names_its_parent(
               zip(after.parameters(), champion.parameters(), strict=True)]  # fmt: skip
     assert 0 < max(deltas) < 0.1
 
-    v2 = register_flow(str(tmp_path / "retrain.yaml"), run_id=second["run_id"])
+    v2 = register_flow(load_config(tmp_path / "retrain.yaml"), run_id=second["run_id"])
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     tags = client.get_model_version("kiln-t2i", v2["version"]).tags
     assert tags["parent_model"] == f"models:/kiln-t2i/{v1['version']}"
@@ -72,4 +73,4 @@ def test_a_missing_champion_is_a_clear_error(tmp_path, tiny_shards, demo_src, ma
     warm = {**ONE_STAGE, "train.init_from_model": "models:/kiln-t2i@champion"}
     cfg = make_config(tmp_path / "tiny.yaml", root, demo_src, **warm)
     with pytest.raises(ValueError, match="train.init_from_model: models:/kiln-t2i@champion does"):
-        train_flow(str(cfg), dataset_version=version)
+        train_flow(load_config(cfg), dataset_version=version)

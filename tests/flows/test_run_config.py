@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from flows.evaluate import evaluate_flow
 from flows.register import register_flow
 from flows.train import train_flow
-from kiln_config import stable_hash
+from kiln_config import load_config, stable_hash
 from tasks.launch.accelerate import LaunchError
 
 pytestmark = pytest.mark.integration
@@ -54,7 +54,7 @@ def test_editing_the_file_after_training_changes_neither_evaluate_nor_register(
     root, dataset_version = _root_with_shards(tmp_path, tiny_shards)
     # The file's root is not the one used: --root overrides it, and the snapshot records that.
     user = make_config(tmp_path / "user.yaml", tmp_path / "not-this-root", demo_src, **ONE_STAGE)
-    record = train_flow(str(user), root=str(root), dataset_version=dataset_version)
+    record = train_flow(load_config(user, root=str(root)), dataset_version=dataset_version)
     snapshot = root / "runs" / record["run_id"] / "config.yaml"
     snap = yaml.safe_load(snapshot.read_text())
     assert snap["storage"]["root"] == str(root), "overrides applied in the snapshot"
@@ -75,11 +75,11 @@ def test_editing_the_file_after_training_changes_neither_evaluate_nor_register(
 
     _edit(user, **{"evaluate.seeds": [7, 8], "registry.alias": "edited",
                    "registry.model_name": "edited-name"})  # fmt: skip
-    study = evaluate_flow(str(user), root=str(root), run_id=record["run_id"])
+    study = evaluate_flow(load_config(user, root=str(root)), run_id=record["run_id"])
     items = json.loads((Path(study["path"]) / "study.json").read_text())["items"]
     assert {it["seed"] for it in items} == {0} and len(items) == 2, "the snapshot's settings"
     info = register_flow(
-        str(user), root=str(root), run_id=record["run_id"], study_id=study["study_id"]
+        load_config(user, root=str(root)), run_id=record["run_id"], study_id=study["study_id"]
     )
     assert (info["name"], info["alias"]) == ("kiln-t2i", "candidate")
     assert info["lineage"]["config_sha256"] == stable_hash(snap, 16)
@@ -107,7 +107,7 @@ def test_a_failed_stage_ends_the_mlflow_run_failed(tmp_path, tiny_shards, demo_s
     user = make_config(tmp_path / "user.yaml", root, demo_src,
                        **{**ONE_STAGE, "launch.accelerate_config": str(broken)})  # fmt: skip
     with pytest.raises(LaunchError):
-        train_flow(str(user), dataset_version=version, run_id="run-broken")
+        train_flow(load_config(user), dataset_version=version, run_id="run-broken")
     record = json.loads((root / "runs" / "run-broken" / "run.json").read_text())
     run = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_run(record["mlflow_run_id"])
     assert run.info.status == "FAILED"

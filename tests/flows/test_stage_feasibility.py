@@ -6,6 +6,7 @@ import shutil
 import pytest
 import yaml
 
+from kiln_config import load_config
 from tasks.launch.preflight import HealthCheckError
 
 
@@ -25,7 +26,7 @@ def test_a_dataset_smaller_than_one_batch_fails_before_any_launch(tiny_shards, t
     have = samples[str(res)]["samples"]
 
     before = _listing(mine)
-    state = train_flow(str(path), return_state=True)
+    state = train_flow(load_config(path), return_state=True)
     assert state.is_failed()
     err = state.result(raise_on_failure=False)
     assert isinstance(err, HealthCheckError)

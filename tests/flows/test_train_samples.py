@@ -8,6 +8,8 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 from mlflow.tracking import MlflowClient
 
+from kiln_config import load_config
+
 pytestmark = pytest.mark.integration
 
 
@@ -47,7 +49,7 @@ def test_each_stage_publishes_its_newest_grid(tmp_path, tiny_shards, demo_src, m
                              "max_steps": 2}],
            "train.sample_every": 1, "launch.health_check": False, "launch.max_restarts": 0},
     )  # fmt: skip
-    state = train_flow(str(cfg), dataset_version=version, return_state=True)
+    state = train_flow(load_config(cfg), dataset_version=version, return_state=True)
     record = state.result()
     stage = root / "runs" / record["run_id"] / "stage-32"
     grids = [str(stage / "samples" / f"step-{s:06d}.png") for s in (1, 2)]

@@ -9,6 +9,8 @@ import shutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from kiln_config import load_config
+
 pytestmark = pytest.mark.integration  # Prefect flow runs, accelerate launches
 
 
@@ -50,7 +52,7 @@ def test_train_and_register_flows_show_the_validation_loss(
         **{"train.stages": [stage], "train.eval_every": 1, "train.val_max_samples": 4,
            "train.val_timesteps": 2, "train.log_every": 1, "launch.health_check": False},
     )  # fmt: skip
-    state = train_flow(str(cfg), dataset_version=version, return_state=True)
+    state = train_flow(load_config(cfg), dataset_version=version, return_state=True)
     record = state.result()
     stage_dir = root / "runs" / record["run_id"] / "stage-32"
     val = record["stages"]["32"]["val"]
@@ -67,7 +69,7 @@ def test_train_and_register_flows_show_the_validation_loss(
     history = client.get_metric_history(run_id, "stage32/ema/val/loss")
     assert [m.step for m in history] == [1, 2]
     assert history[-1].value == val["ema/val/loss"]
-    info = register_flow(str(cfg), run_id=record["run_id"])
+    info = register_flow(load_config(cfg), run_id=record["run_id"])
     version_ = client.get_model_version(info["name"], info["version"])
     logged = client.get_logged_model(version_.source.removeprefix("models:/"))
     metrics = {m.key: m.value for m in logged.metrics}

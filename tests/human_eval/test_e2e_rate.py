@@ -22,6 +22,7 @@ from click.testing import CliRunner
 
 from human_eval.store import RatingStore
 from kiln_cli.main import main as cli
+from kiln_config import load_config
 from tasks.storage.layout import Layout
 
 from .conftest import free_port, start_server, stop
@@ -78,10 +79,12 @@ def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_sr
         data["human_eval"] = {"raters_per_pair": RATERS, "gold_per_rater": 2,
                               "port": free_port(), "bootstrap_resamples": 2000}  # fmt: skip
         cfg.write_text(yaml.safe_dump(data))
-        runs[side] = train_flow(str(cfg), dataset_version=version, run_id=f"run-e2e-{side}")
+        runs[side] = train_flow(load_config(cfg), dataset_version=version, run_id=f"run-e2e-{side}")
         if side == "a":  # B's study is left to `kiln compare` to generate
-            studies[side] = evaluate_flow(str(cfg), run_id=runs[side]["run_id"])["study_id"]
-        model = register_flow(str(cfg), run_id=runs[side]["run_id"], study_id=studies.get(side))
+            studies[side] = evaluate_flow(load_config(cfg), run_id=runs[side]["run_id"])["study_id"]
+        model = register_flow(
+            load_config(cfg), run_id=runs[side]["run_id"], study_id=studies.get(side)
+        )
         configs[side] = cfg
     config_a = configs["a"]
     common = ["--config", str(config_a), "--root", str(root)]
@@ -118,7 +121,7 @@ def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_sr
         assert s["ci_low"] <= P_A <= s["ci_high"], s
     assert (root / "human_eval" / cid / "preference.png").stat().st_size > 10_000
 
-    result = human_eval_flow(str(config_a), studies["a"], studies["b"], wait_s=0)
+    result = human_eval_flow(load_config(config_a), studies["a"], studies["b"], wait_s=0)
     from mlflow.tracking import MlflowClient
 
     tracking = f"sqlite:///{root / 'mlflow.db'}"

@@ -10,6 +10,7 @@ import yaml
 
 from human_eval.store import RatingStore
 from human_eval.studies import create_comparison, load_study
+from kiln_config import load_config
 from tasks.storage.layout import Layout
 
 from .conftest import many_prompts, write_study
@@ -55,7 +56,7 @@ def test_flow_reports_and_logs_metrics_and_tags(tmp_path, make_config):
                                name="cand-vs-champ")  # fmt: skip
     _simulate(store, cid, 3, p_a=0.8, rng=np.random.default_rng(5))
 
-    result = human_eval_flow(str(cfg), "cand-study", "champ-study", name="cand-vs-champ",
+    result = human_eval_flow(load_config(cfg), "cand-study", "champ-study", name="cand-vs-champ",
                              wait_s=30, poll_s=1)  # fmt: skip
     assert result["comparison"] == cid and result["wait"]["complete"]
     report = json.loads((root / "human_eval" / cid / "report.json").read_text())
@@ -95,13 +96,13 @@ def test_flow_reports_and_logs_metrics_and_tags(tmp_path, make_config):
     champ = client.create_model_version(
         "kiln-t2i", str(root / "champ-export"), champ_run.info.run_id, tags={"run_id": "run-champ"}
     )
-    promote_flow(str(cfg), candidate=f"models:/kiln-t2i/{champ.version}", first=True)
+    promote_flow(load_config(cfg), candidate=f"models:/kiln-t2i/{champ.version}", first=True)
     strict = yaml.safe_load(cfg.read_text())
     strict["registry"]["gate"] = {"min_votes_per_pair": 4}
     (tmp_path / "strict.yaml").write_text(yaml.safe_dump(strict))
     with pytest.raises(PromotionRefused, match="fewest votes on a pair 3, need 4"):
-        promote_flow(str(tmp_path / "strict.yaml"), candidate=f"models:/kiln-t2i/{version}")
-    out = promote_flow(str(cfg), candidate=f"models:/kiln-t2i/{version}")
+        promote_flow(load_config(tmp_path / "strict.yaml"), candidate=f"models:/kiln-t2i/{version}")
+    out = promote_flow(load_config(cfg), candidate=f"models:/kiln-t2i/{version}")
     assert out["outcome"] == "promoted" and out["previous_champion"] == champ.version
     assert client.get_model_version_by_alias("kiln-t2i", "champion").version == version
-    assert rollback_flow(str(cfg), reason="test")["champion"] == champ.version
+    assert rollback_flow(load_config(cfg), reason="test")["champion"] == champ.version

@@ -11,7 +11,7 @@ import torch
 import yaml
 from streaming import StreamingDataset
 
-from kiln_config import StageRun, load_config
+from kiln_config import ConfigError, PrecomputeRun, StageRun, load_config, write_run_file
 from models.decoding import decode_pixels
 from models.factory import build_components
 
@@ -35,15 +35,17 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path).train
     images, val_images = root / "shards" / version / "32", root / "shards" / version / "32-val"
-    spec = StageRun(train=cfg, stage_index=0, shards=str(images), output_dir=str(tmp_path),
-                    val_shards=str(val_images))  # fmt: skip
-    (tmp_path / "stage.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json")))
     out, val_out = tmp_path / "32-latents", tmp_path / "32-val-latents"
-    with pytest.raises(ValueError, match="--val-out.*val_shards.*given together"):
-        precompute(["--config", str(tmp_path / "stage.yaml"), "--out", str(out)])
-    _launch("models.precompute", ["--config", str(tmp_path / "stage.yaml"), "--out", str(out),
-                                  "--val-out", str(val_out), "--batch-size", "4"],
-            "cpu-ddp-2.yaml")  # fmt: skip
+    spec = PrecomputeRun(train=cfg, stage_index=0, shards=str(images), out_dir=str(out),
+                         val_shards=str(val_images), val_out_dir=str(val_out), text=True,
+                         batch_size=4)  # fmt: skip
+    # The run file is the launch's only input; a split without its output folder is refused.
+    lone = spec.model_dump(mode="json") | {"val_out_dir": None}
+    (tmp_path / "lone.yaml").write_text(yaml.safe_dump(lone))
+    with pytest.raises(ConfigError, match="val_out_dir: set it with val_shards, or neither"):
+        precompute(["--config", str(tmp_path / "lone.yaml")])
+    run_file = write_run_file(spec, tmp_path / "precompute.yaml")
+    _launch("models.precompute", ["--config", str(run_file)], "cpu-ddp-2.yaml")
     assert not (tmp_path / "32-latents.tmp").exists(), "published by rename"
     index = json.loads((out / "index.json").read_text())
     assert len(index["shards"]) == 2 and all("part-" in s["raw_data"]["basename"]
@@ -89,9 +91,9 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
     stage = cfg.stages[0].model_copy(update={"max_steps": 3, "batch_size": 4})
     run = StageRun(train=cfg.model_copy(update={"stages": [stage], "log_every": 1}),
                    stage_index=0, shards=str(out), output_dir=str(tmp_path / "train"))  # fmt: skip
-    (tmp_path / "train").mkdir()
-    (tmp_path / "train" / "stage.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json")))
-    _launch("models.train", ["--config", str(tmp_path / "train" / "stage.yaml")])
+    _launch(
+        "models.train", ["--config", str(write_run_file(run, tmp_path / "train" / "stage.yaml"))]
+    )
     lines = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     perf = next(x for x in lines if x.get("event") == "perf")
     from models.flops import train_flops_per_sample

@@ -13,7 +13,7 @@ import yaml
 from diffusers import AutoencoderKL
 from PIL import Image
 
-from kiln_config import ModelConfig, VaeComponent, VaeFitConfig, load_yaml_model
+from kiln_config import ModelConfig, VaeComponent, VaeFitConfig, load_config, load_yaml_model
 from models.vae_fit import (
     FIT_RECORD,
     ensure_fitted_vae,
@@ -139,7 +139,7 @@ def test_the_shard_and_train_flows_use_the_one_fitted_vae(tmp_path, demo_src, ma
     from flows.shard import shard_flow
     from flows.train import train_flow
     from flows.validate import validate_flow
-    from kiln_config import encoder_key, load_config
+    from kiln_config import encoder_key
     from models.decoding import decode_uint8
 
     root = tmp_path / "root"
@@ -150,9 +150,9 @@ def test_the_shard_and_train_flows_use_the_one_fitted_vae(tmp_path, demo_src, ma
            "train.stages": [{"resolution": 32, "batch_size": 4, "learning_rate": 1e-4,
                              "max_steps": 1}]},
     )  # fmt: skip
-    ingest_flow(str(cfg_path))
-    validate_flow(str(cfg_path))
-    shards = shard_flow(str(cfg_path))
+    ingest_flow(load_config(cfg_path))
+    validate_flow(load_config(cfg_path))
+    shards = shard_flow(load_config(cfg_path))
     (folder,) = (root / "vae").iterdir()  # one fitted VAE
     fitted_at = (folder / FIT_RECORD).stat().st_mtime_ns
     resolved = load_config(cfg_path)
@@ -169,7 +169,7 @@ def test_the_shard_and_train_flows_use_the_one_fitted_vae(tmp_path, demo_src, ma
     got = torch.from_numpy(encoded[key]["latent_mean"].astype(np.float32))
     assert torch.allclose(got, mean, rtol=1e-2, atol=1e-2), float((got - mean).abs().max())
 
-    record = train_flow(str(cfg_path))
+    record = train_flow(load_config(cfg_path))
     assert [p.name for p in (root / "vae").iterdir()] == [folder.name]
     assert (folder / FIT_RECORD).stat().st_mtime_ns == fitted_at  # reused, not fitted again
     run = root / "runs" / record["run_id"]

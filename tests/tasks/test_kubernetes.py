@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln_config import KubernetesConfig, LaunchConfig
+from kiln_config import HealthCheckRun, KubernetesConfig, LaunchConfig, write_run_file
 from tasks.launch.accelerate import ClusterJob
 from tasks.launch.kubernetes import KubernetesRejected, job_outcome, run_train_job, train_job
 
@@ -115,6 +115,7 @@ def test_two_trainjob_nodes_form_one_world_from_the_trainer_variables(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "health"
+    run = write_run_file(HealthCheckRun(out_dir=str(out)), tmp_path / "health.yaml")
     procs = []
     for rank in (0, 1):
         env = {**os.environ, "PET_NNODES": "2", "PET_NODE_RANK": str(rank),
@@ -122,7 +123,7 @@ def test_two_trainjob_nodes_form_one_world_from_the_trainer_variables(tmp_path):
                "PET_NPROC_PER_NODE": "1", "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
         cmd = [sys.executable, "-m", "models.node_launch", "--source", "torchrun", "--",
                "--config_file", str(REPO / "configs" / "accelerate" / "single.yaml"),
-               "-m", "models.collective_check", "--out", str(out)]  # fmt: skip
+               "-m", "models.collective_check", "--config", str(run)]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
     outputs = [p.communicate(timeout=300)[0] for p in procs]
