@@ -1,7 +1,7 @@
-"""Evaluate flow: generate images for every prompt (`evaluate.prompts_csv`, DrawBench when
-unset) and seed with the trained model, lay them out as one contact sheet per category, and
-compute CLIP score and FID when their weights are configured (`evaluate.metrics`); a metric
-without weights is skipped, and the study's artifact says why.
+"""Evaluate flow: generate images for every prompt the config names (`evaluate.prompts_csv`;
+DrawBench when unset) and seed with the trained model, lay them out as one contact sheet per
+category, and compute CLIP score and FID when their weights are configured
+(`evaluate.metrics`); a metric without weights is skipped, and the study's artifact says why.
 
 The settings come from the training run's config snapshot, not the file passed in: editing
 the file while a run trains does not change how it is evaluated.

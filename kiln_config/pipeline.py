@@ -172,8 +172,7 @@ def encoder_key(cfg: PipelineConfig) -> str:
     """Identity of the frozen encoders (and text mode) that precomputed latents depend on.
 
     A fitted VAE enters as its folder (`tasks.shards.vae_folder.resolve_fitted_vae`), whose name
-    hashes
-    what it was fitted from; an unresolved `fit` has no weights yet, so it has no key.
+    hashes what it was fitted from; an unresolved `fit` has no weights yet, so it has no key.
     """
     m = cfg.train.model
     if m.vae.fit is not None:
