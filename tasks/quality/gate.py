@@ -364,6 +364,25 @@ def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
 
 
 @task(name="validate-catalog", cache_policy=NO_CACHE)
+def _write_quarantine(layout: Layout, ingest_id: str, rejects: pd.DataFrame,
+                      qdir: Path) -> pd.DataFrame:  # fmt: skip
+    """Every quarantined row of the view (the ingest's and this step's rejects) to
+    `quarantine.parquet`, and up to SAMPLE rows a reason to `quarantine_sample.parquet`."""
+    ingest_q = pd.concat(
+        [read_part(p) for p in view_parts(layout, ingest_id, "quarantine")] or [pd.DataFrame()],
+        ignore_index=True,
+    )
+    new_q = rejects.assign(step="validate", ingest_id=ingest_id)
+    quarantine = pd.concat([f for f in (ingest_q, new_q) if len(f)] or [new_q], ignore_index=True)
+    quarantine = quarantine.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
+    _write_parquet(quarantine, qdir / "quarantine.parquet")
+    by_reason = (
+        quarantine.groupby("reason", sort=True).head(SAMPLE) if len(quarantine) else quarantine
+    )
+    _write_parquet(by_reason, qdir / "quarantine_sample.parquet")
+    return quarantine
+
+
 def validate_catalog(
     root: str,
     ingest_id: str,
@@ -379,7 +398,7 @@ def validate_catalog(
 
     Rows are checked a partition (`partition_rows`) at a time, `workers` partitions at once on
     local threads, or on the Dask cluster at `dask_address`. The duplicate checks run in
-    `dup_partitions` hash-prefix partitions (tasks/dup_search.py; None: one per about 500k
+    `dup_partitions` hash-prefix partitions (tasks/quality/dup_search.py; None: one per about 500k
     rows when more than one partition of rows is new, else 0: on the driver, whose memory then
     holds the new rows' hashes and a row group of the old). When an earlier catalog of the
     chain was validated under the same rules and no accepted row has left the view since,
@@ -457,18 +476,7 @@ def validate_catalog(
     shutil.rmtree(qdir, ignore_errors=True)  # a re-run rebuilds the docs, never appends
     qdir.mkdir(parents=True)
     docs = write_data_docs(qdir, rules, sample, counts, rows) if rows else None
-    ingest_q = pd.concat(
-        [read_part(p) for p in view_parts(layout, ingest_id, "quarantine")] or [pd.DataFrame()],
-        ignore_index=True,
-    )
-    new_q = rejects.assign(step="validate", ingest_id=ingest_id)
-    quarantine = pd.concat([f for f in (ingest_q, new_q) if len(f)] or [new_q], ignore_index=True)
-    quarantine = quarantine.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
-    _write_parquet(quarantine, qdir / "quarantine.parquet")
-    by_reason = (
-        quarantine.groupby("reason", sort=True).head(SAMPLE) if len(quarantine) else quarantine
-    )
-    _write_parquet(by_reason, qdir / "quarantine_sample.parquet")
+    quarantine = _write_quarantine(layout, ingest_id, rejects, qdir)
     for df, name in ((rejects, REJECTS_FILE), (flags, FLAGS_FILE), (sample, SAMPLE_FILE)):
         _write_parquet(df.astype({c: object for c in df.columns if df[c].dtype == object}),
                        cat / name)  # fmt: skip
