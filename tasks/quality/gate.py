@@ -363,7 +363,6 @@ def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
     return dup_partitions, hash_dir
 
 
-@task(name="validate-catalog", cache_policy=NO_CACHE)
 def _write_quarantine(layout: Layout, ingest_id: str, rejects: pd.DataFrame,
                       qdir: Path) -> pd.DataFrame:  # fmt: skip
     """Every quarantined row of the view (the ingest's and this step's rejects) to
@@ -383,6 +382,7 @@ def _write_quarantine(layout: Layout, ingest_id: str, rejects: pd.DataFrame,
     return quarantine
 
 
+@task(name="validate-catalog", cache_policy=NO_CACHE)
 def validate_catalog(
     root: str,
     ingest_id: str,
