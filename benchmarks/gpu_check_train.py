@@ -218,10 +218,14 @@ def fsdp_step(work: Path, toy: bool) -> dict:
 def study_step(work: Path, toy: bool, export: str) -> dict:
     """One evaluation study of `export` on the tiny preset's prompts."""
     log, study = work / "study.log", work / "study"
-    args = ["-m", "models.study_images", "--pipeline", export,
-            "--prompts", str(REPO / "configs" / "prompts" / "tiny.csv"), "--out", str(study),
-            "--steps", "2" if toy else "20", "--guidance", "4.0",
-            "--batch-size", "2" if toy else "36", *(["--limit", "2"] if toy else [])]  # fmt: skip
+    from kiln_config import EvaluateConfig, StudyRun, write_run_file
+
+    evaluate = EvaluateConfig(prompts_csv=str(REPO / "configs" / "prompts" / "tiny.csv"),
+                              num_inference_steps=2 if toy else 20, guidance_scale=4.0,
+                              batch_size=2 if toy else 36, limit=2 if toy else None)  # fmt: skip
+    run = write_run_file(StudyRun(pipeline=export, out_dir=str(study), evaluate=evaluate),
+                         work / "study-run.yaml")  # fmt: skip
+    args = ["-m", "models.study_images", "--config", str(run)]
     rc, secs = _launch(args, log)
     _require(rc, "the study", log)
     meta = json.loads((study / "study.json").read_text())
