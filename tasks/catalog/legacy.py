@@ -24,8 +24,6 @@ ingested: the earliest ingested copy of anything comes first.
 from __future__ import annotations
 
 import json
-import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,13 +41,10 @@ __all__ = [
     "ROW_GROUP",
     "ViewPart",
     "chain",
-    "frame_rows",
     "read_part",
     "read_view",
-    "scan_view",
     "view_columns",
     "view_parts",
-    "write_catalog_dir",
 ]
 
 ACCEPTED_COLUMNS = CATALOG_COLUMNS
@@ -156,26 +151,6 @@ def _str(t: pa.Table, name: str) -> pa.ChunkedArray:
     return t.column(name).cast(pa.string())
 
 
-def scan_view(
-    layout: Layout,
-    ingest_id: str | None,
-    table: str = "accepted",
-    columns: list[str] | None = None,
-    *,
-    sources: set[str] | None = None,
-    after_seq: int = 0,
-) -> Iterator[pd.DataFrame]:
-    """The view's rows, one row group at a time, oldest ingest first; only those of `sources`
-    and of ingests after `after_seq` when given. Every batch has the same columns."""
-    wanted = None if sources is None else {None, *sources}
-    parts = [p for p in view_parts(layout, ingest_id, table)
-             if p.seq > after_seq and (wanted is None or p.source in wanted)]  # fmt: skip
-    cols = columns if columns is not None else view_columns(parts)
-    for p in parts:
-        for g in range(p.row_groups):
-            yield read_part(p, cols, [g], sources)
-
-
 def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.DataFrame, int]:
     """(accepted, quarantine, ingest_seq) of the view after `ingest_id`, whole in memory (for
     small catalogs and inspection; the pipeline's steps scan it); empty when None."""
@@ -188,27 +163,3 @@ def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.D
         frames.append(pd.concat([g for g in got if len(g)] or [pd.DataFrame(columns=cols)],
                                 ignore_index=True))  # fmt: skip
     return frames[0], frames[1], int(seq)
-
-
-def frame_rows(rows: list[dict], columns: list[str]) -> pd.DataFrame:
-    """Rows as a frame with `columns` first (absent ones null), sorted by key."""
-    df = pd.DataFrame(rows)
-    for c in columns:
-        if c not in df.columns:
-            df[c] = None
-    extra = [c for c in df.columns if c not in columns]
-    df = df[columns + extra]
-    return df.sort_values("key", kind="stable").reset_index(drop=True) if len(df) else df
-
-
-def write_catalog_dir(out: Path, tables: dict[str, pd.DataFrame], summary: dict) -> None:
-    """`<name>.parquet` per table (row groups of `ROW_GROUP` rows) plus `summary.json`, in a
-    folder renamed into place: a crash leaves no half catalog."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name, df in tables.items():
-        df.to_parquet(tmp / f"{name}.parquet", index=False, row_group_size=ROW_GROUP)
-    (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
