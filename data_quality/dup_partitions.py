@@ -45,13 +45,9 @@ import pyarrow.parquet as pq
 
 from data_quality.near_dup import (
     HOT_BUCKET_CAP,
-    _answer,
     _choose_blocks,
-    _distinct,
     _hash32,
-    _near_pairs,
-    _offer,
-    _second,
+    _near_within,
     _table_masks,
 )
 
@@ -183,19 +179,9 @@ def split_by_table(path: str | Path, out: list[str | Path], keys: list[int], par
 
 def _near_local(ph, hi, d: int, m: int, j: int, table: int, cap: int) -> np.ndarray:
     """`near_dup.near_duplicates` over these rows with one table (key mask) only."""
-    n = len(ph)
-    if n < 2:
-        return np.full(n, -1, dtype=np.int64)
-    value_of, first = _distinct(ph)
-    second = _second(value_of, first, hi)
-    values = ph if value_of is None else ph[first]
-    best, other = first.copy(), second.copy()
-    for target, source in _near_pairs(values, None, d, m, j, cap, table=np.uint64(table)):
-        cand = np.concatenate([first[source], second[source]])
-        _offer(best, other, np.concatenate([target, target]), cand, hi)
-    if value_of is not None:
-        best, other = best[value_of], other[value_of]
-    return _answer(best, other, hi, hi, upto=np.arange(n))
+    if len(ph) < 2:
+        return np.full(len(ph), -1, dtype=np.int64)
+    return _near_within(ph, hi, d, cap, (m, j), table=np.uint64(table))
 
 
 def near_duplicates_in(

@@ -109,12 +109,19 @@ def near_duplicates(
     n = len(h)
     if n < 2:
         return np.full(n, -1, dtype=np.int64)
+    return _near_within(h, g, d, cap, blocks)
+
+
+def _near_within(h, g, d: int, cap: int, blocks=None, table=None) -> np.ndarray:
+    """`near_duplicates` of at least two checked rows; `table` (a key mask) searches that one
+    table only (the partitioned search runs one table per task)."""
+    n = len(h)
     value_of, first = _distinct(h)
     second = _second(value_of, first, g)
     values = h if value_of is None else h[first]
     best, other = first.copy(), second.copy()
     m, j = blocks or _choose_blocks(d, len(first), 0)
-    for target, source in _near_pairs(values, None, d, m, j, cap):
+    for target, source in _near_pairs(values, None, d, m, j, cap, table=table):
         cand = np.concatenate([first[source], second[source]])
         _offer(best, other, np.concatenate([target, target]), cand, g)
     if value_of is not None:
