@@ -245,6 +245,13 @@ def _expectations(rules: QualityConfig, columns) -> list[tuple[str, str, str, di
     return out
 
 
+# GX keeps one "current project" per process and checks a suite against it when a validation
+# definition is added or run; with one context per thread, another thread's context may be
+# current and the check fails as if the suite had changed. So each thread's context is made
+# current for its own build and run, under one lock.
+_GX_LOCK = threading.Lock()
+
+
 class _GX(threading.local):
     """One GX context and validation definition per thread and suite: building them costs
     more than validating a partition."""
@@ -253,29 +260,39 @@ class _GX(threading.local):
         key = (suite_key(rules), rules.aesthetic_column in columns)  # all build_suite reads
         cache = self.__dict__.setdefault("cache", {})
         if key not in cache:
-            import great_expectations as gx
-
-            ctx = gx.get_context(mode="ephemeral")
-            ctx.variables.progress_bars = {"globally": False}
-            batch_def = (
-                ctx.data_sources.add_pandas("kiln")
-                .add_dataframe_asset("catalog")
-                .add_batch_definition_whole_dataframe("all")
-            )
-            suite = ctx.suites.add(build_suite(rules, set(columns)))
-            vd = ctx.validation_definitions.add(
-                gx.ValidationDefinition(name="kiln_catalog", data=batch_def, suite=suite)
-            )
-            cache[key] = (ctx, vd)
+            with _GX_LOCK:
+                cache[key] = self._build(rules, columns)
         return cache[key]
+
+    @staticmethod
+    def _build(rules: QualityConfig, columns: tuple[str, ...]):
+        import great_expectations as gx
+
+        ctx = gx.get_context(mode="ephemeral")
+        ctx.variables.progress_bars = {"globally": False}
+        batch_def = (
+            ctx.data_sources.add_pandas("kiln")
+            .add_dataframe_asset("catalog")
+            .add_batch_definition_whole_dataframe("all")
+        )
+        suite = ctx.suites.add(build_suite(rules, set(columns)))
+        vd = ctx.validation_definitions.add(
+            gx.ValidationDefinition(name="kiln_catalog", data=batch_def, suite=suite)
+        )
+        return ctx, vd
 
 
 _gx = _GX()
 
 
 def _gx_run(frame: pd.DataFrame, rules: QualityConfig):
-    _, vd = _gx.get(rules, tuple(frame.columns))
-    return vd.run(batch_parameters={"dataframe": frame}, result_format={"result_format": "SUMMARY"})
+    from great_expectations.data_context.data_context.context_factory import project_manager
+
+    ctx, vd = _gx.get(rules, tuple(frame.columns))
+    with _GX_LOCK:
+        project_manager.set_project(ctx)
+        return vd.run(batch_parameters={"dataframe": frame},
+                      result_format={"result_format": "SUMMARY"})  # fmt: skip
 
 
 @dataclass
