@@ -182,23 +182,25 @@ def write_ingest(root: Path, ingest_id: str, frames, seq: int, prev: str | None,
     layout.set_latest("catalog", ingest_id)
 
 
-def measure(cmd: list[str], env: dict) -> dict:
-    """Run `cmd`; its wall time, CPU time and peak RSS (the whole process tree, sampled)."""
+def measure(cmd: list[str], env: dict, cwd: Path = REPO) -> dict:
+    """Run `cmd` in `cwd`; its wall time, CPU time and peak RSS (the whole process tree, and
+    the command's own process: `driver_peak_rss_mb`, sampled)."""
     import psutil
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    peak, done = 0, threading.Event()
+    peak, driver, done = 0, 0, threading.Event()
 
     def sample():
-        nonlocal peak
+        nonlocal peak, driver
         root = psutil.Process(proc.pid)
         while not done.is_set():
             try:
                 tree = [root, *root.children(recursive=True)]
-                peak = max(peak, sum(p.memory_info().rss for p in tree))
+                rss = [p.memory_info().rss for p in tree]
+                peak, driver = max(peak, sum(rss)), max(driver, rss[0])
             except psutil.Error:
                 pass
             time.sleep(0.05)
@@ -214,7 +216,7 @@ def measure(cmd: list[str], env: dict) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-4000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_mb": round(peak / 2**20),
-            "output": out}  # fmt: skip
+            "driver_peak_rss_mb": round(driver / 2**20), "output": out}  # fmt: skip
 
 
 def _free_port() -> int:

@@ -48,6 +48,8 @@ __all__ = [
     "VERDICT_TABLES",
     "ViewPart",
     "chain",
+    "commit_ingest",
+    "conform",
     "frame_rows",
     "open_table",
     "read_part",
@@ -56,6 +58,8 @@ __all__ = [
     "scan_view",
     "sql_str",
     "table_path",
+    "target_schema",
+    "untyped_nulls",
     "view_columns",
     "view_parts",
     "view_versions",
@@ -248,25 +252,63 @@ def sql_str(value: str) -> str:
     return "'" + str(value).replace("'", "''") + "'"
 
 
-def _arrow(df: pd.DataFrame, dt: DeltaTable | None, seq: int) -> pa.Table:
-    """`df` as Arrow with `ingest_seq` (`seq` where absent), each column of the table's type;
-    an all-null column new to the table is a string (Delta has no null type, and a column of
-    NaN must not fix the type of the values that come later)."""
-    t = pa.Table.from_pandas(df if SEQ in df.columns else df.assign(**{SEQ: seq}),
-                             preserve_index=False)  # fmt: skip
+def target_schema(schemas: list[pa.Schema], dt: DeltaTable | None) -> pa.Schema:
+    """The columns of `schemas` (in order of first appearance), each of the table's type where
+    it has the column, else the widest of their non-null types; a column null everywhere and
+    new to the table is a string (Delta has no null type, and a column of NaN must not fix the
+    type of the values that come later)."""
     known = {f.name: f.type for f in pa.schema(dt.schema().to_arrow())} if dt else {}
-    for i, f in enumerate(t.schema):
-        want, col = known.get(f.name), t.column(i)
-        if col.null_count == len(col) and want is None:  # all null (even NaN): no type yet
-            want = pa.string()
-        if want is not None and want != f.type:
-            try:
-                t = t.set_column(i, f.name, col.cast(want))
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
-                raise InputError(
-                    f"catalog column {f.name!r}: {f.type} values do not fit the "
-                    f"table's type {want} ({e})"
-                ) from e
+    seen: dict[str, list[pa.DataType]] = {}
+    for sch in schemas:
+        for f in sch:
+            seen.setdefault(f.name, []).append(f.type)
+    fields = []
+    for name, types in seen.items():
+        found = [t for t in dict.fromkeys(types) if not pa.types.is_null(t)]
+        want = known.get(name) or (_widest(name, found) if found else pa.string())
+        fields.append(pa.field(name, want))
+    return pa.schema(fields)
+
+
+def _widest(name: str, types: list[pa.DataType]) -> pa.DataType:
+    try:
+        return pa.unify_schemas([pa.schema([(name, t)]) for t in types],
+                                promote_options="permissive")[0].type  # fmt: skip
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise InputError(f"catalog column {name!r} has values of types {types} ({e})") from e
+
+
+def conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
+    """`t` with `schema`'s columns in its order and types (absent ones null)."""
+    cols = []
+    for f in schema:
+        if f.name not in t.column_names:
+            cols.append(pa.nulls(t.num_rows, f.type))
+            continue
+        col = t.column(f.name)
+        try:
+            cols.append(col if col.type == f.type else col.cast(f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+            raise InputError(
+                f"catalog column {f.name!r}: {col.type} values do not fit the table's type "
+                f"{f.type} ({e})"
+            ) from e
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _arrow(df: pd.DataFrame, dt: DeltaTable | None, seq: int) -> pa.Table:
+    """`df` as Arrow with `ingest_seq` (`seq` where absent), each column of the table's type."""
+    t = untyped_nulls(pa.Table.from_pandas(df if SEQ in df.columns else df.assign(**{SEQ: seq}),
+                                           preserve_index=False))  # fmt: skip
+    return conform(t, target_schema([t.schema], dt))
+
+
+def untyped_nulls(t: pa.Table) -> pa.Table:
+    """`t` with every column that holds only nulls (NaN included) of the null type, so that
+    `target_schema` types it by the other values or the table, not by pandas' guess."""
+    for i, col in enumerate(t.columns):
+        if col.null_count == len(col) and not pa.types.is_null(col.type):
+            t = t.set_column(i, t.field(i).name, pa.nulls(len(col)))
     return t
 
 
@@ -277,17 +319,30 @@ def write_ingest(
     condition `replaced` (over the table's columns) leave in the same commit. Returns the
     table's version after it (None: the table is still empty)."""
     dt = open_table(layout, table)
+    data = _arrow(rows, dt, seq) if len(rows) else None
+    return commit_ingest(layout, table, data, source, seq, replaced)
+
+
+def commit_ingest(
+    layout: Layout,
+    table: str,
+    data: pa.Table | pa.RecordBatchReader | None,
+    source: str,
+    seq: int,
+    replaced: str,
+) -> int | None:
+    """`write_ingest` of rows already typed for the table (`data`; None: no rows), which may be
+    a stream of batches: delta-rs writes them as they come."""
+    dt = open_table(layout, table)
     cond = f"source = {sql_str(source)} AND ({replaced})"
-    if dt is None and not len(rows):
+    if dt is None and data is None:
         return None
-    if not len(rows):
-        dt.delete(cond, writer_properties=writer_properties())
-        return open_table(layout, table).version()
-    data = _arrow(rows, dt, seq)
     props = writer_properties()
-    path = str(table_path(layout, table))
-    if dt is None:
-        write_deltalake(path, data, partition_by=[SEQ], writer_properties=props)
+    if data is None:
+        dt.delete(cond, writer_properties=props)
+    elif dt is None:
+        write_deltalake(str(table_path(layout, table)), data, partition_by=[SEQ],
+                        writer_properties=props)  # fmt: skip
     else:
         write_deltalake(dt, data, mode="overwrite", predicate=f"{SEQ} = {seq} OR ({cond})",
                         schema_mode="merge", writer_properties=props)  # fmt: skip

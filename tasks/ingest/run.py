@@ -24,9 +24,10 @@ source, and then chunks of `partition_size` items. Locally the decode tasks shar
 pool; with `dask_address` they run on a Dask cluster through prefect-dask's DaskTaskRunner.
 
 `ingest_source` runs the phases in order: list the source and compare it with the view
-(`_plan_run`), decode the new and changed items (`_decode`), build this run's rows
-(`_run_rows`), count the view after them (`_summarize`), commit the rows (`_commit_rows`)
-and write the catalog folder (`write_catalog_dir`).
+(`_plan_run`), decode the new and changed items (`_decode`), staging each partition's rows on
+disk as it finishes (`_RunRows`, so memory does not grow with the items decoded), count the
+view after them (`_summarize`), commit the staged rows (`_commit_rows`, streamed into the
+tables) and write the catalog folder (`write_catalog_dir`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-from collections import Counter
+import shutil
+from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -48,15 +51,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from kiln_config.errors import InputError, MissingInput
+from tasks.catalog.staging import StagedRows, commit_staged
 from tasks.catalog.view import (
     ACCEPTED_COLUMNS,
     QUARANTINE_COLUMNS,
-    frame_rows,
     read_view,
     scan_view,
     sql_str,
     write_catalog_dir,
-    write_ingest,
 )
 from tasks.ingest.inspect import InspectOptions, inspect_item
 from tasks.ingest.sources import (
@@ -160,8 +162,9 @@ def ingest_source(
         plan = _plan_run(store, listing, cfg, cat_layout)
         if plan.ingest_id is None:
             log.info("source %s unchanged since %s: nothing to decode", plan.src, plan.previous)
+            mine_q = Counter(zip(plan.mine_q["step"], plan.mine_q["reason"], strict=True))
             return _result_for(plan.previous, plan.src, plan.source_format, len(plan.mine_acc),
-                               plan.mine_q, plan.prev_summary, reused=True)  # fmt: skip
+                               mine_q, plan.prev_summary, reused=True)  # fmt: skip
         log.info(
             "ingest %s (%s source): %d items listed, %d new or changed, %d removed; decoding "
             "in partitions of %d on %s",
@@ -176,10 +179,12 @@ def ingest_source(
             # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
             pool = stack.enter_context(ProcessPoolExecutor(
                 min(n_workers, len(plan.todo)), mp_context=mp.get_context("spawn")))  # fmt: skip
-        records = _decode(plan.todo, opts, runner, pool, cfg.partition_size)
-    acc_df, q_df = _run_rows(plan, records, list(cfg.metadata_columns))
-    result, summary = _summarize(plan, acc_df, q_df)
-    summary["table_versions"] = _commit_rows(cat_layout, plan, acc_df, q_df)
+        rows = _RunRows(plan, cat_layout, list(cfg.metadata_columns))
+        stack.callback(rows.discard)
+        _decode(plan.todo, opts, runner, pool, cfg.partition_size, rows.add_records)
+        rows.add_listing_problems()
+        result, summary = _summarize(plan, rows)
+        summary["table_versions"] = _commit_rows(cat_layout, plan, rows)
     write_catalog_dir(
         cat_layout.catalog(plan.ingest_id),
         {"listing": _listing_delta(plan),
@@ -338,48 +343,72 @@ def _ingest_id(source: str, state: dict, delta: list[tuple[str, str]], removed: 
 
 
 def _decode(
-    todo: list[Item], opts: InspectOptions, runner, pool: Executor | None, partition_size: int
-) -> list[dict]:
-    """One decode task per partition of `partition_size` items; their records, in order."""
+    todo: list[Item],
+    opts: InspectOptions,
+    runner,
+    pool: Executor | None,
+    partition_size: int,
+    sink: Callable[[list[dict]], None],
+) -> None:
+    """One decode task per partition of `partition_size` items; each partition's records go to
+    `sink` as it finishes, in order, and are then let go (the driver holds a few partitions'
+    records at a time, not the run's)."""
     parts = [todo[i : i + partition_size] for i in range(0, len(todo), partition_size)]
-    futures = [
+    futures = deque(
         runner.submit(decode_partition, {"opts": opts, "items": p, "pool": pool}) for p in parts
-    ]
-    progress, out = Progress("ingest", len(todo), "items"), []
-    for f, p in zip(futures, parts, strict=True):
-        out += f.result()
+    )
+    progress = Progress("ingest", len(todo), "items")
+    for p in parts:
+        sink(futures.popleft().result())
         progress.advance(len(p))
     progress.finish()
-    return out
 
 
 # -- phase 3: the run's rows, merged into the view ---------------------------------------------
 
 
-def _run_rows(
-    plan: _Plan, records: list[dict], metadata_columns: list[str]
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(accepted, quarantine) rows of this run: decoded records, listing rejects and
+class _RunRows:
+    """This run's (accepted, quarantine) rows, staged under the root partition by partition
+    (`tasks.catalog.staging`), and their counts: decoded records, then the listing rejects and
     manifest problems, stamped with the source and the ingest id."""
-    stamp = {"source": plan.src, "ingest_id": plan.ingest_id}
-    accepted = [{**r, **stamp, "ingest_seq": plan.seq + 1} for r in records if "reason" not in r]
-    quarantine = [
-        {**{k: r.get(k) for k in QUARANTINE_COLUMNS}, **stamp, "step": "ingest"}
-        for r in records if "reason" in r
-    ] + [
-        {**{k: v for k, v in r.items() if k != "version"}, **stamp, "step": "ingest",
-         "unit": r["key"], "unit_version": r["version"]}
-        for r in plan.rejects
-    ]  # fmt: skip
-    problems = [
-        {**p, **stamp, "step": "ingest-manifest", "unit": plan.manifest.name or "-",
-         "unit_version": plan.manifest.version}
-        for p in plan.manifest.problems
-    ]  # fmt: skip
-    return (
-        frame_rows(accepted, ACCEPTED_COLUMNS + metadata_columns),
-        frame_rows(quarantine + problems, QUARANTINE_COLUMNS),
-    )
+
+    def __init__(self, plan: _Plan, cat_layout: Layout, metadata_columns: list[str]) -> None:
+        self.plan = plan
+        folder = cat_layout.catalog_staging(plan.ingest_id)
+        self.accepted = StagedRows(folder / "accepted", ACCEPTED_COLUMNS + metadata_columns)
+        self.quarantine = StagedRows(folder / "quarantine", QUARANTINE_COLUMNS)
+        self.quarantined: Counter[tuple[str, str]] = Counter()  # (step, reason): rows
+        self._folder = folder
+        self._stamp = {"source": plan.src, "ingest_id": plan.ingest_id}
+
+    def add_records(self, records: list[dict]) -> None:
+        """Stage one decode partition's records."""
+        stamp, seq = self._stamp, self.plan.seq + 1
+        self.accepted.add([{**r, **stamp, "ingest_seq": seq} for r in records if "reason" not in r])
+        self._add_quarantine([
+            {**{k: r.get(k) for k in QUARANTINE_COLUMNS}, **stamp, "step": "ingest"}
+            for r in records if "reason" in r
+        ])  # fmt: skip
+
+    def add_listing_problems(self) -> None:
+        """Stage the files rejected from the listing alone and the manifest's problems."""
+        plan, stamp = self.plan, self._stamp
+        self._add_quarantine([
+            {**{k: v for k, v in r.items() if k != "version"}, **stamp, "step": "ingest",
+             "unit": r["key"], "unit_version": r["version"]}
+            for r in plan.rejects
+        ] + [
+            {**p, **stamp, "step": "ingest-manifest", "unit": plan.manifest.name or "-",
+             "unit_version": plan.manifest.version}
+            for p in plan.manifest.problems
+        ])  # fmt: skip
+
+    def _add_quarantine(self, rows: list[dict]) -> None:
+        self.quarantined.update((r["step"], r.get("reason")) for r in rows)
+        self.quarantine.add(rows)
+
+    def discard(self) -> None:
+        shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def _listing_delta(plan: _Plan) -> pd.DataFrame:
@@ -398,20 +427,19 @@ def _listing_delta(plan: _Plan) -> pd.DataFrame:
     ).assign(source=plan.src)
 
 
-def _commit_rows(
-    cat_layout: Layout, plan: _Plan, acc_df: pd.DataFrame, q_df: pd.DataFrame
-) -> dict[str, int | None]:
+def _commit_rows(cat_layout: Layout, plan: _Plan, rows: _RunRows) -> dict[str, int | None]:
     """One commit per catalog table: this run's rows in, the rows of the units it replaced or
     found removed (and, for the quarantine, the source's old manifest problems) out."""
     stale = sorted(plan.stale)
     units = f"unit IN ({', '.join(map(sql_str, stale))})" if stale else "false"
     prev = plan.prev_summary.get("table_versions", {})
     versions = {}
-    for table, rows, replaced in (
-        ("accepted", acc_df, units),
-        ("quarantine", q_df, f"{units} OR step = 'ingest-manifest'"),
+    for table, staged, replaced in (
+        ("accepted", rows.accepted, units),
+        ("quarantine", rows.quarantine, f"{units} OR step = 'ingest-manifest'"),
     ):
-        versions[table] = write_ingest(cat_layout, table, rows, plan.src, plan.seq + 1, replaced)
+        versions[table] = commit_staged(cat_layout, table, staged, plan.src, plan.seq + 1,
+                                        replaced)  # fmt: skip
         if versions[table] is None:
             versions[table] = prev.get(table)
     return versions
@@ -420,26 +448,28 @@ def _commit_rows(
 # -- phase 4: the run's counts and summary.json -----------------------------------------------
 
 
-def _summarize(plan: _Plan, acc_df: pd.DataFrame, q_df: pd.DataFrame) -> tuple[IngestResult, dict]:
+def _summarize(plan: _Plan, rows: _RunRows) -> tuple[IngestResult, dict]:
     """(result, summary.json): this source's counts in the new view, and the run's delta."""
     stale = plan.stale
     keep_acc = plan.mine_acc[~plan.mine_acc["unit"].isin(stale)]
     old_q = plan.mine_q
     keep_q = old_q[(old_q["step"] == "ingest") & ~old_q["unit"].isin(stale)]
-    mine_q = pd.concat([keep_q[["step", "reason"]], q_df[["step", "reason"]]], ignore_index=True)
+    mine_q = Counter(zip(keep_q["step"], keep_q["reason"], strict=True)) + rows.quarantined
+    n_acc, n_q = rows.accepted.rows, rows.quarantine.rows
     before = plan.prev_summary
     totals = {  # the whole view: the previous totals, less what left it, plus this run's rows
         "view_accepted": int(before.get("view_accepted", 0)) - len(plan.mine_acc)
-        + len(keep_acc) + len(acc_df),
+        + len(keep_acc) + n_acc,
         "view_quarantined": int(before.get("view_quarantined", 0)) - len(old_q) + len(keep_q)
-        + len(q_df),
+        + n_q,
     }  # fmt: skip
-    result = _result_for(plan.ingest_id, plan.src, plan.source_format, len(keep_acc) + len(acc_df),
+    result = _result_for(plan.ingest_id, plan.src, plan.source_format, len(keep_acc) + n_acc,
                          mine_q, totals, reused=False)  # fmt: skip
     result.new_items, result.removed_items = len(plan.todo) + len(plan.rejects), len(plan.removed)
     result.unchanged_items = plan.listed - result.new_items
-    result.decoded_accepted = len(acc_df)
-    result.decoded_quarantined = int((q_df["step"] == "ingest").sum()) if len(q_df) else 0
+    result.decoded_accepted = n_acc
+    result.decoded_quarantined = sum(n for (step, _), n in rows.quarantined.items()
+                                     if step == "ingest")  # fmt: skip
     assert result.listed == result.accepted + result.quarantined, "accepted + quarantined = listed"
     summary = {
         **result.to_dict(),
@@ -459,24 +489,27 @@ def _result_for(
     src: str,
     source_format: str,
     accepted: int,
-    mine_q: pd.DataFrame,
+    quarantined: Counter[tuple[str, str]],
     totals: dict,
     *,
     reused: bool,
 ) -> IngestResult:
-    """The counts of `src` in the view: `accepted` rows, `mine_q` (step, reason) quarantined;
+    """The counts of `src` in the view: `accepted` rows, `quarantined` ones by (step, reason);
     `totals` has the whole view's (and, for a reused ingest, when it finished)."""
-    files_q = mine_q[mine_q["step"] == "ingest"]
+    reasons = Counter({reason: n for (step, reason), n in quarantined.items() if step == "ingest"})
+    files_q = sum(reasons.values())
     return IngestResult(
         ingest_id=ingest_id,
         source=src,
         layout=source_format,
-        listed=accepted + len(files_q),
+        listed=accepted + files_q,
         accepted=accepted,
-        quarantined=len(files_q),
-        reasons=dict(Counter(files_q["reason"])),
-        manifest_problems=int((mine_q["step"] == "ingest-manifest").sum()),
-        unchanged_items=accepted + len(files_q) if reused else 0,
+        quarantined=files_q,
+        reasons=dict(reasons),
+        manifest_problems=sum(
+            n for (step, _), n in quarantined.items() if step == "ingest-manifest"
+        ),  # fmt: skip
+        unchanged_items=accepted + files_q if reused else 0,
         view_accepted=int(totals.get("view_accepted", 0)),
         view_quarantined=int(totals.get("view_quarantined", 0)),
         reused=reused,

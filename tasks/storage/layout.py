@@ -44,6 +44,10 @@ class Layout:
     def catalog(self, ingest_id: str) -> Path:
         return self.folder("catalog") / ingest_id
 
+    def catalog_staging(self, ingest_id: str) -> Path:
+        """Where an ingest stages its rows while it decodes (removed when it commits)."""
+        return self.folder("catalog") / f"{ingest_id}.staging"
+
     def catalog_tables(self) -> Path:
         """The catalog's Delta tables, one folder each (tasks/catalog/view.py)."""
         return self.folder("catalog") / "tables"

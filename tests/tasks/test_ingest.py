@@ -202,3 +202,38 @@ def test_changed_ingest_settings_rebuild_every_row(tmp_path, layouts):
     assert more.new_items == 6 and more.removed_items == 0
     view = _cat(root, more.ingest_id)
     assert len(view) == 6 and (view["license"] == "cc0").all(), "old rows backfilled"
+
+
+def test_rows_staged_partition_by_partition_commit_the_same_view(tmp_path):
+    """An ingest stages each decode partition's rows on disk and commits them in one stream:
+    partitions of 2 items give the rows one partition of all items gives, a metadata column
+    null in the first partitions takes its type from the later ones, and no staging is left."""
+    from PIL import Image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    lines = []
+    for i in range(7):
+        Image.new("RGB", (40 + i, 48), (30 * i, 90, 200)).save(src / f"im{i}.png")
+        meta = {"file_name": f"im{i}.png", "text": f"a blue square number {i}"}
+        if i >= 4:
+            meta["score"] = 10 * i
+        lines.append(json.dumps(meta))
+    (src / "bad.png").write_bytes(b"not an image")
+    (src / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    runs = {}
+    for size in (2, 1000):
+        root = tmp_path / f"root-{size}"
+        cfg = IngestConfig(source=str(src), partition_size=size, metadata_columns=["score"])
+        runs[size] = ingest_source(cfg, str(root))
+        assert not list((root / "catalog").glob("*.staging")), "staging removed after commit"
+    small, whole = runs[2], runs[1000]
+    assert (small.accepted, small.quarantined, small.reasons) == (7, 1, whole.reasons)
+    for name in ("view_accepted", "view_quarantine"):
+        a = _cat(tmp_path / "root-2", small.ingest_id, name)
+        b = _cat(tmp_path / "root-1000", whole.ingest_id, name)
+        pd.testing.assert_frame_equal(a, b, check_dtype=False)
+    acc = _cat(tmp_path / "root-2", small.ingest_id)
+    assert acc.set_index("key")["score"].dropna().to_dict() == {
+        "im4.png": 40, "im5.png": 50, "im6.png": 60
+    }  # fmt: skip
