@@ -112,8 +112,11 @@ def main() -> None:
             "time": _fit(items, [r["wall_s"] for r in mine]),
         }
     out = {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version()},  # fmt: skip
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },  # fmt: skip
         "sizes": sizes,
         "runs": runs,
         "exponents": exponents,
