@@ -1,34 +1,53 @@
-"""One ingest's rows of one catalog table, staged on disk as its partitions finish.
+"""One ingest's rows of one catalog table, staged on disk as its partitions finish, and the
+commit that streams them into the table.
 
 An ingest decodes in partitions; each partition's rows go to a Parquet file of their own in a
 staging folder as soon as the partition is done, so the driver holds one partition's rows at a
-time, however many items the ingest decodes. The commit (`commit_staged`) then streams the
-staged files into the Delta table, a row group at a time, in the one commit that also removes
-the rows they replace (`tasks.catalog.view.commit_ingest`).
+time, however many items the ingest decodes.
+
+`commit_staged` then writes the table's data files itself, a row group at a time (delta-rs
+buffers every row of a write into a partitioned table until it commits, about 300 bytes a row),
+and commits them with delta-rs's transaction API in one commit that also removes the rows they
+replace: each older data file that holds such rows is rewritten without them (copy on write,
+as Delta's own delete does), and the commit adds the new files and removes the old ones.
 """
 
 from __future__ import annotations
 
+import bisect
+import json
+import math
 import shutil
+import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from deltalake import DeltaTable
+from deltalake import Schema as DeltaSchema
+from deltalake._internal import RemoveAction
+from deltalake.transaction import AddAction
 
 from tasks.catalog.view import (
     ROW_GROUP,
     SEQ,
-    commit_ingest,
     conform,
     frame_rows,
     open_table,
+    table_path,
     target_schema,
     untyped_nulls,
 )
 from tasks.storage.layout import Layout
 
-__all__ = ["StagedRows", "commit_staged"]
+__all__ = ["FILE_ROWS", "Replaced", "StagedRows", "commit_staged"]
+
+FILE_ROWS = 16 * ROW_GROUP  # rows per data file an ingest writes (about a million)
 
 
 class StagedRows:
@@ -57,40 +76,156 @@ class StagedRows:
         self._files.append(path)
         self.rows += t.num_rows
 
-    def reader(self, schema: pa.Schema, seq: int) -> pa.RecordBatchReader:
-        """The staged rows in the order they were added, of `schema`, with `ingest_seq` = `seq`."""
+    def schema(self, dt: DeltaTable | None) -> pa.Schema:
+        """The staged columns (and `ingest_seq`), typed as the table `dt` has them."""
+        schemas = [pq.read_schema(p) for p in self._files]
+        return target_schema([*schemas, pa.schema([(SEQ, pa.int64())])], dt)
 
-        def batches() -> Iterator[pa.RecordBatch]:
-            for path in self._files:
-                f = pq.ParquetFile(path)
-                for g in range(f.num_row_groups):
-                    t = f.read_row_group(g)
-                    if SEQ not in t.column_names:
-                        t = t.append_column(SEQ, pa.array([seq] * t.num_rows, pa.int64()))
-                    yield from conform(t, schema).to_batches()
-
-        return pa.RecordBatchReader.from_batches(schema, batches())
-
-    def schemas(self, seq_type: pa.DataType = pa.int64()) -> list[pa.Schema]:
-        """Each staged file's schema, with `ingest_seq` added where absent."""
-        out = []
+    def tables(self, schema: pa.Schema) -> Iterator[pa.Table]:
+        """The staged rows in the order they were added, a row group at a time, of `schema`
+        (which has no `ingest_seq`: the partition holds it)."""
         for path in self._files:
-            sch = pq.read_schema(path)
-            out.append(sch if SEQ in sch.names else sch.append(pa.field(SEQ, seq_type)))
-        return out
+            f = pq.ParquetFile(path)
+            for g in range(f.num_row_groups):
+                yield conform(f.read_row_group(g), schema)
 
     def discard(self) -> None:
         """Remove the staging folder."""
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Replaced:
+    """The rows of `source` an ingest replaces: those of `units` (sorted), and any of `steps`."""
+
+    source: str
+    units: list[str]
+    steps: tuple[str, ...] = ()
+
+    def mask(self, t: pa.Table) -> pa.ChunkedArray:
+        """Which rows of `t` (with `source`, `unit` and, for `steps`, `step`) are replaced."""
+        hit = pc.is_in(t.column("unit"), value_set=pa.array(self.units, pa.string()))
+        if self.steps:
+            hit = pc.or_(hit, pc.is_in(t.column("step"), value_set=pa.array(self.steps)))
+        return pc.and_(pc.equal(t.column("source"), self.source), pc.fill_null(hit, False))
+
+    def may_hold(self, act: dict) -> bool:
+        """Whether a data file (its add action, flattened) may hold replaced rows, by its
+        statistics: a file without them is read."""
+        lo, hi = act.get("min.source"), act.get("max.source")
+        if lo is not None and hi is not None and not lo <= self.source <= hi:
+            return False
+        lo, hi = act.get("min.unit"), act.get("max.unit")
+        if lo is None or hi is None or self.steps:
+            return bool(self.units) or bool(self.steps)
+        return bisect.bisect_left(self.units, lo) < bisect.bisect_right(self.units, hi)
+
+
 def commit_staged(
-    layout: Layout, table: str, staged: StagedRows, source: str, seq: int, replaced: str
+    layout: Layout, table: str, staged: StagedRows, seq: int, replaced: Replaced
 ) -> int | None:
-    """Commit the staged rows of `source` to `table` as one ingest (`ingest_seq` = `seq`); the
-    source's rows matching the SQL condition `replaced` leave in the same commit. Returns the
-    table's version after it (None: the table is still empty)."""
-    data = None
-    if staged.rows:
-        data = staged.reader(target_schema(staged.schemas(), open_table(layout, table)), seq)
-    return commit_ingest(layout, table, data, source, seq, replaced)
+    """Commit the staged rows to `table` as ingest `seq`, and remove the `replaced` rows, in
+    one commit. Returns the table's version after it (None: the table is still empty)."""
+    dt = open_table(layout, table)
+    if dt is None and not staged.rows:
+        return None
+    schema = staged.schema(dt)
+    root = table_path(layout, table)
+    if dt is None:
+        dt = DeltaTable.create(str(root), schema, partition_by=[SEQ])
+    elif _add_columns(dt, schema):
+        dt = open_table(layout, table)
+    data = schema.remove(schema.get_field_index(SEQ))
+    adds = _write_files(root, seq, staged.tables(data), data) if staged.rows else []
+    removes, rewritten = [], []
+    for act in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
+        old_seq = int(act[f"partition.{SEQ}"])
+        if old_seq != seq and not replaced.may_hold(act):
+            continue
+        kept = None if old_seq == seq else _rewrite(root, act, old_seq, replaced)
+        if kept is False:  # no replaced row in it
+            continue
+        removes.append(RemoveAction(act["path"], True, _now_ms(), act["size_bytes"],
+                                    {SEQ: str(old_seq)}))  # fmt: skip
+        rewritten += kept or []
+    if not adds and not removes:
+        return dt.version()
+    dt.create_write_transaction([*adds, *rewritten, *removes], mode="append",
+                                schema=schema, partition_by=[SEQ])  # fmt: skip
+    return open_table(layout, table).version()
+
+
+def _add_columns(dt: DeltaTable, schema: pa.Schema) -> bool:
+    """Give the table the columns of `schema` it lacks (a commit of its own, which changes no
+    row); whether it lacked any."""
+    have = set(pa.schema(dt.schema().to_arrow()).names)
+    new = [f for f in schema if f.name not in have]
+    if new:
+        dt.alter.add_columns(DeltaSchema.from_arrow(pa.schema(new)).fields)
+    return bool(new)
+
+
+def _write_files(
+    root: Path, seq: int, tables: Iterator[pa.Table], schema: pa.Schema
+) -> list[AddAction]:
+    """Write `tables` into partition `seq` of the table at `root`, `FILE_ROWS` rows a file."""
+    adds, writer, rel, rows = [], None, "", 0
+    for t in tables:
+        if writer is None:
+            rel = f"{SEQ}={seq}/part-{uuid.uuid4()}.snappy.parquet"
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            writer = pq.ParquetWriter(root / rel, schema, compression="snappy")
+        writer.write_table(t, row_group_size=ROW_GROUP)
+        rows += t.num_rows
+        if rows >= FILE_ROWS:
+            writer.close()
+            adds.append(_add_action(root, rel, seq))
+            writer, rows = None, 0
+    if writer is not None:
+        writer.close()
+        adds.append(_add_action(root, rel, seq))
+    return adds
+
+
+def _rewrite(root: Path, act: dict, seq: int, replaced: Replaced) -> list[AddAction] | bool:
+    """The data file of `act` without its `replaced` rows: False when it holds none, else the
+    add action of its rewrite (none when no row is left)."""
+    f = pq.ParquetFile(root / unquote(act["path"]))
+    need = [c for c in ("source", "unit", "step") if c in f.schema_arrow.names]
+    masks = [replaced.mask(f.read_row_group(g, columns=need)) for g in range(f.num_row_groups)]
+    if not any(pc.any(m).as_py() for m in masks):
+        return False
+    tables = (f.read_row_group(g).filter(pc.invert(m)) for g, m in enumerate(masks))
+    return _write_files(root, seq, (t for t in tables if t.num_rows), f.schema_arrow)
+
+
+def _add_action(root: Path, rel: str, seq: int) -> AddAction:
+    path = root / rel
+    return AddAction(rel, path.stat().st_size, {SEQ: str(seq)}, _now_ms(), True,
+                     json.dumps(_stats(pq.ParquetFile(path).metadata)))  # fmt: skip
+
+
+def _stats(meta: pq.FileMetaData) -> dict:
+    """Delta's file statistics (row count, per-column min, max and null count) from the file's
+    Parquet footer, for the flat string, integer, float and boolean columns."""
+    out = {"numRecords": meta.num_rows, "minValues": {}, "maxValues": {}, "nullCount": {}}
+    arrow = meta.schema.to_arrow_schema()
+    for i, field in enumerate(arrow):
+        t = field.type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
+                or pa.types.is_floating(t) or pa.types.is_boolean(t)):  # fmt: skip
+            continue
+        cols = [meta.row_group(g).column(i).statistics for g in range(meta.num_row_groups)]
+        if any(s is None for s in cols):
+            continue
+        out["nullCount"][field.name] = sum(s.null_count for s in cols)
+        vals = [(s.min, s.max) for s in cols if s.has_min_max]
+        if vals and len(vals) == sum(1 for s in cols if s.num_values):
+            lo, hi = min(v[0] for v in vals), max(v[1] for v in vals)
+            if not any(isinstance(v, float) and math.isnan(v) for v in (lo, hi)):
+                out["minValues"][field.name], out["maxValues"][field.name] = lo, hi
+    return out
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -44,11 +44,11 @@ __all__ = [
     "ACCEPTED_COLUMNS",
     "QUARANTINE_COLUMNS",
     "ROW_GROUP",
+    "SEQ",
     "TABLES",
     "VERDICT_TABLES",
     "ViewPart",
     "chain",
-    "commit_ingest",
     "conform",
     "frame_rows",
     "open_table",
@@ -317,35 +317,22 @@ def write_ingest(
 ) -> int | None:
     """Commit one ingest's `rows` (of `source`) to `table`; the source's rows matching the SQL
     condition `replaced` (over the table's columns) leave in the same commit. Returns the
-    table's version after it (None: the table is still empty)."""
-    dt = open_table(layout, table)
-    data = _arrow(rows, dt, seq) if len(rows) else None
-    return commit_ingest(layout, table, data, source, seq, replaced)
-
-
-def commit_ingest(
-    layout: Layout,
-    table: str,
-    data: pa.Table | pa.RecordBatchReader | None,
-    source: str,
-    seq: int,
-    replaced: str,
-) -> int | None:
-    """`write_ingest` of rows already typed for the table (`data`; None: no rows), which may be
-    a stream of batches: delta-rs writes them as they come."""
+    table's version after it (None: the table is still empty). An ingest run streams its rows
+    instead (`tasks.catalog.staging.commit_staged`); this writes a frame held in memory."""
     dt = open_table(layout, table)
     cond = f"source = {sql_str(source)} AND ({replaced})"
-    if dt is None and data is None:
+    if dt is None and not len(rows):
         return None
     props = writer_properties()
-    if data is None:
+    if not len(rows):
         dt.delete(cond, writer_properties=props)
     elif dt is None:
-        write_deltalake(str(table_path(layout, table)), data, partition_by=[SEQ],
-                        writer_properties=props)  # fmt: skip
+        write_deltalake(str(table_path(layout, table)), _arrow(rows, dt, seq),
+                        partition_by=[SEQ], writer_properties=props)  # fmt: skip
     else:
-        write_deltalake(dt, data, mode="overwrite", predicate=f"{SEQ} = {seq} OR ({cond})",
-                        schema_mode="merge", writer_properties=props)  # fmt: skip
+        write_deltalake(dt, _arrow(rows, dt, seq), mode="overwrite",
+                        predicate=f"{SEQ} = {seq} OR ({cond})", schema_mode="merge",
+                        writer_properties=props)  # fmt: skip
     return open_table(layout, table).version()
 
 

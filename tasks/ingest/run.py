@@ -51,13 +51,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from kiln_config.errors import InputError, MissingInput
-from tasks.catalog.staging import StagedRows, commit_staged
+from tasks.catalog.staging import Replaced, StagedRows, commit_staged
 from tasks.catalog.view import (
     ACCEPTED_COLUMNS,
     QUARANTINE_COLUMNS,
     read_view,
     scan_view,
-    sql_str,
     write_catalog_dir,
 )
 from tasks.ingest.inspect import InspectOptions, inspect_item
@@ -431,15 +430,13 @@ def _commit_rows(cat_layout: Layout, plan: _Plan, rows: _RunRows) -> dict[str, i
     """One commit per catalog table: this run's rows in, the rows of the units it replaced or
     found removed (and, for the quarantine, the source's old manifest problems) out."""
     stale = sorted(plan.stale)
-    units = f"unit IN ({', '.join(map(sql_str, stale))})" if stale else "false"
     prev = plan.prev_summary.get("table_versions", {})
     versions = {}
     for table, staged, replaced in (
-        ("accepted", rows.accepted, units),
-        ("quarantine", rows.quarantine, f"{units} OR step = 'ingest-manifest'"),
+        ("accepted", rows.accepted, Replaced(plan.src, stale)),
+        ("quarantine", rows.quarantine, Replaced(plan.src, stale, ("ingest-manifest",))),
     ):
-        versions[table] = commit_staged(cat_layout, table, staged, plan.src, plan.seq + 1,
-                                        replaced)  # fmt: skip
+        versions[table] = commit_staged(cat_layout, table, staged, plan.seq + 1, replaced)
         if versions[table] is None:
             versions[table] = prev.get(table)
     return versions

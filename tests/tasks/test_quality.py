@@ -107,7 +107,7 @@ def test_incremental_runs_decode_only_what_is_new(tmp_path):
     assert read_view(Layout(root), third.ingest_id)[0]["key"].eq("new-03.jpg").sum() == 1
     versions = [json.loads((root / "catalog" / i.ingest_id / "summary.json").read_text())[
         "table_versions"]["accepted"] for i in (first, third, fourth)]  # fmt: skip
-    assert versions == [0, 1, 2]
+    assert versions == [1, 2, 3], "one commit an ingest (version 0: the empty table created)"
 
 
 def test_exact_and_near_duplicates_are_caught_across_runs(tmp_path):
