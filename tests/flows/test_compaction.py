@@ -6,6 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 from deltalake import DeltaTable
+from prefect.artifacts import Artifact
 
 from flows.ingest import ingest_flow
 from kiln_config import load_config
@@ -62,11 +63,12 @@ def test_every_third_ingest_compacts_and_the_view_reads_the_same_rows(
 ):
     on, off = tmp_path / "every-3", tmp_path / "never"
     every = {"ingest.compact_every": 3, "ingest.compact_retain_hours": 0}
-    runs = {on: [], off: []}
+    runs, artifacts = {on: [], off: []}, {on: [], off: []}
     for src in sources:
         for root, settings in ((on, every), (off, {"ingest.compact_every": 0})):
             runs[root].append(_ingest_and_validate(tmp_path, make_config, root, src,
                                                    **settings))  # fmt: skip
+            artifacts[root].append(Artifact.get("ingest-summary").data)
         if src != sources[-1]:
             assert runs[on][-1]["compaction"] is None  # ingest_seq 1 and 2: not due
     # Each validate added a file to the unpartitioned verdict tables: two before the third
@@ -78,6 +80,9 @@ def test_every_third_ingest_compacts_and_the_view_reads_the_same_rows(
     assert third["tables"]["rejects"]["vacuumed"] == 2
     assert third["tables"]["rejects"]["vacuumed_bytes"] > 0
     assert "OPTIMIZE" in _operations(on, "rejects")
+    assert "### Catalog compaction (ingest_seq 3)" in artifacts[on][-1]
+    assert "| rejects | 2 (" in artifacts[on][-1]  # files merged, with their bytes
+    assert not any("Catalog compaction" in md for md in artifacts[on][:2] + artifacts[off])
     for table in TABLES:  # a setting of 0 never compacts
         assert not {"OPTIMIZE", "VACUUM START"} & set(_operations(off, table)), table
 
@@ -114,6 +119,8 @@ def test_a_failed_compaction_keeps_the_ingest(tmp_path, make_config, sources, ca
     path = make_config(tmp_path / "second.yaml", root, sources[1], **every)
     state = ingest_flow(load_config(path), return_state=True)
     assert state.is_completed()
+    assert "Failed, the ingest is committed: `RuntimeError: compacting catalog table rejects" in (
+        Artifact.get("ingest-summary").data)  # fmt: skip
     second = state.result()
     assert second["compaction"]["ingest_seq"] == 2 and not second["reused"]
     error = second["compaction"]["error"]
