@@ -133,3 +133,24 @@ def test_a_failed_compaction_keeps_the_ingest(tmp_path, make_config, sources, ca
     acc = read_view(Layout(root), second["ingest_id"])[0]
     assert sorted(set(acc["source"])) == sorted(str(s) for s in sources[:2])
     assert len(acc) == 10
+
+
+def test_kiln_catalog_compact_defaults_to_the_configs_horizon(tmp_path, make_config, sources):
+    import json
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    settings = {"ingest.compact_every": 0, "ingest.compact_retain_hours": 0}
+    _ingest_and_validate(tmp_path, make_config, root, sources[0], validate=False, **settings)
+    cfg = tmp_path / f"{root.name}.yaml"
+
+    def kiln(*args):
+        got = subprocess.run([sys.executable, "-m", "kiln_cli.main", "catalog", "compact",
+                              "--config", str(cfg), *args], capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+        assert got.returncode == 0, got.stderr
+        return json.loads(got.stdout)
+
+    assert kiln()["accepted"]["retain_hours"] == 0
+    assert kiln("--retain-hours", "5")["accepted"]["retain_hours"] == 5
