@@ -3,10 +3,11 @@ Delta tables, validated between ingests as a team's nightly runs are."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pandas as pd
 import pytest
 from deltalake import DeltaTable
-from prefect.artifacts import Artifact
 
 from flows.ingest import ingest_flow
 from kiln_config import load_config
@@ -31,12 +32,36 @@ def sources(tmp_path_factory):
     return [base / name for name in "abc"]
 
 
+def _summary_artifact(state) -> str:
+    """The `ingest-summary` markdown of the flow run that ended in `state`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
+    )
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=["ingest-summary"]),
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+                )
+            )
+
+    (found,) = asyncio.run(read())
+    return found.data
+
+
 def _ingest_and_validate(tmp_path, make_config, root, src, validate=True, **settings):
-    """One ingest flow run of `src` into `root` (then validate it); the flow's result."""
+    """One ingest flow run of `src` into `root` (then validate it); the flow's result, with
+    its `ingest-summary` artifact as `artifact`."""
     path = make_config(tmp_path / f"{root.name}.yaml", root, src,
                        **{"quality.max_reject_fraction": 0.9, **settings})  # fmt: skip
     cfg = load_config(path)
-    got = ingest_flow(cfg)
+    state = ingest_flow(cfg, return_state=True)
+    got = {**state.result(), "artifact": _summary_artifact(state)}
     if validate and not got["reused"]:
         validate_catalog.fn(str(root), got["ingest_id"], cfg.quality)
     return got
@@ -63,12 +88,11 @@ def test_every_third_ingest_compacts_and_the_view_reads_the_same_rows(
 ):
     on, off = tmp_path / "every-3", tmp_path / "never"
     every = {"ingest.compact_every": 3, "ingest.compact_retain_hours": 0}
-    runs, artifacts = {on: [], off: []}, {on: [], off: []}
+    runs = {on: [], off: []}
     for src in sources:
         for root, settings in ((on, every), (off, {"ingest.compact_every": 0})):
             runs[root].append(_ingest_and_validate(tmp_path, make_config, root, src,
                                                    **settings))  # fmt: skip
-            artifacts[root].append(Artifact.get("ingest-summary").data)
         if src != sources[-1]:
             assert runs[on][-1]["compaction"] is None  # ingest_seq 1 and 2: not due
     # Each validate added a file to the unpartitioned verdict tables: two before the third
@@ -80,9 +104,9 @@ def test_every_third_ingest_compacts_and_the_view_reads_the_same_rows(
     assert third["tables"]["rejects"]["vacuumed"] == 2
     assert third["tables"]["rejects"]["vacuumed_bytes"] > 0
     assert "OPTIMIZE" in _operations(on, "rejects")
-    assert "### Catalog compaction (ingest_seq 3)" in artifacts[on][-1]
-    assert "| rejects | 2 (" in artifacts[on][-1]  # files merged, with their bytes
-    assert not any("Catalog compaction" in md for md in artifacts[on][:2] + artifacts[off])
+    assert "### Catalog compaction (ingest_seq 3)" in runs[on][-1]["artifact"]
+    assert "| rejects | 2 (" in runs[on][-1]["artifact"]  # files merged, with their bytes
+    assert not any("Catalog compaction" in r["artifact"] for r in runs[on][:2] + runs[off])
     for table in TABLES:  # a setting of 0 never compacts
         assert not {"OPTIMIZE", "VACUUM START"} & set(_operations(off, table)), table
 
@@ -120,7 +144,7 @@ def test_a_failed_compaction_keeps_the_ingest(tmp_path, make_config, sources, ca
     state = ingest_flow(load_config(path), return_state=True)
     assert state.is_completed()
     assert "Failed, the ingest is committed: `RuntimeError: compacting catalog table rejects" in (
-        Artifact.get("ingest-summary").data)  # fmt: skip
+        _summary_artifact(state))  # fmt: skip
     second = state.result()
     assert second["compaction"]["ingest_seq"] == 2 and not second["reused"]
     error = second["compaction"]["error"]
