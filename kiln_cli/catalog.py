@@ -95,18 +95,19 @@ def catalog_export(
 @click.option(
     "--retain-hours",
     type=float,
-    default=168,
-    show_default=True,
-    help="Vacuum keeps every table version younger than this.",
+    default=None,
+    help="Vacuum keeps every table version younger than this [default: the config's "
+    "ingest.compact_retain_hours, 168].",
 )
-def catalog_compact(config_path: str, root: str | None, retain_hours: float) -> None:
+def catalog_compact(config_path: str, root: str | None, retain_hours: float | None) -> None:
     """Compact each table's small files, then vacuum files that no version younger than
     --retain-hours names, nor any version a registered model's dataset was cut from."""
     from tasks.catalog.admin import compact, registered_versions
 
     cfg = load_checked(config_path, root)
+    hours = cfg.ingest.compact_retain_hours if retain_hours is None else retain_hours
     keep = registered_versions(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name)
-    click.echo(json.dumps(compact(cfg.storage.root, retain_hours, keep), indent=2))
+    click.echo(json.dumps(compact(cfg.storage.root, hours, keep), indent=2))
 
 
 @catalog.command("migrate")

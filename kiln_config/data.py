@@ -54,6 +54,19 @@ class IngestConfig(Strict):
         89_478_485, gt=0, description="Images over this pixel count are quarantined unread."
     )
     partition_size: int = Field(1000, gt=0, description="Items per decode task.")
+    compact_every: int = Field(
+        10,
+        ge=0,
+        description="Compact and vacuum the catalog's tables (as `kiln catalog compact` does) "
+        "after every ingest whose ingest_seq is a multiple of this; 0: never.",
+    )
+    compact_retain_hours: float = Field(
+        168,
+        ge=0,
+        description="Vacuum keeps every table version younger than this (and every version a "
+        "registered model's dataset was cut from); the default of `kiln catalog compact "
+        "--retain-hours`.",
+    )
 
 
 class QualityConfig(BaseModel):

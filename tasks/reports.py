@@ -17,6 +17,7 @@ from tasks.quality.gate import ValidateResult, reasons_table
 from tasks.registry.new_data import NewData
 
 __all__ = [
+    "compaction_report",
     "ingest_report",
     "pipeline_report",
     "quality_report",
@@ -51,6 +52,25 @@ def ingest_report(r: IngestResult) -> str:
         f"quarantined. Manifest problems: {r.manifest_problems}. The catalog view of this root "
         f"now holds {r.view_accepted} accepted rows.\n\n"
         f"| reason | items | meaning |\n|---|---:|---|\n{reasons or '| - | 0 | |'}\n"
+    )
+
+
+def compaction_report(c: dict | None) -> str:
+    """What the compaction after an ingest did (`tasks.catalog.upkeep`); empty when none ran."""
+    if c is None:
+        return ""
+    head = f"\n### Catalog compaction (ingest_seq {c['ingest_seq']})\n\n"
+    if "error" in c:
+        return head + f"Failed, the ingest is committed: `{c['error']}`.\n"
+    rows = "\n".join(
+        f"| {t} | {d['files_removed']} ({d['bytes_removed']} B) | {d['files_added']} "
+        f"({d['bytes_added']} B) | {d['vacuumed']} ({d['vacuumed_bytes']} B) | "
+        f"{d['retain_hours']} | {d['version']} |"
+        for t, d in c["tables"].items()
+    )
+    return head + (
+        "| table | files merged | files written | files vacuumed | horizon (h) | version |\n"
+        f"|---|---:|---:|---:|---:|---:|\n{rows}\n"
     )
 
 

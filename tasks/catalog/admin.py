@@ -22,10 +22,12 @@ import json
 import os
 from collections import Counter
 from pathlib import Path
+from urllib.parse import unquote
 
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
+from deltalake.exceptions import DeltaError
 
 from kiln_config.errors import InputError
 from tasks.catalog.view import (
@@ -34,6 +36,7 @@ from tasks.catalog.view import (
     open_table,
     resolve_version,
     sql_str,
+    table_path,
     view_versions,
     write_ingest,
 )
@@ -122,6 +125,7 @@ def _verdict_rejects(layout: Layout) -> pa.Table:
     version = (verdict or {}).get("verdict_table_versions", {}).get("rejects")
     if version is None:
         return empty
+    version = resolve_version(open_table(layout, "rejects"), version)  # compaction since
     data = open_table(layout, "rejects", version).to_pyarrow_dataset()
     got = data.to_table(columns=["source", "key"], filter=ds.field("verdict") == ingest_id)
     return got.cast(empty.schema) if got.num_rows else empty
@@ -185,27 +189,56 @@ def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
     `retain_hours` names, nor any version at or after `keep[table]` (the versions a
     registered model's dataset was cut from: `registered_versions`). A view named by an
     older ingest stays readable while no rows changed since (`resolve_version`)."""
-    from tasks.catalog.view import VERDICT_TABLES, writer_properties
+    from tasks.catalog.view import VERDICT_TABLES
 
     if retain_hours < 0:
         raise InputError(f"catalog.retain_hours must be >= 0, got {retain_hours}")
     layout, out = Layout(Path(root)), {}
     for table in (*TABLES, *VERDICT_TABLES):
-        dt = open_table(layout, table)
-        if dt is None:
-            continue
-        hours = _horizon(dt, (keep or {}).get(table), retain_hours)
-        metrics = dt.optimize.compact(writer_properties=writer_properties())
-        gone = dt.vacuum(retention_hours=hours, enforce_retention_duration=False,
-                         dry_run=False)  # fmt: skip
-        out[table] = {
-            "files_added": metrics.get("numFilesAdded", 0),
-            "files_removed": metrics.get("numFilesRemoved", 0),
-            "vacuumed": len(gone),
-            "retain_hours": hours,
-            "version": open_table(layout, table).version(),
-        }
+        try:
+            dt = open_table(layout, table)
+            if dt is not None:
+                hours = _horizon(dt, (keep or {}).get(table), retain_hours)
+                out[table] = _compact_table(layout, table, dt, hours)
+        except DeltaError as e:  # delta-rs appends a native backtrace: keep its first line
+            raise RuntimeError(
+                f"compacting catalog table {table} at "
+                f"{table_path(layout, table)}: {str(e).splitlines()[0]}"
+            ) from e
     return out
+
+
+def _compact_table(layout: Layout, table: str, dt, hours: int) -> dict:
+    """Optimize then vacuum one table; what each did."""
+    from tasks.catalog.view import writer_properties
+
+    metrics = dt.optimize.compact(writer_properties=writer_properties())
+    doomed = dt.vacuum(retention_hours=hours, enforce_retention_duration=False, dry_run=True)
+    freed = sum(_size(table_path(layout, table) / unquote(p)) for p in doomed)
+    gone = dt.vacuum(retention_hours=hours, enforce_retention_duration=False, dry_run=False)
+    return {
+        "files_added": metrics.get("numFilesAdded", 0),
+        "files_removed": metrics.get("numFilesRemoved", 0),
+        "bytes_added": _total_size(metrics.get("filesAdded")),
+        "bytes_removed": _total_size(metrics.get("filesRemoved")),
+        "vacuumed": len(gone),
+        "vacuumed_bytes": freed,
+        "retain_hours": hours,
+        "version": open_table(layout, table).version(),
+    }
+
+
+def _total_size(stats: str | None) -> int:
+    """`totalSize` of an optimize metric's file statistics (a JSON string)."""
+    return int(json.loads(stats).get("totalSize", 0)) if stats else 0
+
+
+def _size(path: Path) -> int:
+    """Bytes of `path`; 0 when it is already gone (another vacuum got there first)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def migrate(root: str) -> list[str]:
