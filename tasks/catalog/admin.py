@@ -192,7 +192,9 @@ def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
     from tasks.catalog.view import VERDICT_TABLES
 
     if retain_hours < 0:
-        raise InputError(f"catalog.retain_hours must be >= 0, got {retain_hours}")
+        raise InputError(
+            f"--retain-hours (ingest.compact_retain_hours) must be >= 0, got {retain_hours}"
+        )
     layout, out = Layout(Path(root)), {}
     for table in (*TABLES, *VERDICT_TABLES):
         try:

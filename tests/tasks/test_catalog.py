@@ -110,7 +110,7 @@ def test_show_sql_export_and_compact(migrated, tmp_path):
     pd.testing.assert_frame_equal(_sorted(read_view(layout, ids[-1])[0]), _sorted(acc))
     with pytest.raises(FileNotFoundError, match="vacuumed"):
         read_view(layout, ids[0])
-    with pytest.raises(ValueError, match="retain_hours must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"compact_retain_hours\) must be >= 0, got -1"):
         compact(str(root), retain_hours=-1)
     assert json.loads((root / "catalog" / ids[-1] / "summary.json").read_text())["table_versions"]
 
