@@ -41,6 +41,7 @@ from tasks.catalog.view import (
     write_ingest,
 )
 from tasks.storage.layout import Layout
+from tasks.storage.lock import catalog_writer
 
 __all__ = [
     "DEFAULT_RETAIN_HOURS", "compact", "export", "migrate", "query", "registered_versions", "show",
@@ -196,17 +197,18 @@ def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
             f"--retain-hours (ingest.compact_retain_hours) must be >= 0, got {retain_hours}"
         )
     layout, out = Layout(Path(root)), {}
-    for table in (*TABLES, *VERDICT_TABLES):
-        try:
-            dt = open_table(layout, table)
-            if dt is not None:
-                hours = _horizon(dt, (keep or {}).get(table), retain_hours)
-                out[table] = _compact_table(layout, table, dt, hours)
-        except DeltaError as e:  # delta-rs appends a native backtrace: keep its first line
-            raise RuntimeError(
-                f"compacting catalog table {table} at "
-                f"{table_path(layout, table)}: {str(e).splitlines()[0]}"
-            ) from e
+    with catalog_writer(Path(root), "catalog compaction"):
+        for table in (*TABLES, *VERDICT_TABLES):
+            try:
+                dt = open_table(layout, table)
+                if dt is not None:
+                    hours = _horizon(dt, (keep or {}).get(table), retain_hours)
+                    out[table] = _compact_table(layout, table, dt, hours)
+            except DeltaError as e:  # delta-rs appends a native backtrace: keep its first line
+                raise RuntimeError(
+                    f"compacting catalog table {table} at "
+                    f"{table_path(layout, table)}: {str(e).splitlines()[0]}"
+                ) from e
     return out
 
 

@@ -73,6 +73,7 @@ from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
 from tasks.runtime.runners import partition_runner
 from tasks.storage.layout import Layout
+from tasks.storage.lock import catalog_writer
 from tasks.storage.objects import ObjectInfo, Storage
 
 if TYPE_CHECKING:  # the schema's home; annotations only, nothing imported at run time
@@ -151,8 +152,16 @@ def ingest_source(
         endpoint_url: S3-compatible endpoint for an s3:// source.
         dask_address: Run the listing and decode tasks on this Dask scheduler.
     """
-    log = task_logger(__name__)
     store = _open_source(cfg, endpoint_url)
+    with catalog_writer(Path(root), f"kiln ingest of {store.url()}"):
+        return _ingest(cfg, store, root, endpoint_url, dask_address)
+
+
+def _ingest(
+    cfg: IngestConfig, store: Storage, root: str, endpoint_url: str | None,
+    dask_address: str | None,
+) -> IngestResult:  # fmt: skip
+    log = task_logger(__name__)
     cat_layout = Layout(Path(root))
     n_workers = cfg.workers or os.cpu_count() or 1
     with ExitStack() as stack:

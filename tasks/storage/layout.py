@@ -90,6 +90,10 @@ class Layout:
         """`kiln plan`'s newest plan, which `kiln train` reads for its world sizes."""
         return self.folder("runs") / "plan.json"
 
+    def catalog_lock(self) -> Path:
+        """The lock each writer of the catalog holds while it commits (tasks/storage/lock.py)."""
+        return self.root / ".kiln-catalog.lock"
+
     def train_lock(self) -> Path:
         """The lock one training holds on the root (tasks/storage/lock.py)."""
         return self.root / ".kiln-train.lock"

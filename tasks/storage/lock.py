@@ -1,4 +1,4 @@
-"""One training writer per storage root.
+"""One training writer per storage root, and one catalog writer at a time.
 
 Two `kiln train` / `kiln run` processes on the same root would race on `runs/LATEST`, on a
 resumed run's checkpoints and on the MLflow run's state. The train flow holds an exclusive
@@ -8,12 +8,17 @@ exits, however it exits, so a crash never leaves a stale lock. Re-entrant within
 (the pipeline flow's train subflow). `flock` is per machine: on a shared filesystem mounted
 by several machines, give each its own root or serialise runs with the deployments'
 concurrency limit.
+
+The catalog's writers (an ingest, compaction) hold `<root>/.kiln-catalog.lock` while they
+read the current view and commit to it (`catalog_writer`): a second one waits for the first,
+so two ingests never take the same `ingest_seq` and compaction never races a commit.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import threading
@@ -26,7 +31,7 @@ from pathlib import Path
 from kiln_config.errors import KilnError
 from tasks.storage.layout import Layout
 
-__all__ = ["RootBusy", "busy_reason", "root_busy", "root_lock"]
+__all__ = ["RootBusy", "busy_reason", "catalog_writer", "root_busy", "root_lock"]
 
 _held: dict[str, int] = {}  # lock path -> depth, in this process
 _guard = threading.Lock()
@@ -88,6 +93,53 @@ def root_lock(root: Path, what: str) -> Iterator[None]:
         finally:
             with _guard:
                 _held.pop(path, None)
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def catalog_writer(root: Path, what: str, *, log_every_s: float = 30.0) -> Iterator[None]:
+    """Hold `<root>/.kiln-catalog.lock` exclusively while the block runs, waiting for
+    another writer to finish (logged every `log_every_s` seconds, naming it). Re-entrant
+    within one thread."""
+    path = Layout(Path(root)).catalog_lock()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Per thread: another thread of this process takes its own descriptor, which the lock
+    # held on this one's excludes.
+    key = f"{path.resolve()}#{threading.get_ident()}"
+    with _guard:
+        nested = key in _held
+        if nested:
+            _held[key] += 1
+    if nested:
+        try:
+            yield
+        finally:
+            with _guard:
+                _held[key] -= 1
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        waited = time.monotonic()
+        while not _try_exclusive(fd):
+            if time.monotonic() - waited >= log_every_s:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                logging.getLogger(__name__).info("%s waits for the catalog writer %s", what, holder)
+                waited = time.monotonic()
+            time.sleep(0.5)
+        info = {"what": what, "pid": os.getpid(), "host": socket.gethostname(),
+                "since": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        with _guard:
+            _held[key] = 1
+        try:
+            yield
+        finally:
+            with _guard:
+                _held.pop(key, None)
             os.ftruncate(fd, 0)
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:

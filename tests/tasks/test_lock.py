@@ -77,3 +77,42 @@ def test_kiln_train_and_run_on_a_busy_root_fail_at_once_and_touch_nothing(
     # Refused before any flow run: no Prefect server, database or run folder was made.
     assert not (tmp_path / "prefect").exists(), "a Prefect server was started"
     assert sorted(p.name for p in root.iterdir()) == [".kiln-train.lock"], "nothing touched"
+
+
+def test_two_ingests_into_one_root_at_once_take_turns(tmp_path):
+    """Two ingests of two sources into one root, started together: the catalog writer's
+    lock makes the second wait, so they take ingest_seq 1 and 2 and the view holds both."""
+    import json
+    import threading
+
+    from kiln_config import IngestConfig
+    from kiln_demo.data import write_demo_dataset
+    from tasks.catalog.view import read_view
+    from tasks.ingest.run import ingest_source
+    from tasks.storage.layout import Layout
+
+    root = tmp_path / "root"
+    srcs = [tmp_path / "a", tmp_path / "b"]
+    for i, src in enumerate(srcs):
+        write_demo_dataset(src, n=10, seed=i)
+    results, errors = {}, []
+
+    def ingest(src):
+        try:
+            results[src.name] = ingest_source(IngestConfig(source=str(src)), str(root))
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=ingest, args=(s,)) for s in srcs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors
+    seqs = sorted(json.loads((root / "catalog" / r.ingest_id / "summary.json").read_text())[
+        "ingest_seq"] for r in results.values())  # fmt: skip
+    assert seqs == [1, 2]
+    last = max(results.values(), key=lambda r: r.view_accepted)
+    accepted = read_view(Layout(root), last.ingest_id)[0]
+    assert accepted["source"].nunique() == 2
+    assert last.view_accepted == sum(r.accepted for r in results.values())
