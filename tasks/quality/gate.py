@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -71,7 +73,7 @@ from tasks.quality.verdict_rows import (
 )
 from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
-from tasks.runtime.runners import partition_runner
+from tasks.runtime.runners import partition_runner, release_freed_memory
 from tasks.storage.layout import Layout
 
 __all__ = [
@@ -310,16 +312,18 @@ def _bounded_sample(frames: list[pd.DataFrame]) -> pd.DataFrame:
     )
 
 
-def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityConfig):
+def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityConfig,
+           out: Path) -> pa.Array:  # fmt: skip
     """The licensing terms (data_quality/terms.py) on every row of the view, a row group at a
-    time: the takedown list and the date change between runs, so no verdict is reused."""
+    time: the takedown list and the date change between runs, so no verdict is reused. The
+    rows they quarantine go to `out`; returns their source and key joined by a NUL."""
     want = ["source", "key"] + [c for c in (rules.contributor_column, rules.license_end_column)
                                 if c in columns]  # fmt: skip
     takedowns, today = takedown_set(root), datetime.now(UTC).date()
-    found = [check_terms(read_part(p, want, [g]), rules, takedowns, today)
-             for p in parts for g in range(p.row_groups)]  # fmt: skip
-    return pd.concat([f for f in found if len(f)] or [check_terms(pd.DataFrame(), rules,
-                     takedowns, today)], ignore_index=True)  # fmt: skip
+    write_rows(out, (check_terms(read_part(p, want, [g]), rules, takedowns, today)
+                     for p in parts for g in range(p.row_groups)), REJECT_SCHEMA)  # fmt: skip
+    t = pq.read_table(out, columns=["source", "key"])
+    return pc.binary_join_element_wise(t["source"], t["key"], "\0").combine_chunks()
 
 
 def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
@@ -347,6 +351,7 @@ def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, colu
     checks, sample = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
                                  dask_address, stage, hash_dir, dup_partitions)  # fmt: skip
     new = _merge(checks, old_rows, sample)
+    release_freed_memory()
     if hash_dir is not None:
         files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
         cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
@@ -357,11 +362,12 @@ def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, colu
     else:
         cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
     new.hashes = None
+    release_freed_memory()
     return new, cross_hits(new.rejected["pos"].to_numpy(np.int64), cross, rules, old_rows)
 
 
 def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
-                cross: tuple[Path, Path], terms: pd.DataFrame, sample: pd.DataFrame,
+                cross: tuple[Path, Path], terms: tuple[Path, pa.Array], sample: pd.DataFrame,
                 workers: int) -> tuple[int, pd.DataFrame, dict]:  # fmt: skip
     """The verdict's rows streamed into place: `rejects.parquet` (the earlier verdict's, the
     staged partitions', the duplicates', less any row the licensing terms quarantine, then
@@ -370,11 +376,10 @@ def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
     versions)."""
     cat = layout.catalog(ingest_id)
     rows_files = sorted(stage.glob("rows-*.parquet"))
-    gone = pa.array((terms["source"].astype(str) + "\0" + terms["key"].astype(str)).tolist(),
-                    pa.string())  # fmt: skip
     rejects, flags = stage / REJECTS_FILE, stage / FLAGS_FILE
     n = write_rows(rejects, [*([base["rejects"]] if base else []), *rows_files, cross[0]],
-                   REJECT_SCHEMA, gone=gone, drop_reasons=TERMS_REASONS, then=[terms])  # fmt: skip
+                   REJECT_SCHEMA, gone=terms[1], drop_reasons=TERMS_REASONS,
+                   then=[terms[0]])  # fmt: skip
     write_rows(flags, [*([base["flags"]] if base else []), cross[1]], FLAG_SCHEMA)
     quarantine = write_quarantine(layout, ingest_id, rejects, layout.quality(ingest_id), workers)
     rejects.replace(cat / REJECTS_FILE)
@@ -500,10 +505,11 @@ def validate_catalog(
         shutil.rmtree(qdir, ignore_errors=True)  # a re-run rebuilds the docs, never appends
         qdir.mkdir(parents=True)
         docs = write_data_docs(qdir, rules, sample, counts, rows) if rows else None
-        rejected, quarantine, tables = _write_rows(
-            layout, ingest_id, stage, base, resolve_hits(
-                parts, hits, rules.drop_near_duplicates, stage, workers),
-            _terms(root, parts, columns, rules), sample, workers)  # fmt: skip
+        terms = stage / "terms.parquet"
+        gone = _terms(root, parts, columns, rules, terms)
+        cross = resolve_hits(parts, hits, rules.drop_near_duplicates, stage, workers)
+        rejected, quarantine, tables = _write_rows(layout, ingest_id, stage, base, cross,
+                                                   (terms, gone), sample, workers)  # fmt: skip
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     result = _result(ingest_id, rows, rejected, quarantine, rules,
