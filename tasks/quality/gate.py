@@ -367,8 +367,8 @@ def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, colu
 
 
 def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
-                cross: tuple[Path, Path], terms: tuple[Path, pa.Array], sample: pd.DataFrame,
-                workers: int) -> tuple[int, pd.DataFrame, dict]:  # fmt: skip
+                cross: tuple[Path, Path], terms: tuple[Path, pa.Array],
+                sample: pd.DataFrame) -> tuple[int, pd.DataFrame, dict]:  # fmt: skip
     """The verdict's rows streamed into place: `rejects.parquet` (the earlier verdict's, the
     staged partitions', the duplicates', less any row the licensing terms quarantine, then
     the terms' own), `near_duplicates.parquet`, `docs_sample.parquet`, the quarantine and the
@@ -381,7 +381,8 @@ def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
                    REJECT_SCHEMA, gone=terms[1], drop_reasons=TERMS_REASONS,
                    then=[terms[0]])  # fmt: skip
     write_rows(flags, [*([base["flags"]] if base else []), cross[1]], FLAG_SCHEMA)
-    quarantine = write_quarantine(layout, ingest_id, rejects, layout.quality(ingest_id), workers)
+    quarantine = write_quarantine(layout, ingest_id, rejects, layout.quality(ingest_id))
+    release_freed_memory()
     rejects.replace(cat / REJECTS_FILE)
     flags.replace(cat / FLAGS_FILE)
     _write_parquet(sample.astype({c: object for c in sample.columns
@@ -507,9 +508,10 @@ def validate_catalog(
         docs = write_data_docs(qdir, rules, sample, counts, rows) if rows else None
         terms = stage / "terms.parquet"
         gone = _terms(root, parts, columns, rules, terms)
-        cross = resolve_hits(parts, hits, rules.drop_near_duplicates, stage, workers)
+        cross = resolve_hits(parts, hits, rules.drop_near_duplicates, stage)
+        release_freed_memory()
         rejected, quarantine, tables = _write_rows(layout, ingest_id, stage, base, cross,
-                                                   (terms, gone), sample, workers)  # fmt: skip
+                                                   (terms, gone), sample)  # fmt: skip
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     result = _result(ingest_id, rows, rejected, quarantine, rules,

@@ -5,13 +5,14 @@ them is held on the driver: each check partition writes its rejects to a staging
 file (`stage_rejects`); the duplicate hits stay numpy positions until `resolve_hits` turns
 them into rows with one scan of the view's keys and a DuckDB join; `write_rows` streams the
 earlier verdict's rows, the staged ones and the licensing terms' into `rejects.parquet` and
-`near_duplicates.parquet`; `write_quarantine` sorts the quarantine out of core in DuckDB
-and counts it; `write_verdict_table` streams a verdict file into its Delta table. DuckDB
-runs with `DUCKDB_MEMORY` and spills the rest to the staging folder.
+`near_duplicates.parquet`; `write_quarantine` sorts the quarantine on disk and counts it;
+`write_verdict_table` streams a verdict file into its Delta table. DuckDB runs with
+`DUCKDB_MEMORY` and one thread, and spills the rest to the staging folder.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from tasks.catalog.view import (
     view_parts,
     writer_properties,
 )
+from tasks.quality.external_sort import sorted_tables
 from tasks.storage.layout import Layout
 
 __all__ = [
@@ -75,7 +77,9 @@ def stage_rejects(path: str | Path, rejected: pd.DataFrame) -> pd.DataFrame:
     return rejected[["pos"]].astype({"pos": np.int64})
 
 
-def _duckdb(stage: Path, workers: int = 2):
+def _duckdb(stage: Path):
+    """A DuckDB connection of DUCKDB_MEMORY and one thread, spilling under `stage`: with more
+    threads, an ordered COPY to Parquet runs out of memory where one thread spills."""
     import duckdb
 
     con = duckdb.connect()
@@ -83,7 +87,7 @@ def _duckdb(stage: Path, workers: int = 2):
     spill.mkdir(parents=True, exist_ok=True)
     con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
     con.execute(f"SET temp_directory = {sql_str(str(spill))}")
-    con.execute(f"SET threads = {max(1, workers)}")
+    con.execute("SET threads = 1")
     return con
 
 
@@ -115,8 +119,8 @@ def _hit_keys(parts: list[ViewPart], need: np.ndarray, path: Path) -> None:
                     return
 
 
-def resolve_hits(parts: list[ViewPart], hits: dict, drop_near: bool, stage: Path,
-                 workers: int = 2) -> tuple[Path, Path]:  # fmt: skip
+def resolve_hits(parts: list[ViewPart], hits: dict, drop_near: bool,
+                 stage: Path) -> tuple[Path, Path]:  # fmt: skip
     """The duplicate hits (`data_quality.suite.cross_hits`) as rows: the exact copies, then
     the near-duplicates when `drop_near`, to `stage/cross-rejects.parquet` (source, key,
     reason, detail), else the near-duplicates to `stage/cross-flags.parquet` (source, key,
@@ -127,7 +131,7 @@ def resolve_hits(parts: list[ViewPart], hits: dict, drop_near: bool, stage: Path
         return _empty(rejects, REJECT_SCHEMA), _empty(flags, FLAG_SCHEMA)
     keys = stage / "hit-keys.parquet"
     _hit_keys(parts, np.unique(np.concatenate([dup_pos, dup_of, near_pos, near_of])), keys)
-    con = _duckdb(stage, workers)
+    con = _duckdb(stage)
     try:
         hit_table = pa.table({
             "ord": np.arange(len(dup_pos) + len(near_pos), dtype=np.int64),
@@ -199,48 +203,75 @@ def write_rows(path: Path, pieces: Iterable, schema: pa.Schema, *, gone: pa.Arra
     return rows
 
 
-def _quoted(name: str) -> str:
-    return '"' + name.replace('"', '""') + '"'
+def _quarantine_schema(parts: list[ViewPart]) -> pa.Schema:
+    """The quarantine's columns: the ingest quarantine files', `ingest_seq`, then this step's."""
+    fields: dict[str, pa.DataType] = {}
+    for p in parts:
+        for f in pq.read_schema(p.path):
+            fields.setdefault(f.name, pa.string() if pa.types.is_null(f.type) else f.type)
+    if parts:
+        fields["ingest_seq"] = pa.int64()
+    for c in (*REJECT_SCHEMA.names, "step", "ingest_id"):
+        fields.setdefault(c, pa.string())
+    return pa.schema(list(fields.items()))
 
 
-def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path,
-                     workers: int = 2) -> pd.DataFrame:  # fmt: skip
+def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
+    cols = [t[f.name].cast(f.type) if f.name in t.column_names else pa.nulls(len(t), f.type)
+            for f in schema]  # fmt: skip
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _quarantine_rows(parts: list[ViewPart], rejects: Path, ingest_id: str,
+                     schema: pa.Schema) -> Iterator[pa.Table]:  # fmt: skip
+    for p in parts:
+        for b in pq.ParquetFile(p.path).iter_batches(batch_size=BATCH_ROWS):
+            t = pa.Table.from_batches([b])
+            t = t.drop_columns([c for c in ("ingest_seq",) if c in t.column_names])
+            yield _conform(t.append_column("ingest_seq", pa.array([p.seq] * len(t), pa.int64())),
+                           schema)  # fmt: skip
+    for b in pq.ParquetFile(rejects).iter_batches(batch_size=BATCH_ROWS):
+        n = b.num_rows
+        t = pa.Table.from_batches([b]).append_column("step", pa.array(["validate"] * n))
+        yield _conform(t.append_column("ingest_id", pa.array([ingest_id] * n)), schema)
+
+
+def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path) -> pd.DataFrame:
     """Every quarantined row of the view, the ingest's (`ingest_seq` from its partition) and
-    this step's rejects (`step` "validate"), sorted by source and key (ties in that order),
-    to `qdir/quarantine.parquet`; up to SAMPLE rows a reason of it to
-    `quarantine_sample.parquet`. DuckDB sorts out of core. Returns its rows counted by step
-    and reason (`step`, `reason`, `n`), in order of each pair's first row."""
-    selects = []
-    for i, p in enumerate(view_parts(layout, ingest_id, "quarantine")):
-        names = [n for n in pq.read_schema(p.path).names if n != "ingest_seq"]
-        cols = ", ".join(_quoted(n) for n in names)
-        selects.append(f"SELECT {cols}, {int(p.seq)}::BIGINT AS ingest_seq, {i} AS _f, "
-                       f"file_row_number AS _r FROM read_parquet({sql_str(str(p.path))}, "
-                       "file_row_number = true)")  # fmt: skip
-    selects.append(f"SELECT source, key, reason, detail, 'validate' AS step, "
-                   f"{sql_str(ingest_id)} AS ingest_id, {len(selects)} AS _f, "
-                   f"file_row_number AS _r FROM read_parquet({sql_str(str(rejects))}, "
-                   "file_row_number = true)")  # fmt: skip
+    this step's rejects (`step` "validate"), sorted by source and key (ties in that order; a
+    sort on disk, tasks/quality/external_sort.py), to `qdir/quarantine.parquet`; up to SAMPLE
+    rows a reason of it to `quarantine_sample.parquet`. Returns its rows counted by step and
+    reason (`step`, `reason`, `n`), in order of each pair's first row."""
+    parts = view_parts(layout, ingest_id, "quarantine")
+    schema = _quarantine_schema(parts)
     out, sample = qdir / "quarantine.parquet", qdir / "quarantine_sample.parquet"
-    con = _duckdb(qdir.parent / f".{qdir.name}-stage", workers)
+    runs = qdir.parent / f".{qdir.name}-sort"
+    counts: dict[tuple, int] = {}
+    kept: dict[str, int] = {}
+    picked = []
+    writer, tmp = _atomic_writer(out, schema)
     try:
-        union = " UNION ALL BY NAME ".join(selects)
-        con.execute(f"COPY (SELECT * EXCLUDE (_f, _r) FROM ({union}) ORDER BY source, key, _f, "
-                    f"_r) TO {sql_str(str(out) + '.tmp')} (FORMAT parquet)")  # fmt: skip
-        Path(str(out) + ".tmp").replace(out)
-        numbered = f"read_parquet({sql_str(str(out))}, file_row_number = true)"
-        con.execute(f"COPY (SELECT * EXCLUDE (file_row_number) FROM {numbered} WHERE reason IS "
-                    f"NOT NULL QUALIFY row_number() OVER (PARTITION BY reason ORDER BY "
-                    f"file_row_number) <= {SAMPLE} ORDER BY file_row_number) TO "
-                    f"{sql_str(str(sample))} (FORMAT parquet)")  # fmt: skip
-        counts = con.execute(f"SELECT step, reason, count(*) AS n FROM {numbered} GROUP BY "
-                             "step, reason ORDER BY min(file_row_number)").df()  # fmt: skip
+        with writer:
+            rows = _quarantine_rows(parts, rejects, ingest_id, schema)
+            for t in sorted_tables(rows, ["source", "key"], runs):
+                writer.write_table(t)
+                df = t.select(["step", "reason"]).to_pandas().astype(object)
+                pairs = df.groupby(["step", "reason"], dropna=False, sort=False).size()
+                for pair, n in pairs.items():
+                    counts[pair] = counts.get(pair, 0) + int(n)
+                why = df["reason"].fillna("")
+                seen = why.map(kept).fillna(0).astype(int) + why.groupby(why).cumcount()
+                take = df["reason"].notna() & (seen < SAMPLE)
+                if take.any():
+                    picked.append(t.filter(pa.array(take.to_numpy(bool))))
+                for r, n in why.value_counts().items():  # "" counts null reasons: never taken
+                    kept[r] = kept.get(r, 0) + int(n)
+        tmp.replace(out)
     finally:
-        con.close()
-        import shutil
-
-        shutil.rmtree(qdir.parent / f".{qdir.name}-stage", ignore_errors=True)
-    return counts
+        shutil.rmtree(runs, ignore_errors=True)
+    pq.write_table(pa.concat_tables(picked) if picked else schema.empty_table(), sample)
+    return pd.DataFrame([(s, r, n) for (s, r), n in counts.items()],
+                        columns=["step", "reason", "n"])  # fmt: skip
 
 
 def write_verdict_table(layout: Layout, table: str, path: Path, ingest_id: str) -> int:
