@@ -31,8 +31,8 @@ from kiln_config.errors import InputError
 
 __all__ = [
     "CROSS_REASONS", "INGEST_REASONS", "REASONS", "TERMS_REASONS", "QualityVerdict", "RowCheck",
-    "apply_cross", "build_suite", "check_rows", "cross_catalog", "derive", "expectation_summaries",
-    "hash_columns", "run_suite", "suite_key", "write_data_docs",
+    "apply_cross", "build_suite", "check_rows", "cross_catalog", "cross_hits", "derive",
+    "expectation_summaries", "hash_columns", "run_suite", "suite_key", "write_data_docs",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -432,29 +432,24 @@ def apply_cross(
     its first reason in suite order), `flags` (near-duplicates kept: source, key,
     near_duplicate_of) and `counts`. `keys_at(positions)` gives the (sources, keys) of
     catalog positions, for the rows hit and the rows they duplicate."""
-    dup, near = cross.duplicate_of, cross.near_duplicate_of
-    pos = np.arange(len(dup)) + offset if cross.positions is None else cross.positions
-    counts = {**rows.counts, "duplicate_sha256": int((dup >= 0).sum())}
-    if rules.drop_near_duplicates:
-        counts["near_duplicate"] = int((near >= 0).sum())
-    free = ~np.isin(pos, rows.rejected["pos"].to_numpy(np.int64))
-    is_dup = free & (dup >= 0)
-    is_near = free & ~is_dup & (near >= 0)
-    need = np.unique(np.concatenate([pos[is_dup | is_near], dup[is_dup], near[is_near]]))
+    hits = cross_hits(rows.rejected["pos"].to_numpy(np.int64), cross, rules, offset)
+    counts = {**rows.counts, **hits["counts"]}
+    (dup_pos, dup_of), (near_pos, near_of) = hits["dup"], hits["near"]
+    need = np.unique(np.concatenate([dup_pos, dup_of, near_pos, near_of]))
     src, key = keys_at(need) if len(need) else (np.array([], object), np.array([], object))
     at = {int(p): i for i, p in enumerate(need)}
 
-    def frame(hit, targets, reason, what):
-        me = [at[int(p)] for p in pos[hit]]
-        of = [at[int(p)] for p in targets[hit]]
+    def frame(hit_pos, hit_of, reason, what):
+        me = [at[int(p)] for p in hit_pos]
+        of = [at[int(p)] for p in hit_of]
         uid = [f"{str(src[i]).rstrip('/')}/{key[i]}" for i in of]
         out = pd.DataFrame({"source": src[me], "key": key[me], "reason": reason,
                             "detail": [f"{what} {u}" for u in uid]},
                            columns=["source", "key", "reason", "detail"])  # fmt: skip
         return out, uid
 
-    dups, _ = frame(is_dup, dup, "duplicate_sha256", "same sha256 as")
-    nears, near_uid = frame(is_near, near, "near_duplicate", "pHash near")
+    dups, _ = frame(dup_pos, dup_of, "duplicate_sha256", "same sha256 as")
+    nears, near_uid = frame(near_pos, near_of, "near_duplicate", "pHash near")
     parts = [rows.rejected.drop(columns="pos"), dups]
     flags = pd.DataFrame(columns=["source", "key", "near_duplicate_of"])
     if rules.drop_near_duplicates:
@@ -463,7 +458,25 @@ def apply_cross(
         flags = nears[["source", "key"]].assign(near_duplicate_of=near_uid)
     rejected = pd.concat([x for x in parts if len(x)] or [dups], ignore_index=True)
     return {"rejected": rejected, "flags": flags, "counts": counts,
-            "near_duplicates": int(is_near.sum())}  # fmt: skip
+            "near_duplicates": hits["near_duplicates"]}  # fmt: skip
+
+
+def cross_hits(rejected: np.ndarray, cross: CrossCheck, rules: QualityConfig,
+               offset: int = 0) -> dict:  # fmt: skip
+    """The cross-catalog results of the rows at positions `offset`... as positions: `dup`
+    and `near` ((positions, the positions they duplicate), each by position) for the rows
+    that no row-local rule rejected (`rejected`: their positions), an exact copy taking
+    precedence; their `counts` per reason and the `near_duplicates` kept or dropped."""
+    dup, near = cross.duplicate_of, cross.near_duplicate_of
+    pos = np.arange(len(dup)) + offset if cross.positions is None else cross.positions
+    counts = {"duplicate_sha256": int((dup >= 0).sum())}
+    if rules.drop_near_duplicates:
+        counts["near_duplicate"] = int((near >= 0).sum())
+    free = ~np.isin(pos, rejected)
+    is_dup = free & (dup >= 0)
+    is_near = free & ~is_dup & (near >= 0)
+    return {"dup": (pos[is_dup], dup[is_dup]), "near": (pos[is_near], near[is_near]),
+            "counts": counts, "near_duplicates": int(is_near.sum())}  # fmt: skip
 
 
 def expectation_summaries(rules: QualityConfig, counts: dict[str, int]) -> list[dict]:

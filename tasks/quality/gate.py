@@ -25,6 +25,9 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -36,10 +39,10 @@ from data_quality.suite import (
     TERMS_REASONS,
     CrossCheck,
     RowCheck,
-    apply_cross,
     check_columns,
     check_rows,
     cross_catalog,
+    cross_hits,
     expectation_summaries,
     suite_key,
     write_data_docs,
@@ -57,12 +60,20 @@ from tasks.catalog.view import (
     view_columns,
     view_parts,
     view_versions,
-    write_verdict_rows,
 )
 from tasks.quality.dup_search import dup_partitions_for, old_hash_batches, partitioned_cross
+from tasks.quality.verdict_rows import (
+    FLAG_SCHEMA,
+    REJECT_SCHEMA,
+    resolve_hits,
+    stage_rejects,
+    write_quarantine,
+    write_rows,
+    write_verdict_table,
+)
 from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
-from tasks.runtime.runners import partition_runner
+from tasks.runtime.runners import partition_runner, release_freed_memory
 from tasks.storage.layout import Layout
 
 __all__ = [
@@ -204,14 +215,18 @@ def check_partition(
     rules: QualityConfig,
     hash_path: str | None = None,
     hash_parts: int = 0,
+    stage_path: str | None = None,
 ) -> RowCheck:
-    """The row-local rules on some row groups of one ingest's rows (pure reads: a retry is
-    safe; on a Dask worker, the root must be mounted at the same path). With `hash_path`, the
-    rows' hashes go to that file for the partitioned duplicate search instead of the result."""
+    """The row-local rules on some row groups of one ingest's rows (a retry rewrites what it
+    wrote; on a Dask worker, the root must be mounted at the same path). With `hash_path`, the
+    rows' hashes go to that file for the partitioned duplicate search instead of the result;
+    with `stage_path`, the rejected rows go to that file and the result keeps their `pos`."""
     check = check_rows(read_part(part, columns, row_groups), rules)
     if hash_path:
         write_hash_file(hash_path, check.hashes, hash_parts)
         check.hashes = None
+    if stage_path:
+        check.rejected = stage_rejects(stage_path, check.rejected)
     return check
 
 
@@ -230,8 +245,7 @@ def _base(layout: Layout, links: list[dict], key: str) -> dict | None:
             folder / VERDICT_FILE).is_file() else None  # fmt: skip
         if v and v.get("suite") == key and (folder / REJECTS_FILE).is_file():
             return {**v, "id": s["id"], "seq": int(s["ingest_seq"]),
-                    "rejects": pd.read_parquet(folder / REJECTS_FILE),
-                    "flags": pd.read_parquet(folder / FLAGS_FILE),
+                    "rejects": folder / REJECTS_FILE, "flags": folder / FLAGS_FILE,
                     "sample": pd.read_parquet(folder / SAMPLE_FILE)}  # fmt: skip
         if s.get("superseded_accepted", 1):  # older catalogs do not say: assume some left
             return None
@@ -239,22 +253,27 @@ def _base(layout: Layout, links: list[dict], key: str) -> dict | None:
 
 
 def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | None,
-                hash_dir: Path | None = None, hash_parts: int = 0) -> list:  # fmt: skip
+                stage: Path, hash_dir: Path | None = None,
+                hash_parts: int = 0) -> tuple[list, pd.DataFrame]:  # fmt: skip
     """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
-    so that memory stays a few partitions whatever the catalog's size. With `hash_dir`, each
-    writes its hashes there (`<n>.parquet`) for `hash_parts` duplicate partitions."""
-    out, window = [], []
+    so that memory stays a few partitions whatever the catalog's size. Each writes its
+    rejects to `stage/rows-<n>.parquet`; with `hash_dir`, its hashes there (`<n>.parquet`) for
+    `hash_parts` duplicate partitions. Returns the results and their bounded sample."""
+    out, window, sample = [], [], pd.DataFrame()
     progress = Progress("validate", sum(p.rows for p in {p.path: p for p, _ in tasks}.values()),
                         "rows")  # fmt: skip
 
     def done(future) -> None:
+        nonlocal sample
         out.append(future.result())
+        sample, out[-1].sample = _bounded_sample([sample, out[-1].sample]), None
         progress.advance(out[-1].rows)
 
     with partition_runner(workers, dask_address) as runner:
         limit = len(tasks) if dask_address else workers
         for i, (part, groups) in enumerate(tasks):
-            args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules}
+            args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules,
+                    "stage_path": str(stage / f"rows-{i:06d}.parquet")}  # fmt: skip
             if hash_dir is not None:
                 args.update(hash_path=str(hash_dir / f"{i:06d}.parquet"), hash_parts=hash_parts)
             window.append(runner.submit(check_partition, args))
@@ -263,52 +282,24 @@ def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | N
         for f in window:
             done(f)
     progress.finish()
-    return out
+    return out, sample
 
 
-def _keys_at(parts: list[ViewPart]):
-    """keys_at(positions) -> (sources, keys) of the view's rows at those positions, read a row
-    group at a time."""
-
-    def keys_at(positions: np.ndarray):
-        src = np.empty(len(positions), object)
-        key = np.empty(len(positions), object)
-        start, last = 0, int(positions.max())
-        for p in parts:
-            for g in range(p.row_groups):
-                if start > last:
-                    return src, key
-                df = read_part(p, ["source", "key"], [g])
-                i = np.flatnonzero((positions >= start) & (positions < start + len(df)))
-                src[i] = df["source"].to_numpy(object)[positions[i] - start]
-                key[i] = df["key"].to_numpy(object)[positions[i] - start]
-                start += len(df)
-        return src, key
-
-    return keys_at
-
-
-def _merge(checks: list[RowCheck], offset: int) -> RowCheck:
-    """The partitions' results as one, positions counted from `offset`."""
-    rejected, counts, start = [], {}, offset
+def _merge(checks: list[RowCheck], offset: int, sample: pd.DataFrame) -> RowCheck:
+    """The partitions' results as one: the rejected rows' positions (`pos`, counted from
+    `offset`; the rows themselves are staged), counts, `sample` and hashes."""
+    pos, counts, start = [], {}, offset
     for c in checks:
-        rejected.append(c.rejected.assign(pos=c.rejected["pos"] + start))
+        pos.append(c.rejected["pos"].to_numpy(np.int64) + start)
         for r, n in c.counts.items():
             counts[r] = counts.get(r, 0) + n
         start += c.rows
-    cols = ["source", "key", "reason", "detail", "pos"]
     hashes = None if any(c.hashes is None for c in checks) else tuple(
         np.concatenate([c.hashes[i] for c in checks]) if checks else np.zeros(0, np.uint64)
         for i in range(3))  # fmt: skip
-    return RowCheck(
-        rows=start - offset,
-        rejected=pd.concat(
-            [r for r in rejected if len(r)] or [pd.DataFrame(columns=cols)], ignore_index=True
-        ),  # fmt: skip
-        counts=counts,
-        sample=pd.concat([c.sample for c in checks], ignore_index=True) if checks else None,
-        hashes=hashes,
-    )
+    rejected = pd.DataFrame({"pos": np.concatenate(pos) if pos else np.zeros(0, np.int64)})
+    return RowCheck(rows=start - offset, rejected=rejected, counts=counts, sample=sample,
+                    hashes=hashes)  # fmt: skip
 
 
 def _bounded_sample(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -321,29 +312,18 @@ def _bounded_sample(frames: list[pd.DataFrame]) -> pd.DataFrame:
     )
 
 
-def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityConfig):
+def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityConfig,
+           out: Path) -> pa.Array:  # fmt: skip
     """The licensing terms (data_quality/terms.py) on every row of the view, a row group at a
-    time: the takedown list and the date change between runs, so no verdict is reused."""
+    time: the takedown list and the date change between runs, so no verdict is reused. The
+    rows they quarantine go to `out`; returns their source and key joined by a NUL."""
     want = ["source", "key"] + [c for c in (rules.contributor_column, rules.license_end_column)
                                 if c in columns]  # fmt: skip
     takedowns, today = takedown_set(root), datetime.now(UTC).date()
-    found = [check_terms(read_part(p, want, [g]), rules, takedowns, today)
-             for p in parts for g in range(p.row_groups)]  # fmt: skip
-    return pd.concat([f for f in found if len(f)] or [check_terms(pd.DataFrame(), rules,
-                     takedowns, today)], ignore_index=True)  # fmt: skip
-
-
-def _with_terms(rejects: pd.DataFrame, terms: pd.DataFrame) -> pd.DataFrame:
-    """The suite's rejects with the terms' in their place: a row the terms quarantine is
-    quarantined under the terms' reason, whatever the suite said of it."""
-    if "reason" in rejects.columns:  # an earlier run's terms are recomputed, never kept
-        rejects = rejects[~rejects["reason"].isin(list(TERMS_REASONS))]
-    if not len(terms):
-        return rejects.reset_index(drop=True)
-    uid = rejects["source"].astype(str) + "\0" + rejects["key"].astype(str)
-    gone = set(terms["source"].astype(str) + "\0" + terms["key"].astype(str))
-    kept = rejects[~uid.isin(gone)]
-    return pd.concat([f for f in (kept, terms) if len(f)], ignore_index=True)
+    write_rows(out, (check_terms(read_part(p, want, [g]), rules, takedowns, today)
+                     for p in parts for g in range(p.row_groups)), REJECT_SCHEMA)  # fmt: skip
+    t = pq.read_table(out, columns=["source", "key"])
+    return pc.binary_join_element_wise(t["source"], t["key"], "\0").combine_chunks()
 
 
 def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
@@ -363,23 +343,87 @@ def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
     return dup_partitions, hash_dir
 
 
-def _write_quarantine(layout: Layout, ingest_id: str, rejects: pd.DataFrame,
-                      qdir: Path) -> pd.DataFrame:  # fmt: skip
-    """Every quarantined row of the view (the ingest's and this step's rejects) to
-    `quarantine.parquet`, and up to SAMPLE rows a reason to `quarantine_sample.parquet`."""
-    ingest_q = pd.concat(
-        [read_part(p) for p in view_parts(layout, ingest_id, "quarantine")] or [pd.DataFrame()],
-        ignore_index=True,
+def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, columns, stage: Path,
+          hash_dir: Path | None, dup_partitions: int, *, workers: int, dask_address: str | None,
+          partition_rows: int) -> tuple[RowCheck, dict]:  # fmt: skip
+    """The row-local rules on the new rows (their rejects staged) and the duplicate checks
+    against the whole view: (the merged RowCheck, `cross_hits` of the new rows)."""
+    checks, sample = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
+                                 dask_address, stage, hash_dir, dup_partitions)  # fmt: skip
+    new = _merge(checks, old_rows, sample)
+    release_freed_memory()
+    if hash_dir is not None:
+        files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
+        cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
+                                  rules.near_duplicate_distance, dup_partitions,
+                                  workers=workers, dask_address=dask_address)  # fmt: skip
+    elif new.rows:
+        cross = cross_catalog(new.hashes, rules, old_hash_batches(old_parts, new_parts), old_rows)
+    else:
+        cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
+    new.hashes = None
+    release_freed_memory()
+    return new, cross_hits(new.rejected["pos"].to_numpy(np.int64), cross, rules, old_rows)
+
+
+def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
+                cross: tuple[Path, Path], terms: tuple[Path, pa.Array],
+                sample: pd.DataFrame) -> tuple[int, pd.DataFrame, dict]:  # fmt: skip
+    """The verdict's rows streamed into place: `rejects.parquet` (the earlier verdict's, the
+    staged partitions', the duplicates', less any row the licensing terms quarantine, then
+    the terms' own), `near_duplicates.parquet`, `docs_sample.parquet`, the quarantine and the
+    Delta tables. Returns (rejects, the quarantine's counts by step and reason, the tables'
+    versions)."""
+    cat = layout.catalog(ingest_id)
+    rows_files = sorted(stage.glob("rows-*.parquet"))
+    rejects, flags = stage / REJECTS_FILE, stage / FLAGS_FILE
+    n = write_rows(rejects, [*([base["rejects"]] if base else []), *rows_files, cross[0]],
+                   REJECT_SCHEMA, gone=terms[1], drop_reasons=TERMS_REASONS,
+                   then=[terms[0]])  # fmt: skip
+    write_rows(flags, [*([base["flags"]] if base else []), cross[1]], FLAG_SCHEMA)
+    quarantine = write_quarantine(layout, ingest_id, rejects, layout.quality(ingest_id))
+    release_freed_memory()
+    rejects.replace(cat / REJECTS_FILE)
+    flags.replace(cat / FLAGS_FILE)
+    _write_parquet(sample.astype({c: object for c in sample.columns
+                                  if sample[c].dtype == object}), cat / SAMPLE_FILE)  # fmt: skip
+    # The same rows as Delta tables (`verdict` = this ingest id), for other engines and SQL.
+    tables = {t: write_verdict_table(layout, t, cat / f, ingest_id)
+              for t, f in (("rejects", REJECTS_FILE), ("flags", FLAGS_FILE))}  # fmt: skip
+    return n, quarantine, tables
+
+
+def _result(ingest_id: str, rows: int, rejected: int, quarantine: pd.DataFrame,
+            rules: QualityConfig, **extra) -> ValidateResult:  # fmt: skip
+    """The gate's result from the quarantine's counts (`step`, `reason`, `n`)."""
+    step = quarantine["step"]
+    files_q = quarantine[~step.eq("ingest-manifest")]
+    listed = rows + int(quarantine.loc[step.eq("ingest"), "n"].sum())
+    reasons = files_q.dropna(subset=["reason"]).groupby("reason", sort=False)["n"].sum()
+    reasons = reasons.sort_values(ascending=False, kind="stable")
+    # Withdrawn and expired rows leave the data, but say nothing of its quality: the gate's
+    # fraction counts the other reasons only.
+    why = files_q["reason"]
+    terms = int(files_q.loc[why.isin(list(TERMS_REASONS)), "n"].sum())
+    quarantined = int(files_q["n"].sum())
+    result = ValidateResult(
+        ingest_id=ingest_id,
+        listed=listed,
+        clean=rows - rejected,
+        rejected_ingest=listed - rows,
+        rejected_validate=rejected,
+        reject_fraction=round((quarantined - terms) / listed, 4) if listed else 0.0,
+        max_reject_fraction=rules.max_reject_fraction,
+        reasons={str(r): int(c) for r, c in reasons.items()},
+        manifest_problems=int(quarantine.loc[step.eq("ingest-manifest"), "n"].sum()),
+        takedowns=int(files_q.loc[why.eq("takedown"), "n"].sum()),
+        license_expired=int(
+            files_q.loc[why.isin(["license_expired", "license_end_invalid"]), "n"].sum()
+        ),  # fmt: skip
+        **extra,
     )
-    new_q = rejects.assign(step="validate", ingest_id=ingest_id)
-    quarantine = pd.concat([f for f in (ingest_q, new_q) if len(f)] or [new_q], ignore_index=True)
-    quarantine = quarantine.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
-    _write_parquet(quarantine, qdir / "quarantine.parquet")
-    by_reason = (
-        quarantine.groupby("reason", sort=True).head(SAMPLE) if len(quarantine) else quarantine
-    )
-    _write_parquet(by_reason, qdir / "quarantine_sample.parquet")
-    return quarantine
+    assert result.clean + quarantined == listed, "clean + quarantined must equal files listed"
+    return result
 
 
 @task(name="validate-catalog", cache_policy=NO_CACHE)
@@ -442,81 +486,46 @@ def validate_catalog(
     new_parts = [p for p in parts if p.seq > after]
     old_rows = int(base["rows"]) if base else 0
     dup_partitions, hash_dir = _dup_plan(cat, dup_partitions, parts, new_parts, partition_rows)
-    checks = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
-                         dask_address, hash_dir, dup_partitions)  # fmt: skip
-    new = _merge(checks, old_rows)
-    if hash_dir is not None:
-        files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
-        cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
-                                  rules.near_duplicate_distance, dup_partitions,
-                                  workers=workers, dask_address=dask_address)  # fmt: skip
-    elif new.rows:
-        cross = cross_catalog(new.hashes, rules, old_hash_batches(old_parts, new_parts), old_rows)
-    else:
-        cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
-    found = apply_cross(new, cross, rules, _keys_at(parts), offset=old_rows)
-    counts = dict(base["counts"]) if base else {}
-    for r, n in found["counts"].items():
-        counts[r] = counts.get(r, 0) + n
-    rejects = pd.concat([f for f in (base["rejects"] if base else None, found["rejected"])
-                         if f is not None and len(f)] or [found["rejected"]],
-                        ignore_index=True)  # fmt: skip
-    flags = pd.concat([f for f in (base["flags"] if base else None, found["flags"])
-                       if f is not None and len(f)] or [found["flags"]],
-                      ignore_index=True)  # fmt: skip
-    rejects = _with_terms(rejects, _terms(root, parts, columns, rules))
-    rows = old_rows + new.rows
-    sample = _bounded_sample([base["sample"] if base else None, new.sample])
-    if not len(sample) and rows:
-        sample = check_rows(read_part(parts[0], columns, [0]).head(3), rules, gx_check=False,
-                            hashes=False).sample  # fmt: skip
-    near = int(base.get("near_duplicates", 0) if base else 0) + found["near_duplicates"]
-
-    qdir = layout.quality(ingest_id)
-    shutil.rmtree(qdir, ignore_errors=True)  # a re-run rebuilds the docs, never appends
-    qdir.mkdir(parents=True)
-    docs = write_data_docs(qdir, rules, sample, counts, rows) if rows else None
-    quarantine = _write_quarantine(layout, ingest_id, rejects, qdir)
-    for df, name in ((rejects, REJECTS_FILE), (flags, FLAGS_FILE), (sample, SAMPLE_FILE)):
-        _write_parquet(df.astype({c: object for c in df.columns if df[c].dtype == object}),
-                       cat / name)  # fmt: skip
-    # The same rows as Delta tables (`verdict` = this ingest id), for other engines and SQL.
-    tables = {t: write_verdict_rows(layout, t, pd.read_parquet(cat / f), ingest_id)
-              for t, f in (("rejects", REJECTS_FILE), ("flags", FLAGS_FILE))}  # fmt: skip
-
-    step = quarantine["step"] if len(quarantine) else pd.Series(dtype=object)
-    files_q = quarantine[~step.eq("ingest-manifest")] if len(quarantine) else quarantine
-    listed = rows + int(step.eq("ingest").sum())
-    # Withdrawn and expired rows leave the data, but say nothing of its quality: the gate's
-    # fraction counts the other reasons only.
-    why = files_q["reason"] if len(files_q) else pd.Series([], dtype=object)
-    terms = why.isin(list(TERMS_REASONS))
-    result = ValidateResult(
-        ingest_id=ingest_id,
-        listed=listed,
-        clean=rows - len(rejects),
-        rejected_ingest=listed - rows,
-        rejected_validate=len(rejects),
-        reject_fraction=round(int((~terms).sum()) / listed, 4) if listed else 0.0,
-        max_reject_fraction=rules.max_reject_fraction,
-        reasons=files_q["reason"].value_counts().to_dict() if len(files_q) else {},
-        manifest_problems=int(step.eq("ingest-manifest").sum()),
-        near_duplicates=near,
-        expectations=expectation_summaries(rules, counts),
-        data_docs=docs,
-        checked_rows=new.rows,
-        incremental_from=base["id"] if base else None,
-        takedowns=int(why.eq("takedown").sum()),
-        license_expired=int(why.isin(["license_expired", "license_end_invalid"]).sum()),
-    )
-    assert result.clean + len(files_q) == listed, "clean + quarantined must equal files listed"
+    stage = cat / "validate-stage"  # the verdict's rows, as they are found
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    try:
+        new, hits = _find(parts, old_parts, new_parts, old_rows, rules, columns, stage,
+                          hash_dir, dup_partitions, workers=workers, dask_address=dask_address,
+                          partition_rows=partition_rows)  # fmt: skip
+        counts = dict(base["counts"]) if base else {}
+        for r, n in {**new.counts, **hits["counts"]}.items():
+            counts[r] = counts.get(r, 0) + n
+        rows = old_rows + new.rows
+        sample = _bounded_sample([base["sample"] if base else None, new.sample])
+        if not len(sample) and rows:
+            sample = check_rows(read_part(parts[0], columns, [0]).head(3), rules,
+                                gx_check=False, hashes=False).sample  # fmt: skip
+        near = int(base.get("near_duplicates", 0) if base else 0) + hits["near_duplicates"]
+        qdir = layout.quality(ingest_id)
+        shutil.rmtree(qdir, ignore_errors=True)  # a re-run rebuilds the docs, never appends
+        qdir.mkdir(parents=True)
+        docs = write_data_docs(qdir, rules, sample, counts, rows) if rows else None
+        terms = stage / "terms.parquet"
+        gone = _terms(root, parts, columns, rules, terms)
+        cross = resolve_hits(parts, hits, rules.drop_near_duplicates, stage)
+        release_freed_memory()
+        rejected, quarantine, tables = _write_rows(layout, ingest_id, stage, base, cross,
+                                                   (terms, gone), sample)  # fmt: skip
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    result = _result(ingest_id, rows, rejected, quarantine, rules,
+                     near_duplicates=near, expectations=expectation_summaries(rules, counts),
+                     data_docs=docs, checked_rows=new.rows,
+                     incremental_from=base["id"] if base else None)  # fmt: skip
+    files_q = result.listed - result.clean
     (qdir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
     _write_verdict(cat / VERDICT_FILE, result, suite=key, rows=rows, counts=counts,
                    near_duplicates=near, table_versions=view_versions(layout, ingest_id),
                    verdict_table_versions=tables)  # fmt: skip
     if not result.passed:
         msg = (
-            f"quality gate failed for {ingest_id}: rejected {len(files_q)}/{listed} files "
+            f"quality gate failed for {ingest_id}: rejected {files_q}/{result.listed} files "
             f"({result.reject_fraction:.1%}) > quality.max_reject_fraction "
             f"({rules.max_reject_fraction:.1%})\n{reasons_table(result.reasons)}\n"
             f"quarantine: {qdir / 'quarantine.parquet'}"
@@ -526,7 +535,7 @@ def validate_catalog(
         log.warning("%s\ncontinuing: %s was given", msg, OVERRIDE_FLAG)
         return result
     log.info("validated %s: %d clean, %d quarantined; checked %d rows%s", ingest_id,
-             result.clean, len(files_q), new.rows,
+             result.clean, files_q, new.rows,
              f" (the rest were checked for {base['id']})" if base else "")  # fmt: skip
     return result
 

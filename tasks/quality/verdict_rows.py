@@ -1,0 +1,302 @@
+"""The validate step's verdict rows, written as they are found and streamed into place.
+
+A validate of a large catalog quarantines or flags a tenth of its rows or more. None of
+them is held on the driver: each check partition writes its rejects to a staging Parquet
+file (`stage_rejects`); the duplicate hits stay numpy positions until `resolve_hits` turns
+them into rows with one scan of the view's keys and a DuckDB join; `write_rows` streams the
+earlier verdict's rows, the staged ones and the licensing terms' into `rejects.parquet` and
+`near_duplicates.parquet`; `write_quarantine` sorts the quarantine on disk and counts it;
+`write_verdict_table` streams a verdict file into its Delta table. DuckDB runs with
+`DUCKDB_MEMORY` and one thread, and spills the rest to the staging folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from deltalake import write_deltalake
+
+from data_quality.suite import SAMPLE
+from tasks.catalog.view import (
+    VERDICT_TABLES,
+    ViewPart,
+    open_table,
+    read_part,
+    sql_str,
+    table_path,
+    view_parts,
+    writer_properties,
+)
+from tasks.quality.external_sort import sorted_tables
+from tasks.storage.layout import Layout
+
+__all__ = [
+    "BATCH_ROWS",
+    "DUCKDB_MEMORY",
+    "FLAG_SCHEMA",
+    "REJECT_SCHEMA",
+    "resolve_hits",
+    "stage_rejects",
+    "write_quarantine",
+    "write_rows",
+    "write_verdict_table",
+]
+
+DUCKDB_MEMORY = "256MB"  # DuckDB's share of the driver; its sorts and joins spill past it
+BATCH_ROWS = 65_536  # rows per batch streamed from a file to another
+REJECT_SCHEMA = pa.schema([(c, pa.string()) for c in ("source", "key", "reason", "detail")])
+FLAG_SCHEMA = pa.schema([(c, pa.string()) for c in ("source", "key", "near_duplicate_of")])
+_KEYS = pa.schema([("pos", pa.int64()), ("source", pa.string()), ("key", pa.string())])
+
+
+def _strings(values) -> pa.Array:
+    return pa.array([None if v is None else str(v) for v in values], pa.string())
+
+
+def _atomic_writer(path: Path, schema: pa.Schema) -> tuple[pq.ParquetWriter, Path]:
+    tmp = path.with_name(path.name + ".tmp")
+    return pq.ParquetWriter(tmp, schema), tmp
+
+
+def stage_rejects(path: str | Path, rejected: pd.DataFrame) -> pd.DataFrame:
+    """Write a partition's rejects (source, key, reason, detail) to `path`; return their
+    positions alone (`pos`), which is what the driver keeps. A retry rewrites the file."""
+    table = pa.table({c: _strings(rejected[c].to_numpy(object)) for c in REJECT_SCHEMA.names},
+                     schema=REJECT_SCHEMA)  # fmt: skip
+    writer, tmp = _atomic_writer(Path(path), REJECT_SCHEMA)
+    with writer:
+        writer.write_table(table)
+    tmp.replace(path)
+    return rejected[["pos"]].astype({"pos": np.int64})
+
+
+def _duckdb(stage: Path):
+    """A DuckDB connection of DUCKDB_MEMORY and one thread, spilling under `stage`: with more
+    threads, an ordered COPY to Parquet runs out of memory where one thread spills."""
+    import duckdb
+
+    con = duckdb.connect()
+    spill = stage / "duckdb-spill"
+    spill.mkdir(parents=True, exist_ok=True)
+    con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
+    con.execute(f"SET temp_directory = {sql_str(str(spill))}")
+    con.execute("SET threads = 1")
+    return con
+
+
+def _empty(path: Path, schema: pa.Schema) -> Path:
+    pq.write_table(schema.empty_table(), path)
+    return path
+
+
+def _hit_keys(parts: list[ViewPart], need: np.ndarray, path: Path) -> None:
+    """(pos, source, key) of the view's rows at the sorted positions `need`, to `path`, read
+    a row group at a time (row groups without one are skipped from their metadata)."""
+    start = 0
+    with pq.ParquetWriter(path, _KEYS) as writer:
+        for p in parts:
+            meta = pq.ParquetFile(p.path).metadata
+            for g in range(p.row_groups):
+                n = meta.row_group(g).num_rows
+                lo, hi = np.searchsorted(need, [start, start + n])
+                if hi > lo:
+                    at = need[lo:hi]
+                    df = read_part(p, ["source", "key"], [g])
+                    writer.write_table(pa.table({
+                        "pos": pa.array(at, pa.int64()),
+                        "source": _strings(df["source"].to_numpy(object)[at - start]),
+                        "key": _strings(df["key"].to_numpy(object)[at - start]),
+                    }, schema=_KEYS))  # fmt: skip
+                start += n
+                if hi >= len(need):
+                    return
+
+
+def resolve_hits(parts: list[ViewPart], hits: dict, drop_near: bool,
+                 stage: Path) -> tuple[Path, Path]:  # fmt: skip
+    """The duplicate hits (`data_quality.suite.cross_hits`) as rows: the exact copies, then
+    the near-duplicates when `drop_near`, to `stage/cross-rejects.parquet` (source, key,
+    reason, detail), else the near-duplicates to `stage/cross-flags.parquet` (source, key,
+    near_duplicate_of), each in the order of the hit positions. Returns both paths."""
+    rejects, flags = stage / "cross-rejects.parquet", stage / "cross-flags.parquet"
+    (dup_pos, dup_of), (near_pos, near_of) = hits["dup"], hits["near"]
+    if not len(dup_pos) + len(near_pos):
+        return _empty(rejects, REJECT_SCHEMA), _empty(flags, FLAG_SCHEMA)
+    keys = stage / "hit-keys.parquet"
+    _hit_keys(parts, np.unique(np.concatenate([dup_pos, dup_of, near_pos, near_of])), keys)
+    con = _duckdb(stage)
+    try:
+        hit_table = pa.table({
+            "ord": np.arange(len(dup_pos) + len(near_pos), dtype=np.int64),
+            "pos": np.concatenate([dup_pos, near_pos]).astype(np.int64),
+            "of": np.concatenate([dup_of, near_of]).astype(np.int64),
+            "near": np.r_[np.zeros(len(dup_pos), bool), np.ones(len(near_pos), bool)],
+        })  # fmt: skip
+        con.register("hits", hit_table)
+        con.execute(f"CREATE VIEW keys AS SELECT * FROM read_parquet({sql_str(str(keys))})")
+        joined = ("FROM hits h JOIN keys k ON k.pos = h.pos JOIN keys o ON o.pos = h.of"
+                  " {} ORDER BY h.ord")  # fmt: skip
+        uid = "rtrim(o.source, '/') || '/' || o.key"
+        detail = f"CASE WHEN h.near THEN 'pHash near ' ELSE 'same sha256 as ' END || {uid}"
+        reason = "CASE WHEN h.near THEN 'near_duplicate' ELSE 'duplicate_sha256' END"
+        where = "" if drop_near else "WHERE NOT h.near"
+        con.execute(f"COPY (SELECT k.source, k.key, {reason} AS reason, {detail} AS detail "
+                    f"{joined.format(where)}) TO {sql_str(str(rejects))} "
+                    "(FORMAT parquet)")  # fmt: skip
+        if drop_near:
+            _empty(flags, FLAG_SCHEMA)
+        else:
+            con.execute(f"COPY (SELECT k.source, k.key, {uid} AS near_duplicate_of "
+                        f"{joined.format('WHERE h.near')}) TO {sql_str(str(flags))} "
+                        "(FORMAT parquet)")  # fmt: skip
+    finally:
+        con.close()
+    return rejects, flags
+
+
+def _batches(pieces: Iterable, schema: pa.Schema) -> Iterator[pa.Table]:
+    """Each piece (a Parquet path, or a frame) as tables of `schema`, BATCH_ROWS at most."""
+    for piece in pieces:
+        if isinstance(piece, pd.DataFrame):
+            if len(piece):
+                yield pa.table({c: _strings(piece[c].to_numpy(object)) for c in schema.names},
+                               schema=schema)  # fmt: skip
+            continue
+        f = pq.ParquetFile(piece)
+        for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=schema.names):
+            yield pa.Table.from_batches([batch]).cast(schema)
+
+
+def write_rows(path: Path, pieces: Iterable, schema: pa.Schema, *, gone: pa.Array | None = None,
+               drop_reasons: Iterable[str] = (), then: Iterable = ()) -> int:  # fmt: skip
+    """Stream `pieces` (Parquet paths and frames, in order) into the Parquet file `path`,
+    leaving out rows whose `reason` is in `drop_reasons` and rows whose source and key
+    (joined by a NUL) are in `gone`, then the pieces of `then` whole; written atomically.
+    Returns the rows written."""
+    drop = pa.array(sorted(drop_reasons), pa.string())
+    writer, tmp = _atomic_writer(path, schema)
+    rows = 0
+    with writer:
+        for t in _batches(pieces, schema):
+            keep = None
+            if len(drop):
+                keep = pc.invert(pc.fill_null(pc.is_in(t["reason"], value_set=drop), False))
+            if gone is not None and len(gone):
+                uid = pc.binary_join_element_wise(t["source"], t["key"], "\0")
+                out = pc.fill_null(pc.is_in(uid, value_set=gone), False)
+                keep = pc.invert(out) if keep is None else pc.and_(keep, pc.invert(out))
+            if keep is not None:
+                t = t.filter(keep)
+            writer.write_table(t)
+            rows += t.num_rows
+        for t in _batches(then, schema):
+            writer.write_table(t)
+            rows += t.num_rows
+    tmp.replace(path)
+    return rows
+
+
+def _quarantine_schema(parts: list[ViewPart]) -> pa.Schema:
+    """The quarantine's columns: the ingest quarantine files', `ingest_seq`, then this step's."""
+    fields: dict[str, pa.DataType] = {}
+    for p in parts:
+        for f in pq.read_schema(p.path):
+            fields.setdefault(f.name, pa.string() if pa.types.is_null(f.type) else f.type)
+    if parts:
+        fields["ingest_seq"] = pa.int64()
+    for c in (*REJECT_SCHEMA.names, "step", "ingest_id"):
+        fields.setdefault(c, pa.string())
+    return pa.schema(list(fields.items()))
+
+
+def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
+    cols = [t[f.name].cast(f.type) if f.name in t.column_names else pa.nulls(len(t), f.type)
+            for f in schema]  # fmt: skip
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _quarantine_rows(parts: list[ViewPart], rejects: Path, ingest_id: str,
+                     schema: pa.Schema) -> Iterator[pa.Table]:  # fmt: skip
+    for p in parts:
+        for b in pq.ParquetFile(p.path).iter_batches(batch_size=BATCH_ROWS):
+            t = pa.Table.from_batches([b])
+            t = t.drop_columns([c for c in ("ingest_seq",) if c in t.column_names])
+            yield _conform(t.append_column("ingest_seq", pa.array([p.seq] * len(t), pa.int64())),
+                           schema)  # fmt: skip
+    for b in pq.ParquetFile(rejects).iter_batches(batch_size=BATCH_ROWS):
+        n = b.num_rows
+        t = pa.Table.from_batches([b]).append_column("step", pa.array(["validate"] * n))
+        yield _conform(t.append_column("ingest_id", pa.array([ingest_id] * n)), schema)
+
+
+def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path) -> pd.DataFrame:
+    """Every quarantined row of the view, the ingest's (`ingest_seq` from its partition) and
+    this step's rejects (`step` "validate"), sorted by source and key (ties in that order; a
+    sort on disk, tasks/quality/external_sort.py), to `qdir/quarantine.parquet`; up to SAMPLE
+    rows a reason of it to `quarantine_sample.parquet`. Returns its rows counted by step and
+    reason (`step`, `reason`, `n`), in order of each pair's first row."""
+    parts = view_parts(layout, ingest_id, "quarantine")
+    schema = _quarantine_schema(parts)
+    out, sample = qdir / "quarantine.parquet", qdir / "quarantine_sample.parquet"
+    runs = qdir.parent / f".{qdir.name}-sort"
+    counts: dict[tuple, int] = {}
+    kept: dict[str, int] = {}
+    picked = []
+    writer, tmp = _atomic_writer(out, schema)
+    try:
+        with writer:
+            rows = _quarantine_rows(parts, rejects, ingest_id, schema)
+            for t in sorted_tables(rows, ["source", "key"], runs):
+                writer.write_table(t)
+                df = t.select(["step", "reason"]).to_pandas().astype(object)
+                pairs = df.groupby(["step", "reason"], dropna=False, sort=False).size()
+                for pair, n in pairs.items():
+                    counts[pair] = counts.get(pair, 0) + int(n)
+                why = df["reason"].fillna("")
+                seen = why.map(kept).fillna(0).astype(int) + why.groupby(why).cumcount()
+                take = df["reason"].notna() & (seen < SAMPLE)
+                if take.any():
+                    picked.append(t.filter(pa.array(take.to_numpy(bool))))
+                for r, n in why.value_counts().items():  # "" counts null reasons: never taken
+                    kept[r] = kept.get(r, 0) + int(n)
+        tmp.replace(out)
+    finally:
+        shutil.rmtree(runs, ignore_errors=True)
+    pq.write_table(pa.concat_tables(picked) if picked else schema.empty_table(), sample)
+    return pd.DataFrame([(s, r, n) for (s, r), n in counts.items()],
+                        columns=["step", "reason", "n"])  # fmt: skip
+
+
+def write_verdict_table(layout: Layout, table: str, path: Path, ingest_id: str) -> int:
+    """Stream the verdict file `path` into the Delta table `table` ("rejects" or "flags")
+    with a `verdict` column (`ingest_id`); an earlier verdict on the same ingest leaves in the
+    same commit. Returns the table's version after it."""
+    if table not in VERDICT_TABLES:
+        raise ValueError(f"verdict table must be one of {VERDICT_TABLES}, got {table!r}")
+    dt = open_table(layout, table)
+    f = pq.ParquetFile(path)
+    known = {x.name: x.type for x in pa.schema(dt.schema().to_arrow())} if dt else {}
+    fields = [*f.schema_arrow, pa.field("verdict", pa.string())]
+    schema = pa.schema([pa.field(x.name, known.get(x.name, pa.string())) for x in fields])
+
+    def batches():
+        for b in f.iter_batches(batch_size=BATCH_ROWS):
+            t = pa.Table.from_batches([b])
+            t = t.append_column("verdict", pa.array([ingest_id] * len(t), pa.string()))
+            yield from t.cast(schema).to_batches()
+
+    data = pa.RecordBatchReader.from_batches(schema, batches())
+    if dt is None:
+        write_deltalake(str(table_path(layout, table)), data,
+                        writer_properties=writer_properties())  # fmt: skip
+    else:
+        write_deltalake(dt, data, mode="overwrite", predicate=f"verdict = {sql_str(ingest_id)}",
+                        schema_mode="merge", writer_properties=writer_properties())  # fmt: skip
+    return open_table(layout, table).version()
