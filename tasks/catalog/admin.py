@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import Counter
 from pathlib import Path
 from urllib.parse import unquote
@@ -189,7 +190,8 @@ def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
     """Compact each table's small files, then vacuum the files that no version of the last
     `retain_hours` names, nor any version at or after `keep[table]` (the versions a
     registered model's dataset was cut from: `registered_versions`). A view named by an
-    older ingest stays readable while no rows changed since (`resolve_version`)."""
+    older ingest stays readable while no rows changed since (`resolve_version`). Removes the
+    staged rows an ingest killed before its commit left behind."""
     from tasks.catalog.view import VERDICT_TABLES
 
     if retain_hours < 0:
@@ -209,6 +211,9 @@ def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
                     f"compacting catalog table {table} at "
                     f"{table_path(layout, table)}: {str(e).splitlines()[0]}"
                 ) from e
+        # An ingest killed before its commit leaves its staged rows; none runs now (the lock).
+        for stale in layout.folder("catalog").glob("*.staging"):
+            shutil.rmtree(stale, ignore_errors=True)
     return out
 
 

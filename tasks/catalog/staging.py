@@ -107,7 +107,7 @@ class Replaced:
         hit = pc.is_in(t.column("unit"), value_set=pa.array(self.units, pa.string()))
         if self.steps:
             hit = pc.or_(hit, pc.is_in(t.column("step"), value_set=pa.array(self.steps)))
-        return pc.and_(pc.equal(t.column("source"), self.source), pc.fill_null(hit, False))
+        return pc.fill_null(pc.and_(pc.equal(t.column("source"), self.source), hit), False)
 
     def may_hold(self, act: dict) -> bool:
         """Whether a data file (its add action, flattened) may hold replaced rows, by its
@@ -136,22 +136,27 @@ def commit_staged(
     elif _add_columns(dt, schema):
         dt = open_table(layout, table)
     data = schema.remove(schema.get_field_index(SEQ))
-    adds = _write_files(root, seq, staged.tables(data), data) if staged.rows else []
+    adds: list[AddAction] = []
     removes, rewritten = [], []
-    for act in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
-        old_seq = int(act[f"partition.{SEQ}"])
-        if old_seq != seq and not replaced.may_hold(act):
-            continue
-        kept = None if old_seq == seq else _rewrite(root, act, old_seq, replaced)
-        if kept is False:  # no replaced row in it
-            continue
-        removes.append(RemoveAction(act["path"], True, _now_ms(), act["size_bytes"],
-                                    {SEQ: str(old_seq)}))  # fmt: skip
-        rewritten += kept or []
-    if not adds and not removes:
-        return dt.version()
-    dt.create_write_transaction([*adds, *rewritten, *removes], mode="append",
-                                schema=schema, partition_by=[SEQ])  # fmt: skip
+    try:
+        adds = _write_files(root, seq, staged.tables(data), data) if staged.rows else []
+        for act in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
+            old_seq = int(act[f"partition.{SEQ}"])
+            if old_seq != seq and not replaced.may_hold(act):
+                continue
+            kept = None if old_seq == seq else _rewrite(root, act, old_seq, replaced)
+            if kept is False:  # no replaced row in it
+                continue
+            removes.append(RemoveAction(act["path"], True, _now_ms(), act["size_bytes"],
+                                        {SEQ: str(old_seq)}))  # fmt: skip
+            rewritten += kept or []
+        if not adds and not removes:
+            return dt.version()
+        dt.create_write_transaction([*adds, *rewritten, *removes], mode="append",
+                                    schema=schema, partition_by=[SEQ])  # fmt: skip
+    except BaseException:
+        _remove_files(root, [a.path for a in (*adds, *rewritten)])  # no version names them
+        raise
     return open_table(layout, table).version()
 
 
@@ -168,23 +173,45 @@ def _add_columns(dt: DeltaTable, schema: pa.Schema) -> bool:
 def _write_files(
     root: Path, seq: int, tables: Iterator[pa.Table], schema: pa.Schema
 ) -> list[AddAction]:
-    """Write `tables` into partition `seq` of the table at `root`, `FILE_ROWS` rows a file."""
-    adds, writer, rel, rows = [], None, "", 0
-    for t in tables:
-        if writer is None:
-            rel = f"{SEQ}={seq}/part-{uuid.uuid4()}.snappy.parquet"
-            (root / rel).parent.mkdir(parents=True, exist_ok=True)
-            writer = pq.ParquetWriter(root / rel, schema, compression="snappy")
-        writer.write_table(t, row_group_size=ROW_GROUP)
-        rows += t.num_rows
-        if rows >= FILE_ROWS:
+    """Write `tables` into partition `seq` of the table at `root`, in row groups of `ROW_GROUP`
+    rows (small tables are gathered) and `FILE_ROWS` rows a file."""
+    adds, writer, rel, rows, held, written = [], None, "", 0, [], []
+
+    def flush(final: bool) -> None:
+        nonlocal writer, rel, rows, held
+        while held and (final or sum(t.num_rows for t in held) >= ROW_GROUP):
+            t = pa.concat_tables(held)
+            group, rest = t.slice(0, ROW_GROUP), t.slice(ROW_GROUP)
+            held = [rest] if rest.num_rows else []
+            if writer is None:
+                rel = f"{SEQ}={seq}/part-{uuid.uuid4()}.snappy.parquet"
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                written.append(rel)
+                writer = pq.ParquetWriter(root / rel, schema, compression="snappy")
+            writer.write_table(group, row_group_size=ROW_GROUP)
+            rows += group.num_rows
+            if rows >= FILE_ROWS or (final and not held):
+                writer.close()
+                adds.append(_add_action(root, rel, seq))
+                writer, rows = None, 0
+
+    try:
+        for t in tables:
+            held.append(t)
+            flush(final=False)
+        flush(final=True)
+    except BaseException:
+        if writer is not None:
             writer.close()
-            adds.append(_add_action(root, rel, seq))
-            writer, rows = None, 0
-    if writer is not None:
-        writer.close()
-        adds.append(_add_action(root, rel, seq))
+        _remove_files(root, written)
+        raise
     return adds
+
+
+def _remove_files(root: Path, paths: list[str]) -> None:
+    """Delete data files (paths relative to the table) that no version names."""
+    for rel in paths:
+        (root / rel).unlink(missing_ok=True)
 
 
 def _rewrite(root: Path, act: dict, seq: int, replaced: Replaced) -> list[AddAction] | bool:
@@ -201,28 +228,31 @@ def _rewrite(root: Path, act: dict, seq: int, replaced: Replaced) -> list[AddAct
 
 def _add_action(root: Path, rel: str, seq: int) -> AddAction:
     path = root / rel
-    return AddAction(rel, path.stat().st_size, {SEQ: str(seq)}, _now_ms(), True,
-                     json.dumps(_stats(pq.ParquetFile(path).metadata)))  # fmt: skip
+    stats = json.dumps(_stats(pq.ParquetFile(path).metadata), allow_nan=False)
+    return AddAction(rel, path.stat().st_size, {SEQ: str(seq)}, _now_ms(), True, stats)
 
 
 def _stats(meta: pq.FileMetaData) -> dict:
     """Delta's file statistics (row count, per-column min, max and null count) from the file's
-    Parquet footer, for the flat string, integer, float and boolean columns."""
+    Parquet footer, for the flat string, integer, float and boolean columns (a float's min
+    and max only when finite: JSON has no NaN or infinity)."""
     out = {"numRecords": meta.num_rows, "minValues": {}, "maxValues": {}, "nullCount": {}}
     arrow = meta.schema.to_arrow_schema()
-    for i, field in enumerate(arrow):
-        t = field.type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_integer(t)
-                or pa.types.is_floating(t) or pa.types.is_boolean(t)):  # fmt: skip
+    leaf = {meta.schema.column(j).path: j for j in range(len(meta.schema))}
+    for field in arrow:
+        t, j = field.type, leaf.get(field.name)
+        if j is None or not (pa.types.is_string(t) or pa.types.is_large_string(t)
+                             or pa.types.is_integer(t) or pa.types.is_floating(t)
+                             or pa.types.is_boolean(t)):  # fmt: skip
             continue
-        cols = [meta.row_group(g).column(i).statistics for g in range(meta.num_row_groups)]
+        cols = [meta.row_group(g).column(j).statistics for g in range(meta.num_row_groups)]
         if any(s is None for s in cols):
             continue
         out["nullCount"][field.name] = sum(s.null_count for s in cols)
         vals = [(s.min, s.max) for s in cols if s.has_min_max]
         if vals and len(vals) == sum(1 for s in cols if s.num_values):
             lo, hi = min(v[0] for v in vals), max(v[1] for v in vals)
-            if not any(isinstance(v, float) and math.isnan(v) for v in (lo, hi)):
+            if not any(isinstance(v, float) and not math.isfinite(v) for v in (lo, hi)):
                 out["minValues"][field.name], out["maxValues"][field.name] = lo, hi
     return out
 

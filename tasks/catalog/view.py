@@ -77,7 +77,7 @@ ROW_GROUP = 65_536  # rows per Parquet row group: the unit that scans and partit
 TABLES = ("accepted", "quarantine")
 VERDICT_TABLES = ("rejects", "flags")  # each validate's rejects and kept near-duplicates
 SEQ = "ingest_seq"  # the partition column of both tables
-_DATA_FREE = {"OPTIMIZE", "VACUUM START", "VACUUM END"}  # commits that change no row
+_DATA_FREE = {"OPTIMIZE", "VACUUM START", "VACUUM END", "ADD COLUMN"}  # commits of no row
 
 
 @dataclass(frozen=True)
@@ -158,10 +158,11 @@ def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -
                 f"{path}, which `kiln catalog compact` vacuumed (older than --retain-hours)"
             )
         lo, hi = a.get("min.source"), a.get("max.source")
+        meta = pq.ParquetFile(path).metadata  # its own row count: a file's stats may be absent
         parts.append(ViewPart(
             path=path, ingest_id=ingest_id, seq=int(a[f"partition.{SEQ}"]),
-            source=lo if lo is not None and lo == hi else None, rows=int(a["num_records"]),
-            row_groups=pq.ParquetFile(path).metadata.num_row_groups,
+            source=lo if lo is not None and lo == hi else None, rows=int(meta.num_rows),
+            row_groups=meta.num_row_groups,
         ))  # fmt: skip
     return parts
 

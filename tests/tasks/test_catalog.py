@@ -103,7 +103,11 @@ def test_show_sql_export_and_compact(migrated, tmp_path):
     with pytest.raises(ValueError, match="--format must be parquet or csv, got 'xls'"):
         export(str(root), str(tmp_path / "x"), "xls")
 
+    killed = root / "catalog" / "ing-killed.staging" / "accepted"  # an ingest killed mid-run
+    killed.mkdir(parents=True)
+    (killed / "part-000000.parquet").write_bytes(b"rows")
     done = compact(str(root), retain_hours=0)
+    assert not killed.parent.exists(), "compaction removes a killed ingest's staged rows"
     # The removal rewrote source a's first file: with no horizon, the old copy goes.
     assert done["accepted"]["vacuumed"] >= 1
     layout = Layout(root)

@@ -3,6 +3,7 @@ import json
 import tarfile
 
 import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 
 from kiln_config import IngestConfig, QualityConfig
@@ -237,3 +238,27 @@ def test_rows_staged_partition_by_partition_commit_the_same_view(tmp_path):
     assert acc.set_index("key")["score"].dropna().to_dict() == {
         "im4.png": 40, "im5.png": 50, "im6.png": 60
     }  # fmt: skip
+    # The partitions' small frames are gathered into the data file's row groups.
+    files = list((tmp_path / "root-2" / "catalog" / "tables" / "accepted").rglob("*.parquet"))
+    assert [pq.ParquetFile(f).metadata.num_row_groups for f in files] == [1]
+
+
+def test_a_metadata_value_of_infinity_leaves_the_view_readable(tmp_path):
+    """A float column's min or max that JSON cannot hold (infinity) is left out of the data
+    file's statistics, so the statistics stay valid and the next ingest reads the view."""
+    from PIL import Image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = []
+    for i, score in enumerate(["Infinity", "1.5", "-Infinity"]):
+        Image.new("RGB", (48, 48), (80 * i, 10, 10)).save(src / f"im{i}.png")
+        rows.append(f'{{"file_name": "im{i}.png", "text": "square {i}", "score": {score}}}')
+    (src / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = IngestConfig(source=str(src), metadata_columns=["score"])
+    first = ingest_source(cfg, str(tmp_path / "root"))
+    Image.new("RGB", (48, 48), (1, 2, 3)).save(src / "im9.png")
+    second = ingest_source(cfg, str(tmp_path / "root"))
+    assert (first.accepted, second.accepted, second.new_items) == (3, 4, 1)
+    scores = _cat(tmp_path / "root", second.ingest_id).set_index("key")["score"]
+    assert scores["im0.png"] == float("inf") and scores["im2.png"] == float("-inf")
