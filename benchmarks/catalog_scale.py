@@ -254,6 +254,12 @@ def _config(work: Path, root: Path, dask: str | None) -> Path:
     return path
 
 
+def machine() -> dict:
+    """The machine a benchmark ran on: core count, platform, Python."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version()}  # fmt: skip
+
+
 def _fit(rows: list[int], values: list[float]) -> float | None:
     if len(set(rows)) < 2:
         return None
@@ -349,11 +355,7 @@ def main() -> None:
             per_million[name] = round((hi["cpu_s"] - lo["cpu_s"]) / (hi["rows"] - lo["rows"])
                                       * 1e6, 2)  # fmt: skip
     out = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },  # fmt: skip
+        "machine": machine(),
         "sizes": sizes,
         "runs": runs,
         "exponents": exponents,

@@ -21,7 +21,6 @@ import argparse
 import io
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from catalog_scale import REPO, _fit, _prefect_server, measure  # noqa: E402
+from catalog_scale import REPO, _fit, _prefect_server, machine, measure  # noqa: E402
 
 CAPTION = "a photo of a {} {} on a wooden table, soft window light, shallow depth of field"
 
@@ -112,11 +111,7 @@ def main() -> None:
             "time": _fit(items, [r["wall_s"] for r in mine]),
         }
     out = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },  # fmt: skip
+        "machine": machine(),
         "sizes": sizes,
         "runs": runs,
         "exponents": exponents,

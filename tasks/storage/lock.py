@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -64,39 +64,14 @@ def root_lock(root: Path, what: str) -> Iterator[None]:
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    path = str(Layout(root).train_lock().resolve())
-    with _guard:
-        if path in _held:
-            _held[path] += 1
-            nested = True
-        else:
-            nested = False
-    if nested:
-        try:
-            yield
-        finally:
-            with _guard:
-                _held[path] -= 1
-        return
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    path = Layout(root).train_lock().resolve()
+
+    def take(fd: int) -> None:
         if not _try_exclusive(fd):
             raise RootBusy(_busy_message(root, fd)) from None
-        info = {"what": what, "pid": os.getpid(), "host": socket.gethostname(),
-                "since": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
-        with _guard:
-            _held[path] = 1
-        try:
-            yield
-        finally:
-            with _guard:
-                _held.pop(path, None)
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
+
+    with _holding(path, str(path), what, take):
+        yield
 
 
 @contextmanager
@@ -106,9 +81,27 @@ def catalog_writer(root: Path, what: str, *, log_every_s: float = 30.0) -> Itera
     within one thread."""
     path = Layout(Path(root)).catalog_lock()
     path.parent.mkdir(parents=True, exist_ok=True)
-    # Per thread: another thread of this process takes its own descriptor, which the lock
+
+    def take(fd: int) -> None:
+        waited = time.monotonic()
+        while not _try_exclusive(fd):
+            if time.monotonic() - waited >= log_every_s:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+                logging.getLogger(__name__).info("%s waits for the catalog writer %s", what, holder)
+                waited = time.monotonic()
+            time.sleep(0.5)
+
+    # Per thread: another thread of this process opens its own descriptor, which the lock
     # held on this one's excludes.
-    key = f"{path.resolve()}#{threading.get_ident()}"
+    with _holding(path, f"{path.resolve()}#{threading.get_ident()}", what, take):
+        yield
+
+
+@contextmanager
+def _holding(path: Path, key: str, what: str, take: Callable[[int], None]) -> Iterator[None]:
+    """Hold the flock on `path` while the block runs: `take(fd)` acquires it (or raises),
+    then the holder (what, pid, host, since) is written into the file. Re-entrant for the
+    same `key`."""
     with _guard:
         nested = key in _held
         if nested:
@@ -122,13 +115,7 @@ def catalog_writer(root: Path, what: str, *, log_every_s: float = 30.0) -> Itera
         return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        waited = time.monotonic()
-        while not _try_exclusive(fd):
-            if time.monotonic() - waited >= log_every_s:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-                logging.getLogger(__name__).info("%s waits for the catalog writer %s", what, holder)
-                waited = time.monotonic()
-            time.sleep(0.5)
+        take(fd)
         info = {"what": what, "pid": os.getpid(), "host": socket.gethostname(),
                 "since": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
         os.ftruncate(fd, 0)

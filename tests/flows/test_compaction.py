@@ -3,8 +3,6 @@ Delta tables, validated between ingests as a team's nightly runs are."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pandas as pd
 import pytest
 from deltalake import DeltaTable
@@ -15,6 +13,7 @@ from tasks.catalog.admin import compact, query
 from tasks.catalog.view import read_view, table_path
 from tasks.quality.gate import read_clean, validate_catalog
 from tasks.storage.layout import Layout
+from tests.flows.artifacts import run_artifacts
 
 pytestmark = pytest.mark.integration
 
@@ -32,28 +31,6 @@ def sources(tmp_path_factory):
     return [base / name for name in "abc"]
 
 
-def _summary_artifact(state) -> str:
-    """The `ingest-summary` markdown of the flow run that ended in `state`."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(
-                    key=ArtifactFilterKey(any_=["ingest-summary"]),
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
-                )
-            )
-
-    (found,) = asyncio.run(read())
-    return found.data
-
-
 def _ingest_and_validate(tmp_path, make_config, root, src, validate=True, **settings):
     """One ingest flow run of `src` into `root` (then validate it); the flow's result, with
     its `ingest-summary` artifact as `artifact`."""
@@ -61,7 +38,7 @@ def _ingest_and_validate(tmp_path, make_config, root, src, validate=True, **sett
                        **{"quality.max_reject_fraction": 0.9, **settings})  # fmt: skip
     cfg = load_config(path)
     state = ingest_flow(cfg, return_state=True)
-    got = {**state.result(), "artifact": _summary_artifact(state)}
+    got = {**state.result(), "artifact": run_artifacts("ingest-summary", state)[0].data}
     if validate and not got["reused"]:
         validate_catalog.fn(str(root), got["ingest_id"], cfg.quality)
     return got
@@ -144,7 +121,7 @@ def test_a_failed_compaction_keeps_the_ingest(tmp_path, make_config, sources, ca
     state = ingest_flow(load_config(path), return_state=True)
     assert state.is_completed()
     assert "Failed, the ingest is committed: `RuntimeError: compacting catalog table rejects" in (
-        _summary_artifact(state))  # fmt: skip
+        run_artifacts("ingest-summary", state)[0].data)  # fmt: skip
     second = state.result()
     assert second["compaction"]["ingest_seq"] == 2 and not second["reused"]
     error = second["compaction"]["error"]

@@ -15,34 +15,9 @@ from flows.shard import shard_flow
 from flows.validate import validate_flow
 from kiln_config import load_config
 from tasks.quality.gate import QualityGateError
+from tests.flows.artifacts import run_artifacts
 
 pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
-
-
-def _artifact(key: str, state):
-    """The artifacts `key` of the flow run that ended in `state`, never another test's."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
-
-    run_id = state.state_details.flow_run_id
-    assert run_id is not None
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(
-                    key=ArtifactFilterKey(any_=[key]),
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]),
-                )
-            )
-
-    found = asyncio.run(read())
-    assert found, f"no {key} artifact in flow run {run_id}"
-    return found
 
 
 def _data_docs_run(root: Path, markdown: str, ingest_id: str):
@@ -88,9 +63,9 @@ def test_steps_run_alone_from_an_s3_source(
     assert (
         tmp_path / "root" / "shards" / shards["dataset_version"] / "64" / "index.json"
     ).is_file()
-    assert all("60** items listed" in a.data for a in _artifact("ingest-summary", ing_state))
+    assert all("60** items listed" in a.data for a in run_artifacts("ingest-summary", ing_state))
     docs = tmp_path / "root" / "quality" / ing["ingest_id"] / "index.html"
-    (gate,) = _artifact("quality-gate", q_state)
+    (gate,) = run_artifacts("quality-gate", q_state)
     assert str(docs) in gate.data, "Data Docs on disk"
     run = _data_docs_run(tmp_path / "root", gate.data, ing["ingest_id"])
     assert run.data.metrics["clean"] == q["clean"]
@@ -135,7 +110,7 @@ def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_sr
         state.result()
     summary = json.loads(next((tmp_path / "root" / "quality").glob("*/summary.json")).read_text())
     assert not summary["passed"] and summary["reasons"]["too_small"] > 0
-    (gate,) = _artifact("quality-gate", state)
+    (gate,) = run_artifacts("quality-gate", state)
     assert "FAILED" in gate.data and "too_small" in gate.data
     run = _data_docs_run(tmp_path / "root", gate.data, summary["ingest_id"])
     assert run.data.tags["kiln.quality_gate"] == "failed", "a failed gate's docs are linked too"
@@ -208,5 +183,5 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
     assert run["shards_remote"].startswith(f"s3://{bucket}/datasets/{version}/{res}-latents-")
     assert any(Path(run["shards_cache"]).rglob("*.mds")), "streamed from S3 into the cache"
     assert run["shards_cache"].startswith(str(tmp_path / "root" / "cache"))
-    stage_64 = _artifact("stage-64", train_state)
+    stage_64 = run_artifacts("stage-64", train_state)
     assert all("Plan vs actual" not in a.data and "mfu" in a.data for a in stage_64)

@@ -1,6 +1,5 @@
 """The train flow's sample-grid artifact: a real flow run of one short stage."""
 
-import asyncio
 import re
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -9,29 +8,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kiln_config import load_config
+from tests.flows.artifacts import run_artifacts
 
 pytestmark = pytest.mark.integration
-
-
-def _artifacts(key: str, state):
-    """The artifacts `key` of the flow run that ended in `state`, never another test's."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(
-                    key=ArtifactFilterKey(any_=[key]),
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
-                )
-            )
-
-    return asyncio.run(read())
 
 
 def test_each_stage_publishes_its_newest_grid(tmp_path, tiny_shards, demo_src, make_config):
@@ -54,7 +33,7 @@ def test_each_stage_publishes_its_newest_grid(tmp_path, tiny_shards, demo_src, m
     stage = root / "runs" / record["run_id"] / "stage-32"
     grids = [str(stage / "samples" / f"step-{s:06d}.png") for s in (1, 2)]
     assert record["stages"]["32"]["samples"] == grids
-    (artifact,) = _artifacts("samples-32", state)
+    (artifact,) = run_artifacts("samples-32", state)
     md = artifact.data
     assert md.startswith("## Samples of stage 32px at step 2\n")
     assert f"On disk: `{grids[1]}` (2 grids" in md

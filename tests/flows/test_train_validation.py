@@ -2,7 +2,6 @@
 held-out loss and gap, the loss curves land in the stage folder and the MLflow run, and the
 registered version carries the last stage's validation metrics."""
 
-import asyncio
 import json
 import shutil
 
@@ -10,30 +9,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from kiln_config import load_config
+from tests.flows.artifacts import run_artifacts
 
 pytestmark = pytest.mark.integration  # Prefect flow runs, accelerate launches
-
-
-def _markdown(key: str, state) -> str:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(
-                    key=ArtifactFilterKey(any_=[key]),
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
-                )
-            )
-
-    found = asyncio.run(read())
-    assert found, f"no {key} artifact"
-    return found[0].data
 
 
 def test_train_and_register_flows_show_the_validation_loss(
@@ -57,7 +35,7 @@ def test_train_and_register_flows_show_the_validation_loss(
     stage_dir = root / "runs" / record["run_id"] / "stage-32"
     val = record["stages"]["32"]["val"]
     assert val["step"] == 2 and {"ema/val/loss", "raw/val/cond_gap"} <= val.keys()
-    md = _markdown("stage-32", state)
+    md = run_artifacts("stage-32", state)[0].data
     assert "### Validation at step 2" in md and "| conditioning gap |" in md
     assert f"{val['ema/val/loss']:.5g}" in md
     assert (stage_dir / "loss-curves.png").is_file() and str(stage_dir / "loss-curves.png") in md
