@@ -1,6 +1,8 @@
-"""The GPU check: Kiln's training proven and measured on one GPU in one run of under 8 minutes.
+"""The GPU check: Kiln's training proven and measured on one GPU, in two device calls.
 
     python benchmarks/gpu_check.py --out DIR            # CUDA: the full check (make gpu-check)
+    python benchmarks/gpu_check.py --only train,fsdp,study --out DIR  # one call's half (7.3 min)
+    python benchmarks/gpu_check.py --only matmul,unet,loader --out DIR  # the other (6.1 min)
     python benchmarks/gpu_check.py --dry-run --out DIR  # toy sizes on the CPU, in minutes
     python benchmarks/gpu_check.py --only unet,loader --out DIR   # a rerun of some steps
 
@@ -12,13 +14,18 @@ Steps, each in its own process with a time box, so that a failing or hanging ste
   device: the carried wheel shadows the machine's own).
 - `matmul`: the device's bf16 matmul rate, the ceiling for MFU (`benchmarks/gpu_check_unet.py`).
 - `train`: the tiny preset's three stages through `accelerate launch -m models.train` in bf16
-  on MDS shards written here; an exact-resume comparison after a SIGKILL; the second stage
+  on MDS shards written here; an exact-resume comparison after a SIGKILL; the third stage
   compiled; the exports (`benchmarks/gpu_check_train.py`). `fsdp`: the first stage under
   `configs/accelerate/fsdp.yaml`. `study`: an evaluation study of the last export.
 - `unet`: the SD2-base UNet at real size (random weights) at 256 and 512 px: img/s, MFU against
   the measured matmul rate, peak memory, DDP against FSDP SHARD_GRAD_OP, eager against
   torch.compile, channels_last, the attention kernel. `loader`: Kiln's loader at 256 px on
   every core, against the UNet's img/s.
+
+The time boxes are sized from the check's first run on an H100: a launch there spends about
+28 s starting (imports; 6 s on a CPU dev machine) before its first step, and compiling takes
+minutes. All steps together need more than one device call's 10 minutes, hence the halves.
+`--box STEP=SECONDS` sets another box, `--unet-variants` picks the UNet variants.
 
 Writes `gpu_check.json` and `gpu_check.log` (the end of each failed step's output) under
 `--out`, and prints a one-screen table last. Without CUDA, or with `--dry-run`, every step runs
@@ -46,13 +53,14 @@ WHEELS = HERE / "gpu_wheels.txt"
 # MosaicML's SD2-base training rate at 256 px on one A100, and the MFU Kiln aims for.
 MOSAIC_A100_IMG_PER_S = 137.5
 MFU_TARGET = 0.45
-# (step, script, time box on a GPU in seconds); the boxes add up to under 8 minutes.
+# (step, script, time box on a GPU in seconds): train, fsdp and study 435 s together,
+# matmul, unet and loader 365 s.
 STEPS = [
-    ("matmul", "gpu_check_unet.py", 25),
-    ("train", "gpu_check_train.py", 180),
-    ("fsdp", "gpu_check_train.py", 40),
-    ("study", "gpu_check_train.py", 35),
-    ("unet", "gpu_check_unet.py", 150),
+    ("matmul", "gpu_check_unet.py", 20),
+    ("train", "gpu_check_train.py", 330),
+    ("fsdp", "gpu_check_train.py", 60),
+    ("study", "gpu_check_train.py", 45),
+    ("unet", "gpu_check_unet.py", 300),
     ("loader", "gpu_check_unet.py", 45),
 ]
 # On a CPU the boxes only catch hangs: a shared 2-core machine can take minutes per step.
@@ -109,7 +117,7 @@ def _step_cmd(name: str, script: str, work: Path, result: Path, toy: bool, done:
     if toy:
         cmd.append("--toy")
     if name == "unet":
-        cmd += ["--variants", ",".join(UNET_VARIANTS[toy])]
+        cmd += ["--variants", ",".join(done.get("unet_variants") or UNET_VARIANTS[toy])]
     if name == "study":
         export = done.get("train", {}).get("export")
         if export is None:
@@ -169,6 +177,9 @@ def run_step(name: str, script: str, box_s: float, work: Path, toy: bool, done: 
     if error:
         out["error"] = error
         log.write(f"== {name}: {status}\n{output[-6000:]}\n")
+        own = work / f"{name}.log"  # the step's launches write here (gpu_check_train.py)
+        if own.is_file():
+            log.write(f"== {name}: the end of {own.name}\n{own.read_text()[-6000:]}\n")
     if out.get("skipped"):
         out["status"] = "skipped"
     return out
@@ -268,6 +279,22 @@ def table(report: dict) -> str:
     return "\n".join(rows)
 
 
+def _boxes(items: list[str], p: argparse.ArgumentParser) -> dict[str, float]:
+    """`--box STEP=SECONDS` options as {step: seconds}; a clear error for a bad one."""
+    names, out = {n for n, _, _ in STEPS}, {}
+    for item in items:
+        name, _, secs = item.partition("=")
+        try:
+            value = float(secs)
+        except ValueError:
+            value = -1.0
+        if name not in names or value <= 0:
+            p.error(f"--box {item!r}: expected STEP=SECONDS with STEP one of {sorted(names)} "
+                    "and SECONDS above 0")  # fmt: skip
+        out[name] = value
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -279,7 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="Toy sizes on the CPU")
     p.add_argument("--only", default="", help="Comma-separated steps to run (a rerun of the "
                    "failed ones); study needs train in the same run")  # fmt: skip
+    p.add_argument("--box", action="append", default=[], metavar="STEP=SECONDS",
+                   help="Another time box for a step, e.g. --box train=400")  # fmt: skip
+    p.add_argument("--unet-variants", default="", help="The unet step's variants instead of "
+                   "the default list, e.g. 256:fsdp:cl,256:ddp:cl:compile")  # fmt: skip
     a = p.parse_args(argv)
+    boxes = _boxes(a.box, p)
     t0 = time.perf_counter()
     device = None if a.dry_run else _cuda_device()
     toy = device is None
@@ -293,10 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         only = set(filter(None, a.only.split(",")))
         if only - {n for n, _, _ in STEPS}:
             p.error(f"--only: unknown steps {sorted(only - {n for n, _, _ in STEPS})}")
+        done = {"unet_variants": [v for v in a.unet_variants.split(",") if v]}
         for name, script, box in STEPS:
             if only and name not in only:
                 continue
-            steps[name] = run_step(name, script, TOY_BOX_S if toy else box, work, toy, steps, log)
+            box = boxes.get(name, TOY_BOX_S if toy else box)
+            steps[name] = done[name] = run_step(name, script, box, work, toy, done, log)
             print(f"{name}: {steps[name]['status']} ({steps[name]['seconds']} s)", flush=True)
     report = {"benchmark": "gpu_check", "device": device, "environment": environment(),
               "simulated_device_imports": toy,

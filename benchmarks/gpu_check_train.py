@@ -11,7 +11,8 @@ Run by `benchmarks/gpu_check.py`, each step in its own process with a time box:
 `accelerate launch -m models.train` in bf16, every stage starting from the previous one's
 export. The first stage runs twice: straight through, and killed by `SIGKILL` right after a
 checkpoint (the stage file's fault seam) and relaunched with the same command; the two runs'
-batches, losses and weights are compared. The second stage runs with `train.compile` on.
+batches, losses and weights are compared. The third stage runs with `train.compile` on. The
+result file is rewritten after each part, with the last export so far.
 `fsdp` trains the first stage under `configs/accelerate/fsdp.yaml` (`SHARD_GRAD_OP`, one
 process per GPU). `study` generates the evaluation study of the last export with
 `accelerate launch -m models.study_images` on the preset's own prompts.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -86,6 +88,18 @@ def _tiny_train(toy: bool):
     })  # fmt: skip
 
 
+def _fresh(work: Path, *names: str) -> None:
+    """Remove what an earlier run of the check left under `work` (a rerun on the same
+    machine): MDS writers refuse a folder that is not empty, and a stage folder holding
+    checkpoints would resume instead of starting."""
+    for name in names:
+        path = work / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+
+
 def _write_stage_file(train, index: int, shards: Path, out: Path, **run) -> Path:
     import yaml
 
@@ -139,16 +153,18 @@ def _resume_check(train, shards: Path, work: Path, log: Path, toy: bool) -> dict
     _require(rc, "stage 0 (straight)", log)
     killed = _write_stage_file(train.model_copy(update={"checkpoint_every": k}), 0, shards,
                                work / "stage0-killed", faults={"kill_at_steps": [k]})  # fmt: skip
-    rc_kill, _ = _launch(["-m", "models.train", "--config", str(killed)], log)
+    rc_kill, killed_s = _launch(["-m", "models.train", "--config", str(killed)], log)
     if rc_kill == 0:
         raise RuntimeError(f"the launch with a SIGKILL after step {k} exited 0")
-    rc, _ = _launch(["-m", "models.train", "--config", str(killed)], log)
+    rc, relaunch_s = _launch(["-m", "models.train", "--config", str(killed)], log)
     _require(rc, "stage 0 (relaunched after the kill)", log)
     a = json.loads((straight.parent / "manifest.json").read_text())
     b = json.loads((killed.parent / "manifest.json").read_text())
     return {
         "kill_after_step": k,
         "killed_exit_code": rc_kill,
+        "killed_launch_s": killed_s,
+        "relaunch_s": relaunch_s,
         "same_batches": _keys(straight.parent) == _keys(killed.parent),
         "same_losses": a["losses"] == b["losses"],
         "max_loss_rel_diff": max(
@@ -163,27 +179,33 @@ def _resume_check(train, shards: Path, work: Path, log: Path, toy: bool) -> dict
     }
 
 
-def train_step(work: Path, toy: bool) -> dict:
-    """Shards, stage 0 with the kill-and-resume comparison, then stages 1 (compiled) and 2."""
+def train_step(work: Path, toy: bool, save=lambda out: None) -> dict:
+    """Shards, stage 0 with the kill-and-resume comparison, then stages 1 and 2 (compiled,
+    last: compiling is the slowest part, so a step stopped by its box has the rest).
+    `save` gets the result so far after each part, so that a step stopped by its time box
+    still reports what it finished."""
     import torch
 
     train = _tiny_train(toy)
     shards, log = work / "shards", work / "train.log"
+    _fresh(work, "shards", "stage0-straight", "stage0-killed", "stage1", "stage2", "train.log")
     out = {"shards_s": _write_shards(train, shards, toy), "log": str(log)}
+    save(out)
     out["resume"] = _resume_check(train, shards, work, log, toy)
-    prev = out["resume"]["straight"]["export"]
+    save(out)
+    prev = out["export"] = out["resume"]["straight"]["export"]
     # Compiling costs minutes of CPU per stage; the CPU path proves the same code uncompiled
     # (tests/models/test_train.py compiles on CPU).
     compiled = torch.cuda.is_available() and not toy
     # Toy: one stage transition; the third stage runs the same code at 64 px.
     for i in (1,) if toy else (1, 2):
-        cfg = train.model_copy(update={"compile": compiled and i == 1})
+        cfg = train.model_copy(update={"compile": compiled and i == 2})
         stage = _write_stage_file(cfg, i, shards, work / f"stage{i}", init_from_dir=prev)
         rc, secs = _launch(["-m", "models.train", "--config", str(stage)], log)
         _require(rc, f"stage {i}", log)
         out[f"stage{i}"] = _stage_summary(stage.parent, secs) | {"compile": cfg.compile}
-        prev = out[f"stage{i}"]["export"]
-    out["export"] = prev
+        prev = out["export"] = out[f"stage{i}"]["export"]
+        save(out)
     return out
 
 
@@ -205,6 +227,7 @@ def fsdp_step(work: Path, toy: bool) -> dict:
     shards, log = work / "shards", work / "fsdp.log"
     if not (shards / "32").is_dir():
         _write_shards(train, shards, toy)
+    _fresh(work, "stage0-fsdp", "fsdp.log")
     stage = _write_stage_file(train, 0, shards, work / "stage0-fsdp")
     rc, secs = _launch(["-m", "models.train", "--config", str(stage)], log, "fsdp.yaml")
     _require(rc, "stage 0 under FSDP", log)
@@ -218,6 +241,7 @@ def fsdp_step(work: Path, toy: bool) -> dict:
 def study_step(work: Path, toy: bool, export: str) -> dict:
     """One evaluation study of `export` on the tiny preset's prompts."""
     log, study = work / "study.log", work / "study"
+    _fresh(work, "study", "study.log")
     from kiln_config import EvaluateConfig, StudyRun, write_run_file
 
     evaluate = EvaluateConfig(prompts_csv=str(REPO / "configs" / "prompts" / "tiny.csv"),
@@ -245,7 +269,7 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if a.step == "train":
-        result = train_step(work, a.toy)
+        result = train_step(work, a.toy, lambda out: Path(a.result).write_text(json.dumps(out)))
     elif a.step == "fsdp":
         result = fsdp_step(work, a.toy)
     else:

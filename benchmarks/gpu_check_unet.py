@@ -133,7 +133,10 @@ def unet_variant(res: int, wrapper: str, channels_last: bool, compiled: bool, to
     if channels_last:
         unet.to(memory_format=torch.channels_last)
     model = _wrap(unet, wrapper)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=CUDA)
+    # As models/train.py's fused_adamw: FSDP hands channels_last parameters contiguous
+    # gradients, which the fused kernel refuses.
+    fused = CUDA and not (wrapper == "fsdp" and channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(batch, 4, lat, lat, device=DEVICE).contiguous(memory_format=fmt)
     text = torch.randn(batch, 77, cfg["cross_attention_dim"], device=DEVICE)
@@ -172,6 +175,7 @@ def unet_variant(res: int, wrapper: str, channels_last: bool, compiled: bool, to
         "resolution": res, "preset_resolution": preset_res, "wrapper": wrapper,
         "channels_last": channels_last, "compile": compiled,
         "compile_backend": backend if compiled else None, "batch": batch, "timed_steps": timed,
+        "optimizer": "fused" if fused else "foreach",
         "img_per_s": round(batch * timed / secs, 3), "first_step_s": round(first_s, 2),
         "flops_per_sample": flops, "attention_kernels": kernels,
         "peak_mem_gb": round(_peak_mem() / 1e9, 3),

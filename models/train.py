@@ -73,6 +73,16 @@ __all__ = [
 log = logging.getLogger("kiln.train")
 
 
+def fused_adamw(accelerator, channels_last: bool) -> bool:
+    """Whether AdamW runs its fused CUDA kernel. Not under FSDP with channels_last: FSDP keeps
+    the original channels_last parameters but hands them contiguous gradient views, and the
+    fused kernel refuses tensors of different strides ("params, grads, exp_avgs, and
+    exp_avg_sqs must have same dtype, device, and layout"); the foreach kernel takes them."""
+    if accelerator.device.type != "cuda":
+        return False
+    return not (channels_last and accelerator.distributed_type == DistributedType.FSDP)
+
+
 def build_models(run: StageRun, accelerator: Accelerator):
     """Components, optimizer, LR schedule and EMA; the UNet and optimizer are `prepare`d."""
     stage, cfg = run.stage, run.train
@@ -97,7 +107,7 @@ def build_models(run: StageRun, accelerator: Accelerator):
         comps.unet.parameters(),
         lr=stage.learning_rate,
         weight_decay=cfg.weight_decay,
-        fused=accelerator.device.type == "cuda",
+        fused=fused_adamw(accelerator, cfg.channels_last),
     )
     # Prepared schedulers step once per process per optimizer step, hence the scaling.
     lr_scheduler = get_scheduler(

@@ -50,6 +50,16 @@ def test_wheel_list_errors_name_the_line_and_value(tmp_path):
     assert result["not_installed"] == ["not-installed-x"]
 
 
+def test_box_option_names_the_steps_on_a_bad_value():
+    """`--box` takes STEP=SECONDS; a typo is refused before any step runs."""
+    for bad in ("trian=300", "train=0", "train=soon"):
+        proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--box", bad],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert proc.returncode == 2
+        assert f"--box {bad!r}: expected STEP=SECONDS with STEP one of" in proc.stderr
+        assert "'train'" in proc.stderr
+
+
 def test_dry_run_imports_only_what_the_device_machine_has_or_is_carried():
     """The dry run's steps start with gpu_check_site/ first on PYTHONPATH: Kiln's venv less
     every distribution neither on the device machine nor in the wheel list."""
