@@ -78,6 +78,8 @@ _MAX_COVER_WORK = 500_000  # largest covering problem `_cover` is given (its tim
 # Cost model of `_choose_blocks`, in units of one row sorted in one table.
 _TABLE_OVERHEAD = 1000.0  # fixed cost of a table (numpy calls), in rows
 _PAIR_COST = 1.5  # one candidate pair compared (with its share of run bookkeeping)
+_FILTER_BITS = (12, 22)  # table key widths `_could_match` uses (bitmaps of 4 KB to 4 MB)
+_SEARCH_COST = 90.0  # searching one old row, in units of one filter table's work on it
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the product's top bits mix all bits
 
 
@@ -165,6 +167,19 @@ def near_duplicates_against(
     d, cap = _check_params(max_distance, hot_bucket_cap, blocks)
     if len(h) == 0 or len(old_h) == 0:
         return np.full(len(h), -1, dtype=np.int64)
+    keep = _could_match(h, old_h, d)
+    if keep is None:
+        return _against(h, g, old_h, old_g, d, cap, blocks)
+    # search only the old rows that share a table key with a new row
+    at = np.flatnonzero(keep)
+    if not len(at):
+        return np.full(len(h), -1, dtype=np.int64)
+    found = _against(h, g, old_h[at], old_g[at], d, cap, blocks)
+    return np.where(found >= 0, at[np.maximum(found, 0)], -1)
+
+
+def _against(h, g, old_h, old_g, d: int, cap: int, blocks) -> np.ndarray:
+    """`near_duplicates_against` on checked, non-empty rows."""
     value_of, new_first = _distinct(h)
     old_value_of, first = _distinct(old_h)
     second = _second(old_value_of, first, old_g)
@@ -178,6 +193,62 @@ def near_duplicates_against(
     if value_of is not None:
         best, other = best[value_of], other[value_of]
     return _answer(best, other, old_g, g, upto=None)
+
+
+def _filter_design(d: int, n_new: int) -> tuple[int, int, float] | None:
+    """The `(m, j)` blocks of the cheapest bitmap filter for `n_new` distinct new values and
+    the share of old rows it lets through, or None when no filter beats searching every old
+    row. Costs in units of one table's filter work per old row; searching a row costs
+    `_SEARCH_COST` of them (measured: about 90 at 10k new values, distance 4)."""
+    best = None
+    for m in range(d + 1, d + _MAX_EXTRA + 1):
+        for j in range(1, m - d + 1):
+            bits = 64 * j // m  # the narrowest table's key
+            if not _FILTER_BITS[0] <= bits <= _FILTER_BITS[1]:
+                continue
+            if comb(m, j) * comb(m, m - d) > _MAX_COVER_WORK:
+                continue
+            tables = len(_cover(m, j, d))
+            through = 1.0 - (1.0 - min(1.0, n_new / 2.0**bits)) ** tables
+            cost = tables + _SEARCH_COST * through
+            if cost < _SEARCH_COST * 0.7 and (best is None or cost < best[0]):
+                best = (cost, m, j, through)
+    return None if best is None else best[1:]
+
+
+def _could_match(h: np.ndarray, old_h: np.ndarray, d: int) -> np.ndarray | None:
+    """A mask of the old rows that could lie within `d` of a new row, or None where filtering
+    costs more than it saves (many new rows, or few old ones).
+
+    Two hashes within `d` agree on all blocks of at least one table of a covering design
+    (`_cover`), so an old row whose key misses every table's set of new keys has no match.
+    Each table's key (a hash of its blocks' bits) indexes a bitmap of the new rows' keys: a
+    few vector operations per table and old row, far less than the search itself."""
+    if len(old_h) < 4 * len(h):
+        return None
+    design = _filter_design(d, len(h))
+    if design is None:
+        return None
+    m, j, _ = design
+    edges = [64 * i // m for i in range(m + 1)]
+    keep = np.zeros(len(old_h), dtype=bool)
+    for chosen in _cover(m, j, d):
+        mask = np.uint64(sum(((1 << (edges[b + 1] - edges[b])) - 1) << edges[b]
+                             for b in range(m) if chosen >> b & 1))  # fmt: skip
+        bits = min(_FILTER_BITS[1], mask.bit_count())
+        seen = np.zeros(1 << bits, dtype=bool)
+        seen[_key(h, mask, bits)] = True
+        keep |= seen[_key(old_h, mask, bits)]
+    return keep
+
+
+def _key(vals: np.ndarray, mask: np.uint64, bits: int) -> np.ndarray:
+    """A `bits`-bit hash of `vals & mask`: equal masked values hash equal (all the filter
+    needs), and different ones rarely collide."""
+    key = np.bitwise_and(vals, mask)
+    np.multiply(key, _MIX, out=key)
+    key >>= np.uint64(64 - bits)
+    return key.astype(np.intp)
 
 
 def phash_to_uint64(hex_strings) -> np.ndarray:

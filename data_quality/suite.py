@@ -18,6 +18,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -384,30 +385,74 @@ class CrossCheck:
     positions: np.ndarray | None = None
 
 
-def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0) -> CrossCheck:
+def _first_equal(hi, lo, uniq_hi, ohi, olo) -> np.ndarray:
+    """For each new row (hi, lo), the first old row of the batch with the same pair, else -1.
+    Only old rows whose `hi` some new row has are looked at (`uniq_hi`: the new rows' sorted
+    distinct `hi`)."""
+    at = np.minimum(np.searchsorted(uniq_hi, ohi), len(uniq_hi) - 1)
+    cand = np.flatnonzero(uniq_hi[at] == ohi)
+    if not len(cand):
+        return np.full(len(hi), -1, np.int64)
+    old = pd.MultiIndex.from_arrays([ohi[cand], olo[cand]])
+    first_old = pd.Series(cand, index=old)[~old.duplicated()]
+    pos = first_old.reindex(pd.MultiIndex.from_arrays([hi, lo])).to_numpy()
+    return np.where(np.isnan(pos), -1, pos).astype(np.int64)
+
+
+def _against_batch(new, uniq_hi, d: int, batch) -> tuple[np.ndarray, np.ndarray, int]:
+    """One old batch's answers for the new rows, in the batch's own positions: (exact, near,
+    rows). `batch` is (hi, lo, phash) or a function returning it (read in this thread)."""
+    hi, lo, ph = new
+    ohi, olo, oph = batch() if callable(batch) else batch
+    return (_first_equal(hi, lo, uniq_hi, ohi, olo),
+            near_duplicates_against(ph, hi, oph, ohi, d), len(ohi))  # fmt: skip
+
+
+def _in_order(fn, items, workers: int):
+    """`fn` over `items` on up to `workers` threads, results in order, at most 2 x `workers`
+    in flight (each holds one batch of old hashes)."""
+    if workers <= 1:
+        yield from map(fn, items)
+        return
+    from collections import deque
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="kiln-cross") as pool:
+        window = deque()
+        for item in items:
+            window.append(pool.submit(fn, item))
+            if len(window) >= 2 * workers:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+
+
+def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, *,
+                  workers: int = 1) -> CrossCheck:  # fmt: skip
     """Exact and near duplicates of the `new` rows' hashes (hi, lo, phash), among themselves
     and against the old rows, which all come earlier: `old_batches` yields their hashes a
-    batch at a time, in order (`old_rows` rows in all). Positions count the old rows first."""
+    batch at a time, in order (`old_rows` rows in all), each as (hi, lo, phash) or as a
+    function that reads them. Positions count the old rows first. `workers` threads search
+    the old batches (numpy and Arrow let go of the GIL for the bulk of it)."""
     hi, lo, ph = new
     n = len(hi)
     dup = np.full(n, -1, np.int64)
     near = np.full(n, -1, np.int64)
     d = rules.near_duplicate_distance
     start = 0
-    want = pd.MultiIndex.from_arrays([hi, lo]) if old_rows and n else None
-    for ohi, olo, oph in old_batches:
-        if n:
-            # exact: the first old row of each new sha256 (first batch first)
-            old = pd.MultiIndex.from_arrays([ohi, olo])
-            first_old = pd.Series(np.arange(len(ohi)), index=old)
-            first_old = first_old[~old.duplicated()]
-            pos = first_old.reindex(want).to_numpy()
-            take = (dup < 0) & ~np.isnan(pos)
-            dup[take] = pos[take].astype(np.int64) + start
-            m = near_duplicates_against(ph, hi, oph, ohi, d)
+    if n:
+        uniq_hi = np.unique(hi)
+        search = partial(_against_batch, new, uniq_hi, d)
+        for exact, m, rows in _in_order(search, old_batches, workers):
+            # the first old row of each new sha256 and pHash (earlier batches first)
+            take = (dup < 0) & (exact >= 0)
+            dup[take] = exact[take] + start
             take = (near < 0) & (m >= 0)
             near[take] = m[take] + start
-        start += len(ohi)
+            start += rows
+    else:
+        for batch in old_batches:
+            start += len((batch() if callable(batch) else batch)[0])
     assert start == old_rows, (start, old_rows)
     # among the new rows: the first copy of each sha256 is kept (unless an old row has it)
     if n:

@@ -13,6 +13,7 @@ same path on every worker, as for the row checks.
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -85,9 +86,10 @@ def near_partition(
     return near_duplicates_in(table_files, part, d, design, first)
 
 
-def old_hash_batches(old: list[ViewPart], new: list[ViewPart]):
-    """The old rows' hashes for the driver search, a row group at a time, hashing only what
-    the new rows can match.
+def old_hash_batches(old: list[ViewPart], new: list[ViewPart]) -> list:
+    """The old rows' hashes for the driver search, one reader per row group (a function that
+    returns that group's (hi, lo, phash), so that the search's threads read in parallel),
+    hashing only what the new rows can match.
 
     An old row's sha256 matters only when a new row has it: the others all get one label
     (sha_hi, sha_lo) that no new row has, which keeps every comparison the search makes
@@ -95,27 +97,33 @@ def old_hash_batches(old: list[ViewPart], new: list[ViewPart]):
     of an incremental validate's work on a large catalog. pHashes are parsed as they are.
     """
     import pyarrow as pa
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
-
-    from data_quality.near_dup import phash_to_uint64
 
     shas = pd.concat([read_part(p, ["sha256"]) for p in new] or [pd.DataFrame({"sha256": []})])
     new_sha = pa.array(shas["sha256"].astype(str).tolist(), pa.string())
     mine = set(hash_columns(shas.assign(phash="0" * 16))[0].tolist())
     label = next(v for v in range(len(mine) + 1) if v not in mine)  # no new row's sha_hi
-    for p in old:
-        f = pq.ParquetFile(p.path)
-        for g in range(f.num_row_groups):
-            t = f.read_row_group(g, columns=["sha256", "phash"])
-            sha = t.column("sha256").cast(pa.string())
-            hit = pc.is_in(sha, value_set=new_sha).to_numpy(zero_copy_only=False)
-            hi = np.full(len(t), label, np.uint64)
-            lo = np.zeros(len(t), np.uint64)
-            if hit.any():
-                df = t.filter(pa.array(hit)).to_pandas()
-                hi[hit], lo[hit], _ = hash_columns(df)
-            yield hi, lo, phash_to_uint64(t.column("phash").to_numpy(zero_copy_only=False))
+    return [partial(_old_group, p.path, g, new_sha, label)
+            for p in old for g in range(pq.ParquetFile(p.path).num_row_groups)]  # fmt: skip
+
+
+def _old_group(path, group: int, new_sha, label: int):
+    """One row group's (hi, lo, phash) for `old_hash_batches`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from data_quality.near_dup import phash_to_uint64
+
+    t = pq.ParquetFile(path).read_row_group(group, columns=["sha256", "phash"])
+    sha = t.column("sha256").cast(pa.string())
+    hit = pc.is_in(sha, value_set=new_sha).to_numpy(zero_copy_only=False)
+    hi = np.full(len(t), label, np.uint64)
+    lo = np.zeros(len(t), np.uint64)
+    if hit.any():
+        df = t.filter(pa.array(hit)).to_pandas()
+        hi[hit], lo[hit], _ = hash_columns(df)
+    return hi, lo, phash_to_uint64(t.column("phash").to_numpy(zero_copy_only=False))
 
 
 def _map(fn, calls: list[dict], workers: int, dask_address: str | None) -> list:

@@ -320,6 +320,8 @@ def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityC
     want = ["source", "key"] + [c for c in (rules.contributor_column, rules.license_end_column)
                                 if c in columns]  # fmt: skip
     takedowns, today = takedown_set(root), datetime.now(UTC).date()
+    if not takedowns and rules.license_end_column not in columns:
+        parts = []  # no takedown list and no license end: no row can fail the terms
     write_rows(out, (check_terms(read_part(p, want, [g]), rules, takedowns, today)
                      for p in parts for g in range(p.row_groups)), REJECT_SCHEMA)  # fmt: skip
     t = pq.read_table(out, columns=["source", "key"])
@@ -358,7 +360,8 @@ def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, colu
                                   rules.near_duplicate_distance, dup_partitions,
                                   workers=workers, dask_address=dask_address)  # fmt: skip
     elif new.rows:
-        cross = cross_catalog(new.hashes, rules, old_hash_batches(old_parts, new_parts), old_rows)
+        cross = cross_catalog(new.hashes, rules, old_hash_batches(old_parts, new_parts), old_rows,
+                              workers=workers)  # fmt: skip
     else:
         cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
     new.hashes = None

@@ -149,6 +149,24 @@ def test_against_old_rows_matches_brute_force_and_the_concatenated_run(d):
     assert got.tolist() == np.where(whole < n_old, whole, -1).tolist()
 
 
+@pytest.mark.parametrize("d", [0, 1, 2, 4, 6])
+def test_few_new_rows_against_many_old_ones_match_brute_force(d):
+    """Many old rows for few new ones: the old rows are first filtered by bitmaps of the new
+    rows' table keys (`_could_match`), and the answers stay exact, hot old buckets too."""
+    rng = np.random.default_rng(100 + d)
+    h, g = planted(rng, 6000, d)
+    h[:400] = h[0]  # a hot bucket among the old rows: 400 copies of one value, own labels
+    n_old = 5800
+    new_h, new_g, old_h, old_g = h[n_old:], g[n_old:], h[:n_old], g[:n_old]
+    keep = near_dup._could_match(new_h, old_h, d)
+    assert keep is not None and keep.mean() < 0.5  # the filter is on, and it filters
+    want = brute_force_against(new_h, new_g, old_h, old_g, d)
+    assert (want >= 0).sum() > 20
+    assert keep[want[want >= 0]].all()  # it never drops a match
+    got = near_duplicates_against(new_h, new_g, old_h, old_g, d)
+    assert got.tolist() == want.tolist()
+
+
 def test_old_rows_in_batches_give_the_same_answer():
     rng = np.random.default_rng(7)
     h, g = planted(rng, 500, 4)
