@@ -35,6 +35,16 @@ Norouzi, Punjani & Fleet, "Fast Search in Hamming Space with Multi-Index Hashing
   bucket are all past those first rows and no other table or sub-bucket finds them. Identical
   hashes are never missed (below). Results are exact whenever no sub-bucket is over the cap.
 
+Few new rows against many old ones (`near_duplicates_against`, an incremental validate's
+search of 10k new rows in a 10M-row catalog). An old row can only match if it shares a key
+with a new row in one table of a covering design, so first each table's keys of the new rows
+go into a bitmap (a 12- to 22-bit hash of the key: a collision only lets a row through), and
+the old rows whose keys miss every bitmap are dropped before the search: a multiply, a shift
+and a lookup per table and row, against a sort per table. `_filter_design` picks the design
+with the fewest tables for the share of rows it lets through, and the filter stays off where
+it would not pay (old rows under 4x the new, or distances where no design is selective).
+Measured at distance 4 with 10k new rows: 1M uniform old rows in 0.08 s instead of 0.58 s.
+
 Why not faiss. faiss's binary indexes (`IndexBinaryMultiHash`, `IndexBinaryFlat`) give the same
 exact answer and were measured against this module on the same rows (benchmarks/near_dup_faiss.py,
 docs/benchmarks.md): 24-37x slower on uniform hashes at 0.1-1M rows in their best layout, and
@@ -64,6 +74,7 @@ __all__ = [
     "HOT_BUCKET_CAP",
     "HOT_PEERS",
     "near_duplicates",
+    "near_candidates",
     "near_duplicates_against",
     "phash_to_uint64",
 ]
@@ -78,7 +89,7 @@ _MAX_COVER_WORK = 500_000  # largest covering problem `_cover` is given (its tim
 # Cost model of `_choose_blocks`, in units of one row sorted in one table.
 _TABLE_OVERHEAD = 1000.0  # fixed cost of a table (numpy calls), in rows
 _PAIR_COST = 1.5  # one candidate pair compared (with its share of run bookkeeping)
-_FILTER_BITS = (12, 22)  # table key widths `_could_match` uses (bitmaps of 4 KB to 4 MB)
+_FILTER_BITS = (12, 22)  # table key widths `near_candidates` uses (bitmaps of 4 KB to 4 MB)
 _SEARCH_COST = 90.0  # searching one old row, in units of one filter table's work on it
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing: the product's top bits mix all bits
 
@@ -140,6 +151,7 @@ def near_duplicates_against(
     *,
     hot_bucket_cap: int = HOT_BUCKET_CAP,
     blocks: tuple[int, int] | None = None,
+    prefilter: bool = True,
 ) -> np.ndarray:
     """For each new row, the index of the first old row within `max_distance`, else -1.
 
@@ -157,6 +169,8 @@ def near_duplicates_against(
         hot_bucket_cap: rows above which a bucket is re-indexed, then capped (module doc).
         blocks: `(m, j)`, cut the hashes into `m` blocks and key tables on `j` of them; None
             picks the cheapest for the row counts (module doc).
+        prefilter: drop the old rows that `near_candidates` rules out first (False: the
+            caller already did).
 
     Returns:
         int64 array, one per new row: the smallest old index `i` with `popcount(old_hashes[i] ^
@@ -167,7 +181,7 @@ def near_duplicates_against(
     d, cap = _check_params(max_distance, hot_bucket_cap, blocks)
     if len(h) == 0 or len(old_h) == 0:
         return np.full(len(h), -1, dtype=np.int64)
-    keep = _could_match(h, old_h, d)
+    keep = near_candidates(h, old_h, d) if prefilter else None
     if keep is None:
         return _against(h, g, old_h, old_g, d, cap, blocks)
     # search only the old rows that share a table key with a new row
@@ -216,14 +230,16 @@ def _filter_design(d: int, n_new: int) -> tuple[int, int, float] | None:
     return None if best is None else best[1:]
 
 
-def _could_match(h: np.ndarray, old_h: np.ndarray, d: int) -> np.ndarray | None:
-    """A mask of the old rows that could lie within `d` of a new row, or None where filtering
-    costs more than it saves (many new rows, or few old ones).
+def near_candidates(hashes: np.ndarray, old_hashes: np.ndarray, max_distance: int
+                    ) -> np.ndarray | None:  # fmt: skip
+    """A mask of the old rows that could lie within `max_distance` of a new row, or None where
+    filtering costs more than it saves (many new rows, or few old ones).
 
     Two hashes within `d` agree on all blocks of at least one table of a covering design
     (`_cover`), so an old row whose key misses every table's set of new keys has no match.
     Each table's key (a hash of its blocks' bits) indexes a bitmap of the new rows' keys: a
     few vector operations per table and old row, far less than the search itself."""
+    h, old_h, d = hashes, old_hashes, max_distance
     if len(old_h) < 4 * len(h):
         return None
     design = _filter_design(d, len(h))

@@ -26,7 +26,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from data_quality.near_dup import near_duplicates, near_duplicates_against, phash_to_uint64
+from data_quality.near_dup import (
+    near_candidates,
+    near_duplicates,
+    near_duplicates_against,
+    phash_to_uint64,
+)
 from kiln_config import QualityConfig
 from kiln_config.errors import InputError
 
@@ -385,6 +390,11 @@ class CrossCheck:
     positions: np.ndarray | None = None
 
 
+# Old rows that `cross_catalog` gathers (near candidates) before one search with the new rows:
+# the search sorts the new rows per table each time, so few big searches beat one per batch.
+_SEARCH_ROWS = 1 << 20
+
+
 def _first_equal(hi, lo, uniq_hi, ohi, olo) -> np.ndarray:
     """For each new row (hi, lo), the first old row of the batch with the same pair, else -1.
     Only old rows whose `hi` some new row has are looked at (`uniq_hi`: the new rows' sorted
@@ -399,13 +409,15 @@ def _first_equal(hi, lo, uniq_hi, ohi, olo) -> np.ndarray:
     return np.where(np.isnan(pos), -1, pos).astype(np.int64)
 
 
-def _against_batch(new, uniq_hi, d: int, batch) -> tuple[np.ndarray, np.ndarray, int]:
-    """One old batch's answers for the new rows, in the batch's own positions: (exact, near,
-    rows). `batch` is (hi, lo, phash) or a function returning it (read in this thread)."""
+def _against_batch(new, uniq_hi, d: int, batch) -> tuple:
+    """One old batch, read in this thread: the exact answers for the new rows in the batch's
+    positions, the positions and hashes of its rows that could be near a new row
+    (`near_candidates`), and its row count."""
     hi, lo, ph = new
     ohi, olo, oph = batch() if callable(batch) else batch
-    return (_first_equal(hi, lo, uniq_hi, ohi, olo),
-            near_duplicates_against(ph, hi, oph, ohi, d), len(ohi))  # fmt: skip
+    keep = near_candidates(ph, oph, d)
+    at = np.arange(len(oph)) if keep is None else np.flatnonzero(keep)
+    return _first_equal(hi, lo, uniq_hi, ohi, olo), at, oph[at], ohi[at], len(ohi)
 
 
 def _in_order(fn, items, workers: int):
@@ -432,8 +444,9 @@ def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, 
     """Exact and near duplicates of the `new` rows' hashes (hi, lo, phash), among themselves
     and against the old rows, which all come earlier: `old_batches` yields their hashes a
     batch at a time, in order (`old_rows` rows in all), each as (hi, lo, phash) or as a
-    function that reads them. Positions count the old rows first. `workers` threads search
-    the old batches (numpy and Arrow let go of the GIL for the bulk of it)."""
+    function that reads them. Positions count the old rows first. `workers` threads read the
+    old batches, match sha256s and keep the near candidates (numpy and Arrow let go of the
+    GIL for the bulk of it); the candidates are searched `_SEARCH_ROWS` at a time."""
     hi, lo, ph = new
     n = len(hi)
     dup = np.full(n, -1, np.int64)
@@ -442,14 +455,27 @@ def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, 
     start = 0
     if n:
         uniq_hi = np.unique(hi)
-        search = partial(_against_batch, new, uniq_hi, d)
-        for exact, m, rows in _in_order(search, old_batches, workers):
-            # the first old row of each new sha256 and pHash (earlier batches first)
+        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+        def search() -> None:
+            # the near answers among the candidates gathered so far (earlier ones first)
+            pos, oph, ohi = (np.concatenate(x) for x in zip(*pending, strict=True))
+            pending.clear()
+            m = near_duplicates_against(ph, hi, oph, ohi, d, prefilter=False)
+            take = (near < 0) & (m >= 0)
+            near[take] = pos[m[take]]
+
+        read = partial(_against_batch, new, uniq_hi, d)
+        for exact, at, oph, ohi, rows in _in_order(read, old_batches, workers):
+            # the first old row of each new sha256 (earlier batches first)
             take = (dup < 0) & (exact >= 0)
             dup[take] = exact[take] + start
-            take = (near < 0) & (m >= 0)
-            near[take] = m[take] + start
+            pending.append((at + start, oph, ohi))
             start += rows
+            if sum(len(p[0]) for p in pending) >= _SEARCH_ROWS:
+                search()
+        if pending:
+            search()
     else:
         for batch in old_batches:
             start += len((batch() if callable(batch) else batch)[0])

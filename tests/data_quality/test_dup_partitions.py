@@ -109,3 +109,25 @@ def test_an_empty_partition_and_bad_parts(tmp_path):
     assert len(pos) == len(of) == 0 and count_distinct([(str(path), 0)], 1) == 0
     with pytest.raises(ValueError, match="parts: expected a positive int, got 0"):
         write_hash_file(path, empty, 0)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_old_rows_read_in_batches_on_threads_give_the_same_answer(monkeypatch, workers):
+    """Old rows as many lazily read batches, their near candidates searched a few hundred at
+    a time (a small `_SEARCH_ROWS`), on one thread or two: the answers of one batch."""
+    from data_quality import suite
+
+    rng = np.random.default_rng(11)
+    hi, lo, ph = corpus(rng, 6000, 4, hot=True)
+    first = 5600
+    rules = QualityConfig(near_duplicate_distance=4)
+    new = tuple(h[first:] for h in (hi, lo, ph))
+    want = cross_catalog(new, rules, [tuple(h[:first] for h in (hi, lo, ph))], first)
+    assert (want.near_duplicate_of >= 0).sum() > 20 and (want.duplicate_of >= 0).sum() > 5
+    monkeypatch.setattr(suite, "_SEARCH_ROWS", 300)
+    cuts = [0, 700, 701, 2500, 4000, first]
+    spans = zip(cuts, cuts[1:], strict=False)
+    batches = [lambda a=a, b=b: tuple(h[a:b] for h in (hi, lo, ph)) for a, b in spans]
+    got = cross_catalog(new, rules, batches, first, workers=workers)
+    assert got.duplicate_of.tolist() == want.duplicate_of.tolist()
+    assert got.near_duplicate_of.tolist() == want.near_duplicate_of.tolist()

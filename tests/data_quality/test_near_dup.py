@@ -11,6 +11,7 @@ import pytest
 from data_quality import near_dup
 from data_quality.near_dup import (
     HOT_PEERS,
+    near_candidates,
     near_duplicates,
     near_duplicates_against,
     phash_to_uint64,
@@ -152,13 +153,13 @@ def test_against_old_rows_matches_brute_force_and_the_concatenated_run(d):
 @pytest.mark.parametrize("d", [0, 1, 2, 4, 6])
 def test_few_new_rows_against_many_old_ones_match_brute_force(d):
     """Many old rows for few new ones: the old rows are first filtered by bitmaps of the new
-    rows' table keys (`_could_match`), and the answers stay exact, hot old buckets too."""
+    rows' table keys (`near_candidates`), and the answers stay exact, hot old buckets too."""
     rng = np.random.default_rng(100 + d)
     h, g = planted(rng, 6000, d)
     h[:400] = h[0]  # a hot bucket among the old rows: 400 copies of one value, own labels
     n_old = 5800
     new_h, new_g, old_h, old_g = h[n_old:], g[n_old:], h[:n_old], g[:n_old]
-    keep = near_dup._could_match(new_h, old_h, d)
+    keep = near_candidates(new_h, old_h, d)
     assert keep is not None and keep.mean() < 0.5  # the filter is on, and it filters
     want = brute_force_against(new_h, new_g, old_h, old_g, d)
     assert (want >= 0).sum() > 20
