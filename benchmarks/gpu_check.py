@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import json
+import math
 import os
 import platform
 import re
@@ -165,10 +166,14 @@ def run_step(name: str, script: str, box_s: float, work: Path, toy: bool, done: 
     except Exception as e:  # noqa: BLE001 - recorded, and the other steps still run
         status, error, output = "failed", f"{type(e).__name__}: {e}", ""
     out = {"status": status, "seconds": round(time.perf_counter() - t, 1)}
-    if result.is_file():  # a unet step cut off by its box keeps the variants it finished
+    if result.is_file():  # a step cut off by its box keeps what it finished
         text = result.read_text()
-        out |= ({"variants": [json.loads(x) for x in text.splitlines() if x.strip()]}
-                if name == "unet" else json.loads(text))  # fmt: skip
+        try:
+            out |= ({"variants": [json.loads(x) for x in text.splitlines() if x.strip()]}
+                    if name == "unet" else json.loads(text))  # fmt: skip
+        except json.JSONDecodeError as e:  # a unet line cut off mid-write by the box
+            status = out["status"] = "failed"
+            error = f"{error or 'exited 0'}; its result file is cut off ({e})"
     failed_variants = [v["variant"] for v in out.get("variants", []) if "error" in v]
     if failed_variants and status == "ok":
         status, out["status"] = "failed", "failed"
@@ -288,7 +293,7 @@ def _boxes(items: list[str], p: argparse.ArgumentParser) -> dict[str, float]:
             value = float(secs)
         except ValueError:
             value = -1.0
-        if name not in names or value <= 0:
+        if name not in names or not 0 < value < math.inf:
             p.error(f"--box {item!r}: expected STEP=SECONDS with STEP one of {sorted(names)} "
                     "and SECONDS above 0")  # fmt: skip
         out[name] = value

@@ -192,8 +192,8 @@ def train_step(work: Path, toy: bool, save=lambda out: None) -> dict:
     out = {"shards_s": _write_shards(train, shards, toy), "log": str(log)}
     save(out)
     out["resume"] = _resume_check(train, shards, work, log, toy)
-    save(out)
     prev = out["export"] = out["resume"]["straight"]["export"]
+    save(out)
     # Compiling costs minutes of CPU per stage; the CPU path proves the same code uncompiled
     # (tests/models/test_train.py compiles on CPU).
     compiled = torch.cuda.is_available() and not toy
@@ -258,6 +258,13 @@ def study_step(work: Path, toy: bool, export: str) -> dict:
             "study": str(study / "study.json")}  # fmt: skip
 
 
+def _write_result(path: Path, result: dict) -> None:
+    """Write the step's result whole or not at all (a time box can kill the step mid-write)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("step", choices=["train", "fsdp", "study"])
@@ -269,12 +276,12 @@ def main() -> None:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     if a.step == "train":
-        result = train_step(work, a.toy, lambda out: Path(a.result).write_text(json.dumps(out)))
+        result = train_step(work, a.toy, lambda out: _write_result(Path(a.result), out))
     elif a.step == "fsdp":
         result = fsdp_step(work, a.toy)
     else:
         result = study_step(work, a.toy, a.export)
-    Path(a.result).write_text(json.dumps(result, indent=2))
+    _write_result(Path(a.result), result)
 
 
 if __name__ == "__main__":

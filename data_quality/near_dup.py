@@ -43,6 +43,7 @@ the old rows whose keys miss every bitmap are dropped before the search: a multi
 and a lookup per table and row, against a sort per table. `_filter_design` picks the design
 with the fewest tables for the share of rows it lets through, and the filter stays off where
 it would not pay (old rows under 4x the new, or distances where no design is selective).
+`near_filter` builds the bitmaps once for a search whose old rows come in batches.
 Measured at distance 4 with 10k new rows: 1M uniform old rows in 0.08 s instead of 0.58 s.
 
 Why not faiss. faiss's binary indexes (`IndexBinaryMultiHash`, `IndexBinaryFlat`) give the same
@@ -74,8 +75,10 @@ __all__ = [
     "HOT_BUCKET_CAP",
     "HOT_PEERS",
     "near_duplicates",
+    "NearFilter",
     "near_candidates",
     "near_duplicates_against",
+    "near_filter",
     "phash_to_uint64",
 ]
 
@@ -233,29 +236,54 @@ def _filter_design(d: int, n_new: int) -> tuple[int, int, float] | None:
 def near_candidates(hashes: np.ndarray, old_hashes: np.ndarray, max_distance: int
                     ) -> np.ndarray | None:  # fmt: skip
     """A mask of the old rows that could lie within `max_distance` of a new row, or None where
-    filtering costs more than it saves (many new rows, or few old ones).
+    filtering costs more than it saves (many new rows, or few old ones): `near_filter`'s,
+    for one set of old rows."""
+    f = near_filter(hashes, max_distance, len(old_hashes))
+    return None if f is None else f(old_hashes)
+
+
+class NearFilter:
+    """Bitmaps of the new rows' table keys, one per table of a covering design, built once:
+    calling it with old hashes gives the mask of those that could lie within the distance of
+    a new row (see `near_filter`). Read-only once built, so threads may share it."""
+
+    def __init__(self, tables: list[tuple[np.uint64, int, np.ndarray]], through: float) -> None:
+        self.tables = tables  # (key mask, key bits, bitmap)
+        self.through = through  # the modelled share of uniform old rows let through
+
+    def __call__(self, old_hashes: np.ndarray) -> np.ndarray:
+        keep = np.zeros(len(old_hashes), dtype=bool)
+        for mask, bits, seen in self.tables:
+            keep |= seen[_key(old_hashes, mask, bits)]
+        return keep
+
+
+def near_filter(hashes: np.ndarray, max_distance: int, old_rows: int) -> NearFilter | None:
+    """The filter of old rows for a search of `hashes` (the new rows) within `max_distance`
+    against `old_rows` old ones, or None where filtering costs more than it saves (old rows
+    under 4x the new, or no selective design at this distance and count).
 
     Two hashes within `d` agree on all blocks of at least one table of a covering design
     (`_cover`), so an old row whose key misses every table's set of new keys has no match.
     Each table's key (a hash of its blocks' bits) indexes a bitmap of the new rows' keys: a
     few vector operations per table and old row, far less than the search itself."""
-    h, old_h, d = hashes, old_hashes, max_distance
-    if len(old_h) < 4 * len(h):
+    h, d = hashes, max_distance
+    if old_rows < 4 * len(h):
         return None
-    design = _filter_design(d, len(h))
+    design = _filter_design(d, len(np.unique(h)))
     if design is None:
         return None
-    m, j, _ = design
+    m, j, through = design
     edges = [64 * i // m for i in range(m + 1)]
-    keep = np.zeros(len(old_h), dtype=bool)
+    tables = []
     for chosen in _cover(m, j, d):
         mask = np.uint64(sum(((1 << (edges[b + 1] - edges[b])) - 1) << edges[b]
                              for b in range(m) if chosen >> b & 1))  # fmt: skip
         bits = min(_FILTER_BITS[1], mask.bit_count())
         seen = np.zeros(1 << bits, dtype=bool)
         seen[_key(h, mask, bits)] = True
-        keep |= seen[_key(old_h, mask, bits)]
-    return keep
+        tables.append((mask, bits, seen))
+    return NearFilter(tables, through)
 
 
 def _key(vals: np.ndarray, mask: np.uint64, bits: int) -> np.ndarray:

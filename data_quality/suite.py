@@ -27,9 +27,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from data_quality.near_dup import (
-    near_candidates,
     near_duplicates,
     near_duplicates_against,
+    near_filter,
     phash_to_uint64,
 )
 from kiln_config import QualityConfig
@@ -390,11 +390,6 @@ class CrossCheck:
     positions: np.ndarray | None = None
 
 
-# Old rows that `cross_catalog` gathers (near candidates) before one search with the new rows:
-# the search sorts the new rows per table each time, so few big searches beat one per batch.
-_SEARCH_ROWS = 1 << 20
-
-
 def _first_equal(hi, lo, uniq_hi, ohi, olo) -> np.ndarray:
     """For each new row (hi, lo), the first old row of the batch with the same pair, else -1.
     Only old rows whose `hi` some new row has are looked at (`uniq_hi`: the new rows' sorted
@@ -409,15 +404,20 @@ def _first_equal(hi, lo, uniq_hi, ohi, olo) -> np.ndarray:
     return np.where(np.isnan(pos), -1, pos).astype(np.int64)
 
 
-def _against_batch(new, uniq_hi, d: int, batch) -> tuple:
-    """One old batch, read in this thread: the exact answers for the new rows in the batch's
-    positions, the positions and hashes of its rows that could be near a new row
-    (`near_candidates`), and its row count."""
+def _against_batch(new, uniq_hi, d: int, near_filter, batch) -> tuple:
+    """One old batch's answers for the new rows, in the batch's own positions: (exact, near,
+    rows). `batch` is (hi, lo, phash) or a function returning it (read in this thread); with
+    `near_filter`, only the old rows it lets through are searched for near duplicates."""
     hi, lo, ph = new
     ohi, olo, oph = batch() if callable(batch) else batch
-    keep = near_candidates(ph, oph, d)
-    at = np.arange(len(oph)) if keep is None else np.flatnonzero(keep)
-    return _first_equal(hi, lo, uniq_hi, ohi, olo), at, oph[at], ohi[at], len(ohi)
+    exact = _first_equal(hi, lo, uniq_hi, ohi, olo)
+    if near_filter is None:
+        return exact, near_duplicates_against(ph, hi, oph, ohi, d, prefilter=False), len(ohi)
+    at = np.flatnonzero(near_filter(oph))
+    if not len(at):
+        return exact, np.full(len(hi), -1, np.int64), len(ohi)
+    found = near_duplicates_against(ph, hi, oph[at], ohi[at], d, prefilter=False)
+    return exact, np.where(found >= 0, at[np.maximum(found, 0)], -1), len(ohi)
 
 
 def _in_order(fn, items, workers: int):
@@ -444,9 +444,10 @@ def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, 
     """Exact and near duplicates of the `new` rows' hashes (hi, lo, phash), among themselves
     and against the old rows, which all come earlier: `old_batches` yields their hashes a
     batch at a time, in order (`old_rows` rows in all), each as (hi, lo, phash) or as a
-    function that reads them. Positions count the old rows first. `workers` threads read the
-    old batches, match sha256s and keep the near candidates (numpy and Arrow let go of the
-    GIL for the bulk of it); the candidates are searched `_SEARCH_ROWS` at a time."""
+    function that reads them. Positions count the old rows first. `workers` threads read and
+    search the old batches, each batch on its own (numpy and Arrow let go of the GIL for much
+    of it); with few new rows, only the old rows that `near_filter` lets through are searched
+    for near duplicates."""
     hi, lo, ph = new
     n = len(hi)
     dup = np.full(n, -1, np.int64)
@@ -454,28 +455,14 @@ def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, 
     d = rules.near_duplicate_distance
     start = 0
     if n:
-        uniq_hi = np.unique(hi)
-        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-
-        def search() -> None:
-            # the near answers among the candidates gathered so far (earlier ones first)
-            pos, oph, ohi = (np.concatenate(x) for x in zip(*pending, strict=True))
-            pending.clear()
-            m = near_duplicates_against(ph, hi, oph, ohi, d, prefilter=False)
-            take = (near < 0) & (m >= 0)
-            near[take] = pos[m[take]]
-
-        read = partial(_against_batch, new, uniq_hi, d)
-        for exact, at, oph, ohi, rows in _in_order(read, old_batches, workers):
-            # the first old row of each new sha256 (earlier batches first)
+        read = partial(_against_batch, new, np.unique(hi), d, near_filter(ph, d, old_rows))
+        for exact, m, rows in _in_order(read, old_batches, workers):
+            # the first old row of each new sha256 and pHash (earlier batches first)
             take = (dup < 0) & (exact >= 0)
             dup[take] = exact[take] + start
-            pending.append((at + start, oph, ohi))
+            take = (near < 0) & (m >= 0)
+            near[take] = m[take] + start
             start += rows
-            if sum(len(p[0]) for p in pending) >= _SEARCH_ROWS:
-                search()
-        if pending:
-            search()
     else:
         for batch in old_batches:
             start += len((batch() if callable(batch) else batch)[0])
