@@ -35,6 +35,7 @@ import bisect
 import mmap
 import os
 import struct
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -145,6 +146,7 @@ class MDSReader(StreamingDataset):
 # version is a new folder, and a shard evicted and fetched again has the same bytes).
 _MAPS: OrderedDict[str, memoryview] = OrderedDict()
 _MAX_MAPS = 64
+_CLAIM_TRIES = 5  # looks for a free shared-memory prefix when another job takes ours first
 
 
 def _shard_map(path: str) -> memoryview:
@@ -283,7 +285,15 @@ def agreed_shm_prefix(streams_local, streams_remote, world, retry: int = 100):
         (the prefix, its `SharedMemory` of the registered locals), as streaming's.
     """
     if not (dist.is_available() and dist.is_initialized()):
-        return _prefix.get_shm_prefix(streams_local, streams_remote, world, retry)
+        for attempt in range(_CLAIM_TRIES):
+            try:
+                return _prefix.get_shm_prefix(streams_local, streams_remote, world, retry)
+            except FileExistsError:
+                # another job on this machine took the prefix between streaming's look for a
+                # free one and its claim (seen with the other test worker's dataset): look again
+                if attempt == _CLAIM_TRIES - 1:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
     _prefix._check_self(streams_local)
     mine = max(
         _prefix._check_and_find_retrying(streams_local, streams_remote, shm_name=name, retry=retry)

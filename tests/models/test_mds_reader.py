@@ -132,3 +132,61 @@ def test_ranks_agree_on_the_shared_memory_prefix_when_another_job_takes_one(tmp_
     # Kiln's: both ranks take the node's largest pick, the one the leader found free.
     a, b = results["kiln"]
     assert "prefix" in a and a == b
+
+
+# One process: another job claims the free prefix between streaming's look and its claim.
+CLAIM = """
+import json, sys
+from streaming.base.constant import LOCALS, SHM_TO_CLEAN
+from streaming.base.shared import SharedMemory
+from streaming.base.shared import prefix as P
+from streaming.base.world import World
+import models.mds_reader as reader
+
+look, calls, jobs = P._check_and_find_retrying, [], []
+
+
+def look_then_lose_it(*args, **kwargs):
+    got = look(*args, **kwargs)
+    calls.append(got)
+    if len(calls) == len(SHM_TO_CLEAN):  # the first full look: the job takes its pick
+        data = P._pack_locals(["/another/job"], got)
+        jobs.append(SharedMemory(P._get_path(got, LOCALS), True, len(data)))
+        jobs[-1].buf[: len(data)] = data
+    return got
+
+
+P._check_and_find_retrying = look_then_lose_it
+get = reader.agreed_shm_prefix if sys.argv[1] == "kiln" else P.get_shm_prefix
+try:
+    prefix, shm = get([sys.argv[2]], [None], World.detect())
+    out = {"prefix": prefix, "job": calls[len(SHM_TO_CLEAN) - 1]}
+    shm.cleanup()
+except FileExistsError as e:
+    out = {"error": str(e)}
+for job in jobs:
+    job.cleanup()
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_a_prefix_taken_between_look_and_claim_is_looked_for_again(tmp_path):
+    """streaming's own claim fails when another job on the machine takes the free prefix
+    first; Kiln's looks again and takes the next free one."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(repo)
+    got = {}
+    for impl in ("streaming", "kiln"):
+        cmd = [sys.executable, "-c", CLAIM, impl, str(tmp_path / impl)]
+        done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        got[impl] = json.loads(done.stdout.splitlines()[-1])
+    assert "File exists" in got["streaming"]["error"]
+    assert got["kiln"]["prefix"] != got["kiln"]["job"]
