@@ -453,32 +453,29 @@ def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, 
     dup = np.full(n, -1, np.int64)
     near = np.full(n, -1, np.int64)
     d = rules.near_duplicate_distance
+    if not n:
+        return CrossCheck(duplicate_of=dup, near_duplicate_of=near)
     start = 0
-    if n:
-        read = partial(_against_batch, new, np.unique(hi), d, near_filter(ph, d, old_rows))
-        for exact, m, rows in _in_order(read, old_batches, workers):
-            # the first old row of each new sha256 and pHash (earlier batches first)
-            take = (dup < 0) & (exact >= 0)
-            dup[take] = exact[take] + start
-            take = (near < 0) & (m >= 0)
-            near[take] = m[take] + start
-            start += rows
-    else:
-        for batch in old_batches:
-            start += len((batch() if callable(batch) else batch)[0])
+    read = partial(_against_batch, new, np.unique(hi), d, near_filter(ph, d, old_rows))
+    for exact, m, rows in _in_order(read, old_batches, workers):
+        # the first old row of each new sha256 and pHash (earlier batches first)
+        take = (dup < 0) & (exact >= 0)
+        dup[take] = exact[take] + start
+        take = (near < 0) & (m >= 0)
+        near[take] = m[take] + start
+        start += rows
     assert start == old_rows, (start, old_rows)
     # among the new rows: the first copy of each sha256 is kept (unless an old row has it)
-    if n:
-        order = np.lexsort((np.arange(n), lo, hi))
-        same = np.r_[False, (hi[order][1:] == hi[order][:-1]) & (lo[order][1:] == lo[order][:-1])]
-        head = order[np.maximum.accumulate(np.where(~same, np.arange(n), 0))]
-        mine = np.full(n, -1, np.int64)
-        mine[order] = np.where(head != order, head, -1)
-        take = (dup < 0) & (mine >= 0)
-        dup[take] = mine[take] + old_rows
-        m = near_duplicates(ph, hi, d)
-        take = (near < 0) & (m >= 0)
-        near[take] = m[take] + old_rows
+    order = np.lexsort((np.arange(n), lo, hi))
+    same = np.r_[False, (hi[order][1:] == hi[order][:-1]) & (lo[order][1:] == lo[order][:-1])]
+    head = order[np.maximum.accumulate(np.where(~same, np.arange(n), 0))]
+    mine = np.full(n, -1, np.int64)
+    mine[order] = np.where(head != order, head, -1)
+    take = (dup < 0) & (mine >= 0)
+    dup[take] = mine[take] + old_rows
+    m = near_duplicates(ph, hi, d)
+    take = (near < 0) & (m >= 0)
+    near[take] = m[take] + old_rows
     return CrossCheck(duplicate_of=dup, near_duplicate_of=near)
 
 

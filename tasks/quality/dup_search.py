@@ -97,14 +97,14 @@ def old_hash_batches(old: list[ViewPart], new: list[ViewPart]) -> list:
     of an incremental validate's work on a large catalog. pHashes are parsed as they are.
     """
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     shas = pd.concat([read_part(p, ["sha256"]) for p in new] or [pd.DataFrame({"sha256": []})])
     new_sha = pa.array(shas["sha256"].astype(str).tolist(), pa.string())
     mine = set(hash_columns(shas.assign(phash="0" * 16))[0].tolist())
     label = next(v for v in range(len(mine) + 1) if v not in mine)  # no new row's sha_hi
-    return [partial(_old_group, p.path, g, new_sha, label)
-            for p in old for g in range(pq.ParquetFile(p.path).num_row_groups)]  # fmt: skip
+    return [
+        partial(_old_group, p.path, g, new_sha, label) for p in old for g in range(p.row_groups)
+    ]
 
 
 def _old_group(path, group: int, new_sha, label: int):

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tasks.launch.accelerate import LaunchError, accelerate_command, run_launch
+from tests.flows.artifacts import run_artifacts
 
 pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
 
@@ -173,31 +174,6 @@ def _launch_in_flow(run, retries, hang_timeout_s=None, topology=None):
     return one_stage(return_state=True)
 
 
-def _progress(key, state):
-    """Progress values of artifact `key` in the flow run that ended in `state` only."""
-    import asyncio
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-    )
-
-    flow_run_id = state.state_details.flow_run_id
-
-    async def read():
-        async with get_client() as client:
-            return await client.read_artifacts(
-                artifact_filter=ArtifactFilter(
-                    key=ArtifactFilterKey(any_=[key]),
-                    flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
-                )
-            )
-
-    return [a.data for a in asyncio.run(read())]
-
-
 SINGLE = str(Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "single.yaml")
 
 
@@ -237,7 +213,8 @@ def test_sigkills_and_a_stall_resume_bit_exactly_through_task_retries(tmp_path, 
     _same_weights(clean, crashed)
     _same_draws(clean, crashed)
     # One progress artifact per attempt of this flow run's task; the last one reached 100%.
-    assert 100.0 in _progress("train-32px-progress", state), "this run's progress hit 100%"
+    progress = [a.data for a in run_artifacts("train-32px-progress", state)]
+    assert 100.0 in progress, "this run's progress hit 100%"
 
 
 def test_sigkill_of_a_ddp_rank_resumes_bit_exactly(tmp_path, tiny_shards):
