@@ -5,7 +5,9 @@ once, cached in --work) is ingested into a fresh root by the real `kiln ingest` 
 process of its own (two decode processes, the default partitions of 1,000 items). Measured:
 wall time, CPU time, the peak RSS of the command's process tree and of the command's own
 process (the driver, which lists the source, compares it with the view and commits the rows;
-the decode processes hold one partition's items each).
+the decode processes hold one partition's items each). Each size is ingested twice: `first`
+into the fresh root, and `unchanged`, the same command again, which lists the source, compares
+it with the view and decodes nothing.
 
 `--baseline PATH` runs the same commands from another checkout of Kiln (for example
 `git worktree add /tmp/kiln-base <commit>`) in the same run, so the two can be compared on
@@ -92,24 +94,27 @@ def main() -> None:
                 shutil.rmtree(root, ignore_errors=True)
                 cmd = [sys.executable, "-m", "kiln_cli.main", "ingest", "--config", str(cfg),
                        "--root", str(root), "--source", str(src)]  # fmt: skip
-                got = measure(cmd, {**env, "PYTHONPATH": str(checkout)}, cwd=checkout)
-                got.pop("output")
-                run = {"code": code, "items": n, **got}
-                print(json.dumps(run), flush=True)
-                runs.append(run)
+                for step in ("first", "unchanged"):
+                    got = measure(cmd, {**env, "PYTHONPATH": str(checkout)}, cwd=checkout)
+                    got.pop("output")
+                    run = {"code": code, "step": step, "items": n, **got}
+                    print(json.dumps(run), flush=True)
+                    runs.append(run)
                 shutil.rmtree(root, ignore_errors=True)
     finally:
         server.terminate()
         server.wait(30)
     exponents = {}
     for code in codes:
-        mine = sorted((r for r in runs if r["code"] == code), key=lambda r: r["items"])
-        items = [r["items"] for r in mine]
-        exponents[code] = {
-            "rss": _fit(items, [r["peak_rss_mb"] for r in mine]),
-            "driver_rss": _fit(items, [r["driver_peak_rss_mb"] for r in mine]),
-            "time": _fit(items, [r["wall_s"] for r in mine]),
-        }
+        for step in ("first", "unchanged"):
+            mine = sorted((r for r in runs if (r["code"], r["step"]) == (code, step)),
+                          key=lambda r: r["items"])  # fmt: skip
+            items = [r["items"] for r in mine]
+            exponents[f"{code}/{step}"] = {
+                "rss": _fit(items, [r["peak_rss_mb"] for r in mine]),
+                "driver_rss": _fit(items, [r["driver_peak_rss_mb"] for r in mine]),
+                "time": _fit(items, [r["wall_s"] for r in mine]),
+            }
     out = {
         "machine": machine(),
         "sizes": sizes,

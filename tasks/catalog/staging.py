@@ -20,7 +20,7 @@ import math
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -45,7 +45,7 @@ from tasks.catalog.view import (
 )
 from tasks.storage.layout import Layout
 
-__all__ = ["FILE_ROWS", "Replaced", "StagedRows", "commit_staged"]
+__all__ = ["FILE_ROWS", "Replaced", "StagedRows", "commit_staged", "sorted_units"]
 
 FILE_ROWS = 16 * ROW_GROUP  # rows per data file an ingest writes (about a million)
 
@@ -94,31 +94,43 @@ class StagedRows:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def sorted_units(units: list[str]) -> Callable[[str | None, str | None], pa.Array]:
+    """`Replaced.units` over a sorted list held in memory."""
+
+    def between(lo: str | None, hi: str | None) -> pa.Array:
+        i = 0 if lo is None else bisect.bisect_left(units, lo)
+        j = len(units) if hi is None else bisect.bisect_right(units, hi)
+        return pa.array(units[i:j], pa.string())
+
+    return between
+
+
 @dataclass(frozen=True)
 class Replaced:
-    """The rows of `source` an ingest replaces: those of `units` (sorted), and any of `steps`."""
+    """The rows of `source` an ingest replaces: those of its replaced units, and any of
+    `steps`. `units(lo, hi)` gives the replaced units from `lo` to `hi` (None: no bound), so
+    that a data file is checked against the units in its own range, never all of them."""
 
     source: str
-    units: list[str]
+    units: Callable[[str | None, str | None], pa.Array]
     steps: tuple[str, ...] = ()
 
-    def mask(self, t: pa.Table) -> pa.ChunkedArray:
-        """Which rows of `t` (with `source`, `unit` and, for `steps`, `step`) are replaced."""
-        hit = pc.is_in(t.column("unit"), value_set=pa.array(self.units, pa.string()))
+    def mask(self, t: pa.Table, units: pa.Array) -> pa.ChunkedArray:
+        """Which rows of `t` (with `source`, `unit` and, for `steps`, `step`) are replaced,
+        given the replaced `units` of its range."""
+        hit = pc.is_in(t.column("unit"), value_set=units)
         if self.steps:
             hit = pc.or_(hit, pc.is_in(t.column("step"), value_set=pa.array(self.steps)))
         return pc.fill_null(pc.and_(pc.equal(t.column("source"), self.source), hit), False)
 
-    def may_hold(self, act: dict) -> bool:
-        """Whether a data file (its add action, flattened) may hold replaced rows, by its
-        statistics: a file without them is read."""
+    def in_range(self, act: dict) -> pa.Array | None:
+        """The replaced units a data file (its add action, flattened) may hold, by its
+        statistics; None when it holds no replaced row (it is not read)."""
         lo, hi = act.get("min.source"), act.get("max.source")
         if lo is not None and hi is not None and not lo <= self.source <= hi:
-            return False
-        lo, hi = act.get("min.unit"), act.get("max.unit")
-        if lo is None or hi is None or self.steps:
-            return bool(self.units) or bool(self.steps)
-        return bisect.bisect_left(self.units, lo) < bisect.bisect_right(self.units, hi)
+            return None
+        units = self.units(act.get("min.unit"), act.get("max.unit"))
+        return units if len(units) or self.steps else None
 
 
 def commit_staged(
@@ -142,9 +154,10 @@ def commit_staged(
         adds = _write_files(root, seq, staged.tables(data), data) if staged.rows else []
         for act in pa.table(dt.get_add_actions(flatten=True)).to_pylist():
             old_seq = int(act[f"partition.{SEQ}"])
-            if old_seq != seq and not replaced.may_hold(act):
+            units = None if old_seq == seq else replaced.in_range(act)
+            if old_seq != seq and units is None:
                 continue
-            kept = None if old_seq == seq else _rewrite(root, act, old_seq, replaced)
+            kept = None if old_seq == seq else _rewrite(root, act, old_seq, replaced, units)
             if kept is False:  # no replaced row in it
                 continue
             removes.append(RemoveAction(act["path"], True, _now_ms(), act["size_bytes"],
@@ -214,12 +227,15 @@ def _remove_files(root: Path, paths: list[str]) -> None:
         (root / rel).unlink(missing_ok=True)
 
 
-def _rewrite(root: Path, act: dict, seq: int, replaced: Replaced) -> list[AddAction] | bool:
-    """The data file of `act` without its `replaced` rows: False when it holds none, else the
-    add action of its rewrite (none when no row is left)."""
+def _rewrite(root: Path, act: dict, seq: int, replaced: Replaced, units: pa.Array
+             ) -> list[AddAction] | bool:  # fmt: skip
+    """The data file of `act` without its `replaced` rows (`units`: the replaced units of its
+    range): False when it holds none, else the add action of its rewrite (none when no row is
+    left)."""
     f = pq.ParquetFile(root / unquote(act["path"]))
     need = [c for c in ("source", "unit", "step") if c in f.schema_arrow.names]
-    masks = [replaced.mask(f.read_row_group(g, columns=need)) for g in range(f.num_row_groups)]
+    masks = [replaced.mask(f.read_row_group(g, columns=need), units)
+             for g in range(f.num_row_groups)]  # fmt: skip
     if not any(pc.any(m).as_py() for m in masks):
         return False
     tables = (f.read_row_group(g).filter(pc.invert(m)) for g, m in enumerate(masks))

@@ -360,14 +360,17 @@ def write_verdict_rows(layout: Layout, table: str, rows: pd.DataFrame, ingest_id
     return open_table(layout, table).version()
 
 
-def write_catalog_dir(out: Path, tables: dict[str, pd.DataFrame], summary: dict) -> None:
-    """`<name>.parquet` per table plus `summary.json`, in a folder renamed into place: a crash
-    leaves no half catalog folder."""
+def write_catalog_dir(out: Path, tables: dict[str, pd.DataFrame | Path], summary: dict) -> None:
+    """`<name>.parquet` per table (a frame, or a Parquet file copied) plus `summary.json`, in a
+    folder renamed into place: a crash leaves no half catalog folder."""
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name, df in tables.items():
-        df.to_parquet(tmp / f"{name}.parquet", index=False, row_group_size=ROW_GROUP)
+        if isinstance(df, Path):
+            shutil.copyfile(df, tmp / f"{name}.parquet")
+        else:
+            df.to_parquet(tmp / f"{name}.parquet", index=False, row_group_size=ROW_GROUP)
     (tmp / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

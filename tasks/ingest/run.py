@@ -32,12 +32,10 @@ tables) and write the catalog folder (`write_catalog_dir`).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing as mp
 import os
 import shutil
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import ExitStack
@@ -46,7 +44,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -56,25 +53,17 @@ from tasks.catalog.view import (
     ACCEPTED_COLUMNS,
     QUARANTINE_COLUMNS,
     read_view,
-    scan_view,
     write_catalog_dir,
 )
 from tasks.ingest.inspect import InspectOptions, inspect_item
-from tasks.ingest.sources import (
-    MANIFEST_NAMES,
-    SOURCE_FORMATS,
-    Item,
-    Manifest,
-    detect_source_format,
-    plan_items,
-    read_manifest,
-)
+from tasks.ingest.plan import Plan, in_order, list_partition, plan_run
+from tasks.ingest.sources import SOURCE_FORMATS, Item, item_from_row
 from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
 from tasks.runtime.runners import partition_runner
 from tasks.storage.layout import Layout
 from tasks.storage.lock import catalog_writer
-from tasks.storage.objects import ObjectInfo, Storage
+from tasks.storage.objects import Storage
 
 if TYPE_CHECKING:  # the schema's home; annotations only, nothing imported at run time
     from kiln_config import IngestConfig
@@ -112,12 +101,6 @@ class IngestResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@task(name="list-partition", retries=3, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def list_partition(source: str, prefix: str, endpoint_url: str | None = None) -> list[ObjectInfo]:
-    """Every object below one top-level folder of the source (S3 listing paginates)."""
-    return Storage(source, endpoint_url).list(prefix)
 
 
 @task(name="decode-partition", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -166,18 +149,20 @@ def _ingest(
     n_workers = cfg.workers or os.cpu_count() or 1
     with ExitStack() as stack:
         runner = stack.enter_context(partition_runner(n_workers, dask_address))
-        listing = _list_source(store, runner, endpoint_url)
-        plan = _plan_run(store, listing, cfg, cat_layout)
+        # The writer lock is held: a plan folder left by a killed run is nobody's.
+        plan = plan_run(store, cfg, cat_layout, runner, endpoint_url,
+                        cat_layout.folder("catalog") / "plan.staging")  # fmt: skip
+        stack.callback(plan.files.close)
         if plan.ingest_id is None:
             log.info("source %s unchanged since %s: nothing to decode", plan.src, plan.previous)
-            mine_q = Counter(zip(plan.mine_q["step"], plan.mine_q["reason"], strict=True))
-            return _result_for(plan.previous, plan.src, plan.source_format, len(plan.mine_acc),
-                               mine_q, plan.prev_summary, reused=True)  # fmt: skip
+            counts = plan.view_counts()
+            return _result_for(plan.previous, plan.src, plan.source_format, counts["accepted"],
+                               counts["quarantine"], plan.prev_summary, reused=True)  # fmt: skip
         log.info(
             "ingest %s (%s source): %d items listed, %d new or changed, %d removed; decoding "
             "in partitions of %d on %s",
-            plan.ingest_id, plan.source_format, plan.listed, len(plan.todo), len(plan.removed),
-            cfg.partition_size,
+            plan.ingest_id, plan.source_format, plan.listed, plan.todo + plan.rejects,
+            plan.removed, cfg.partition_size,
             "Dask " + dask_address if dask_address else f"{n_workers} processes",
         )  # fmt: skip
         opts = InspectOptions(plan.src, endpoint_url, cfg.max_pixels,
@@ -186,55 +171,24 @@ def _ingest(
         if not dask_address and plan.todo:
             # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
             pool = stack.enter_context(ProcessPoolExecutor(
-                min(n_workers, len(plan.todo)), mp_context=mp.get_context("spawn")))  # fmt: skip
+                min(n_workers, plan.todo), mp_context=mp.get_context("spawn")))  # fmt: skip
         rows = _RunRows(plan, cat_layout, list(cfg.metadata_columns))
         stack.callback(rows.discard)
-        _decode(plan.todo, opts, runner, pool, cfg.partition_size, rows.add_records)
+        _decode(plan, opts, runner, pool, cfg.partition_size, rows.add_records,
+                window=2 * max(2, n_workers))  # fmt: skip
         rows.add_listing_problems()
         result, summary = _summarize(plan, rows)
         summary["table_versions"] = _commit_rows(cat_layout, plan, rows)
-    write_catalog_dir(
-        cat_layout.catalog(plan.ingest_id),
-        {"listing": _listing_delta(plan),
-         "superseded": pd.DataFrame({"unit": sorted(plan.stale)}, dtype=object)},
-        summary,
-    )  # fmt: skip
+        write_catalog_dir(
+            cat_layout.catalog(plan.ingest_id),
+            {"listing": _listing_delta(plan), "superseded": Path(plan.files.path("stale"))},
+            summary,
+        )  # fmt: skip
     cat_layout.set_latest("catalog", plan.ingest_id)
     return result
 
 
-# -- phase 1: the source and its listing, compared with the current view ----------------------
-
-
-@dataclass
-class _Plan:
-    """One run's work: what the source holds now, against the view of the previous ingest."""
-
-    src: str
-    source_format: str
-    listing: list[ObjectInfo]
-    manifest: Manifest
-    items: list[Item]  # every item of the source now
-    listing_rejects: list[dict]  # files quarantined from the listing alone
-    settings: dict  # the ingest settings this source's rows were built with
-    previous: str | None  # the ingest whose view this run starts from
-    prev_summary: dict
-    mine_acc: pd.DataFrame  # this source's accepted rows in that view: unit, unit_version
-    mine_q: pd.DataFrame  # and its quarantined ones: unit, unit_version, step, reason
-    seq: int
-    todo: list[Item]  # new or changed items: decoded this run
-    rejects: list[dict]  # new or changed listing rejects
-    removed: list[str]  # units gone from the source
-    ingest_id: str | None  # None: nothing changed, the previous ingest stays current
-
-    @property
-    def listed(self) -> int:
-        return len(self.items) + len(self.listing_rejects)
-
-    @property
-    def stale(self) -> set[str]:
-        """Units whose rows in the view this run replaces or removes."""
-        return {it.key for it in self.todo} | {r["key"] for r in self.rejects} | set(self.removed)
+# -- phase 1: the source and its listing, compared with the view: tasks.ingest.plan ----------
 
 
 def _open_source(cfg: IngestConfig, endpoint_url: str | None) -> Storage:
@@ -250,125 +204,31 @@ def _open_source(cfg: IngestConfig, endpoint_url: str | None) -> Storage:
     return store
 
 
-def _list_source(store: Storage, runner, endpoint_url: str | None) -> list[ObjectInfo]:
-    dirs, top = store.top_level()
-    futures = [
-        runner.submit(
-            list_partition, {"source": store.url(), "prefix": d, "endpoint_url": endpoint_url}
-        )
-        for d in dirs
-    ]
-    listing = top + [o for f in futures for o in f.result()]
-    return sorted(listing, key=lambda o: o.key)
-
-
-def _read_source(
-    store: Storage, listing: list[ObjectInfo], cfg: IngestConfig
-) -> tuple[str, Manifest, list[Item], list[dict]]:
-    """(source format, manifest, items, listing rejects) of the source as listed."""
-    exts = {e.lower() for e in cfg.image_extensions}
-    chosen = cfg.layout if cfg.layout != "auto" else detect_source_format(listing, exts)
-    manifest_obj = None
-    if chosen == "imagefolder":
-        names = [cfg.metadata_file] if cfg.metadata_file else list(MANIFEST_NAMES)
-        manifest_obj = next((o for o in listing if o.key in names), None)
-        if manifest_obj is None:
-            task_logger(__name__).warning(
-                "no manifest (%s) in %s: images will lack captions", names, store.url()
-            )
-    manifest = read_manifest(store, manifest_obj, cfg.caption_column, list(cfg.metadata_columns))
-    items, listing_rejects = plan_items(listing, chosen, manifest, exts)
-    return chosen, manifest, items, listing_rejects
-
-
-def _plan_run(
-    store: Storage, listing: list[ObjectInfo], cfg: IngestConfig, cat_layout: Layout
-) -> _Plan:
-    """Compare the listing with the view, item by item: what to decode, what is gone."""
-    src = store.url()
-    chosen, manifest, items, listing_rejects = _read_source(store, listing, cfg)
-    previous = cat_layout.latest_or_none("catalog")
-    prev_summary = (
-        json.loads((cat_layout.catalog(previous) / "summary.json").read_text()) if previous else {}
-    )
-    seq = int(prev_summary.get("ingest_seq", 0))
-    mine_acc, mine_q = _source_rows(cat_layout, previous, src)
-    files_q = mine_q[mine_q["step"] == "ingest"]
-    known = dict(zip(mine_acc["unit"], mine_acc["unit_version"], strict=True))
-    known.update(zip(files_q["unit"], files_q["unit_version"], strict=True))
-    settings = {
-        "layout": chosen,
-        "caption_column": cfg.caption_column,
-        "metadata_columns": list(cfg.metadata_columns),
-        "max_pixels": cfg.max_pixels,
-        # They decide which tar members are images.
-        "image_extensions": sorted({e.lower() for e in cfg.image_extensions}),
-    }
-    if prev_summary.get("source_settings", {}).get(src, settings) != settings:
-        # New caption or metadata columns, another pixel limit or other extensions: every row
-        # of this source must be rebuilt, not only the changed files.
-        task_logger(__name__).info("ingest settings for %s changed: re-reading every item", src)
-        known = {}
-    todo = [it for it in items if known.get(it.key) != it.version]
-    rejects = [r for r in listing_rejects if known.get(r["key"]) != r["version"]]
-    present = {it.key for it in items} | {r["key"] for r in listing_rejects}
-    removed = sorted((set(mine_acc["unit"]) | set(files_q["unit"])) - present)
-    manifest_changed = prev_summary.get("manifests", {}).get(src) != manifest.version
-    delta = [(it.key, it.version) for it in todo] + [(r["key"], r["version"]) for r in rejects]
-    ingest_id = None
-    if delta or removed or manifest_changed or previous is None:
-        state = {**settings, "previous": previous, "manifest": manifest.version}
-        ingest_id = _ingest_id(src, state, delta, removed)
-    return _Plan(
-        src=src, source_format=chosen, listing=listing, manifest=manifest, items=items,
-        listing_rejects=listing_rejects, settings=settings, previous=previous,
-        prev_summary=prev_summary, mine_acc=mine_acc, mine_q=mine_q, seq=seq, todo=todo,
-        rejects=rejects, removed=removed, ingest_id=ingest_id,
-    )  # fmt: skip
-
-
-def _source_rows(
-    cat_layout: Layout, ingest_id: str | None, src: str
-) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(accepted, quarantined) rows of `src` in the view after `ingest_id`: a scan of the
-    source's own ingests, four narrow columns, never the other sources' rows."""
-    frames = []
-    for table, cols in (("accepted", ["unit", "unit_version"]),
-                        ("quarantine", ["unit", "unit_version", "step", "reason"])):  # fmt: skip
-        got = list(scan_view(cat_layout, ingest_id, table, cols, sources={src}))
-        frames.append(pd.concat(got, ignore_index=True) if got else pd.DataFrame(columns=cols))
-    return frames[0], frames[1]
-
-
-def _ingest_id(source: str, state: dict, delta: list[tuple[str, str]], removed: list) -> str:
-    # `state` holds the previous ingest id, the manifest version and the settings, so that
-    # every change of the view gets its own id and an id is never reused for other content.
-    h = hashlib.sha256(json.dumps([source, state, delta, removed], sort_keys=True).encode())
-    return "ing-" + h.hexdigest()[:12]
-
-
 # -- phase 2: decode the new and changed items in partitions ----------------------------------
 
 
 def _decode(
-    todo: list[Item],
+    plan: Plan,
     opts: InspectOptions,
     runner,
     pool: Executor | None,
     partition_size: int,
     sink: Callable[[list[dict]], None],
+    window: int,
 ) -> None:
-    """One decode task per partition of `partition_size` items; each partition's records go to
-    `sink` as it finishes, in order, and are then let go (the driver holds a few partitions'
+    """One decode task per partition of `partition_size` items, read from the plan's staged
+    items and submitted `window` at a time; each partition's records go to `sink` as it
+    finishes, in order, and are then let go (the driver holds a few partitions' items and
     records at a time, not the run's)."""
-    parts = [todo[i : i + partition_size] for i in range(0, len(todo), partition_size)]
-    futures = deque(
-        runner.submit(decode_partition, {"opts": opts, "items": p, "pool": pool}) for p in parts
-    )
-    progress = Progress("ingest", len(todo), "items")
-    for p in parts:
-        sink(futures.popleft().result())
-        progress.advance(len(p))
+    progress = Progress("ingest", plan.todo, "items")
+    parts = ([item_from_row(r) for r in batch] for batch in plan.todo_batches(partition_size))
+
+    def submit(items: list[Item]):
+        return runner.submit(decode_partition, {"opts": opts, "items": items, "pool": pool})
+
+    for items, records in in_order(submit, parts, window):
+        sink(records)
+        progress.advance(len(items))
     progress.finish()
 
 
@@ -380,7 +240,7 @@ class _RunRows:
     (`tasks.catalog.staging`), and their counts: decoded records, then the listing rejects and
     manifest problems, stamped with the source and the ingest id."""
 
-    def __init__(self, plan: _Plan, cat_layout: Layout, metadata_columns: list[str]) -> None:
+    def __init__(self, plan: Plan, cat_layout: Layout, metadata_columns: list[str]) -> None:
         self.plan = plan
         folder = cat_layout.catalog_staging(plan.ingest_id)
         self.accepted = StagedRows(folder / "accepted", ACCEPTED_COLUMNS + metadata_columns)
@@ -401,15 +261,18 @@ class _RunRows:
     def add_listing_problems(self) -> None:
         """Stage the files rejected from the listing alone and the manifest's problems."""
         plan, stamp = self.plan, self._stamp
-        self._add_quarantine([
-            {**{k: v for k, v in r.items() if k != "version"}, **stamp, "step": "ingest",
-             "unit": r["key"], "unit_version": r["version"]}
-            for r in plan.rejects
-        ] + [
-            {**p, **stamp, "step": "ingest-manifest", "unit": plan.manifest.name or "-",
-             "unit_version": plan.manifest.version}
-            for p in plan.manifest.problems
-        ])  # fmt: skip
+        for batch in plan.reject_batches():
+            self._add_quarantine([
+                {"key": r["key"], "reason": r["reason"], "detail": r["detail"], **stamp,
+                 "step": "ingest", "unit": r["key"], "unit_version": r["version"]}
+                for r in batch
+            ])  # fmt: skip
+        for batch in plan.problem_batches():
+            self._add_quarantine([
+                {**p, **stamp, "step": "ingest-manifest", "unit": plan.manifest.name or "-",
+                 "unit_version": plan.manifest.version}
+                for p in batch
+            ])  # fmt: skip
 
     def _add_quarantine(self, rows: list[dict]) -> None:
         self.quarantined.update((r["step"], r.get("reason")) for r in rows)
@@ -419,32 +282,30 @@ class _RunRows:
         shutil.rmtree(self._folder, ignore_errors=True)
 
 
-def _listing_delta(plan: _Plan) -> pd.DataFrame:
-    """The listed objects of the units this run decoded or rejected (with their sidecars),
-    and the manifest when it changed."""
-    keys = {r["key"] for r in plan.rejects}
-    for it in plan.todo:
-        keys.update(k for k in (it.key, it.txt, it.json) if k)
-    if plan.manifest.name and plan.prev_summary.get("manifests", {}).get(plan.src) != (
-        plan.manifest.version
-    ):
-        keys.add(plan.manifest.name)
-    return pd.DataFrame(
-        [(o.key, o.size, o.version) for o in plan.listing if o.key in keys],
-        columns=["key", "size", "version"],
-    ).assign(source=plan.src)
+def _listing_delta(plan: Plan) -> Path:
+    """Stage the listed objects of the units this run decoded or rejected (with their
+    sidecars), and the manifest when it changed; the staged file."""
+    manifest = plan.manifest.name if plan.manifest.name and plan.manifest_changed else ""
+    plan.files.copy(
+        "SELECT o.key, o.size, o.version, ?::VARCHAR AS source FROM {objects} o SEMI JOIN ("
+        "SELECT key FROM {todo} UNION SELECT txt FROM {todo} WHERE txt IS NOT NULL UNION "
+        "SELECT json FROM {todo} WHERE json IS NOT NULL UNION SELECT key FROM {rejects} "
+        "UNION SELECT ?::VARCHAR) d ON d.key = o.key ORDER BY o.key",
+        "listing_delta", [plan.src, manifest],
+    )  # fmt: skip
+    return Path(plan.files.path("listing_delta"))
 
 
-def _commit_rows(cat_layout: Layout, plan: _Plan, rows: _RunRows) -> dict[str, int | None]:
+def _commit_rows(cat_layout: Layout, plan: Plan, rows: _RunRows) -> dict[str, int | None]:
     """One commit per catalog table: this run's rows in, the rows of the units it replaced or
     found removed (and, for the quarantine, the source's old manifest problems) out."""
-    stale = sorted(plan.stale)
     prev = plan.prev_summary.get("table_versions", {})
     versions = {}
     for table, staged, replaced in (
-        ("accepted", rows.accepted, Replaced(plan.src, stale)),
-        ("quarantine", rows.quarantine, Replaced(plan.src, stale, ("ingest-manifest",))),
-    ):
+        ("accepted", rows.accepted, Replaced(plan.src, plan.stale_between)),
+        ("quarantine", rows.quarantine,
+         Replaced(plan.src, plan.stale_between, ("ingest-manifest",))),
+    ):  # fmt: skip
         versions[table] = commit_staged(cat_layout, table, staged, plan.seq + 1, replaced)
         if versions[table] is None:
             versions[table] = prev.get(table)
@@ -454,24 +315,21 @@ def _commit_rows(cat_layout: Layout, plan: _Plan, rows: _RunRows) -> dict[str, i
 # -- phase 4: the run's counts and summary.json -----------------------------------------------
 
 
-def _summarize(plan: _Plan, rows: _RunRows) -> tuple[IngestResult, dict]:
+def _summarize(plan: Plan, rows: _RunRows) -> tuple[IngestResult, dict]:
     """(result, summary.json): this source's counts in the new view, and the run's delta."""
-    stale = plan.stale
-    keep_acc = plan.mine_acc[~plan.mine_acc["unit"].isin(stale)]
-    old_q = plan.mine_q
-    keep_q = old_q[(old_q["step"] == "ingest") & ~old_q["unit"].isin(stale)]
-    mine_q = Counter(zip(keep_q["step"], keep_q["reason"], strict=True)) + rows.quarantined
+    c = plan.view_counts()
+    mine_q = c["kept_files"] + rows.quarantined
     n_acc, n_q = rows.accepted.rows, rows.quarantine.rows
     before = plan.prev_summary
     totals = {  # the whole view: the previous totals, less what left it, plus this run's rows
-        "view_accepted": int(before.get("view_accepted", 0)) - len(plan.mine_acc)
-        + len(keep_acc) + n_acc,
-        "view_quarantined": int(before.get("view_quarantined", 0)) - len(old_q) + len(keep_q)
-        + n_q,
+        "view_accepted": int(before.get("view_accepted", 0)) - c["accepted"]
+        + c["kept_accepted"] + n_acc,
+        "view_quarantined": int(before.get("view_quarantined", 0)) - c["quarantined"]
+        + sum(c["kept_files"].values()) + n_q,
     }  # fmt: skip
-    result = _result_for(plan.ingest_id, plan.src, plan.source_format, len(keep_acc) + n_acc,
-                         mine_q, totals, reused=False)  # fmt: skip
-    result.new_items, result.removed_items = len(plan.todo) + len(plan.rejects), len(plan.removed)
+    result = _result_for(plan.ingest_id, plan.src, plan.source_format,
+                         c["kept_accepted"] + n_acc, mine_q, totals, reused=False)  # fmt: skip
+    result.new_items, result.removed_items = plan.todo + plan.rejects, plan.removed
     result.unchanged_items = plan.listed - result.new_items
     result.decoded_accepted = n_acc
     result.decoded_quarantined = sum(n for (step, _), n in rows.quarantined.items()
@@ -482,10 +340,10 @@ def _summarize(plan: _Plan, rows: _RunRows) -> tuple[IngestResult, dict]:
         "ingest_seq": plan.seq + 1,
         "previous": plan.previous,
         "settings": plan.settings,
-        "superseded_accepted": len(plan.mine_acc) - len(keep_acc),
+        "superseded_accepted": c["accepted"] - c["kept_accepted"],
         "manifests": {**before.get("manifests", {}), plan.src: plan.manifest.version},
         "source_settings": {**before.get("source_settings", {}), plan.src: plan.settings},
-        "removed": plan.removed[:1000],
+        "removed": plan.removed_units(1000),
     }
     return result, summary
 

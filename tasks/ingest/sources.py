@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import io
 import json
 import math
+import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 
 from kiln_config import CATALOG_COLUMNS, SOURCE_FORMATS
-from tasks.storage.objects import ObjectInfo, Storage
 
 __all__ = [
     "CATALOG_COLUMNS",
@@ -34,10 +34,11 @@ __all__ = [
     "SOURCE_FORMATS",
     "Item",
     "Manifest",
-    "detect_source_format",
     "is_unsafe_key",
-    "plan_items",
-    "read_manifest",
+    "item_from_row",
+    "iter_manifest",
+    "plan_object",
+    "split_ext",
 ]
 
 # Columns of an accepted catalog row; pass-through metadata columns come after these.
@@ -64,32 +65,15 @@ class Item:
     json: str | None = None  # img2dataset metadata sidecar
 
 
-@dataclass
+@dataclass(frozen=True)
 class Manifest:
-    """An imagefolder manifest: rows by file name, plus rows that could not be used."""
+    """The imagefolder manifest a run reads (none: `name` None)."""
 
     name: str | None = None
     version: str = "-"
-    rows: dict[str, dict] = field(default_factory=dict)
-    problems: list[dict] = field(default_factory=list)
 
 
-def detect_source_format(listing: list[ObjectInfo], image_exts: set[str]) -> str:
-    """Guess the source's format: tars mean webdataset, a top-level manifest imagefolder, `.txt`
-    sidecars img2dataset; anything else is treated as an imagefolder without a manifest."""
-    keys = {o.key for o in listing}
-    if any(k.lower().endswith(".tar") for k in keys):
-        return "webdataset"
-    if any(k in keys for k in MANIFEST_NAMES):
-        return "imagefolder"
-    for k in keys:
-        stem, ext = _split_ext(k)
-        if ext in image_exts and f"{stem}.txt" in keys:
-            return "img2dataset"
-    return "imagefolder"
-
-
-def _split_ext(key: str) -> tuple[str, str]:
+def split_ext(key: str) -> tuple[str, str]:
     p = PurePosixPath(key)
     return key[: len(key) - len(p.suffix)], p.suffix.lower()
 
@@ -107,154 +91,115 @@ def _clean_value(v):
     return v
 
 
-def _accept_row(
-    m: Manifest, where: str, row: object, caption_column: str, metadata_columns: list[str]
-) -> None:
+def _manifest_row(
+    n: int, where: str, row: object, caption_column: str, metadata_columns: list[str]
+) -> dict:
+    """One manifest row as staged: its file name, caption and pass-through values, or the
+    reason it cannot be used (the check for a second row of one file name comes later, over
+    the whole manifest)."""
     if not isinstance(row, dict) or not isinstance(row.get("file_name"), str):
-        m.problems.append(_problem(where, "manifest_no_file_name", repr(row)[:200]))
-        return
+        return {"line": n, **_problem(where, "manifest_no_file_name", repr(row)[:200])}
     name = row["file_name"]
     if is_unsafe_key(name):
-        m.problems.append(_problem(name, "manifest_unsafe_key", f"{where}: path escapes source"))
-        return
-    if name in m.rows:
-        m.problems.append(_problem(where, "manifest_duplicate_row", f"second row for {name}"))
-        return
+        return {"line": n, **_problem(name, "manifest_unsafe_key", f"{where}: path escapes source")}
     cap = _clean_value(row.get(caption_column))
-    m.rows[name] = {
-        "caption": None if cap is None else str(cap),
-        "meta": {c: _clean_value(row.get(c)) for c in metadata_columns},
-    }
+    meta = {c: _clean_value(row.get(c)) for c in metadata_columns}
+    return {"line": n, "key": where, "file_name": name,
+            "caption": None if cap is None else str(cap), "meta": pickle.dumps(meta)}  # fmt: skip
 
 
-def read_manifest(
-    store: Storage,
-    obj: ObjectInfo | None,
-    caption_column: str,
-    metadata_columns: list[str],
-) -> Manifest:
-    """Parse an imagefolder manifest (`.jsonl`, `.csv` or `.parquet`) line by line.
+def iter_manifest(
+    path: Path, name: str, caption_column: str, metadata_columns: list[str]
+) -> Iterator[dict]:
+    """The rows of an imagefolder manifest (`.jsonl`, `.csv` or `.parquet`, a local copy at
+    `path` of the object `name`), one at a time, in file order.
 
-    A line that is not valid JSON or UTF-8, a row without `file_name`, an unsafe file name
-    and a repeated file name each become a problem row with a reason code.
+    A row is {line, key, file_name, caption, meta} (`meta`: the pass-through values,
+    pickled), or {line, key, reason, detail} for a row that cannot be used: a line that is not
+    valid JSON or UTF-8, a row without `file_name`, an unsafe file name.
     """
-    m = Manifest()
-    if obj is None:
-        return m
-    m.name, m.version = obj.key, obj.version
-    data = store.read_bytes(obj.key)
-    if obj.key.endswith(".jsonl"):
-        for n, line in enumerate(data.splitlines(), start=1):
-            where = f"{obj.key}:{n}"
-            if not line.strip():
-                continue
-            try:
-                text = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                m.problems.append(_problem(where, "manifest_not_utf8", str(e)))
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                m.problems.append(_problem(where, "manifest_bad_json", str(e)))
-                continue
-            _accept_row(m, where, row, caption_column, metadata_columns)
-    elif obj.key.endswith(".csv"):
-        text = data.decode("utf-8", "surrogateescape")
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        for n, row in enumerate(reader, start=2):  # line 1 is the header
-            where = f"{obj.key}:{n}"
-            if None in row or any(v is None for v in row.values()):
-                m.problems.append(_problem(where, "manifest_bad_row", "wrong number of fields"))
-                continue
-            try:
-                "".join(row.values()).encode("utf-8")
-            except UnicodeEncodeError as e:
-                m.problems.append(_problem(where, "manifest_not_utf8", str(e)))
-                continue
-            _accept_row(m, where, row, caption_column, metadata_columns)
+    if name.endswith(".jsonl"):
+        with open(path, "rb") as f:
+            for n, line in enumerate(f, start=1):
+                where = f"{name}:{n}"
+                if not line.strip():
+                    continue
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield {"line": n, **_problem(where, "manifest_not_utf8", str(e))}
+                    continue
+                try:
+                    row = json.loads(text)
+                except json.JSONDecodeError as e:
+                    yield {"line": n, **_problem(where, "manifest_bad_json", str(e))}
+                    continue
+                yield _manifest_row(n, where, row, caption_column, metadata_columns)
+    elif name.endswith(".csv"):
+        with open(path, encoding="utf-8", errors="surrogateescape", newline="") as f:
+            for n, row in enumerate(csv.DictReader(f), start=2):  # line 1 is the header
+                where = f"{name}:{n}"
+                if None in row or any(v is None for v in row.values()):
+                    bad = _problem(where, "manifest_bad_row", "wrong number of fields")
+                    yield {"line": n, **bad}
+                    continue
+                try:
+                    "".join(row.values()).encode("utf-8")
+                except UnicodeEncodeError as e:
+                    yield {"line": n, **_problem(where, "manifest_not_utf8", str(e))}
+                    continue
+                yield _manifest_row(n, where, row, caption_column, metadata_columns)
     else:
         import pyarrow.parquet as pq
 
         try:
-            table = pq.read_table(io.BytesIO(data))
+            batches = pq.ParquetFile(path).iter_batches(batch_size=10_000)
+            n = 0
+            for batch in batches:
+                for row in batch.to_pylist():
+                    n += 1
+                    yield _manifest_row(n, f"{name}:row{n}", row, caption_column,
+                                        metadata_columns)  # fmt: skip
         except Exception as e:  # noqa: BLE001 - a broken manifest is a reason, not a crash
-            m.problems.append(_problem(obj.key, "manifest_unreadable", f"{type(e).__name__}: {e}"))
-            return m
-        for n, row in enumerate(table.to_pylist(), start=1):
-            _accept_row(m, f"{obj.key}:row{n}", row, caption_column, metadata_columns)
-    return m
+            yield {"line": 0, **_problem(name, "manifest_unreadable", f"{type(e).__name__}: {e}")}
 
 
 def _version(*parts: object) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def plan_items(
-    listing: list[ObjectInfo],
-    source_format: str,
-    manifest: Manifest,
-    image_exts: set[str],
-) -> tuple[list[Item], list[dict]]:
-    """Items to decode, plus files that are quarantined from the listing alone.
+def plan_object(row: dict, source_format: str, image_exts: set[str]) -> dict:
+    """What one listed object (not a sidecar or the manifest) becomes, as a row of the run's
+    items: a tar shard or an image file with its version, or a file quarantined from the
+    listing alone (an unsafe key, an extension that belongs to no item).
 
-    Returns (items, rejected), where each rejected row is {key, reason, detail, version}:
-    unsafe keys and files that belong to no item (stray extensions). Sidecars and the
-    manifest are consumed by items, so they are neither.
+    `row` has the object's `key`, `size`, `version`, `ext` and `unsafe`, and, where the format
+    has them, its sidecars (`txt`, `txt_version`, `json`, `json_version`) or its manifest row
+    (`caption`, `meta`, `has_row`). The item's `version` changes when any byte it depends on
+    changes: the object's, its sidecars' or its manifest row's.
     """
-    by_key = {o.key: o for o in listing}
-    items: list[Item] = []
-    rejected: list[dict] = []
-    consumed: set[str] = set()
-    if manifest.name:
-        consumed.add(manifest.name)
+    key, size, over, ext = row["key"], row["size"], row["version"], row["ext"]
+    out = {"key": key, "kind": "reject", "version": over}
+    if row["unsafe"]:
+        return {**out, **_problem(key, "unsafe_key", "path escapes the source")}
+    if source_format == "webdataset" and ext == ".tar":
+        return {**out, "kind": "tar", "version": _version(size, over)}
+    if ext not in image_exts:
+        return {**out, **_problem(key, "unsupported_extension", key)}
     if source_format == "img2dataset":
-        for o in listing:
-            stem, ext = _split_ext(o.key)
-            if ext in image_exts and not is_unsafe_key(o.key):
-                for side in SIDECAR_EXTS:
-                    if f"{stem}{side}" in by_key:
-                        consumed.add(f"{stem}{side}")
+        version = _version(size, over, row.get("txt_version"), row.get("json_version"))
+        return {**out, "kind": "file", "version": version, "txt": row.get("txt"),
+                "json": row.get("json")}  # fmt: skip
+    manifest_row = None
+    if row.get("has_row"):
+        manifest_row = {"caption": row["caption"], "meta": pickle.loads(row["meta"])}
+    return {**out, "kind": "file", "version": _version(size, over, manifest_row),
+            "caption": row.get("caption"), "meta": row.get("meta")}  # fmt: skip
 
-    for o in listing:
-        if o.key in consumed:
-            continue
-        stem, ext = _split_ext(o.key)
-        if is_unsafe_key(o.key):
-            rejected.append(
-                {**_problem(o.key, "unsafe_key", "path escapes the source"), "version": o.version}
-            )
-        elif source_format == "webdataset" and ext == ".tar":
-            items.append(Item(key=o.key, kind="tar", version=_version(o.size, o.version)))
-        elif ext not in image_exts:
-            rejected.append(
-                {**_problem(o.key, "unsupported_extension", o.key), "version": o.version}
-            )
-        elif source_format == "img2dataset":
-            txt, js = by_key.get(f"{stem}.txt"), by_key.get(f"{stem}.json")
-            items.append(
-                Item(
-                    key=o.key,
-                    kind="file",
-                    version=_version(o.size, o.version, txt and txt.version, js and js.version),
-                    txt=txt.key if txt else None,
-                    json=js.key if js else None,
-                )
-            )
-        else:
-            row = manifest.rows.get(o.key)
-            items.append(
-                Item(
-                    key=o.key,
-                    kind="file",
-                    version=_version(o.size, o.version, row),
-                    caption=row["caption"] if row else None,
-                    meta=row["meta"] if row else {},
-                )
-            )
-    listed = {o.key for o in listing}
-    for name in sorted(set(manifest.rows) - listed):
-        manifest.problems.append(
-            _problem(name, "manifest_missing_file", "listed in the manifest, not in the source")
-        )
-    return items, rejected
+
+def item_from_row(row: dict) -> Item:
+    """The decode work of one staged item row (of `plan_object`)."""
+    meta = pickle.loads(row["meta"]) if row.get("meta") is not None else {}
+    return Item(key=row["key"], kind=row["kind"], version=row["version"],
+                caption=row.get("caption"), meta=meta, txt=row.get("txt"),
+                json=row.get("json"))  # fmt: skip

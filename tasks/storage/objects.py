@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
@@ -137,6 +138,13 @@ class Storage:
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object below `prefix`, sorted by key. S3 listing paginates."""
+        out = [o for batch in self.iter_list(prefix) for o in batch]
+        out.sort(key=lambda o: o.key)
+        return out
+
+    def iter_list(self, prefix: str = "", batch: int = 10_000) -> Iterator[list[ObjectInfo]]:
+        """Every object below `prefix`, in batches of up to `batch`, in no particular order:
+        a caller that stages the listing never holds more than a batch of it."""
         out: list[ObjectInfo] = []
         if self.is_s3:
             base = self._s3_key(prefix)
@@ -147,6 +155,9 @@ class Storage:
                     key = obj["Key"][len(strip) :]
                     if key and not key.endswith("/"):
                         out.append(ObjectInfo(key, obj["Size"], obj["ETag"].strip('"')))
+                if len(out) >= batch:
+                    yield out
+                    out = []
         else:
             top = self._local(prefix) if prefix else self.path
             if top.is_dir():
@@ -155,14 +166,27 @@ class Storage:
                         st = p.stat()
                         key = p.relative_to(self.path).as_posix()
                         out.append(ObjectInfo(key, st.st_size, str(st.st_mtime_ns)))
-        out.sort(key=lambda o: o.key)
-        return out
+                        if len(out) >= batch:
+                            yield out
+                            out = []
+        if out:
+            yield out
 
     def top_level(self) -> tuple[list[str], list[ObjectInfo]]:
         """(sub-folder prefixes, objects) directly under the root: the partitions of a listing."""
+        dirs: list[str] = []
+        objs: list[ObjectInfo] = []
+        for d, o in self.iter_top_level():
+            dirs += d
+            objs += o
+        return sorted(dirs), sorted(objs, key=lambda o: o.key)
+
+    def iter_top_level(self, batch: int = 10_000) -> Iterator[tuple[list[str], list[ObjectInfo]]]:
+        """`top_level` in batches of up to `batch` objects (and the sub-folders found with
+        them), in no particular order."""
+        dirs: list[str] = []
+        objs: list[ObjectInfo] = []
         if self.is_s3:
-            dirs: list[str] = []
-            objs: list[ObjectInfo] = []
             strip = f"{self.prefix}/" if self.prefix else ""
             paginator = self.client.get_paginator("list_objects_v2")
             for page in paginator.paginate(Bucket=self.bucket, Prefix=strip, Delimiter="/"):
@@ -171,17 +195,21 @@ class Storage:
                     key = obj["Key"][len(strip) :]
                     if key and not key.endswith("/"):
                         objs.append(ObjectInfo(key, obj["Size"], obj["ETag"].strip('"')))
-            return sorted(dirs), sorted(objs, key=lambda o: o.key)
-        if not self.path.is_dir():
-            return [], []
-        dirs, objs = [], []
-        for p in sorted(self.path.iterdir()):
-            if p.is_dir():
-                dirs.append(p.name + "/")
-            elif p.is_file():
-                st = p.stat()
-                objs.append(ObjectInfo(p.name, st.st_size, str(st.st_mtime_ns)))
-        return dirs, objs
+                if len(objs) >= batch:
+                    yield dirs, objs
+                    dirs, objs = [], []
+        elif self.path.is_dir():
+            with os.scandir(self.path) as entries:
+                for e in entries:
+                    if e.is_dir():
+                        dirs.append(e.name + "/")
+                    elif e.is_file():
+                        objs.append(ObjectInfo(e.name, *_size_mtime(e.stat())))
+                        if len(objs) >= batch:
+                            yield dirs, objs
+                            dirs, objs = [], []
+        if dirs or objs:
+            yield dirs, objs
 
     def exists(self, key: str) -> bool:
         if self.is_s3:
@@ -223,6 +251,13 @@ class Storage:
             return self.client.get_object(Bucket=self.bucket, Key=self._s3_key(key))["Body"]
         return open(self._local(key), "rb")
 
+    def download(self, key: str, path: Path) -> None:
+        """Copy one object to the local file `path`, streamed (S3: in parts)."""
+        if self.is_s3:
+            self.client.download_file(self.bucket, self._s3_key(key), str(path))
+        else:
+            shutil.copyfile(self._local(key), path)
+
     def write_bytes(self, key: str, data: bytes) -> None:
         """Write atomically: readers see the old object or the new one, never a partial one."""
         if self.is_s3:
@@ -261,6 +296,10 @@ class Storage:
 
     def write_text(self, key: str, text: str) -> None:
         self.write_bytes(key, text.encode("utf-8"))
+
+
+def _size_mtime(st: os.stat_result) -> tuple[int, str]:
+    return st.st_size, str(st.st_mtime_ns)
 
 
 def _raise(e: OSError) -> None:

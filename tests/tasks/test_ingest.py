@@ -262,3 +262,107 @@ def test_a_metadata_value_of_infinity_leaves_the_view_readable(tmp_path):
     assert (first.accepted, second.accepted, second.new_items) == (3, 4, 1)
     scores = _cat(tmp_path / "root", second.ingest_id).set_index("key")["score"]
     assert scores["im0.png"] == float("inf") and scores["im2.png"] == float("-inf")
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_manifest_problems_and_changes_in_csv_and_parquet(tmp_path, fmt, s3_bucket, s3_endpoint):
+    """A CSV or Parquet manifest, read from S3: its second row for a file name, a file name
+    that escapes the source and one the source lacks are problems with a reason; a caption changed
+    in it re-reads that image alone, and a file gone from the source leaves the view."""
+    from PIL import Image
+
+    bucket, client = s3_bucket
+    put = lambda key, data: client.put_object(Bucket=bucket, Key=f"m/{key}", Body=data)  # noqa: E731
+
+    def jpg(i: int) -> bytes:
+        buf = io.BytesIO()
+        Image.new("RGB", (48, 48), (40 * i, 9, 9)).save(buf, format="JPEG")
+        return buf.getvalue()
+
+    def manifest(rows: list[tuple]) -> bytes:
+        df = pd.DataFrame(rows, columns=["file_name", "text", "license"])
+        buf = io.BytesIO()
+        if fmt == "csv":
+            buf.write(df.to_csv(index=False).encode())
+        else:
+            df.to_parquet(buf, index=False)
+        return buf.getvalue()
+
+    for i in range(4):
+        put(f"im{i}.jpg", jpg(i))
+    rows = [("im0.jpg", "zero", "cc0"), ("im1.jpg", "one", "cc0"), ("im2.jpg", "two", "cc-by"),
+            ("im1.jpg", "one again", "cc0"), ("../up.jpg", "escapes", "cc0"),
+            ("gone.jpg", "not there", "cc0")]  # fmt: skip
+    put(f"metadata.{fmt}", manifest(rows))
+    cfg = IngestConfig(source=f"s3://{bucket}/m", metadata_columns=["license"])
+    root = tmp_path / "root"
+    first = ingest_source(cfg, str(root), endpoint_url=s3_endpoint)
+    assert (first.layout, first.listed, first.accepted, first.manifest_problems) == (
+        "imagefolder", 4, 4, 3)  # fmt: skip
+    acc = _cat(root, first.ingest_id).set_index("key")
+    assert acc.loc["im1.jpg", "caption"] == "one", "a file name's first row is used"
+    assert acc.loc["im2.jpg", "license"] == "cc-by" and pd.isna(acc.loc["im3.jpg", "caption"])
+    q = _cat(root, first.ingest_id, "view_quarantine")
+    line = (lambda n: f"metadata.csv:{n + 1}") if fmt == "csv" else (
+        lambda n: f"metadata.parquet:row{n}")  # fmt: skip
+    assert dict(zip(q["key"], q["reason"], strict=True)) == {
+        line(4): "manifest_duplicate_row", "../up.jpg": "manifest_unsafe_key",
+        "gone.jpg": "manifest_missing_file",
+    }  # fmt: skip
+
+    rows[2] = ("im2.jpg", "two, recaptioned", "cc-by")
+    put(f"metadata.{fmt}", manifest(rows))
+    client.delete_object(Bucket=bucket, Key="m/im3.jpg")
+    again = ingest_source(cfg, str(root), endpoint_url=s3_endpoint)
+    assert (again.new_items, again.removed_items, again.unchanged_items) == (1, 1, 2)
+    acc = _cat(root, again.ingest_id).set_index("key")
+    assert sorted(acc.index) == ["im0.jpg", "im1.jpg", "im2.jpg"]
+    assert acc.loc["im2.jpg", "caption"] == "two, recaptioned"
+    assert len(_cat(root, again.ingest_id, "view_quarantine")) == 3, "problems replaced"
+    listing = pd.read_parquet(root / "catalog" / again.ingest_id / "listing.parquet")
+    assert sorted(listing["key"]) == ["im2.jpg", f"metadata.{fmt}"]
+    superseded = pd.read_parquet(root / "catalog" / again.ingest_id / "superseded.parquet")
+    assert sorted(superseded["unit"]) == ["im2.jpg", "im3.jpg"]
+
+
+def test_in_order_holds_a_window_of_results():
+    """`in_order` gives every result in order and never has more than `window` submitted and
+    not yet taken."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tasks.ingest.plan import in_order
+
+    outstanding, peak = 0, 0
+
+    def submit(a):
+        nonlocal outstanding, peak
+        outstanding += 1
+        peak = max(peak, outstanding)
+        return pool.submit(lambda: a * a)
+
+    with ThreadPoolExecutor(2) as pool:
+        got = []
+        for a, r in in_order(submit, range(20), window=3):
+            outstanding -= 1
+            got.append((a, r))
+    assert got == [(a, a * a) for a in range(20)] and peak == 3
+
+
+def test_replaced_rows_are_checked_against_the_units_of_their_range():
+    """A data file is checked against the replaced units between its smallest and largest
+    unit; a file of another source, or whose range holds none, is not read."""
+    import pyarrow as pa
+
+    from tasks.catalog.staging import Replaced, sorted_units
+
+    r = Replaced("s3://b/src", sorted_units(["a.jpg", "k.jpg", "m.jpg", "z.jpg"]))
+    act = {"min.source": "s3://b/src", "max.source": "s3://b/src",
+           "min.unit": "j.jpg", "max.unit": "n.jpg"}  # fmt: skip
+    assert r.in_range(act).to_pylist() == ["k.jpg", "m.jpg"]
+    assert r.in_range({**act, "min.unit": "n1", "max.unit": "y"}) is None
+    assert r.in_range({**act, "min.source": "s3://b/x", "max.source": "s3://b/y"}) is None
+    t = pa.table({"source": ["s3://b/src", "s3://b/src", "s3://b/other"],
+                  "unit": ["k.jpg", "l.jpg", "m.jpg"]})  # fmt: skip
+    assert r.mask(t, r.in_range(act)).to_pylist() == [True, False, False]
+    steps = Replaced("s3://b/src", sorted_units([]), ("ingest-manifest",))
+    assert steps.in_range(act).to_pylist() == [], "a file may hold a replaced step's rows"
