@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -269,7 +270,7 @@ def _plan(
 ) -> Plan:  # fmt: skip
     src = store.url()
     log = task_logger(__name__)
-    tables = _listing(store, runner, endpoint_url, cfg)
+    tables = _counted(_listing(store, runner, endpoint_url, cfg), f"listing {src}", "objects")
     listed = files.write("objects", _OBJECTS, (_objects(t) for t in tables))
     log.info("listed %d objects in %s", listed, src)
     exts = sorted({e.lower() for e in cfg.image_extensions})
@@ -317,6 +318,19 @@ def _listing(store: Storage, runner, endpoint_url: str | None, cfg: IngestConfig
             for d in sorted(dirs))  # fmt: skip
     window = 2 * max(1, cfg.workers or 2)
     for _, t in in_order(lambda a: runner.submit(list_partition, a), args, window):
+        yield t
+
+
+def _counted(tables: Iterable[pa.Table], what: str, unit: str, interval_s: float = 10.0
+             ) -> Iterator[pa.Table]:  # fmt: skip
+    """`tables`, with a log line about every `interval_s` seconds of the rows so far (a
+    listing has no total to show progress against)."""
+    log, n, last = task_logger(__name__), 0, time.monotonic()
+    for t in tables:
+        n += t.num_rows
+        if time.monotonic() - last >= interval_s:
+            log.info("%s: %d %s so far", what, n, unit)
+            last = time.monotonic()
         yield t
 
 
