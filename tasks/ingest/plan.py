@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BATCH", "Plan", "PlanFiles", "in_order", "list_partition", "plan_run"]
 
-BATCH = 50_000  # rows the driver handles at a time
-_MEMORY = "512MB"  # DuckDB's limit; past it, it spills to the plan's folder
+BATCH = 10_000  # rows the driver handles at a time
+_MEMORY = "128MB"  # DuckDB's limit; past it, it spills to the plan's folder
 
 _LISTING = pa.schema([("key", pa.string()), ("size", pa.int64()), ("version", pa.string())])
 _OBJECTS = pa.schema([*_LISTING, ("stem", pa.string()), ("ext", pa.string()),
@@ -139,7 +139,8 @@ class PlanFiles:
 
     def copy(self, query: str, name: str, params: list | None = None) -> int:
         """Stage the result of `query` as `name`; its row count."""
-        self.sql(f"COPY ({query}) TO '{self.path(name)}' (FORMAT parquet)", params)
+        to = f"'{self.path(name)}' (FORMAT parquet, ROW_GROUP_SIZE {BATCH})"
+        self.sql(f"COPY ({query}) TO {to}", params)
         return self.count(name)
 
     def count(self, name: str) -> int:
@@ -149,12 +150,13 @@ class PlanFiles:
         """The rows of `query`, whole, as a table."""
         return self.con.cursor().sql(self._query(query), params=params or None).to_arrow_table()
 
-    def batches(self, query: str, params: list | None = None, size: int = BATCH
+    def batches(self, query: str, params: list | None = None, size: int | None = None
                 ) -> Iterator[list[dict]]:  # fmt: skip
-        """The rows of `query`, streamed, a batch of dicts at a time (on a cursor of its own,
-        so that other queries can run while it is read)."""
+        """The rows of `query`, streamed, a batch of dicts at a time (`BATCH` rows unless
+        `size` is given), on a cursor of its own, so that other queries can run while it is
+        read."""
         rel = self.con.cursor().sql(self._query(query), params=params or None)
-        for b in rel.to_arrow_reader(size):
+        for b in rel.to_arrow_reader(size or BATCH):
             yield b.to_pylist()
 
     def close(self) -> None:
@@ -190,10 +192,10 @@ class Plan:
         return self.prev_summary.get("manifests", {}).get(self.src) != self.manifest.version
 
     def todo_batches(self, size: int) -> Iterator[list[dict]]:
-        return self.files.batches("SELECT * FROM {todo} ORDER BY key", size=size)
+        return self.files.batches("SELECT * FROM {todo}", size=size)  # staged in key order
 
     def reject_batches(self) -> Iterator[list[dict]]:
-        return self.files.batches("SELECT * FROM {rejects} ORDER BY key")
+        return self.files.batches("SELECT * FROM {rejects}")
 
     def problem_batches(self) -> Iterator[list[dict]]:
         """The manifest's problems: unusable rows, second rows of a file name, file names
@@ -209,7 +211,7 @@ class Plan:
         return got.column("unit").combine_chunks() if got.num_rows else pa.array([], pa.string())
 
     def removed_units(self, limit: int) -> list[str]:
-        q = "SELECT unit FROM {removed} ORDER BY unit LIMIT ?"
+        q = "SELECT unit FROM {removed} LIMIT ?"
         return [r[0] for r in self.files.sql(q, [limit]).fetchall()]
 
     def view_counts(self) -> dict:
@@ -411,7 +413,7 @@ def _stage_known(files: PlanFiles, cat_layout: Layout, previous: str | None, src
 
 def _items(files: PlanFiles, chosen: str, exts: set[str], manifest: Manifest
            ) -> Iterator[list[dict]]:  # fmt: skip
-    """Every item and listing reject of the source, a batch at a time, in key order: each
+    """Every item and listing reject of the source, a batch at a time (in no order): each
     listed object less the manifest and the sidecars images consume, with its sidecars
     (img2dataset) or its manifest row (imagefolder) beside it."""
     images = "SELECT stem FROM {objects} WHERE list_contains(?, ext) AND NOT unsafe"
@@ -426,20 +428,20 @@ def _items(files: PlanFiles, chosen: str, exts: set[str], manifest: Manifest
         LEFT JOIN {{objects}} t ON t.key = o.stem || '.txt'
         LEFT JOIN {{objects}} j ON j.key = o.stem || '.json'
         WHERE o.key <> ? AND o.key NOT IN ({sidecars})
-        ORDER BY o.key"""
+        """
         params += [sorted(exts), sorted(exts)]
     else:
         query = f"""
         SELECT o.*, m.caption, m.meta, m.file_name IS NOT NULL AS has_row
         FROM {{objects}} o LEFT JOIN ({_FIRST_ROWS}) m ON m.file_name = o.key
-        WHERE o.key <> ? ORDER BY o.key"""
+        WHERE o.key <> ?"""
     for batch in files.batches(query, params):
         yield [plan_object(r, chosen, exts) for r in batch]
 
 
 def _compare(files: PlanFiles, rebuild: bool) -> dict[str, int]:
-    """Stage what changed against this source's rows in the view: `todo`, `rejects`,
-    `removed` and `stale`; their counts."""
+    """Stage what changed against this source's rows in the view, each in key order:
+    `todo`, `rejects`, `removed` and `stale`; their counts."""
     known = (
         "SELECT unit, max_by(unit_version, pri) AS v FROM ("
         "SELECT unit, unit_version, 0 AS pri FROM {known_acc} UNION ALL "
@@ -466,9 +468,11 @@ def _ingest_id(files: PlanFiles, source: str, state: dict) -> str:
     id, the manifest version and the settings), the changed items and the removed units, so
     that an id is never reused for other content."""
     h = hashlib.sha256(json.dumps([source, state], sort_keys=True).encode())
-    for query in ("SELECT key, version FROM {todo} ORDER BY key",
-                  "SELECT key, version FROM {rejects} ORDER BY key",
-                  "SELECT unit, '' FROM {removed} ORDER BY unit"):  # fmt: skip
+    for query in (
+        "SELECT key, version FROM {todo}",
+        "SELECT key, version FROM {rejects}",
+        "SELECT unit, '' FROM {removed}",
+    ):  # each staged in key order; fmt: skip
         for batch in files.batches(query):
             for row in batch:
                 h.update(json.dumps(list(row.values())).encode())

@@ -60,7 +60,7 @@ from tasks.ingest.plan import Plan, in_order, list_partition, plan_run
 from tasks.ingest.sources import SOURCE_FORMATS, Item, item_from_row
 from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
-from tasks.runtime.runners import partition_runner
+from tasks.runtime.runners import partition_runner, release_freed_memory
 from tasks.storage.layout import Layout
 from tasks.storage.lock import catalog_writer
 from tasks.storage.objects import Storage
@@ -153,6 +153,7 @@ def _ingest(
         plan = plan_run(store, cfg, cat_layout, runner, endpoint_url,
                         cat_layout.folder("catalog") / "plan.staging")  # fmt: skip
         stack.callback(plan.files.close)
+        release_freed_memory()  # the plan's batches and DuckDB's buffers
         if plan.ingest_id is None:
             log.info("source %s unchanged since %s: nothing to decode", plan.src, plan.previous)
             counts = plan.view_counts()
@@ -177,6 +178,7 @@ def _ingest(
         _decode(plan, opts, runner, pool, cfg.partition_size, rows.add_records,
                 window=2 * max(2, n_workers))  # fmt: skip
         rows.add_listing_problems()
+        release_freed_memory()
         result, summary = _summarize(plan, rows)
         summary["table_versions"] = _commit_rows(cat_layout, plan, rows)
         write_catalog_dir(
@@ -226,9 +228,11 @@ def _decode(
     def submit(items: list[Item]):
         return runner.submit(decode_partition, {"opts": opts, "items": items, "pool": pool})
 
-    for items, records in in_order(submit, parts, window):
+    for i, (items, records) in enumerate(in_order(submit, parts, window), start=1):
         sink(records)
         progress.advance(len(items))
+        if i % 16 == 0:  # what the finished partitions freed goes back to the OS
+            release_freed_memory()
     progress.finish()
 
 
@@ -307,6 +311,7 @@ def _commit_rows(cat_layout: Layout, plan: Plan, rows: _RunRows) -> dict[str, in
          Replaced(plan.src, plan.stale_between, ("ingest-manifest",))),
     ):  # fmt: skip
         versions[table] = commit_staged(cat_layout, table, staged, plan.seq + 1, replaced)
+        release_freed_memory()  # the data files' row groups
         if versions[table] is None:
             versions[table] = prev.get(table)
     return versions
