@@ -44,6 +44,7 @@ from data_quality.suite import (
     cross_catalog,
     cross_hits,
     expectation_summaries,
+    hash_columns,
     suite_key,
     write_data_docs,
 )
@@ -363,24 +364,37 @@ def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, colu
           partition_rows: int, cache: Path | None = None) -> tuple[RowCheck, dict]:  # fmt: skip
     """The row-local rules on the new rows (their rejects staged; their hashes kept in the hash
     `cache`) and the duplicate checks against the whole view, reading the old rows' hashes
-    from the cache where it has them: (the merged RowCheck, `cross_hits` of the new rows)."""
-    checks, sample = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
-                                 dask_address, stage, hash_dir, dup_partitions,
-                                 cache)  # fmt: skip
-    new = _merge(checks, old_rows, sample)
-    release_freed_memory()
-    if hash_dir is not None:
-        files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
-        cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
-                                  rules.near_duplicate_distance, dup_partitions,
-                                  workers=workers, dask_address=dask_address,
-                                  cache=str(cache) if cache else None)  # fmt: skip
-    elif new.rows:
-        batches = old_hash_batches(old_parts, new_parts, str(cache) if cache else None)
-        cross = cross_catalog(new.hashes, rules, batches, old_rows, workers=workers)
-    else:
-        cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
-    new.hashes = None
+    from the cache where it has them: (the merged RowCheck, `cross_hits` of the new rows).
+
+    On the driver, the duplicate search needs only the new rows' hashes, so it runs on a
+    thread of its own while the row checks run: the checks' start (Great Expectations'
+    import and context) is mostly one busy core, and the search uses the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="kiln-search") as pool:
+        search = None
+        if hash_dir is None and any(p.rows for p in new_parts):
+            hashes = hash_columns(pd.concat([read_part(p, ["sha256", "phash"])
+                                             for p in new_parts], ignore_index=True))  # fmt: skip
+            batches = old_hash_batches(old_parts, new_parts, str(cache) if cache else None)
+            search = pool.submit(cross_catalog, hashes, rules, batches, old_rows,
+                                 workers=workers)  # fmt: skip
+        checks, sample = _run_checks(_partitions(new_parts, partition_rows), rules, columns,
+                                     workers, dask_address, stage, hash_dir, dup_partitions,
+                                     cache)  # fmt: skip
+        new = _merge(checks, old_rows, sample)
+        new.hashes = None
+        release_freed_memory()
+        if search is not None:
+            cross = search.result()
+        elif hash_dir is not None:
+            files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
+            cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
+                                      rules.near_duplicate_distance, dup_partitions,
+                                      workers=workers, dask_address=dask_address,
+                                      cache=str(cache) if cache else None)  # fmt: skip
+        else:
+            cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
     release_freed_memory()
     return new, cross_hits(new.rejected["pos"].to_numpy(np.int64), cross, rules, old_rows)
 
