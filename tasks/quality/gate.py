@@ -538,12 +538,12 @@ def validate_catalog(
     `verdict.json` (passed, reject fraction, limit, reasons, the suite's key, the catalog table
     versions it checked, the quarantine data files its quarantine was built from); the
     rejects and flags also go to the Delta tables `catalog/tables/rejects` and `.../flags`
-    (column `verdict`: the ingest id); and, in
-    `quality/<ingest_id>/`, the Data Docs site, `quarantine.parquet` (every quarantined row of
-    the view, ingest and validate steps), `quarantine_sample.parquet` (up to 20 rows a
-    reason: what MLflow gets) and `summary.json`. All of it is written before the
-    gate is checked. With `allow_failed_gate` a failed gate is logged instead of raised (the
-    verdict still says failed, and the shard step needs the same override).
+    (column `verdict`: the ingest id); and, in `quality/<ingest_id>/`, the Data Docs site,
+    `quarantine.parquet` (every quarantined row of the view, ingest and validate steps),
+    `quarantine_sample.parquet` (up to 20 rows a reason: what MLflow gets) and
+    `summary.json`. All of it is written before the gate is checked. With
+    `allow_failed_gate` a failed gate is logged instead of raised (the verdict still says
+    failed, and the shard step needs the same override).
     """
     log = task_logger(__name__)
     layout = Layout(Path(root))
