@@ -171,3 +171,26 @@ def test_a_cache_entry_is_used_only_for_the_file_and_row_count_it_was_built_from
     assert hash_cache.prune(cache, table) == 1 and not any(cache.rglob("*.npy"))
     with pytest.raises(ValueError, match="hashes"):
         hash_cache.save(cache, data, [0], [4], hashes)
+
+
+def test_the_partitioned_search_reads_old_hashes_from_the_cache(tmp_path, demo_src, monkeypatch):
+    src, root, first = _root(tmp_path, demo_src)
+    names = sorted(p.name for p in src.glob("*.jpg"))
+    _add(src, "copy.jpg", copy_of=names[1])
+    _add(src, "new.jpg")
+    second = _ingest(src, root)
+    hits = []
+    real = hash_cache.load
+
+    def spy(*args):
+        got = real(*args)
+        hits.append(got is not None)
+        return got
+
+    monkeypatch.setattr(hash_cache, "load", spy)
+    result = validate_catalog.fn(str(root), second, RULES, dup_partitions=2)
+    assert result.incremental_from == first and hits and all(hits)
+    q = pd.read_parquet(root / "quality" / second / "quarantine.parquet").set_index("key")
+    assert q.loc["copy.jpg", "reason"] == "duplicate_sha256"
+    monkeypatch.undo()
+    _same_as_full(tmp_path, root, second)
