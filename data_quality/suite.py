@@ -390,12 +390,32 @@ class CrossCheck:
     positions: np.ndarray | None = None
 
 
-def _first_equal(hi, lo, uniq_hi, ohi, olo) -> np.ndarray:
+@dataclass(frozen=True)
+class _NewHi:
+    """The new rows' sorted distinct `hi` (`uniq`), and a bitmap of their top `bits` bits
+    (`seen`): one look-up there rules out most old rows before a binary search (`hi` is a
+    hash, so its top bits spread evenly)."""
+
+    uniq: np.ndarray
+    seen: np.ndarray
+    bits: int
+
+    @classmethod
+    def of(cls, hi: np.ndarray) -> _NewHi:
+        uniq = np.unique(hi)
+        bits = min(22, max(16, (16 * len(uniq)).bit_length()))  # about 1/16 full, <= 4 MB
+        seen = np.zeros(1 << bits, dtype=bool)
+        seen[(uniq >> np.uint64(64 - bits)).astype(np.intp)] = True
+        return cls(uniq, seen, bits)
+
+
+def _first_equal(hi, lo, new_hi: _NewHi, ohi, olo) -> np.ndarray:
     """For each new row (hi, lo), the first old row of the batch with the same pair, else -1.
-    Only old rows whose `hi` some new row has are looked at (`uniq_hi`: the new rows' sorted
-    distinct `hi`)."""
-    at = np.minimum(np.searchsorted(uniq_hi, ohi), len(uniq_hi) - 1)
-    cand = np.flatnonzero(uniq_hi[at] == ohi)
+    Only old rows whose `hi` some new row has are looked at (`new_hi`: the new rows')."""
+    uniq_hi = new_hi.uniq
+    cand = np.flatnonzero(new_hi.seen[(ohi >> np.uint64(64 - new_hi.bits)).astype(np.intp)])
+    at = np.minimum(np.searchsorted(uniq_hi, ohi[cand]), len(uniq_hi) - 1)
+    cand = cand[uniq_hi[at] == ohi[cand]]
     if not len(cand):
         return np.full(len(hi), -1, np.int64)
     old = pd.MultiIndex.from_arrays([ohi[cand], olo[cand]])
@@ -404,13 +424,13 @@ def _first_equal(hi, lo, uniq_hi, ohi, olo) -> np.ndarray:
     return np.where(np.isnan(pos), -1, pos).astype(np.int64)
 
 
-def _against_batch(new, uniq_hi, d: int, near_filter, batch) -> tuple:
+def _against_batch(new, new_hi: _NewHi, d: int, near_filter, batch) -> tuple:
     """One old batch's answers for the new rows, in the batch's own positions: (exact, near,
     rows). `batch` is (hi, lo, phash) or a function returning it (read in this thread); with
     `near_filter`, only the old rows it lets through are searched for near duplicates."""
     hi, lo, ph = new
     ohi, olo, oph = batch() if callable(batch) else batch
-    exact = _first_equal(hi, lo, uniq_hi, ohi, olo)
+    exact = _first_equal(hi, lo, new_hi, ohi, olo)
     if near_filter is None:
         return exact, near_duplicates_against(ph, hi, oph, ohi, d, prefilter=False), len(ohi)
     at = np.flatnonzero(near_filter(oph))
@@ -456,7 +476,7 @@ def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, 
     if not n:
         return CrossCheck(duplicate_of=dup, near_duplicate_of=near)
     start = 0
-    read = partial(_against_batch, new, np.unique(hi), d, near_filter(ph, d, old_rows))
+    read = partial(_against_batch, new, _NewHi.of(hi), d, near_filter(ph, d, old_rows))
     for exact, m, rows in _in_order(read, old_batches, workers):
         # the first old row of each new sha256 and pHash (earlier batches first)
         take = (dup < 0) & (exact >= 0)

@@ -1,7 +1,8 @@
 """The cross-catalog duplicate checks as partition tasks, on local threads or a Dask cluster.
 
 The validate step's row checks write each partition's hashes (`check_partition` with a
-`hash_path`); rows an earlier verdict already checked get theirs from `hash_rows`. Then
+`hash_path`); rows an earlier verdict already checked get theirs from `hash_rows`, from the
+hash cache (tasks/quality/hash_cache.py) when it has them. Then
 (data_quality/dup_partitions.py) each exact partition finds its sha256 copies and counts its
 distinct pHashes, each hash file is split by table, and each near partition runs its
 share of the multi-index hashing tables. Every task reads its own rows from the hash files
@@ -33,6 +34,7 @@ from data_quality.dup_partitions import (
 )
 from data_quality.suite import CrossCheck, hash_columns
 from tasks.catalog.view import ViewPart, read_part
+from tasks.quality import hash_cache
 from tasks.runtime.logs import task_logger
 from tasks.runtime.runners import partition_runner
 
@@ -57,11 +59,27 @@ def dup_partitions_for(rows: int, new_rows: int, partition_rows: int) -> int:
 
 
 @task(name="hash-rows", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def hash_rows(part: ViewPart, row_groups: list[int], path: str, parts: int) -> int:
+def hash_rows(part: ViewPart, row_groups: list[int], path: str, parts: int,
+              cache: str | None = None) -> int:  # fmt: skip
     """Write the hashes of some row groups of one part (rows checked by an earlier verdict)
-    to a hash file; return their count. Idempotent: a retry rewrites the file."""
-    return write_hash_file(path, hash_columns(read_part(part, ["sha256", "phash"], row_groups)),
-                           parts)  # fmt: skip
+    to a hash file, from the hash `cache` when it has every group; return their count.
+    Idempotent: a retry rewrites the file."""
+    hashes = _cached(cache, part.path, row_groups) if cache else None
+    if hashes is None:
+        hashes = hash_columns(read_part(part, ["sha256", "phash"], row_groups))
+    return write_hash_file(path, hashes, parts)
+
+
+def _cached(cache: str, path, row_groups: list[int]) -> tuple | None:
+    """The cached hashes of `row_groups` of the data file `path`, or None unless all are."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    got = [hash_cache.load(Path(cache), path, g, meta.row_group(g).num_rows) for g in row_groups]
+    if any(g is None for g in got):
+        return None
+    return tuple(np.concatenate([g[i] for g in got]) if got else np.zeros(0, np.uint64)
+                 for i in range(3))  # fmt: skip
 
 
 @task(name="exact-duplicates", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -86,28 +104,35 @@ def near_partition(
     return near_duplicates_in(table_files, part, d, design, first)
 
 
-def old_hash_batches(old: list[ViewPart], new: list[ViewPart]) -> list:
+def old_hash_batches(old: list[ViewPart], new: list[ViewPart], cache: str | None = None) -> list:
     """The old rows' hashes for the driver search, one reader per row group (a function that
-    returns that group's (hi, lo, phash), so that the search's threads read in parallel),
-    hashing only what the new rows can match.
+    returns that group's (hi, lo, phash), so that the search's threads read in parallel):
+    from the hash `cache` when it has the group, else hashing only what the new rows can
+    match.
 
-    An old row's sha256 matters only when a new row has it: the others all get one label
-    (sha_hi, sha_lo) that no new row has, which keeps every comparison the search makes
-    ("the same sha256 as this new row?") and skips hashing the old sha256 strings, the bulk
-    of an incremental validate's work on a large catalog. pHashes are parsed as they are.
+    Without a cache entry, an old row's sha256 matters only when a new row has it: the
+    others all get one label (sha_hi, sha_lo) that no new row has, which keeps every
+    comparison the search makes ("the same sha256 as this new row?", and a near duplicate
+    is never an exact one) and skips hashing the old sha256 strings. pHashes are parsed as
+    they are. A cached group has every row's own hashes, which answer the same.
     """
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
     shas = pd.concat([read_part(p, ["sha256"]) for p in new] or [pd.DataFrame({"sha256": []})])
     new_sha = pa.array(shas["sha256"].astype(str).tolist(), pa.string())
     mine = set(hash_columns(shas.assign(phash="0" * 16))[0].tolist())
     label = next(v for v in range(len(mine) + 1) if v not in mine)  # no new row's sha_hi
-    return [
-        partial(_old_group, p.path, g, new_sha, label) for p in old for g in range(p.row_groups)
-    ]
+    out = []
+    for p in old:
+        meta = pq.ParquetFile(p.path).metadata if cache else None
+        out += [partial(_old_group, p.path, g, new_sha, label, cache,
+                        meta.row_group(g).num_rows if meta else 0)
+                for g in range(p.row_groups)]  # fmt: skip
+    return out
 
 
-def _old_group(path, group: int, new_sha, label: int):
+def _old_group(path, group: int, new_sha, label: int, cache: str | None = None, rows: int = 0):
     """One row group's (hi, lo, phash) for `old_hash_batches`."""
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -115,6 +140,9 @@ def _old_group(path, group: int, new_sha, label: int):
 
     from data_quality.near_dup import phash_to_uint64
 
+    got = hash_cache.load(Path(cache), path, group, rows) if cache else None
+    if got is not None:
+        return got
     t = pq.ParquetFile(path).read_row_group(group, columns=["sha256", "phash"])
     sha = t.column("sha256").cast(pa.string())
     hit = pc.is_in(sha, value_set=new_sha).to_numpy(zero_copy_only=False)
@@ -148,6 +176,7 @@ def partitioned_cross(
     *,
     workers: int = 2,
     dask_address: str | None = None,
+    cache: str | None = None,
 ) -> CrossCheck:
     """Exact and near duplicates of the new rows against the whole catalog, in partitions.
 
@@ -160,6 +189,8 @@ def partitioned_cross(
         parts: hash-prefix partitions.
         workers: local partitions at once.
         dask_address: run the partitions on this Dask scheduler.
+        cache: the hash cache (tasks/quality/hash_cache.py) the old rows' hashes are read
+            from where it has them.
 
     Returns:
         A sparse CrossCheck: `positions` (catalog positions of new rows with a hit) and, for
@@ -168,7 +199,7 @@ def partitioned_cross(
     log = task_logger(__name__)
     try:
         calls = [{"part": p, "row_groups": g, "path": str(hash_dir / f"old-{i:06d}.parquet"),
-                  "parts": parts} for i, (p, g) in enumerate(old)]  # fmt: skip
+                  "parts": parts, "cache": cache} for i, (p, g) in enumerate(old)]  # fmt: skip
         counts = _map(hash_rows, calls, workers, dask_address)
         files, start = [], 0
         for path, n in [(c["path"], k) for c, k in zip(calls, counts, strict=True)] + new_files:

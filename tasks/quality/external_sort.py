@@ -6,7 +6,8 @@ written as a run; the runs are then merged `MERGE_ROWS` rows of each at a time: 
 or below the smallest of the runs' current last rows is emitted, in order, and the rest wait.
 Ties keep the order the rows came in, and a null sorts after every value, as pandas'
 `sort_values(kind="stable")` does. Memory is a run while sorting and a block a run while
-merging, whatever the row count.
+merging, whatever the row count. `merged_tables` merges streams that are sorted already (an
+earlier sorted file and a few new rows) the same way, with no runs to write.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-__all__ = ["MERGE_ROWS", "RUN_ROWS", "sorted_tables"]
+__all__ = ["MERGE_ROWS", "RUN_ROWS", "merged_tables", "sorted_tables"]
 
 RUN_ROWS = 262_144  # rows sorted in memory at once
 MERGE_ROWS = 8_192  # rows of each run held while merging
@@ -75,12 +77,21 @@ def sorted_tables(tables: Iterable[pa.Table], by: list[str], folder: Path) -> It
     """`tables` (one schema) as sorted tables, stably by the columns `by`; the runs are
     written under `folder` (created; the caller removes it)."""
     folder.mkdir(parents=True, exist_ok=True)
-    keys = _key_names(by)
-    order = [(k, "ascending") for k in keys]
     runs = _runs(tables, by, folder)
-    readers = [pq.ParquetFile(r).iter_batches(batch_size=MERGE_ROWS) for r in runs]
-    blocks = [next(r, None) for r in readers]
-    blocks = [None if b is None else pa.Table.from_batches([b]) for b in blocks]
+    yield from _merge([_blocks(r) for r in runs], _key_names(by))
+
+
+def _blocks(run: Path) -> Iterator[pa.Table]:
+    for b in pq.ParquetFile(run).iter_batches(batch_size=MERGE_ROWS):
+        yield pa.Table.from_batches([b])
+
+
+def _merge(streams: list[Iterator[pa.Table]], keys: list[str]) -> Iterator[pa.Table]:
+    """Streams of tables, each sorted by the columns `keys` (no two rows of different streams
+    equal on all of them), as one sorted stream without those columns: every row at or below
+    the smallest of the streams' current last rows is emitted, the rest wait."""
+    order = [(k, "ascending") for k in keys]
+    blocks = [next(s, None) for s in streams]
     while any(b is not None for b in blocks):
         live = [i for i, b in enumerate(blocks) if b is not None]
         bound = min(tuple(blocks[i][k][-1].as_py() for k in keys) for i in live)
@@ -89,7 +100,28 @@ def sorted_tables(tables: Iterable[pa.Table], by: list[str], folder: Path) -> It
             n = _at_most(blocks[i], keys, bound)
             taken.append(blocks[i].slice(0, n))
             blocks[i] = blocks[i].slice(n)
-            if not blocks[i].num_rows:
-                nxt = next(readers[i], None)
-                blocks[i] = None if nxt is None else pa.Table.from_batches([nxt])
+            while blocks[i] is not None and not blocks[i].num_rows:
+                blocks[i] = next(streams[i], None)
         yield pa.concat_tables(taken).sort_by(order).drop_columns(keys)
+
+
+def merged_tables(streams: list[Iterable[pa.Table]], by: list[str],
+                  rank: str) -> Iterator[pa.Table]:  # fmt: skip
+    """Streams of tables (one schema), each already sorted stably by the columns `by`, as one
+    sorted stream: rows equal on `by` come by the int column `rank` (dropped; within a
+    stream, it must not decrease among such rows), then by stream, then as they came. Nulls
+    sort as in `sorted_tables`. Memory is a block of each stream, whatever the row count."""
+
+    def keyed(i: int, tables: Iterable[pa.Table]) -> Iterator[pa.Table]:
+        seen = 0
+        for t in tables:
+            if not t.num_rows:
+                continue
+            tie = (t[rank].to_numpy().astype(np.int64) << 48) | (i << 40)
+            t = _with_keys(t.drop_columns([rank]), by, seen)
+            at = t.schema.get_field_index(_ORD)
+            t = t.set_column(at, _ORD, pa.array(tie + t[_ORD].to_numpy(), pa.int64()))
+            seen += t.num_rows
+            yield t
+
+    yield from _merge([keyed(i, s) for i, s in enumerate(streams)], _key_names(by))

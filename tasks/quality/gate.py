@@ -44,6 +44,7 @@ from data_quality.suite import (
     cross_catalog,
     cross_hits,
     expectation_summaries,
+    hash_columns,
     suite_key,
     write_data_docs,
 )
@@ -57,14 +58,18 @@ from tasks.catalog.view import (
     ViewPart,
     chain,
     read_part,
+    table_path,
     view_columns,
     view_parts,
     view_versions,
 )
+from tasks.quality import hash_cache
 from tasks.quality.dup_search import dup_partitions_for, old_hash_batches, partitioned_cross
 from tasks.quality.verdict_rows import (
     FLAG_SCHEMA,
     REJECT_SCHEMA,
+    merge_base,
+    quarantine_schema,
     resolve_hits,
     stage_rejects,
     write_quarantine,
@@ -216,12 +221,19 @@ def check_partition(
     hash_path: str | None = None,
     hash_parts: int = 0,
     stage_path: str | None = None,
+    cache: str | None = None,
 ) -> RowCheck:
     """The row-local rules on some row groups of one ingest's rows (a retry rewrites what it
     wrote; on a Dask worker, the root must be mounted at the same path). With `hash_path`, the
     rows' hashes go to that file for the partitioned duplicate search instead of the result;
-    with `stage_path`, the rejected rows go to that file and the result keeps their `pos`."""
+    with `stage_path`, the rejected rows go to that file and the result keeps their `pos`;
+    with `cache`, the hashes are also kept there for later validates (hash_cache.py)."""
     check = check_rows(read_part(part, columns, row_groups), rules)
+    if cache:
+        meta = pq.ParquetFile(part.path).metadata
+        hash_cache.save(Path(cache), part.path, row_groups,
+                        [meta.row_group(g).num_rows for g in row_groups],
+                        check.hashes)  # fmt: skip
     if hash_path:
         write_hash_file(hash_path, check.hashes, hash_parts)
         check.hashes = None
@@ -253,12 +265,13 @@ def _base(layout: Layout, links: list[dict], key: str) -> dict | None:
 
 
 def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | None,
-                stage: Path, hash_dir: Path | None = None,
-                hash_parts: int = 0) -> tuple[list, pd.DataFrame]:  # fmt: skip
+                stage: Path, hash_dir: Path | None = None, hash_parts: int = 0,
+                cache: Path | None = None) -> tuple[list, pd.DataFrame]:  # fmt: skip
     """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
     so that memory stays a few partitions whatever the catalog's size. Each writes its
     rejects to `stage/rows-<n>.parquet`; with `hash_dir`, its hashes there (`<n>.parquet`) for
-    `hash_parts` duplicate partitions. Returns the results and their bounded sample."""
+    `hash_parts` duplicate partitions; with `cache`, to the hash cache. Returns the results
+    and their bounded sample."""
     out, window, sample = [], [], pd.DataFrame()
     progress = Progress("validate", sum(p.rows for p in {p.path: p for p, _ in tasks}.values()),
                         "rows")  # fmt: skip
@@ -273,7 +286,8 @@ def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | N
         limit = len(tasks) if dask_address else workers
         for i, (part, groups) in enumerate(tasks):
             args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules,
-                    "stage_path": str(stage / f"rows-{i:06d}.parquet")}  # fmt: skip
+                    "stage_path": str(stage / f"rows-{i:06d}.parquet"),
+                    "cache": str(cache) if cache else None}  # fmt: skip
             if hash_dir is not None:
                 args.update(hash_path=str(hash_dir / f"{i:06d}.parquet"), hash_parts=hash_parts)
             window.append(runner.submit(check_partition, args))
@@ -347,36 +361,86 @@ def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
 
 def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, columns, stage: Path,
           hash_dir: Path | None, dup_partitions: int, *, workers: int, dask_address: str | None,
-          partition_rows: int) -> tuple[RowCheck, dict]:  # fmt: skip
-    """The row-local rules on the new rows (their rejects staged) and the duplicate checks
-    against the whole view: (the merged RowCheck, `cross_hits` of the new rows)."""
-    checks, sample = _run_checks(_partitions(new_parts, partition_rows), rules, columns, workers,
-                                 dask_address, stage, hash_dir, dup_partitions)  # fmt: skip
-    new = _merge(checks, old_rows, sample)
-    release_freed_memory()
-    if hash_dir is not None:
-        files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
-        cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
-                                  rules.near_duplicate_distance, dup_partitions,
-                                  workers=workers, dask_address=dask_address)  # fmt: skip
-    elif new.rows:
-        cross = cross_catalog(new.hashes, rules, old_hash_batches(old_parts, new_parts), old_rows,
-                              workers=workers)  # fmt: skip
-    else:
-        cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
-    new.hashes = None
+          partition_rows: int, cache: Path | None = None) -> tuple[RowCheck, dict]:  # fmt: skip
+    """The row-local rules on the new rows (their rejects staged; their hashes kept in the hash
+    `cache`) and the duplicate checks against the whole view, reading the old rows' hashes
+    from the cache where it has them: (the merged RowCheck, `cross_hits` of the new rows).
+
+    On the driver, the duplicate search needs only the new rows' hashes, so it runs on a
+    thread of its own while the row checks run: the checks' start (Great Expectations'
+    import and context) is mostly one busy core, and the search uses the others."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1, thread_name_prefix="kiln-search") as pool:
+        search = None
+        if hash_dir is None and any(p.rows for p in new_parts):
+            hashes = hash_columns(pd.concat([read_part(p, ["sha256", "phash"])
+                                             for p in new_parts], ignore_index=True))  # fmt: skip
+            batches = old_hash_batches(old_parts, new_parts, str(cache) if cache else None)
+            search = pool.submit(cross_catalog, hashes, rules, batches, old_rows,
+                                 workers=workers)  # fmt: skip
+        checks, sample = _run_checks(_partitions(new_parts, partition_rows), rules, columns,
+                                     workers, dask_address, stage, hash_dir, dup_partitions,
+                                     cache)  # fmt: skip
+        new = _merge(checks, old_rows, sample)
+        new.hashes = None
+        release_freed_memory()
+        if search is not None:
+            cross = search.result()
+        elif hash_dir is not None:
+            files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
+            cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
+                                      rules.near_duplicate_distance, dup_partitions,
+                                      workers=workers, dask_address=dask_address,
+                                      cache=str(cache) if cache else None)  # fmt: skip
+        else:
+            cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
     release_freed_memory()
     return new, cross_hits(new.rejected["pos"].to_numpy(np.int64), cross, rules, old_rows)
 
 
+def _quarantine_record(layout: Layout, parts: list[ViewPart], rows: int) -> dict:
+    """What a verdict's quarantine file was built from: the view's quarantine data files
+    (Delta never rewrites one in place) and its row count."""
+    table = table_path(layout, "quarantine")
+    return {"parts": [[p.seq, p.path.relative_to(table).as_posix()] for p in parts],
+            "rows": rows}  # fmt: skip
+
+
+def _mergeable(layout: Layout, base: dict | None, parts: list[ViewPart],
+               terms: Path) -> Path | None:  # fmt: skip
+    """The earlier verdict's quarantine file, when this run's can be merged from it and the
+    rows after it (`write_quarantine`): the view's quarantine rows up to that verdict are the
+    ones it was built from, and the licensing terms quarantine the same rows as then (else
+    some of its rows would change reason or leave). None: rebuild it."""
+    if base is None or "quarantine" not in base:
+        return None
+    path = layout.quality(base["id"]) / "quarantine.parquet"
+    record = base["quarantine"]
+    old = [p for p in parts if p.seq <= base["seq"]]
+    if not path.is_file() or _quarantine_record(layout, old, record["rows"]) != record:
+        return None
+    if pq.ParquetFile(path).metadata.num_rows != record["rows"]:
+        return None
+    cols = REJECT_SCHEMA.names
+    then = pq.read_table(base["rejects"], columns=cols,
+                         filters=[("reason", "in", sorted(TERMS_REASONS))])  # fmt: skip
+    now = pq.read_table(terms, columns=cols)
+    order = [(c, "ascending") for c in cols]
+    if not then.cast(REJECT_SCHEMA).sort_by(order).equals(now.cast(REJECT_SCHEMA).sort_by(order)):
+        return None
+    return path
+
+
 def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
                 cross: tuple[Path, Path], terms: tuple[Path, pa.Array],
-                sample: pd.DataFrame) -> tuple[int, pd.DataFrame, dict]:  # fmt: skip
+                sample: pd.DataFrame) -> tuple[int, pd.DataFrame, dict, dict]:  # fmt: skip
     """The verdict's rows streamed into place: `rejects.parquet` (the earlier verdict's, the
     staged partitions', the duplicates', less any row the licensing terms quarantine, then
-    the terms' own), `near_duplicates.parquet`, `docs_sample.parquet`, the quarantine and the
+    the terms' own), `near_duplicates.parquet`, `docs_sample.parquet`, the quarantine (merged
+    from the earlier verdict's when `_mergeable`, else rebuilt from the whole view) and the
     Delta tables. Returns (rejects, the quarantine's counts by step and reason, the tables'
-    versions)."""
+    versions, `_quarantine_record` of the quarantine)."""
     cat = layout.catalog(ingest_id)
     rows_files = sorted(stage.glob("rows-*.parquet"))
     rejects, flags = stage / REJECTS_FILE, stage / FLAGS_FILE
@@ -384,7 +448,20 @@ def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
                    REJECT_SCHEMA, gone=terms[1], drop_reasons=TERMS_REASONS,
                    then=[terms[0]])  # fmt: skip
     write_rows(flags, [*([base["flags"]] if base else []), cross[1]], FLAG_SCHEMA)
-    quarantine = write_quarantine(layout, ingest_id, rejects, layout.quality(ingest_id))
+    qparts = view_parts(layout, ingest_id, "quarantine")
+    merge_from = _mergeable(layout, base, qparts, terms[0])
+    if merge_from is not None and not merge_base(merge_from, quarantine_schema(qparts)):
+        merge_from = None
+    if merge_from is None:
+        quarantine = write_quarantine(layout, ingest_id, rejects, layout.quality(ingest_id),
+                                      parts=qparts)  # fmt: skip
+    else:  # the rows this run adds: its new rows' rejects (no terms row: those are as before)
+        task_logger(__name__).info("quarantine: %s's merged with the rows after it", base["id"])
+        added = stage / "added-rejects.parquet"
+        write_rows(added, [*rows_files, cross[0]], REJECT_SCHEMA, gone=terms[1])
+        quarantine = write_quarantine(layout, ingest_id, added, layout.quality(ingest_id),
+                                      base=merge_from, after_seq=base["seq"],
+                                      parts=qparts)  # fmt: skip
     release_freed_memory()
     rejects.replace(cat / REJECTS_FILE)
     flags.replace(cat / FLAGS_FILE)
@@ -393,7 +470,7 @@ def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
     # The same rows as Delta tables (`verdict` = this ingest id), for other engines and SQL.
     tables = {t: write_verdict_table(layout, t, cat / f, ingest_id)
               for t, f in (("rejects", REJECTS_FILE), ("flags", FLAGS_FILE))}  # fmt: skip
-    return n, quarantine, tables
+    return n, quarantine, tables, _quarantine_record(layout, qparts, int(quarantine["n"].sum()))
 
 
 def _result(ingest_id: str, rows: int, rejected: int, quarantine: pd.DataFrame,
@@ -449,21 +526,24 @@ def validate_catalog(
     rows when more than one partition of rows is new, else 0: on the driver, whose memory then
     holds the new rows' hashes and a row group of the old). When an earlier catalog of the
     chain was validated under the same rules and no accepted row has left the view since,
-    only the rows ingested after it are checked, and compared with the others for duplicates.
-    The licensing terms (data_quality/terms.py: the takedown list, license ends) run on every
-    row at every run and override the suite's reason; they are not counted in the gate's
-    reject fraction.
+    only the rows ingested after it are checked, and compared with the others for duplicates:
+    their hashes come from the hash cache (tasks/quality/hash_cache.py) that the row checks
+    fill, and the quarantine is that verdict's merged with the new rows when nothing it was
+    built from changed (`_mergeable`). The licensing terms (data_quality/terms.py: the
+    takedown list, license ends) run on every row at every run and override the suite's
+    reason; they are not counted in the gate's reject fraction.
 
     Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
     `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
     `verdict.json` (passed, reject fraction, limit, reasons, the suite's key, the catalog table
-    versions it checked); the rejects and flags also go to the Delta tables
-    `catalog/tables/rejects` and `.../flags` (column `verdict`: the ingest id); and, in
-    `quality/<ingest_id>/`, the Data Docs site, `quarantine.parquet` (every quarantined row of
-    the view, ingest and validate steps), `quarantine_sample.parquet` (up to 20 rows a
-    reason: what MLflow gets) and `summary.json`. All of it is written before the
-    gate is checked. With `allow_failed_gate` a failed gate is logged instead of raised (the
-    verdict still says failed, and the shard step needs the same override).
+    versions it checked, the quarantine data files its quarantine was built from); the
+    rejects and flags also go to the Delta tables `catalog/tables/rejects` and `.../flags`
+    (column `verdict`: the ingest id); and, in `quality/<ingest_id>/`, the Data Docs site,
+    `quarantine.parquet` (every quarantined row of the view, ingest and validate steps),
+    `quarantine_sample.parquet` (up to 20 rows a reason: what MLflow gets) and
+    `summary.json`. All of it is written before the gate is checked. With
+    `allow_failed_gate` a failed gate is logged instead of raised (the verdict still says
+    failed, and the shard step needs the same override).
     """
     log = task_logger(__name__)
     layout = Layout(Path(root))
@@ -489,13 +569,15 @@ def validate_catalog(
     new_parts = [p for p in parts if p.seq > after]
     old_rows = int(base["rows"]) if base else 0
     dup_partitions, hash_dir = _dup_plan(cat, dup_partitions, parts, new_parts, partition_rows)
+    cache = hash_cache.cache_root(layout)
+    hash_cache.prune(cache, table_path(layout, "accepted"))
     stage = cat / "validate-stage"  # the verdict's rows, as they are found
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
     try:
         new, hits = _find(parts, old_parts, new_parts, old_rows, rules, columns, stage,
                           hash_dir, dup_partitions, workers=workers, dask_address=dask_address,
-                          partition_rows=partition_rows)  # fmt: skip
+                          partition_rows=partition_rows, cache=cache)  # fmt: skip
         counts = dict(base["counts"]) if base else {}
         for r, n in {**new.counts, **hits["counts"]}.items():
             counts[r] = counts.get(r, 0) + n
@@ -513,8 +595,9 @@ def validate_catalog(
         gone = _terms(root, parts, columns, rules, terms)
         cross = resolve_hits(parts, hits, rules.drop_near_duplicates, stage)
         release_freed_memory()
-        rejected, quarantine, tables = _write_rows(layout, ingest_id, stage, base, cross,
-                                                   (terms, gone), sample)  # fmt: skip
+        rejected, quarantine, tables, qrecord = _write_rows(layout, ingest_id, stage, base,
+                                                            cross, (terms, gone),
+                                                            sample)  # fmt: skip
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     result = _result(ingest_id, rows, rejected, quarantine, rules,
@@ -525,7 +608,7 @@ def validate_catalog(
     (qdir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
     _write_verdict(cat / VERDICT_FILE, result, suite=key, rows=rows, counts=counts,
                    near_duplicates=near, table_versions=view_versions(layout, ingest_id),
-                   verdict_table_versions=tables)  # fmt: skip
+                   verdict_table_versions=tables, quarantine=qrecord)  # fmt: skip
     if not result.passed:
         msg = (
             f"quality gate failed for {ingest_id}: rejected {files_q}/{result.listed} files "

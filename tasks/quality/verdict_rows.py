@@ -34,7 +34,7 @@ from tasks.catalog.view import (
     view_parts,
     writer_properties,
 )
-from tasks.quality.external_sort import sorted_tables
+from tasks.quality.external_sort import merged_tables, sorted_tables
 from tasks.storage.layout import Layout
 
 __all__ = [
@@ -42,6 +42,8 @@ __all__ = [
     "DUCKDB_MEMORY",
     "FLAG_SCHEMA",
     "REJECT_SCHEMA",
+    "merge_base",
+    "quarantine_schema",
     "resolve_hits",
     "stage_rejects",
     "write_quarantine",
@@ -53,6 +55,7 @@ DUCKDB_MEMORY = "256MB"  # DuckDB's share of the driver; its sorts and joins spi
 BATCH_ROWS = 65_536  # rows per batch streamed from a file to another
 REJECT_SCHEMA = pa.schema([(c, pa.string()) for c in ("source", "key", "reason", "detail")])
 FLAG_SCHEMA = pa.schema([(c, pa.string()) for c in ("source", "key", "near_duplicate_of")])
+_RANK = "__rank"  # the order of a merge's tied rows (`write_quarantine`)
 _KEYS = pa.schema([("pos", pa.int64()), ("source", pa.string()), ("key", pa.string())])
 
 
@@ -203,7 +206,7 @@ def write_rows(path: Path, pieces: Iterable, schema: pa.Schema, *, gone: pa.Arra
     return rows
 
 
-def _quarantine_schema(parts: list[ViewPart]) -> pa.Schema:
+def quarantine_schema(parts: list[ViewPart]) -> pa.Schema:
     """The quarantine's columns: the ingest quarantine files', `ingest_seq`, then this step's."""
     fields: dict[str, pa.DataType] = {}
     for p in parts:
@@ -236,14 +239,56 @@ def _quarantine_rows(parts: list[ViewPart], rejects: Path, ingest_id: str,
         yield _conform(t.append_column("ingest_id", pa.array([ingest_id] * n)), schema)
 
 
-def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path) -> pd.DataFrame:
+def _base_rows(path: Path, ingest_id: str, schema: pa.Schema) -> Iterator[pa.Table]:
+    """An earlier verdict's quarantine file as rows of this one: its validate rows under
+    `ingest_id`, and `_RANK` (0 for the ingest's rows, 2 for the validate step's)."""
+    for b in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
+        t = _conform(pa.Table.from_batches([b]), schema)
+        mine = pc.fill_null(pc.equal(t["step"], "validate"), False)
+        at = schema.get_field_index("ingest_id")
+        mine_id = pa.scalar(ingest_id, schema.field(at).type)
+        t = t.set_column(at, schema.field(at), pc.if_else(mine, mine_id, t["ingest_id"]))
+        yield t.append_column(_RANK, pc.multiply(mine.cast(pa.int8()), 2))
+
+
+def _ranked(tables: Iterable[pa.Table], rank) -> Iterator[pa.Table]:
+    """`tables` with `_RANK`: `rank(t)` (1 for the new ingests' rows, 3 for the validate's)."""
+    for t in tables:
+        yield t.append_column(_RANK, rank(t))
+
+
+def _new_rank(t: pa.Table) -> pa.Array:
+    mine = pc.fill_null(pc.equal(t["step"], "validate"), False).cast(pa.int8())
+    return pc.add(pc.multiply(mine, 2), pa.scalar(1, pa.int8()))
+
+
+def merge_base(base: Path, schema: pa.Schema) -> bool:
+    """Whether an earlier verdict's quarantine file `base` can be merged with the rows after
+    it (`write_quarantine`): it is there, and its columns keep their types in `schema`
+    (`quarantine_schema` of the view's quarantine parts)."""
+    if not base.is_file():
+        return False
+    have = pq.read_schema(base)
+    return all(f.name in schema.names and schema.field(f.name).type == f.type for f in have)
+
+
+def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path, *,
+                     base: Path | None = None, after_seq: int = 0,
+                     parts: list[ViewPart] | None = None) -> pd.DataFrame:  # fmt: skip
     """Every quarantined row of the view, the ingest's (`ingest_seq` from its partition) and
     this step's rejects (`step` "validate"), sorted by source and key (ties in that order; a
     sort on disk, tasks/quality/external_sort.py), to `qdir/quarantine.parquet`; up to SAMPLE
     rows a reason of it to `quarantine_sample.parquet`. Returns its rows counted by step and
-    reason (`step`, `reason`, `n`), in order of each pair's first row."""
-    parts = view_parts(layout, ingest_id, "quarantine")
-    schema = _quarantine_schema(parts)
+    reason (`step`, `reason`, `n`), in order of each pair's first row.
+
+    With `base`, an earlier verdict's quarantine file (of the view up to ingest `after_seq`,
+    checked by `merge_base`), `rejects` holds only the rows this step adds to that verdict's:
+    the ingest rows after `after_seq` and `rejects` are sorted and merged with `base`, which
+    writes the file a rebuild would (the caller checks that the view's quarantine up to
+    `after_seq` and the licensing terms' rows are those `base` was built from). `parts`:
+    the view's quarantine parts, when the caller has them."""
+    parts = view_parts(layout, ingest_id, "quarantine") if parts is None else parts
+    schema = quarantine_schema(parts)
     out, sample = qdir / "quarantine.parquet", qdir / "quarantine_sample.parquet"
     runs = qdir.parent / f".{qdir.name}-sort"
     counts: dict[tuple, int] = {}
@@ -252,8 +297,19 @@ def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path) 
     writer, tmp = _atomic_writer(out, schema)
     try:
         with writer:
-            rows = _quarantine_rows(parts, rejects, ingest_id, schema)
-            for t in sorted_tables(rows, ["source", "key"], runs):
+            if base is None:
+                rows = sorted_tables(_quarantine_rows(parts, rejects, ingest_id, schema),
+                                     ["source", "key"], runs)  # fmt: skip
+            else:
+                new = [p for p in parts if p.seq > after_seq]
+                added = sorted_tables(_quarantine_rows(new, rejects, ingest_id, schema),
+                                      ["source", "key"], runs)  # fmt: skip
+                # Ties keep a rebuild's order: ingest rows (older ingests first), then
+                # the validate step's (the earlier verdict's first).
+                rows = merged_tables([_base_rows(base, ingest_id, schema),
+                                      _ranked(added, _new_rank)], ["source", "key"],
+                                     _RANK)  # fmt: skip
+            for t in rows:
                 writer.write_table(t)
                 df = t.select(["step", "reason"]).to_pandas().astype(object)
                 pairs = df.groupby(["step", "reason"], dropna=False, sort=False).size()

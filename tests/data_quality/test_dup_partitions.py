@@ -132,3 +132,27 @@ def test_old_rows_read_in_batches_on_threads_give_the_same_answer(hot):
         want = cross_catalog(new, rules, [tuple(h[:first] for h in (hi, lo, ph))], first)
         assert one.duplicate_of.tolist() == want.duplicate_of.tolist()
         assert one.near_duplicate_of.tolist() == want.near_duplicate_of.tolist()
+
+
+def test_exact_matches_of_a_batch_equal_a_brute_force_look_up():
+    """The bitmap of the new rows' top bits only rules out old rows: old rows that share a
+    new row's top bits (or its hi alone) but not its pair, and a batch of one label (old rows
+    whose sha256 no new row has), are answered as a plain look-up answers them."""
+    from data_quality.suite import _first_equal, _NewHi
+
+    rng = np.random.default_rng(3)
+    hi = rng.integers(0, 2**63, 500, dtype=np.int64).astype(np.uint64) << np.uint64(1)
+    lo = rng.integers(0, 2**63, 500, dtype=np.int64).astype(np.uint64)
+    ohi = rng.integers(0, 2**63, 4000, dtype=np.int64).astype(np.uint64)
+    olo = rng.integers(0, 2**63, 4000, dtype=np.int64).astype(np.uint64)
+    ohi[:300] = hi[:300] ^ np.uint64(1)  # the same top bits, another hi
+    ohi[300:600], olo[300:600] = hi[:300], lo[:300] + np.uint64(1)  # the same hi, another lo
+    ohi[[900, 1500, 2000]], olo[[900, 1500, 2000]] = hi[[7, 7, 9]], lo[[7, 7, 9]]
+    got = _first_equal(hi, lo, _NewHi.of(hi), ohi, olo)
+    old = {}
+    for i, pair in enumerate(zip(ohi.tolist(), olo.tolist(), strict=True)):
+        old.setdefault(pair, i)
+    want = [old.get(pair, -1) for pair in zip(hi.tolist(), lo.tolist(), strict=True)]
+    assert got.tolist() == want and sum(w >= 0 for w in want) == 2
+    label = np.full(4000, 5, np.uint64)
+    assert (_first_equal(hi, lo, _NewHi.of(hi), label, olo) == -1).all()
