@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ def load(cache: Path, data_file: Path, group: int, rows: int) -> tuple | None:
     there is no entry of `rows` rows for it."""
     try:
         got = np.load(_folder(cache, data_file) / f"{group:06d}.npy")
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError):  # none, or not a whole entry (a crash's)
         return None
     if got.dtype != np.uint64 or got.shape != (3, rows):
         return None
@@ -66,8 +67,11 @@ def save(cache: Path, data_file: Path, groups: list[int], group_rows: list[int],
     for g, n in zip(groups, group_rows, strict=True):
         path = folder / f"{g:06d}.npy"
         if not path.is_file():
-            tmp = folder / f".{g:06d}.{os.getpid()}.tmp.npy"
-            np.save(tmp, np.ascontiguousarray(stacked[:, start : start + n]))
+            tmp = folder / f".{g:06d}.{uuid.uuid4().hex}.tmp.npy"
+            with open(tmp, "wb") as f:
+                np.save(f, np.ascontiguousarray(stacked[:, start : start + n]))
+                f.flush()
+                os.fsync(f.fileno())
             tmp.replace(path)
         start += n
 
@@ -85,4 +89,7 @@ def prune(cache: Path, table: Path) -> int:
             if not (data_file.is_file() and str(data_file.stat().st_size) == size):
                 shutil.rmtree(entry, ignore_errors=True)
                 removed += 1
+            else:  # a writer's temporary file that a crash left
+                for tmp in entry.glob(".*.tmp.npy"):
+                    tmp.unlink(missing_ok=True)
     return removed
