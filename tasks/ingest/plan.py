@@ -45,6 +45,7 @@ from tasks.ingest.sources import (
     split_ext,
 )
 from tasks.runtime.logs import task_logger
+from tasks.runtime.runners import release_freed_memory
 from tasks.storage.layout import Layout
 from tasks.storage.objects import ObjectInfo, Storage
 
@@ -109,11 +110,21 @@ class PlanFiles:
         self.folder = folder
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
-        self.con = duckdb.connect(config={
-            "memory_limit": _MEMORY, "temp_directory": str(folder / "spill"), "threads": 2,
-            "autoinstall_known_extensions": False,
+        self.con = self._connect()
+
+    def _connect(self) -> duckdb.DuckDBPyConnection:
+        return duckdb.connect(config={
+            "memory_limit": _MEMORY, "temp_directory": str(self.folder / "spill"),
+            "threads": 2, "autoinstall_known_extensions": False,
             "autoload_known_extensions": False,
         })  # fmt: skip
+
+    def release(self) -> None:
+        """Hand DuckDB's memory back: a new connection (the staged tables are files, so
+        nothing is lost), and the freed memory to the OS."""
+        self.con.close()
+        self.con = self._connect()
+        release_freed_memory()
 
     def path(self, name: str) -> str:
         return str(self.folder / f"{name}.parquet")

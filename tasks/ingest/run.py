@@ -153,7 +153,7 @@ def _ingest(
         plan = plan_run(store, cfg, cat_layout, runner, endpoint_url,
                         cat_layout.folder("catalog") / "plan.staging")  # fmt: skip
         stack.callback(plan.files.close)
-        release_freed_memory()  # the plan's batches and DuckDB's buffers
+        plan.files.release()  # the plan's batches and DuckDB's buffers
         if plan.ingest_id is None:
             log.info("source %s unchanged since %s: nothing to decode", plan.src, plan.previous)
             counts = plan.view_counts()
@@ -178,7 +178,7 @@ def _ingest(
         _decode(plan, opts, runner, pool, cfg.partition_size, rows.add_records,
                 window=2 * max(2, n_workers))  # fmt: skip
         rows.add_listing_problems()
-        release_freed_memory()
+        plan.files.release()
         result, summary = _summarize(plan, rows)
         summary["table_versions"] = _commit_rows(cat_layout, plan, rows)
         write_catalog_dir(
