@@ -16,16 +16,17 @@ The current view, every row of every source ingested into this root that is stil
 ingest whose view is current. A run compares the listing with its source's rows in the view,
 item by item (key plus size and ETag or mtime, and the versions of its sidecars or manifest
 row): unchanged items are not read again, changed ones replace their old rows, and items gone
-from the source leave the view. A re-run over an
-unchanged source decodes nothing and adds no rows.
+from the source leave the view. A re-run over an unchanged source decodes nothing and adds no
+rows.
 
 Listing and decoding run as Prefect tasks over partitions: the top-level folders of the
 source, and then chunks of `partition_size` items. Locally the decode tasks share a process
 pool; with `dask_address` they run on a Dask cluster through prefect-dask's DaskTaskRunner.
 
-`ingest_source` runs the phases in order: list the source and compare it with the view
-(`_plan_run`), decode the new and changed items (`_decode`), staging each partition's rows on
-disk as it finishes (`_RunRows`, so memory does not grow with the items decoded), count the
+`ingest_source` runs the phases in order: list the source and compare it with the view, out
+of core (`tasks.ingest.plan.plan_run`), decode the new and changed items a few partitions at
+a time (`_decode`), staging each partition's rows on disk as it finishes (`_RunRows`), so
+that the driver's memory does not grow with the number of items, count the
 view after them (`_summarize`), commit the staged rows (`_commit_rows`, streamed into the
 tables) and write the catalog folder (`write_catalog_dir`).
 """
