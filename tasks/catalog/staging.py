@@ -14,7 +14,6 @@ as Delta's own delete does), and the commit adds the new files and removes the o
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import shutil
@@ -45,7 +44,7 @@ from tasks.catalog.view import (
 )
 from tasks.storage.layout import Layout
 
-__all__ = ["FILE_ROWS", "Replaced", "StagedRows", "commit_staged", "sorted_units"]
+__all__ = ["FILE_ROWS", "Replaced", "StagedRows", "commit_staged"]
 
 FILE_ROWS = 16 * ROW_GROUP  # rows per data file an ingest writes (about a million)
 
@@ -92,17 +91,6 @@ class StagedRows:
     def discard(self) -> None:
         """Remove the staging folder."""
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def sorted_units(units: list[str]) -> Callable[[str | None, str | None], pa.Array]:
-    """`Replaced.units` over a sorted list held in memory."""
-
-    def between(lo: str | None, hi: str | None) -> pa.Array:
-        i = 0 if lo is None else bisect.bisect_left(units, lo)
-        j = len(units) if hi is None else bisect.bisect_right(units, hi)
-        return pa.array(units[i:j], pa.string())
-
-    return between
 
 
 @dataclass(frozen=True)

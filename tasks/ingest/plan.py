@@ -129,6 +129,9 @@ class PlanFiles:
     def path(self, name: str) -> str:
         return str(self.folder / f"{name}.parquet")
 
+    def _literal(self, name: str) -> str:
+        return "'" + self.path(name).replace("'", "''") + "'"
+
     def write(self, name: str, schema: pa.Schema, batches: Iterable[pa.Table | list[dict]]) -> int:
         """Stage `name`: the rows of `batches` (tables or lists of row dicts); its row count."""
         n = 0
@@ -141,7 +144,8 @@ class PlanFiles:
         return n
 
     def _query(self, query: str) -> str:
-        names = {p.stem: f"read_parquet('{p}')" for p in self.folder.glob("*.parquet")}
+        names = {p.stem: f"read_parquet({self._literal(p.stem)})"
+                 for p in self.folder.glob("*.parquet")}  # fmt: skip
         return query.format(**names)
 
     def sql(self, query: str, params: list | None = None) -> duckdb.DuckDBPyConnection:
@@ -150,8 +154,8 @@ class PlanFiles:
 
     def copy(self, query: str, name: str, params: list | None = None) -> int:
         """Stage the result of `query` as `name`; its row count."""
-        to = f"'{self.path(name)}' (FORMAT parquet, ROW_GROUP_SIZE {BATCH})"
-        self.sql(f"COPY ({query}) TO {to}", params)
+        to = f"{self._literal(name)} (FORMAT parquet, ROW_GROUP_SIZE {BATCH})"
+        self.con.execute(f"COPY ({self._query(query)}) TO {to}", params or [])
         return self.count(name)
 
     def count(self, name: str) -> int:

@@ -172,18 +172,10 @@ class Storage:
         if out:
             yield out
 
-    def top_level(self) -> tuple[list[str], list[ObjectInfo]]:
-        """(sub-folder prefixes, objects) directly under the root: the partitions of a listing."""
-        dirs: list[str] = []
-        objs: list[ObjectInfo] = []
-        for d, o in self.iter_top_level():
-            dirs += d
-            objs += o
-        return sorted(dirs), sorted(objs, key=lambda o: o.key)
-
     def iter_top_level(self, batch: int = 10_000) -> Iterator[tuple[list[str], list[ObjectInfo]]]:
-        """`top_level` in batches of up to `batch` objects (and the sub-folders found with
-        them), in no particular order."""
+        """(sub-folder prefixes, objects) directly under the root, the partitions of a
+        listing, in batches of up to `batch` objects (with the sub-folders found with them),
+        in no particular order."""
         dirs: list[str] = []
         objs: list[ObjectInfo] = []
         if self.is_s3:

@@ -351,9 +351,19 @@ def test_in_order_holds_a_window_of_results():
 def test_replaced_rows_are_checked_against_the_units_of_their_range():
     """A data file is checked against the replaced units between its smallest and largest
     unit; a file of another source, or whose range holds none, is not read."""
+    import bisect
+
     import pyarrow as pa
 
-    from tasks.catalog.staging import Replaced, sorted_units
+    from tasks.catalog.staging import Replaced
+
+    def sorted_units(units: list[str]):
+        def between(lo, hi):
+            i = 0 if lo is None else bisect.bisect_left(units, lo)
+            j = len(units) if hi is None else bisect.bisect_right(units, hi)
+            return pa.array(units[i:j], pa.string())
+
+        return between
 
     r = Replaced("s3://b/src", sorted_units(["a.jpg", "k.jpg", "m.jpg", "z.jpg"]))
     act = {"min.source": "s3://b/src", "max.source": "s3://b/src",
@@ -366,3 +376,22 @@ def test_replaced_rows_are_checked_against_the_units_of_their_range():
     assert r.mask(t, r.in_range(act)).to_pylist() == [True, False, False]
     steps = Replaced("s3://b/src", sorted_units([]), ("ingest-manifest",))
     assert steps.in_range(act).to_pylist() == [], "a file may hold a replaced step's rows"
+
+
+def test_a_root_whose_path_has_quotes_and_braces(tmp_path):
+    """The plan's SQL names its staged files by path: a root named with a quote and braces
+    ingests, and an unchanged re-run finds nothing new."""
+    from PIL import Image
+
+    src, root = tmp_path / "src", tmp_path / "it's {a} root"
+    src.mkdir()
+    for i in range(2):
+        Image.new("RGB", (48, 48), (90 * i, 9, 9)).save(src / f"im{i}.png")
+    (src / "metadata.jsonl").write_text(
+        "".join(json.dumps({"file_name": f"im{i}.png", "text": f"square {i}"}) + "\n"
+                for i in range(2))
+    )  # fmt: skip
+    first = ingest_source(IngestConfig(source=str(src)), str(root))
+    assert (first.accepted, first.quarantined) == (2, 0)
+    again = ingest_source(IngestConfig(source=str(src)), str(root))
+    assert again.reused and again.unchanged_items == 2
