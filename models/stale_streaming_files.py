@@ -15,6 +15,7 @@ jobs' datasets on the same machine are left alone.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -69,17 +70,28 @@ def clean_stale_streaming(shm_dir: str = "/dev/shm", lock_dir: str | None = None
     shm, locks = Path(shm_dir), Path(lock_dir or tempfile.gettempdir())
     if not shm.is_dir():
         return []
-    held = _held(shm)
-    removed = []
+    # The files first, then who holds them: a dataset another process registers while /proc
+    # is read is not in this listing, so it cannot be taken for a dead one. Scanning first
+    # would leave a window in which a new dataset's files are listed but not yet seen held
+    # (a spawned loader worker then fails to attach to them).
+    listed = []
     for folder, pattern in ((shm, _SHM), (locks, _LOCK)):
         for name in sorted(os.listdir(folder)):
-            m = pattern.match(name)
-            if m and m.group(1) not in held:
-                try:
-                    (folder / name).unlink()
-                    removed.append(name)
-                except (FileNotFoundError, PermissionError):
-                    continue
+            if m := pattern.match(name):
+                with contextlib.suppress(FileNotFoundError):
+                    listed.append((folder / name, m.group(1), (folder / name).stat().st_ino))
+    held = _held(shm)
+    removed = []
+    for path, prefix, inode in listed:
+        if prefix in held:
+            continue
+        try:
+            if path.stat().st_ino != inode:  # removed and made again by a new dataset
+                continue
+            path.unlink()
+            removed.append(path.name)
+        except (FileNotFoundError, PermissionError):
+            continue
     if removed:
         log.info("removed %d stale streaming files (shared memory and locks of killed runs)",
                  len(removed))  # fmt: skip

@@ -87,3 +87,26 @@ def test_only_streamings_names_are_touched(tmp_path):
                                        "000903_something_else", "000904_epoch_data",
                                        "not_streaming"]  # fmt: skip
     assert sorted(os.listdir(locks)) == ["000901_cache_filelock", "000906_other_filelock"]
+
+
+def test_a_dataset_registered_while_processes_are_read_is_kept(tmp_path, monkeypatch):
+    """Another process registers a new prefix after /proc was read: its files are not a dead
+    run's, though no process was seen holding them."""
+    import models.stale_streaming_files as stale
+
+    shm, locks = tmp_path / "shm", tmp_path / "locks"
+    shm.mkdir()
+    locks.mkdir()
+    (shm / "000910_locals").write_bytes(b"\0" * 64)  # a killed run's
+    read_procs = stale._held
+
+    def held_then_registered(folder):
+        held = read_procs(folder)
+        (shm / "000911_locals").write_bytes(b"\0" * 64)
+        (locks / "000911_barrier_filelock").touch()
+        return held
+
+    monkeypatch.setattr(stale, "_held", held_then_registered)
+    assert clean_stale_streaming(str(shm), str(locks)) == ["000910_locals"]
+    assert os.listdir(shm) == ["000911_locals"]
+    assert os.listdir(locks) == ["000911_barrier_filelock"]
