@@ -253,13 +253,22 @@ def _size(path: Path) -> int:
 def migrate(root: str) -> list[str]:
     """Move a chain-layout catalog into the Delta tables, one commit per ingest of the newest
     chain, oldest first; each summary then names its table versions. Safe to re-run after a
-    crash (the tables are rebuilt); returns the migrated ingest ids (none when done)."""
+    crash (the tables are rebuilt); returns the migrated ingest ids (none when done). Holds
+    the catalog writer's lock while it commits."""
+    layout = Layout(Path(root))
+    latest = layout.latest_or_none("catalog")
+    if latest is None or "table_versions" in chain(layout, latest)[-1]:
+        return []
+    with catalog_writer(Path(root), "kiln catalog migrate"):
+        return _migrate(layout)
+
+
+def _migrate(layout: Layout) -> list[str]:
     import shutil
 
     from tasks.catalog import legacy as catalog_legacy
 
-    layout = Layout(Path(root))
-    latest = layout.latest_or_none("catalog")
+    latest = layout.latest_or_none("catalog")  # again: another writer may have gone first
     if latest is None or "table_versions" in chain(layout, latest)[-1]:
         return []
     shutil.rmtree(layout.catalog_tables(), ignore_errors=True)

@@ -80,6 +80,7 @@ from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
 from tasks.runtime.runners import partition_runner, release_freed_memory
 from tasks.storage.layout import Layout
+from tasks.storage.lock import catalog_writer
 
 __all__ = [
     "PARTITION_ROWS", "REJECTS_FILE", "VERDICT_FILE", "QualityGateError", "ValidateResult",
@@ -547,7 +548,29 @@ def validate_catalog(
     `summary.json`. All of it is written before the gate is checked. With
     `allow_failed_gate` a failed gate is logged instead of raised (the verdict still says
     failed, and the shard step needs the same override).
+
+    Holds the catalog writer's lock (`<root>/.kiln-catalog.lock`) throughout, as ingest and
+    compaction do: it commits to the rejects and flags tables and rewrites the verdict's
+    files, so it waits for a running ingest, compaction or other validate of the root.
     """
+    with catalog_writer(Path(root), f"kiln validate of {ingest_id}"):
+        return _validate(root, ingest_id, rules, allow_failed_gate=allow_failed_gate,
+                         dask_address=dask_address, workers=workers,
+                         partition_rows=partition_rows, dup_partitions=dup_partitions)  # fmt: skip
+
+
+def _validate(
+    root: str,
+    ingest_id: str,
+    rules: QualityConfig,
+    *,
+    allow_failed_gate: bool,
+    dask_address: str | None,
+    workers: int,
+    partition_rows: int,
+    dup_partitions: int | None,
+) -> ValidateResult:
+    """`validate_catalog`'s work, under the catalog writer's lock."""
     log = task_logger(__name__)
     layout = Layout(Path(root))
     cat = layout.catalog(ingest_id)

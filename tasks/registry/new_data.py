@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tasks.catalog.view import scan_view
+from tasks.catalog.view import chain, scan_view, view_parts
 from tasks.runtime.logs import task_logger
 from tasks.storage.layout import Layout
 from tasks.storage.lock import root_busy
@@ -102,14 +102,46 @@ def taken_down_since_training(root: Path | str, rules=None) -> int:
     return int(down.mask(dataset_rows(root, version, rules), "contributor").sum())
 
 
+def _identities(batch: pd.DataFrame) -> np.ndarray:
+    """One 64-bit hash per row of (source, key, sha256, caption)."""
+    return pd.util.hash_pandas_object(batch[_IDENTITY].astype(str), index=False).to_numpy()
+
+
 def _view_identities(layout: Layout, ingest_id: str) -> np.ndarray:
-    """One 64-bit hash per accepted row of the view after `ingest_id`, of (source, key, sha256,
-    caption): scanned a row group at a time, so millions of rows fit."""
-    got = [
-        pd.util.hash_pandas_object(batch.astype(str), index=False).to_numpy()
-        for batch in scan_view(layout, ingest_id, "accepted", _IDENTITY)
-    ]
+    """`_identities` of every accepted row of the view after `ingest_id`, scanned a row group
+    at a time."""
+    got = [_identities(b) for b in scan_view(layout, ingest_id, "accepted", _IDENTITY)]
     return np.concatenate(got) if got else np.zeros(0, np.uint64)
+
+
+def new_since(layout: Layout, ingest_id: str, trained: str) -> int:
+    """Accepted rows of the view after `ingest_id` that the view after `trained` lacks (by
+    source, key, sha256 and caption).
+
+    When `trained` is behind `ingest_id` in its chain (the usual case), a row of an ingest up
+    to `trained` that is still in the view was in `trained`'s view too, so only the rows
+    ingested since can be new: their identities are held, and the trained view is scanned a
+    row group at a time for rows of the same keys (an item read again unchanged is not new).
+    Memory then holds the rows since training, not the catalog. Otherwise the two views are
+    compared whole.
+    """
+    links = chain(layout, ingest_id)
+    seqs = {s["id"]: int(s["ingest_seq"]) for s in links}
+    if trained not in seqs:
+        current = _view_identities(layout, ingest_id)
+        return int((~np.isin(current, _view_identities(layout, trained))).sum())
+    since = list(scan_view(layout, ingest_id, "accepted", _IDENTITY, after_seq=seqs[trained]))
+    if not since:
+        return 0
+    hashes = np.concatenate([_identities(b) for b in since])
+    keys = pd.Index(pd.concat([b["key"] for b in since], ignore_index=True).unique())
+    del since
+    found = np.zeros(len(hashes), bool)
+    for batch in scan_view(layout, trained, "accepted", _IDENTITY):
+        same_key = batch[keys.get_indexer(batch["key"]) >= 0]
+        if len(same_key):
+            found |= np.isin(hashes, _identities(same_key))
+    return int((~found).sum())
 
 
 def new_data(
@@ -118,17 +150,17 @@ def new_data(
     """What the ingest `ingest_id` brought since the newest training, and whether a retrain
     is due."""
     layout = Layout(Path(root))
-    current = _view_identities(layout, ingest_id)
+    accepted = sum(p.rows for p in view_parts(layout, ingest_id, "accepted"))
     run_id, trained = _trained_catalog(layout)
     if trained is not None and (layout.catalog(trained) / "summary.json").is_file():
-        since = int((~np.isin(current, _view_identities(layout, trained))).sum())
+        since = new_since(layout, ingest_id, trained)
     else:
         if run_id is not None:
             task_logger(__name__).warning(
                 "training run %s's catalog is not under %s: counting every accepted image as "
                 "new", run_id, layout.root,
             )  # fmt: skip
-        since = len(current)
+        since = accepted
     busy = root_busy(layout.root)
     down = taken_down_since_training(root)
     from prefect.settings import PREFECT_API_URL
@@ -136,7 +168,7 @@ def new_data(
     return NewData(
         ingest_id=ingest_id,
         new_accepted=int(new_accepted),
-        view_accepted=len(current),
+        view_accepted=accepted,
         new_since_training=since,
         trained_ingest_id=trained,
         trained_run_id=run_id,

@@ -9,9 +9,11 @@ exits, however it exits, so a crash never leaves a stale lock. Re-entrant within
 by several machines, give each its own root or serialise runs with the deployments'
 concurrency limit.
 
-The catalog's writers (an ingest, compaction) hold `<root>/.kiln-catalog.lock` while they
-read the current view and commit to it (`catalog_writer`): a second one waits for the first,
-so two ingests never take the same `ingest_seq` and compaction never races a commit.
+The catalog's writers (an ingest, a validate, compaction, migration) hold
+`<root>/.kiln-catalog.lock` while they read the current view and commit to it
+(`catalog_writer`): a second one waits for the first, so two ingests never take the same
+`ingest_seq`, two validates never write one verdict at once, and compaction never races a
+commit.
 """
 
 from __future__ import annotations

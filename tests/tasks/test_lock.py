@@ -116,3 +116,54 @@ def test_two_ingests_into_one_root_at_once_take_turns(tmp_path):
     accepted = read_view(Layout(root), last.ingest_id)[0]
     assert accepted["source"].nunique() == 2
     assert last.view_accepted == sum(r.accepted for r in results.values())
+
+
+HOLD_CATALOG = """
+import sys, time
+from pathlib import Path
+from tasks.storage.lock import catalog_writer
+with catalog_writer(Path(sys.argv[1]), "kiln ingest of s3://held"):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_validate_waits_for_the_catalog_writer(tmp_path):
+    """A validate started while an ingest (another process) holds the catalog's lock waits
+    for it and touches nothing meanwhile; once the lock is free it runs to its verdict."""
+    import threading
+
+    from kiln_config import IngestConfig, QualityConfig
+    from kiln_demo.data import write_demo_dataset
+    from tasks.ingest.run import ingest_source
+    from tasks.quality.gate import validate_catalog
+
+    root, src = tmp_path / "root", tmp_path / "src"
+    write_demo_dataset(src, n=12, seed=3)
+    ing = ingest_source(IngestConfig(source=str(src)), str(root))
+    cat = root / "catalog" / ing.ingest_id
+    before = sorted(p.name for p in cat.iterdir())
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_CATALOG, str(root)],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    out = {}
+
+    def validate():
+        try:
+            out["result"] = validate_catalog.fn(str(root), ing.ingest_id, QualityConfig(),
+                                                allow_failed_gate=True)  # fmt: skip
+        except Exception as e:  # reported below
+            out["error"] = e
+
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t = threading.Thread(target=validate)
+        t.start()
+        time.sleep(3)
+        assert t.is_alive(), "validate must wait for the catalog writer"
+        assert sorted(p.name for p in cat.iterdir()) == before, "nothing written while waiting"
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+    t.join(timeout=300)
+    assert "error" not in out, out.get("error")
+    assert out["result"].listed == 12 and (cat / "verdict.json").is_file()
