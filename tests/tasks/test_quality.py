@@ -244,3 +244,32 @@ def test_a_dask_cluster_validates_and_plans_like_one_machine(tmp_path, demo_src)
     for r, planned in local_plan.stages.items():
         got = written.stages[r]
         assert (got["samples"], got["val_samples"]) == (planned["samples"], planned["val_samples"])
+
+
+def test_the_verdicts_pairs_are_found_exactly_even_when_the_high_hash_is_shared(
+    tmp_path, monkeypatch
+):
+    """`scan_clean`'s look-up of quarantined and flagged rows by (source, key): every pair
+    found at its own value, none found that is not one, also when many pairs share the first
+    64-bit hash (forced here by a weak one) and only the second tells them apart."""
+    import numpy as np
+    import pandas as pd
+
+    import tasks.quality.gate as gate
+
+    rows = pd.DataFrame({"source": ["s3://a"] * 500 + ["/b"] * 500,
+                         "key": [f"{i:05d}.jpg" for i in range(1000)]})  # fmt: skip
+    rows["near_duplicate_of"] = "of-" + rows["key"]
+    path = tmp_path / "pairs.parquet"
+    rows.iloc[::3].to_parquet(path, row_group_size=97)
+    strong = gate._pair_hashes
+    for hashes in (strong, lambda p: (np.array([len(s) % 3 for s in p], np.uint64),
+                                      strong(p)[1])):  # fmt: skip
+        monkeypatch.setattr(gate, "_pair_hashes", hashes)
+        pairs = gate._Pairs(path, "near_duplicate_of")
+        at = pairs.find(rows["source"], rows["key"])
+        assert ((at >= 0) == (rows.index % 3 == 0)).all()
+        got = pairs.values.take(at[at >= 0]).to_pylist()
+        assert got == rows["near_duplicate_of"].iloc[::3].tolist()
+        # the same key under another source is another pair
+        assert (pairs.find(["s3://other"] * 3, ["00000.jpg", "00003.jpg", "00999.jpg"]) < 0).all()
