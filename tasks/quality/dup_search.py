@@ -67,7 +67,22 @@ def hash_rows(part: ViewPart, row_groups: list[int], path: str, parts: int,
     hashes = _cached(cache, part.path, row_groups) if cache else None
     if hashes is None:
         hashes = hash_columns(read_part(part, ["sha256", "phash"], row_groups))
+        if cache:  # a file compaction wrote, say: the next validate finds its hashes
+            _refill(cache, part.path, row_groups, hashes)
     return write_hash_file(path, hashes, parts)
+
+
+def _refill(cache: str, path, row_groups: list[int], hashes: tuple) -> None:
+    """Keep `hashes` (of `row_groups` of the data file `path`) in the hash cache; a failure
+    only warns, as the row checks' own saving does."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    try:
+        hash_cache.save(Path(cache), path, row_groups,
+                        [meta.row_group(g).num_rows for g in row_groups], hashes)  # fmt: skip
+    except OSError as e:
+        task_logger(__name__).warning("hash cache not written (%s): %s", cache, e)
 
 
 def _cached(cache: str, path, row_groups: list[int]) -> tuple | None:
@@ -107,8 +122,9 @@ def near_partition(
 def old_hash_batches(old: list[ViewPart], new: list[ViewPart], cache: str | None = None) -> list:
     """The old rows' hashes for the driver search, one reader per row group (a function that
     returns that group's (hi, lo, phash), so that the search's threads read in parallel):
-    from the hash `cache` when it has the group, else hashing only what the new rows can
-    match.
+    from the hash `cache` when it has the group; else, with a cache, every row's hashes,
+    which are kept there for the next validate (a file compaction wrote is hashed once);
+    without one, hashing only what the new rows can match.
 
     Without a cache entry, an old row's sha256 matters only when a new row has it: the
     others all get one label (sha_hi, sha_lo) that no new row has, which keeps every
@@ -144,6 +160,10 @@ def _old_group(path, group: int, new_sha, label: int, cache: str | None = None, 
     if got is not None:
         return got
     t = pq.ParquetFile(path).read_row_group(group, columns=["sha256", "phash"])
+    if cache:  # not cached (a file compaction wrote, say): hash every row once, and keep it
+        got = hash_columns(t.to_pandas())
+        _refill(cache, path, [group], got)
+        return got
     sha = t.column("sha256").cast(pa.string())
     hit = pc.is_in(sha, value_set=new_sha).to_numpy(zero_copy_only=False)
     hi = np.full(len(t), label, np.uint64)

@@ -201,3 +201,28 @@ def test_the_partitioned_search_reads_old_hashes_from_the_cache(tmp_path, demo_s
     assert q.loc["copy.jpg", "reason"] == "duplicate_sha256"
     monkeypatch.undo()
     _same_as_full(tmp_path, root, second)
+
+
+@pytest.mark.parametrize("dup_partitions", [None, 2], ids=["driver", "partitioned"])
+def test_old_files_without_entries_are_hashed_once_and_kept(tmp_path, demo_src, dup_partitions):
+    """Data files with no cache entry (those compaction writes, or an emptied cache): the
+    incremental validate hashes their rows, keeps them in the cache for the next one, and
+    gives what a full validate gives."""
+    src, root, first = _root(tmp_path, demo_src)
+    layout = Layout(root)
+    cache = hash_cache.cache_root(layout)
+    shutil.rmtree(cache)
+    _add(src, "copy.jpg", copy_of=sorted(p.name for p in src.glob("*.jpg"))[2])
+    second = _ingest(src, root)
+    result = validate_catalog.fn(str(root), second, RULES, dup_partitions=dup_partitions)
+    assert result.incremental_from == first
+    old = view_parts(layout, first)
+    for p in old:
+        want = hash_columns(read_part(p, ["sha256", "phash"]))
+        got = hash_cache.load(cache, p.path, 0, pq.ParquetFile(p.path).metadata.num_rows)
+        assert got is not None, "kept for the next validate"
+        for i in range(3):
+            np.testing.assert_array_equal(got[i], want[i])
+    q = pd.read_parquet(root / "quality" / second / "quarantine.parquet").set_index("key")
+    assert q.loc["copy.jpg", "reason"] == "duplicate_sha256"
+    _same_as_full(tmp_path, root, second)
