@@ -553,11 +553,12 @@ def _check_split(r: int, train: int, val: int, cfg: ShardsConfig) -> None:
 def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: dict,
           cfg: ShardsConfig) -> ShardResult:  # fmt: skip
     """The dataset version and each stage's counts, a row group of the clean rows at a time:
-    memory holds the held-out candidates only (keys hashing below `val_fraction`)."""
+    memory holds a row group and the `val_max` held-out candidates that come first so far
+    (`held_out_mask`'s order), never every key hashing below `val_fraction`."""
     digest, total = np.zeros(2, np.uint64), 0
     stages = settings["resolutions"]
     eligible = dict.fromkeys(stages, 0)
-    candidates = []
+    candidates = pd.DataFrame()
     for batch in scan_clean(root, ingest_id, _plan_columns(layout, ingest_id)):
         digest += rows_digest(batch)
         total += len(batch)
@@ -565,15 +566,21 @@ def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: di
         for r in stages:
             eligible[r] += int(ok[r].sum())
         if cfg.val_fraction > 0 and cfg.val_max > 0:
-            near = key_units(batch["key"]) < cfg.val_fraction
-            candidates.append(pd.DataFrame({"source": batch["source"].to_numpy(object)[near],
-                                            "key": batch["key"].to_numpy(object)[near],
-                                            **{str(r): ok[r][near] for r in stages}}))  # fmt: skip
+            u = key_units(batch["key"])
+            near = u < cfg.val_fraction
+            got = pd.DataFrame({"u": u[near], "source": batch["source"].to_numpy(object)[near],
+                                "key": batch["key"].to_numpy(object)[near],
+                                **{str(r): ok[r][near] for r in stages}})  # fmt: skip
+            both = pd.concat([candidates, got], ignore_index=True) if len(candidates) else got
+            order = np.lexsort((both["source"].astype(str).to_numpy(),
+                                both["key"].astype(str).to_numpy(),
+                                both["u"].to_numpy()))  # fmt: skip
+            candidates = both.iloc[order[: cfg.val_max]].reset_index(drop=True)
     for r in stages:
         _check_stage(r, eligible[r], total, r in buckets, cfg.min_side_factor)
     result = ShardResult(dataset_version=_version(settings, digest), ingest_id=ingest_id,
                          dry_run=True)  # fmt: skip
-    cand = pd.concat(candidates, ignore_index=True) if candidates else pd.DataFrame()
+    cand = candidates
     held = (held_out_mask(cand["source"], cand["key"], cfg.val_fraction, cfg.val_max)
             if len(cand) else None)  # fmt: skip
     for r in stages:

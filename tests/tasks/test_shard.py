@@ -447,3 +447,36 @@ def test_a_shard_write_logs_none_of_streamings_routine_notices(validated, caplog
     # Streaming's own records still pass when they are something else: only the two go.
     logging.getLogger("streaming.base.storage.upload").warning("something else")
     assert "something else" in caplog.text
+
+
+def test_the_plans_split_holds_only_the_capped_candidates_and_matches_the_whole(monkeypatch):
+    """`kiln shard --dry-run` keeps the `val_max` first held-out candidates across row groups
+    instead of every key below `val_fraction`: the split it counts is the one the conversion
+    takes from all the clean rows at once (`held_out_mask`)."""
+    import numpy as np
+    import pandas as pd
+
+    import tasks.shards.write as write
+
+    rng = np.random.default_rng(3)
+    n = 5000
+    rows = pd.DataFrame({
+        "source": rng.choice(["s3://a", "/b"], n),
+        "key": [f"{i % 3000:06d}.jpg" for i in range(n)],  # keys shared by the two sources
+        "sha256": [f"{i:064x}" for i in range(n)], "caption": "a photo",
+        "width": rng.integers(16, 128, n), "height": rng.integers(16, 128, n),
+    })  # fmt: skip
+    rows = rows.drop_duplicates(["source", "key"]).reset_index(drop=True)
+    monkeypatch.setattr(write, "_plan_columns", lambda layout, ingest_id: list(rows.columns))
+    monkeypatch.setattr(write, "scan_clean", lambda root, ingest_id, columns: (
+        rows.iloc[i : i + 331] for i in range(0, len(rows), 331)))  # fmt: skip
+    for fraction, cap in ((0.3, 25), (0.3, 100_000), (0.002, 25)):
+        cfg = ShardsConfig(val_fraction=fraction, val_max=cap)
+        settings = {"resolutions": [32, 64]}
+        got = write._plan("root", "ing", None, settings, {}, cfg)
+        held = write.held_out_mask(rows["source"], rows["key"], fraction, cap)
+        assert 0 < held.sum() <= cap
+        for r in (32, 64):
+            ok = np.minimum(rows["width"], rows["height"]).to_numpy() >= r
+            assert got.stages[r] == {"samples": int((ok & ~held).sum()),
+                                     "val_samples": int((ok & held).sum())}  # fmt: skip
