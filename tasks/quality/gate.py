@@ -667,7 +667,7 @@ def _pair_hashes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class _Pairs:
     """The (source, key) pairs of a verdict file, as 128 bits each, sorted, with one column's
     values beside them: `find` looks a batch of rows up without holding the pairs' strings
-    (16 bytes a pair; 24 million pairs in under 400 MB)."""
+    (16 bytes a pair, and the values' own)."""
 
     def __init__(self, path: Path, value: str | None = None) -> None:
         hi, lo, vals = [], [], []
