@@ -179,12 +179,15 @@ def _ingest(
         _decode(plan, opts, runner, pool, cfg.partition_size, rows.add_records,
                 window=2 * max(2, n_workers))  # fmt: skip
         rows.add_listing_problems()
+        # Staged before the commit, and DuckDB's memory handed back: the query's working
+        # memory then never comes on top of what the commit leaves the allocators holding.
+        listing = _listing_delta(plan)
         plan.files.release()
         result, summary = _summarize(plan, rows)
         summary["table_versions"] = _commit_rows(cat_layout, plan, rows)
         write_catalog_dir(
             cat_layout.catalog(plan.ingest_id),
-            {"listing": _listing_delta(plan), "superseded": Path(plan.files.path("stale"))},
+            {"listing": listing, "superseded": Path(plan.files.path("stale"))},
             summary,
         )  # fmt: skip
     cat_layout.set_latest("catalog", plan.ingest_id)
