@@ -367,16 +367,19 @@ def _values(frame: pd.DataFrame, columns: np.ndarray) -> list:
     return [v.item() if hasattr(v, "item") else v for v in out]
 
 
+def hash128(values: np.ndarray, hi_key: str, lo_key: str) -> tuple[np.ndarray, np.ndarray]:
+    """Two independent 64-bit hashes of each string (16-character keys): equal strings, equal
+    pair; unequal ones collide with odds near 1e-20 at a billion rows."""
+    return (pd.util.hash_array(values, hash_key=hi_key, categorize=False),
+            pd.util.hash_array(values, hash_key=lo_key, categorize=False))  # fmt: skip
+
+
 def hash_columns(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(sha_hi, sha_lo, phash) as uint64: the sha256 as two independent 64-bit hashes (equal
-    sha256, equal pair; 128 bits, so that unequal ones collide with odds near 1e-20 at a
-    billion rows), and the 16-hex-digit pHash."""
+    """(sha_hi, sha_lo, phash) as uint64: the sha256 as 128 bits (`hash128`) and the
+    16-hex-digit pHash."""
     sha = df["sha256"].astype(str).to_numpy(object)
-    return (
-        pd.util.hash_array(sha, hash_key="kiln-sha256-hi-0"),
-        pd.util.hash_array(sha, hash_key="kiln-sha256-lo-1"),
-        phash_to_uint64(df["phash"].to_numpy(object)),
-    )
+    return (*hash128(sha, "kiln-sha256-hi-0", "kiln-sha256-lo-1"),
+            phash_to_uint64(df["phash"].to_numpy(object)))  # fmt: skip
 
 
 @dataclass

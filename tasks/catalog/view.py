@@ -50,6 +50,7 @@ __all__ = [
     "ViewPart",
     "chain",
     "conform",
+    "declared_columns",
     "frame_rows",
     "open_table",
     "read_part",
@@ -77,6 +78,7 @@ ROW_GROUP = 65_536  # rows per Parquet row group: the unit that scans and partit
 TABLES = ("accepted", "quarantine")
 VERDICT_TABLES = ("rejects", "flags")  # each validate's rejects and kept near-duplicates
 SEQ = "ingest_seq"  # the partition column of both tables
+_OWN_COLUMNS = {*ACCEPTED_COLUMNS, *QUARANTINE_COLUMNS, SEQ, "verdict"}
 _DATA_FREE = {"OPTIMIZE", "VACUUM START", "VACUUM END", "ADD COLUMN"}  # commits of no row
 
 
@@ -167,12 +169,23 @@ def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -
     return parts
 
 
-def view_columns(parts: list[ViewPart]) -> list[str]:
-    """The union of the parts' columns: the catalog's own first, then metadata columns in the
-    order they first appear."""
+def declared_columns(layout: Layout, ingest_id: str | None) -> list[str]:
+    """The metadata columns the view's sources were ingested with (`ingest.metadata_columns`),
+    whether or not a row has a value yet (a column null everywhere is not in the tables)."""
+    if ingest_id is None:
+        return []
+    summary = json.loads((layout.catalog(ingest_id) / "summary.json").read_text())
+    settings = summary.get("source_settings", {}).values()
+    return list(dict.fromkeys(c for s in settings for c in s.get("metadata_columns", [])))
+
+
+def view_columns(parts: list[ViewPart], declared: list[str] | tuple = ()) -> list[str]:
+    """The union of the parts' columns and the `declared` ones (`declared_columns`): the
+    catalog's own first, then metadata columns in the order they first appear."""
     names: list[str] = []
     for p in parts:
         names += [n for n in (*pq.read_schema(p.path).names, SEQ) if n not in names]
+    names += [n for n in declared if n not in names]
     own = [c for c in (*ACCEPTED_COLUMNS, *QUARANTINE_COLUMNS) if c in names]
     return list(dict.fromkeys(own)) + [n for n in names if n not in own]
 
@@ -217,10 +230,12 @@ def scan_view(
     opened). Every batch has the same columns."""
     parts = [p for p in view_parts(layout, ingest_id, table) if p.seq > after_seq
              and (sources is None or p.source is None or p.source in sources)]  # fmt: skip
-    cols = columns if columns is not None else view_columns(parts)
+    if columns is None:
+        declared = declared_columns(layout, ingest_id) if table == "accepted" else []
+        columns = view_columns(parts, declared)
     for p in parts:
         for g in range(p.row_groups):
-            yield read_part(p, cols, [g], sources)
+            yield read_part(p, columns, [g], sources)
 
 
 def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.DataFrame, int]:
@@ -230,7 +245,8 @@ def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.D
     frames = []
     for table, base in (("accepted", ACCEPTED_COLUMNS), ("quarantine", QUARANTINE_COLUMNS)):
         parts = view_parts(layout, ingest_id, table)
-        cols = view_columns(parts) if parts else base
+        declared = declared_columns(layout, ingest_id) if table == "accepted" else []
+        cols = view_columns(parts, declared) if parts else base
         got = [read_part(p, cols) for p in parts]
         frames.append(pd.concat([g for g in got if len(g)] or [pd.DataFrame(columns=cols)],
                                 ignore_index=True))  # fmt: skip
@@ -255,9 +271,10 @@ def sql_str(value: str) -> str:
 
 def target_schema(schemas: list[pa.Schema], dt: DeltaTable | None) -> pa.Schema:
     """The columns of `schemas` (in order of first appearance), each of the table's type where
-    it has the column, else the widest of their non-null types; a column null everywhere and
-    new to the table is a string (Delta has no null type, and a column of NaN must not fix the
-    type of the values that come later)."""
+    it has the column, else the widest of their non-null types. Delta has no null type: a
+    metadata column null everywhere and new to the table is left out, so that the ingest that
+    first brings its values adds it with their type (readers see null in the rows before);
+    one of the catalog's own columns is a string."""
     known = {f.name: f.type for f in pa.schema(dt.schema().to_arrow())} if dt else {}
     seen: dict[str, list[pa.DataType]] = {}
     for sch in schemas:
@@ -266,6 +283,8 @@ def target_schema(schemas: list[pa.Schema], dt: DeltaTable | None) -> pa.Schema:
     fields = []
     for name, types in seen.items():
         found = [t for t in dict.fromkeys(types) if not pa.types.is_null(t)]
+        if name not in known and not found and name not in _OWN_COLUMNS:
+            continue
         want = known.get(name) or (_widest(name, found) if found else pa.string())
         fields.append(pa.field(name, want))
     return pa.schema(fields)

@@ -44,6 +44,7 @@ from data_quality.suite import (
     cross_catalog,
     cross_hits,
     expectation_summaries,
+    hash128,
     hash_columns,
     suite_key,
     write_data_docs,
@@ -57,6 +58,7 @@ from tasks.catalog.view import (
     ROW_GROUP,
     ViewPart,
     chain,
+    declared_columns,
     read_part,
     table_path,
     view_columns,
@@ -584,7 +586,8 @@ def _validate(
     # An old verdict must never vouch for the rejects this run is about to write.
     (cat / VERDICT_FILE).unlink(missing_ok=True)
     parts = view_parts(layout, ingest_id, "accepted")
-    columns = view_columns(parts) if parts else list(ACCEPTED_COLUMNS)
+    columns = (view_columns(parts, declared_columns(layout, ingest_id)) if parts
+               else list(ACCEPTED_COLUMNS))  # fmt: skip
     if sum(p.rows for p in parts):
         check_columns(columns, rules)
     if rules.min_aesthetic is not None and rules.aesthetic_column not in columns:
@@ -660,8 +663,7 @@ def _pair_strings(source, key) -> np.ndarray:
 
 def _pair_hashes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Two independent 64-bit hashes of each joined (source, key)."""
-    return (pd.util.hash_array(pairs, hash_key="kiln-pairs-hi-01", categorize=False),
-            pd.util.hash_array(pairs, hash_key="kiln-pairs-lo-02", categorize=False))  # fmt: skip
+    return hash128(pairs, "kiln-pairs-hi-01", "kiln-pairs-lo-02")
 
 
 class _Pairs:
@@ -746,4 +748,5 @@ def read_clean(root: str, ingest_id: str, columns: list[str] | None = None) -> p
     if got:
         return pd.concat(got, ignore_index=True)
     parts = view_parts(layout, ingest_id, "accepted")
-    return pd.DataFrame(columns=columns or (view_columns(parts) if parts else ACCEPTED_COLUMNS))
+    return pd.DataFrame(columns=columns or (view_columns(parts, declared_columns(layout, ingest_id))
+                                            if parts else ACCEPTED_COLUMNS))  # fmt: skip

@@ -57,7 +57,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from kiln_config.errors import InputError, MissingInput
-from tasks.catalog.view import view_columns, view_parts, view_versions
+from tasks.catalog.view import declared_columns, view_columns, view_parts, view_versions
 from tasks.ingest.render import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.ingest.sources import CATALOG_COLUMNS
 from tasks.quality.gate import REJECTS_FILE, gate_for_sharding, read_clean, scan_clean
@@ -580,11 +580,9 @@ def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: di
         _check_stage(r, eligible[r], total, r in buckets, cfg.min_side_factor)
     result = ShardResult(dataset_version=_version(settings, digest), ingest_id=ingest_id,
                          dry_run=True)  # fmt: skip
-    cand = candidates
-    held = (held_out_mask(cand["source"], cand["key"], cfg.val_fraction, cfg.val_max)
-            if len(cand) else None)  # fmt: skip
+    # The kept candidates are the validation split: at most `val_max`, in its order.
     for r in stages:
-        val = 0 if held is None else int((held & cand[str(r)].to_numpy()).sum())
+        val = int(candidates[str(r)].sum()) if len(candidates) else 0
         _check_split(r, eligible[r] - val, val, cfg)
         result.stages[r] = {"samples": eligible[r] - val, "val_samples": val}
     return result
@@ -592,7 +590,8 @@ def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: di
 
 def _plan_columns(layout: Layout, ingest_id: str) -> list[str]:
     """The columns a shard plan reads: identity, size, caption and stored metadata."""
-    columns = view_columns(view_parts(layout, ingest_id, "accepted"))
+    columns = view_columns(view_parts(layout, ingest_id, "accepted"),
+                           declared_columns(layout, ingest_id))  # fmt: skip
     own = ["source", "key", "sha256", "caption", "width", "height"]
     return own + [c for c in columns if c not in CATALOG_COLUMNS and c != "near_duplicate_of"]
 

@@ -3,6 +3,7 @@ import json
 import tarfile
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -395,3 +396,40 @@ def test_a_root_whose_path_has_quotes_and_braces(tmp_path):
     assert (first.accepted, first.quarantined) == (2, 0)
     again = ingest_source(IngestConfig(source=str(src)), str(root))
     assert again.reused and again.unchanged_items == 2
+
+
+def test_a_metadata_column_null_in_the_first_ingest_takes_the_type_of_later_values(tmp_path):
+    """A metadata column that no row of the first ingest has is not fixed as a string: the
+    ingest that first brings values adds it to the table with their type."""
+    from deltalake import DeltaTable
+    from PIL import Image
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rows = []
+    for i in range(2):
+        Image.new("RGB", (48, 48), (80 * i, 10, 10)).save(src / f"im{i}.png")
+        rows.append(json.dumps({"file_name": f"im{i}.png", "text": f"square {i}"}))
+    (src / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    cfg = IngestConfig(source=str(src), metadata_columns=["score"])
+    root = tmp_path / "root"
+    first = ingest_source(cfg, str(root))
+    table = root / "catalog" / "tables" / "accepted"
+    assert "score" not in DeltaTable(str(table)).schema().to_arrow().names
+    Image.new("RGB", (48, 48), (1, 2, 3)).save(src / "im9.png")
+    rows.append(json.dumps({"file_name": "im9.png", "text": "square 9", "score": 2.5}))
+    (src / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    second = ingest_source(cfg, str(root))
+    assert (first.accepted, second.accepted, second.new_items) == (2, 3, 1)
+    assert pa.schema(DeltaTable(str(table)).schema().to_arrow()).field("score").type == pa.float64()
+    scores = _cat(root, second.ingest_id).set_index("key")["score"]
+    assert scores["im9.png"] == 2.5 and scores[["im0.png", "im1.png"]].isna().all()
+    # A declared column with no value anywhere is still a column of the view: the licence
+    # check quarantines rows without a licence rather than finding no such column.
+    lic = ingest_source(
+        IngestConfig(source=str(src), metadata_columns=["license"]), str(tmp_path / "lic")
+    )
+    assert "license" in _cat(tmp_path / "lic", lic.ingest_id).columns
+    rules = QualityConfig(allowed_licenses=["cc0"], max_reject_fraction=1.0)
+    got = validate_catalog(str(tmp_path / "lic"), lic.ingest_id, rules)
+    assert (got.clean, sum(got.reasons.values())) == (0, 3), got.reasons
