@@ -214,8 +214,29 @@ class Plan:
 
     def problem_batches(self) -> Iterator[list[dict]]:
         """The manifest's problems: unusable rows, second rows of a file name, file names
-        the source does not have."""
-        return self.files.batches(_PROBLEMS)
+        the source does not have (staged by `stage_changes`)."""
+        return self.files.batches("SELECT * FROM {problems}")
+
+    @property
+    def listing_delta(self) -> Path:
+        """The staged listing delta (see `stage_changes`)."""
+        return Path(self.files.path("listing_delta"))
+
+    def stage_changes(self) -> None:
+        """Stage, before anything is decoded, what the run's commit writes besides its rows:
+        the manifest's problems, and the listed objects of the units this run decodes or
+        rejects (with their sidecars) and the manifest when it changed (`listing_delta`).
+        Their queries join the whole listing; run here, their working memory is spent
+        while the driver holds little else."""
+        self.files.copy(_PROBLEMS, "problems")
+        manifest = self.manifest.name if self.manifest.name and self.manifest_changed else ""
+        self.files.copy(
+            "SELECT o.key, o.size, o.version, ?::VARCHAR AS source FROM {objects} o SEMI JOIN ("
+            "SELECT key FROM {todo} UNION SELECT txt FROM {todo} WHERE txt IS NOT NULL UNION "
+            "SELECT json FROM {todo} WHERE json IS NOT NULL UNION SELECT key FROM {rejects} "
+            "UNION SELECT ?::VARCHAR) d ON d.key = o.key ORDER BY o.key",
+            "listing_delta", [self.src, manifest],
+        )  # fmt: skip
 
     def stale_between(self, lo: str | None, hi: str | None) -> pa.Array:
         """The units whose rows this run replaces or removes, from `lo` to `hi` (None: no
@@ -320,6 +341,7 @@ def _plan(
     if plan.todo or plan.rejects or plan.removed or plan.manifest_changed or previous is None:
         state = {**settings, "previous": previous, "manifest": manifest.version}
         plan.ingest_id = _ingest_id(files, src, state)
+        plan.stage_changes()
     return plan
 
 

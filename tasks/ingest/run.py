@@ -179,15 +179,11 @@ def _ingest(
         _decode(plan, opts, runner, pool, cfg.partition_size, rows.add_records,
                 window=2 * max(2, n_workers))  # fmt: skip
         rows.add_listing_problems()
-        # Staged before the commit, and DuckDB's memory handed back: the query's working
-        # memory then never comes on top of what the commit leaves the allocators holding.
-        listing = _listing_delta(plan)
-        plan.files.release()
         result, summary = _summarize(plan, rows)
         summary["table_versions"] = _commit_rows(cat_layout, plan, rows)
         write_catalog_dir(
             cat_layout.catalog(plan.ingest_id),
-            {"listing": listing, "superseded": Path(plan.files.path("stale"))},
+            {"listing": plan.listing_delta, "superseded": Path(plan.files.path("stale"))},
             summary,
         )  # fmt: skip
     cat_layout.set_latest("catalog", plan.ingest_id)
@@ -288,20 +284,6 @@ class _RunRows:
 
     def discard(self) -> None:
         shutil.rmtree(self._folder, ignore_errors=True)
-
-
-def _listing_delta(plan: Plan) -> Path:
-    """Stage the listed objects of the units this run decoded or rejected (with their
-    sidecars), and the manifest when it changed; the staged file."""
-    manifest = plan.manifest.name if plan.manifest.name and plan.manifest_changed else ""
-    plan.files.copy(
-        "SELECT o.key, o.size, o.version, ?::VARCHAR AS source FROM {objects} o SEMI JOIN ("
-        "SELECT key FROM {todo} UNION SELECT txt FROM {todo} WHERE txt IS NOT NULL UNION "
-        "SELECT json FROM {todo} WHERE json IS NOT NULL UNION SELECT key FROM {rejects} "
-        "UNION SELECT ?::VARCHAR) d ON d.key = o.key ORDER BY o.key",
-        "listing_delta", [plan.src, manifest],
-    )  # fmt: skip
-    return Path(plan.files.path("listing_delta"))
 
 
 def _commit_rows(cat_layout: Layout, plan: Plan, rows: _RunRows) -> dict[str, int | None]:
