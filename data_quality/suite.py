@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from functools import partial
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -462,15 +463,32 @@ def _in_order(fn, items, workers: int):
             yield window.popleft().result()
 
 
+_GATHER = 4  # old batches searched as one (row groups of 65,536 rows: 6 MB of hashes)
+
+
+def _gathered(batches, k: int = _GATHER):
+    """The old batches `k` at a time, each group as one batch (a function that reads and
+    joins them, in order): the search's work per batch that does not depend on the old rows
+    (the new rows' keys, sorted with each table's) is then paid once per group."""
+    it = iter(batches)
+    while chunk := list(islice(it, k)):
+        yield chunk[0] if len(chunk) == 1 else partial(_joined, chunk)
+
+
+def _joined(chunk: list) -> tuple:
+    got = [b() if callable(b) else b for b in chunk]
+    return tuple(np.concatenate([g[i] for g in got]) for i in range(3))
+
+
 def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, *,
                   workers: int = 1) -> CrossCheck:  # fmt: skip
     """Exact and near duplicates of the `new` rows' hashes (hi, lo, phash), among themselves
     and against the old rows, which all come earlier: `old_batches` yields their hashes a
     batch at a time, in order (`old_rows` rows in all), each as (hi, lo, phash) or as a
     function that reads them. Positions count the old rows first. `workers` threads read and
-    search the old batches, each batch on its own (numpy and Arrow let go of the GIL for much
-    of it); with few new rows, only the old rows that `near_filter` lets through are searched
-    for near duplicates."""
+    search the old batches, `_GATHER` batches at a time (numpy and Arrow let go of the GIL for
+    much of it); with few new rows, only the old rows that `near_filter` lets through are
+    searched for near duplicates."""
     hi, lo, ph = new
     n = len(hi)
     dup = np.full(n, -1, np.int64)
@@ -480,7 +498,7 @@ def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, 
         return CrossCheck(duplicate_of=dup, near_duplicate_of=near)
     start = 0
     read = partial(_against_batch, new, _NewHi.of(hi), d, near_filter(ph, d, old_rows))
-    for exact, m, rows in _in_order(read, old_batches, workers):
+    for exact, m, rows in _in_order(read, _gathered(old_batches), workers):
         # the first old row of each new sha256 and pHash (earlier batches first)
         take = (dup < 0) & (exact >= 0)
         dup[take] = exact[take] + start

@@ -113,17 +113,19 @@ def test_an_empty_partition_and_bad_parts(tmp_path):
 
 @pytest.mark.parametrize("hot", [False, True])
 def test_old_rows_read_in_batches_on_threads_give_the_same_answer(hot):
-    """Old rows as many lazily read batches, their near candidates filtered by the new rows'
-    table keys, searched on one thread or two: without hot buckets the answers of one batch
-    (the search is exact), with them the same answers on either thread count."""
+    """Old rows as many batches (lazily read or in memory, gathered into groups for the
+    search), their near candidates filtered by the new rows' table keys, searched on one
+    thread or two: without hot buckets the answers of one batch (the search is exact), with
+    them the same answers on either thread count."""
     rng = np.random.default_rng(11)
     hi, lo, ph = corpus(rng, 6000, 4, hot=hot)
     first = 5600
     rules = QualityConfig(near_duplicate_distance=4)
     new = tuple(h[first:] for h in (hi, lo, ph))
-    cuts = [0, 700, 701, 2500, 4000, first]
+    cuts = [0, 700, 701, 1200, 2500, 3100, 4000, 4700, 5000, first]
     spans = list(zip(cuts, cuts[1:], strict=False))
-    batches = [lambda a=a, b=b: tuple(h[a:b] for h in (hi, lo, ph)) for a, b in spans]
+    batches = [(lambda a=a, b=b: tuple(h[a:b] for h in (hi, lo, ph))) if i % 3 else
+               tuple(h[a:b] for h in (hi, lo, ph)) for i, (a, b) in enumerate(spans)]  # fmt: skip
     one, two = (cross_catalog(new, rules, batches, first, workers=w) for w in (1, 2))
     assert (one.near_duplicate_of >= 0).sum() > 20 and (one.duplicate_of >= 0).sum() > 5
     assert two.duplicate_of.tolist() == one.duplicate_of.tolist()
