@@ -10,7 +10,8 @@ on a large catalog. The row checks already compute each row's hashes
 An entry is named after its data file: Delta Lake never rewrites a data file in place (an
 ingest that replaces rows, or a compaction, writes new files), so an entry is either the
 hashes of the rows it is named after, or never looked up again. One whose row count differs
-from its row group's is not used, and the rows are read and parsed as without a cache.
+from its row group's is not used, and the rows are read and parsed as without a cache; one
+that is not a whole array is removed, so that the next save writes it again.
 `prune` removes the entries of data files no longer on disk (vacuumed).
 """
 
@@ -45,8 +46,12 @@ def load(cache: Path, data_file: Path, group: int, rows: int) -> tuple | None:
     """The cached (sha_hi, sha_lo, phash) of row group `group` of `data_file`, or None when
     there is no entry of `rows` rows for it."""
     try:
-        got = np.load(_folder(cache, data_file) / f"{group:06d}.npy")
-    except (OSError, ValueError, EOFError):  # none, or not a whole entry (a crash's)
+        entry = _folder(cache, data_file) / f"{group:06d}.npy"
+        got = np.load(entry)
+    except OSError:  # none
+        return None
+    except (ValueError, EOFError):  # not a whole entry: dropped, so that a save writes it again
+        entry.unlink(missing_ok=True)
         return None
     if got.dtype != np.uint64 or got.shape != (3, rows):
         return None

@@ -168,9 +168,11 @@ def test_a_cache_entry_is_used_only_for_the_file_and_row_count_it_was_built_from
     assert hash_cache.load(cache, data, 2, 2) is None, "no such row group"
     entry = next(cache.rglob("000001.npy"))
     whole = entry.read_bytes()
-    for cut in (b"", whole[:40]):  # what a crash mid-write can leave
+    for cut in (b"", whole[:40]):  # a damaged entry is dropped, and the next save rewrites it
         entry.write_bytes(cut)
-        assert hash_cache.load(cache, data, 1, 2) is None
+        assert hash_cache.load(cache, data, 1, 2) is None and not entry.exists()
+        hash_cache.save(cache, data, [0, 1], [3, 2], hashes)
+        np.testing.assert_array_equal(hash_cache.load(cache, data, 1, 2)[2], [23, 24])
     (entry.parent / ".000001.dead.tmp.npy").write_bytes(b"partial")
     assert hash_cache.prune(cache, table) == 0 and not any(cache.rglob(".*.tmp.npy"))
     data.write_bytes(b"x" * 101)  # the same name, other contents: a stale entry
