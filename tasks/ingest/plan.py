@@ -14,7 +14,8 @@ the root in batches), reads the manifest, stages this source's rows of the view,
 * the files quarantined from the listing alone (unsafe keys, stray extensions) that are new
   or changed;
 * the units gone from the source;
-* the manifest's problems.
+* the manifest's problems, and the listing delta (the listed objects of what the run decodes
+  or rejects), staged before the decode for the commit.
 """
 
 from __future__ import annotations
@@ -185,8 +186,9 @@ class Plan:
     Its rows are staged in `files`: `objects` (the listing), `manifest`, `items` (every item
     and listing reject of the source now), `known_acc` and `known_q` (this source's rows in
     the view), `todo` (the items to decode), `rejects` (new or changed listing rejects),
-    `removed` (units gone from the source) and `stale` (the units whose rows this run replaces
-    or removes)."""
+    `removed` (units gone from the source), `stale` (the units whose rows this run replaces
+    or removes), and, when it changes the view, `problems` and `listing_delta`
+    (`stage_changes`)."""
 
     src: str
     source_format: str
