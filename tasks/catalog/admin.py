@@ -34,6 +34,7 @@ from kiln_config.errors import InputError
 from tasks.catalog.view import (
     TABLES,
     chain,
+    declared_columns,
     open_table,
     resolve_version,
     sql_str,
@@ -107,8 +108,18 @@ def _connect(root: str, version: int | None):
             "(or `kiln catalog migrate` for a root of the older layout)"
         )
     empty = pa.table({"source": pa.array([], pa.string()), "key": pa.array([], pa.string())})
+    # A declared metadata column that no row has a value for yet is not in the table (see
+    # `target_schema`): `accepted` has it, null, as Kiln's steps read it.
+    accepted = datasets["accepted"]
+    have = set((accepted if accepted is not None else empty).schema.names)
+    absent = [c for c in declared_columns(layout, layout.latest_or_none("catalog"))
+              if c not in have]  # fmt: skip
     for table, data in datasets.items():
-        con.register(table, data if data is not None else empty)
+        name = "accepted_data" if table == "accepted" and absent else table
+        con.register(name, data if data is not None else empty)
+    if absent:
+        nulls = "".join(f', NULL::VARCHAR AS "{c.replace(chr(34), chr(34) * 2)}"' for c in absent)
+        con.execute(f"CREATE VIEW accepted AS SELECT *{nulls} FROM accepted_data")
     rejects = _verdict_rejects(layout)
     con.register("rejects", rejects)
     con.execute("CREATE VIEW clean AS SELECT a.* FROM accepted a ANTI JOIN rejects r "

@@ -17,6 +17,7 @@ that is not a whole array is removed, so that the next save writes it again.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import uuid
@@ -51,7 +52,8 @@ def load(cache: Path, data_file: Path, group: int, rows: int) -> tuple | None:
     except OSError:  # none
         return None
     except (ValueError, EOFError):  # not a whole entry: dropped, so that a save writes it again
-        entry.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a cache only saves time: a read-only one is read
+            entry.unlink(missing_ok=True)
         return None
     if got.dtype != np.uint64 or got.shape != (3, rows):
         return None

@@ -8,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from kiln_config import IngestConfig, QualityConfig
+from tasks.catalog.admin import query
 from tasks.catalog.view import read_view
 from tasks.ingest.run import ingest_source
 from tasks.quality.gate import read_clean, validate_catalog
@@ -433,3 +434,5 @@ def test_a_metadata_column_null_in_the_first_ingest_takes_the_type_of_later_valu
     rules = QualityConfig(allowed_licenses=["cc0"], max_reject_fraction=1.0)
     got = validate_catalog(str(tmp_path / "lic"), lic.ingest_id, rules)
     assert (got.clean, sum(got.reasons.values())) == (0, 3), got.reasons
+    n = query(str(tmp_path / "lic"), "SELECT count(*) AS n FROM accepted WHERE license IS NULL")
+    assert n.column("n").to_pylist() == [3]
