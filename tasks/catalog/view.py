@@ -48,6 +48,7 @@ __all__ = [
     "TABLES",
     "VERDICT_TABLES",
     "ViewPart",
+    "accepted_columns",
     "chain",
     "conform",
     "declared_columns",
@@ -169,6 +170,17 @@ def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -
     return parts
 
 
+def accepted_columns(layout: Layout, ingest_id: str | None,
+                     parts: list[ViewPart] | None = None) -> list[str]:  # fmt: skip
+    """The columns of the accepted rows of the view after `ingest_id` (of `parts`, its data
+    files, when given): those of the files, then the declared metadata columns that no row
+    has a value for yet (`declared_columns`), which reads give as null."""
+    if parts is None:
+        parts = view_parts(layout, ingest_id, "accepted")
+    names = view_columns(parts) if parts else list(ACCEPTED_COLUMNS)
+    return names + [c for c in declared_columns(layout, ingest_id) if c not in names]
+
+
 def declared_columns(layout: Layout, ingest_id: str | None) -> list[str]:
     """The metadata columns the view's sources were ingested with (`ingest.metadata_columns`),
     whether or not a row has a value yet (a column null everywhere is not in the tables)."""
@@ -179,13 +191,12 @@ def declared_columns(layout: Layout, ingest_id: str | None) -> list[str]:
     return list(dict.fromkeys(c for s in settings for c in s.get("metadata_columns", [])))
 
 
-def view_columns(parts: list[ViewPart], declared: list[str] | tuple = ()) -> list[str]:
-    """The union of the parts' columns and the `declared` ones (`declared_columns`): the
-    catalog's own first, then metadata columns in the order they first appear."""
+def view_columns(parts: list[ViewPart]) -> list[str]:
+    """The union of the parts' columns: the catalog's own first, then metadata columns in the
+    order they first appear."""
     names: list[str] = []
     for p in parts:
         names += [n for n in (*pq.read_schema(p.path).names, SEQ) if n not in names]
-    names += [n for n in declared if n not in names]
     own = [c for c in (*ACCEPTED_COLUMNS, *QUARANTINE_COLUMNS) if c in names]
     return list(dict.fromkeys(own)) + [n for n in names if n not in own]
 
@@ -231,8 +242,8 @@ def scan_view(
     parts = [p for p in view_parts(layout, ingest_id, table) if p.seq > after_seq
              and (sources is None or p.source is None or p.source in sources)]  # fmt: skip
     if columns is None:
-        declared = declared_columns(layout, ingest_id) if table == "accepted" else []
-        columns = view_columns(parts, declared)
+        columns = (accepted_columns(layout, ingest_id, parts) if table == "accepted"
+                   else view_columns(parts))  # fmt: skip
     for p in parts:
         for g in range(p.row_groups):
             yield read_part(p, columns, [g], sources)
@@ -245,8 +256,10 @@ def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.D
     frames = []
     for table, base in (("accepted", ACCEPTED_COLUMNS), ("quarantine", QUARANTINE_COLUMNS)):
         parts = view_parts(layout, ingest_id, table)
-        declared = declared_columns(layout, ingest_id) if table == "accepted" else []
-        cols = view_columns(parts, declared) if parts else base
+        if table == "accepted":
+            cols = accepted_columns(layout, ingest_id, parts)
+        else:
+            cols = view_columns(parts) if parts else base
         got = [read_part(p, cols) for p in parts]
         frames.append(pd.concat([g for g in got if len(g)] or [pd.DataFrame(columns=cols)],
                                 ignore_index=True))  # fmt: skip

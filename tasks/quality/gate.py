@@ -54,14 +54,12 @@ from kiln_config import KilnError, QualityConfig
 from kiln_config.errors import MissingInput
 from tasks.catalog.takedown import takedown_set
 from tasks.catalog.view import (
-    ACCEPTED_COLUMNS,
     ROW_GROUP,
     ViewPart,
+    accepted_columns,
     chain,
-    declared_columns,
     read_part,
     table_path,
-    view_columns,
     view_parts,
     view_versions,
 )
@@ -586,8 +584,7 @@ def _validate(
     # An old verdict must never vouch for the rejects this run is about to write.
     (cat / VERDICT_FILE).unlink(missing_ok=True)
     parts = view_parts(layout, ingest_id, "accepted")
-    columns = (view_columns(parts, declared_columns(layout, ingest_id)) if parts
-               else list(ACCEPTED_COLUMNS))  # fmt: skip
+    columns = accepted_columns(layout, ingest_id, parts)
     if sum(p.rows for p in parts):
         check_columns(columns, rules)
     if rules.min_aesthetic is not None and rules.aesthetic_column not in columns:
@@ -747,6 +744,4 @@ def read_clean(root: str, ingest_id: str, columns: list[str] | None = None) -> p
     got = [b for b in scan_clean(root, ingest_id, columns) if len(b)]
     if got:
         return pd.concat(got, ignore_index=True)
-    parts = view_parts(layout, ingest_id, "accepted")
-    return pd.DataFrame(columns=columns or (view_columns(parts, declared_columns(layout, ingest_id))
-                                            if parts else ACCEPTED_COLUMNS))  # fmt: skip
+    return pd.DataFrame(columns=columns or accepted_columns(layout, ingest_id))

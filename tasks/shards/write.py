@@ -57,7 +57,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from kiln_config.errors import InputError, MissingInput
-from tasks.catalog.view import declared_columns, view_columns, view_parts, view_versions
+from tasks.catalog.view import accepted_columns, view_versions
 from tasks.ingest.render import aspect_buckets, nearest_buckets, render_for_stages
 from tasks.ingest.sources import CATALOG_COLUMNS
 from tasks.quality.gate import REJECTS_FILE, gate_for_sharding, read_clean, scan_clean
@@ -590,8 +590,7 @@ def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: di
 
 def _plan_columns(layout: Layout, ingest_id: str) -> list[str]:
     """The columns a shard plan reads: identity, size, caption and stored metadata."""
-    columns = view_columns(view_parts(layout, ingest_id, "accepted"),
-                           declared_columns(layout, ingest_id))  # fmt: skip
+    columns = accepted_columns(layout, ingest_id)
     own = ["source", "key", "sha256", "caption", "width", "height"]
     return own + [c for c in columns if c not in CATALOG_COLUMNS and c != "near_duplicate_of"]
 
