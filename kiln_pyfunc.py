@@ -181,6 +181,10 @@ def truncate_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> 
         out.append(text)
         cut += 1
     if cut:
-        log.info("%d of %d prompts cut to the text encoder's %d tokens", cut, len(prompts),
-                 tokenizer.model_max_length)  # fmt: skip
+        log.info(
+            "%d of %d prompts cut to the text encoder's %d tokens",
+            cut,
+            len(prompts),
+            tokenizer.model_max_length,
+        )
     return out

@@ -124,15 +124,30 @@ def synth(n: int, seed: int, start: int, seq: int, ingest_id: str) -> pd.DataFra
     block = (hot >= 0.05) & (hot < 0.25)  # one hot 16-bit block
     ph[block] = (ph[block] & ~np.uint64(0xFFFF)) | np.uint64(0x1234)
     keys = np.array([f"{i:010d}.jpg" for i in range(start, start + n)], dtype=object)
-    return pd.DataFrame({
-        "key": keys, "source": SOURCE, "object": keys, "offset": 0,
-        "length": rng.integers(50_000, 900_000, n), "sha256": shas,
-        "phash": np.array([f"{x:016x}" for x in ph], dtype=object),
-        "width": w, "height": h, "format": "JPEG", "mode": "RGB",
-        "bytes": rng.integers(50_000, 900_000, n), "conversion": "", "caption": caps,
-        "unit": keys, "unit_version": "etag", "ingest_id": ingest_id, "ingest_seq": seq,
-        "license": "licensed", "aesthetic": np.round(rng.uniform(3.5, 7.5, n), 2),
-    })  # fmt: skip
+    return pd.DataFrame(
+        {
+            "key": keys,
+            "source": SOURCE,
+            "object": keys,
+            "offset": 0,
+            "length": rng.integers(50_000, 900_000, n),
+            "sha256": shas,
+            "phash": np.array([f"{x:016x}" for x in ph], dtype=object),
+            "width": w,
+            "height": h,
+            "format": "JPEG",
+            "mode": "RGB",
+            "bytes": rng.integers(50_000, 900_000, n),
+            "conversion": "",
+            "caption": caps,
+            "unit": keys,
+            "unit_version": "etag",
+            "ingest_id": ingest_id,
+            "ingest_seq": seq,
+            "license": "licensed",
+            "aesthetic": np.round(rng.uniform(3.5, 7.5, n), 2),
+        }
+    )
 
 
 def chunks(n: int, seed: int, start: int, seq: int, ingest_id: str):
@@ -145,16 +160,21 @@ def chunks(n: int, seed: int, start: int, seq: int, ingest_id: str):
         yield synth(min(CHUNK, n - lo), seed * 1000 + i, start + lo, seq, ingest_id)
 
 
-def write_ingest(root: Path, ingest_id: str, frames, seq: int, prev: str | None,
-                 totals: int) -> None:  # fmt: skip
+def write_ingest(
+    root: Path, ingest_id: str, frames, seq: int, prev: str | None, totals: int
+) -> None:
     from deltalake import write_deltalake
 
     from tasks.catalog import view as catalog_view
     from tasks.storage.layout import Layout
 
-    settings = {"layout": "imagefolder", "caption_column": "text",
-                "metadata_columns": ["license", "aesthetic"], "max_pixels": 178956970,
-                "image_extensions": [".jpg"]}  # fmt: skip
+    settings = {
+        "layout": "imagefolder",
+        "caption_column": "text",
+        "metadata_columns": ["license", "aesthetic"],
+        "max_pixels": 178956970,
+        "image_extensions": [".jpg"],
+    }
     layout = Layout(root)
     frames = iter(frames)
     rows = next(frames)
@@ -162,23 +182,44 @@ def write_ingest(root: Path, ingest_id: str, frames, seq: int, prev: str | None,
     version = catalog_view.write_ingest(layout, "accepted", rows, SOURCE, seq, "false")
     for rows in frames:  # the same ingest's further rows, appended to its partition
         dt = catalog_view.open_table(layout, "accepted")
-        write_deltalake(dt, catalog_view._arrow(rows, dt, seq), mode="append",
-                        writer_properties=catalog_view.writer_properties())  # fmt: skip
+        write_deltalake(
+            dt,
+            catalog_view._arrow(rows, dt, seq),
+            mode="append",
+            writer_properties=catalog_view.writer_properties(),
+        )
         version = catalog_view.open_table(layout, "accepted").version()
         new_items += len(rows)
     versions = {"accepted": version, "quarantine": None}
     summary = {
-        "ingest_id": ingest_id, "source": SOURCE, "layout": "imagefolder", "listed": totals,
-        "accepted": totals, "quarantined": 0, "reasons": {}, "manifest_problems": 0,
-        "new_items": new_items, "view_accepted": totals, "view_quarantined": 0,
-        "ingest_seq": seq, "previous": prev, "settings": settings, "superseded_accepted": 0,
-        "manifests": {SOURCE: "none"}, "source_settings": {SOURCE: settings}, "removed": [],
+        "ingest_id": ingest_id,
+        "source": SOURCE,
+        "layout": "imagefolder",
+        "listed": totals,
+        "accepted": totals,
+        "quarantined": 0,
+        "reasons": {},
+        "manifest_problems": 0,
+        "new_items": new_items,
+        "view_accepted": totals,
+        "view_quarantined": 0,
+        "ingest_seq": seq,
+        "previous": prev,
+        "settings": settings,
+        "superseded_accepted": 0,
+        "manifests": {SOURCE: "none"},
+        "source_settings": {SOURCE: settings},
+        "removed": [],
         "table_versions": versions,
-    }  # fmt: skip
-    catalog_view.write_catalog_dir(layout.catalog(ingest_id), {
-        "listing": pd.DataFrame(columns=["key", "size", "version", "source"]),
-        "superseded": pd.DataFrame({"unit": pd.Series([], dtype=object)}),
-    }, summary)  # fmt: skip
+    }
+    catalog_view.write_catalog_dir(
+        layout.catalog(ingest_id),
+        {
+            "listing": pd.DataFrame(columns=["key", "size", "version", "source"]),
+            "superseded": pd.DataFrame({"unit": pd.Series([], dtype=object)}),
+        },
+        summary,
+    )
     layout.set_latest("catalog", ingest_id)
 
 
@@ -189,8 +230,9 @@ def measure(cmd: list[str], env: dict, cwd: Path = REPO) -> dict:
 
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     peak, driver, done = 0, 0, threading.Event()
 
     def sample():
@@ -215,8 +257,13 @@ def measure(cmd: list[str], env: dict, cwd: Path = REPO) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-4000:]}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2), "peak_rss_mb": round(peak / 2**20),
-            "driver_peak_rss_mb": round(driver / 2**20), "output": out}  # fmt: skip
+    return {
+        "wall_s": round(wall, 2),
+        "cpu_s": round(cpu, 2),
+        "peak_rss_mb": round(peak / 2**20),
+        "driver_peak_rss_mb": round(driver / 2**20),
+        "output": out,
+    }
 
 
 def _free_port() -> int:
@@ -229,13 +276,26 @@ def _prefect_server(work: Path) -> tuple[subprocess.Popen, dict]:
     import urllib.request
 
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(work / "prefect"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(work / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+    }
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--host", "127.0.0.1",
-         "--port", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            str(Path(sys.executable).parent / "prefect"),
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(240):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
@@ -256,8 +316,11 @@ def _config(work: Path, root: Path, dask: str | None) -> Path:
 
 def machine() -> dict:
     """The machine a benchmark ran on: core count, platform, Python."""
-    return {"cpus": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version()}  # fmt: skip
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
 
 
 def _fit(rows: list[int], values: list[float]) -> float | None:
@@ -272,8 +335,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="100000,1000000,3000000")
     ap.add_argument("--dask-sizes", default="", help="Sizes also run on a Dask LocalCluster.")
     ap.add_argument("--work", default=None, help="Scratch folder (default: a temporary one).")
-    ap.add_argument("--steps", default="validate,validate_incremental,shard_plan,ingest_append",
-                    help="Steps to run (comma-separated).")  # fmt: skip
+    ap.add_argument(
+        "--steps",
+        default="validate,validate_incremental,shard_plan,ingest_append",
+        help="Steps to run (comma-separated).",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
     dask_sizes = {int(x) for x in args.dask_sizes.split(",") if x}
@@ -287,8 +353,9 @@ def main() -> None:
         if dask_sizes:
             from distributed import LocalCluster
 
-            cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                   dashboard_address=None)  # fmt: skip
+            cluster = LocalCluster(
+                n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+            )
         from kiln_demo.data import write_demo_dataset
 
         extra_src = work / "new-images"
@@ -298,24 +365,76 @@ def main() -> None:
             root = work / f"root-{n}"
             shutil.rmtree(root, ignore_errors=True)
             write_ingest(root, "ing-bench-base", chunks(n, 1, 0, 1, "ing-bench-base"), 1, None, n)
-            write_ingest(root, "ing-bench-more", chunks(10_000, 2, n, 2, "ing-bench-more"), 2,
-                         "ing-bench-base", n + 10_000)  # fmt: skip
+            write_ingest(
+                root,
+                "ing-bench-more",
+                chunks(10_000, 2, n, 2, "ing-bench-more"),
+                2,
+                "ing-bench-base",
+                n + 10_000,
+            )
             engines = ["local"] + (["dask"] if n in dask_sizes else [])
             for engine in engines:
                 cfg = _config(work, root, cluster.scheduler_address if engine == "dask" else None)
                 base = [*kiln, "--debug"]
                 steps = [
-                    ("validate", [*base, "validate", "--config", str(cfg), "--root", str(root),
-                                  "--ingest-id", "ing-bench-base"]),
-                    ("validate_incremental", [*base, "validate", "--config", str(cfg), "--root",
-                                              str(root), "--ingest-id", "ing-bench-more"]),
-                    ("shard_plan", [*base, "shard", "--config", str(cfg), "--root", str(root),
-                                    "--ingest-id", "ing-bench-more", "--dry-run"]),
-                ]  # fmt: skip
+                    (
+                        "validate",
+                        [
+                            *base,
+                            "validate",
+                            "--config",
+                            str(cfg),
+                            "--root",
+                            str(root),
+                            "--ingest-id",
+                            "ing-bench-base",
+                        ],
+                    ),
+                    (
+                        "validate_incremental",
+                        [
+                            *base,
+                            "validate",
+                            "--config",
+                            str(cfg),
+                            "--root",
+                            str(root),
+                            "--ingest-id",
+                            "ing-bench-more",
+                        ],
+                    ),
+                    (
+                        "shard_plan",
+                        [
+                            *base,
+                            "shard",
+                            "--config",
+                            str(cfg),
+                            "--root",
+                            str(root),
+                            "--ingest-id",
+                            "ing-bench-more",
+                            "--dry-run",
+                        ],
+                    ),
+                ]
                 if engine == "local":
-                    steps.append(("ingest_append", [*base, "ingest", "--config", str(cfg),
-                                                    "--root", str(root), "--source",
-                                                    str(extra_src)]))  # fmt: skip
+                    steps.append(
+                        (
+                            "ingest_append",
+                            [
+                                *base,
+                                "ingest",
+                                "--config",
+                                str(cfg),
+                                "--root",
+                                str(root),
+                                "--source",
+                                str(extra_src),
+                            ],
+                        )
+                    )
                 for step, cmd in [s for s in steps if s[0] in args.steps.split(",")]:
                     if step == "validate":  # every row checked: no earlier verdict to start from
                         for v in (root / "catalog").glob("*/verdict.json"):
@@ -325,8 +444,11 @@ def main() -> None:
                     got.pop("output")
                     run = {"step": step, "engine": engine, "rows": n, **got}
                     if step == "ingest_append":
-                        files = [f for f in (root / "catalog").rglob("*")
-                                 if f.is_file() and f not in before]  # fmt: skip
+                        files = [
+                            f
+                            for f in (root / "catalog").rglob("*")
+                            if f.is_file() and f not in before
+                        ]
                         run["written_bytes"] = sum(f.stat().st_size for f in files)
                         accepted = root / "catalog" / "tables" / "accepted"
                         run["catalog_bytes"] = sum(
@@ -343,17 +465,22 @@ def main() -> None:
     exponents, per_million = {}, {}
     for step in sorted({r["step"] for r in runs}):
         for engine in ("local", "dask"):
-            mine = sorted((r for r in runs if r["step"] == step and r["engine"] == engine),
-                          key=lambda r: r["rows"])  # fmt: skip
+            mine = sorted(
+                (r for r in runs if r["step"] == step and r["engine"] == engine),
+                key=lambda r: r["rows"],
+            )
             if len(mine) < 2:
                 continue
             name = step if engine == "local" else f"{step}@dask"
             rows = [r["rows"] for r in mine]
-            exponents[name] = {"time": _fit(rows, [r["wall_s"] for r in mine]),
-                               "rss": _fit(rows, [r["peak_rss_mb"] for r in mine])}  # fmt: skip
+            exponents[name] = {
+                "time": _fit(rows, [r["wall_s"] for r in mine]),
+                "rss": _fit(rows, [r["peak_rss_mb"] for r in mine]),
+            }
             lo, hi = mine[0], mine[-1]
-            per_million[name] = round((hi["cpu_s"] - lo["cpu_s"]) / (hi["rows"] - lo["rows"])
-                                      * 1e6, 2)  # fmt: skip
+            per_million[name] = round(
+                (hi["cpu_s"] - lo["cpu_s"]) / (hi["rows"] - lo["rows"]) * 1e6, 2
+            )
     out = {
         "machine": machine(),
         "sizes": sizes,

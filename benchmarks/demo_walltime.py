@@ -45,10 +45,17 @@ def main() -> None:
             "import models.train  # imports torch, diffusers, streaming\n"
         )
         floor = _run(
-            [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-             str(REPO / "configs/accelerate/single.yaml"), str(work / "noop.py")],
-            env, work,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                str(REPO / "configs/accelerate/single.yaml"),
+                str(work / "noop.py"),
+            ],
+            env,
+            work,
+        )
         t0 = time.time()
         demo_data_s = _run([kiln, "demo-data", str(work / "demo"), "--n", str(args.n)], env, work)
         cfg = REPO / "configs" / "tiny.yaml"

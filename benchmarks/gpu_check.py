@@ -131,8 +131,14 @@ def _run_boxed(cmd: list, env: dict, box_s: float) -> tuple[int | None, str]:
     """Run `cmd` in its own process group; at `box_s` seconds kill the whole group (the
     step's `accelerate launch` and its training process too). Returns (exit code, or None
     when stopped, and the output)."""
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=env, start_new_session=True) as proc:  # fmt: skip
+    with subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    ) as proc:
         try:
             output, _ = proc.communicate(timeout=box_s)
             return proc.returncode, output
@@ -148,16 +154,19 @@ def _site(toy: bool) -> tuple[str, ...]:
     return (str(HERE / "gpu_check_site"),) if toy else ()
 
 
-def run_step(name: str, script: str, box_s: float, work: Path, toy: bool, done: dict,
-             log) -> dict:  # fmt: skip
+def run_step(name: str, script: str, box_s: float, work: Path, toy: bool, done: dict, log) -> dict:
     """Run one step's process within `box_s` seconds; its result, or its error text."""
     result = work / f"{name}.result"
     result.unlink(missing_ok=True)
     t = time.perf_counter()
     try:
         cmd = _step_cmd(name, script, work, result, toy, done)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (*_site(toy), str(REPO), os.environ.get("PYTHONPATH")) if p))  # fmt: skip
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                p for p in (*_site(toy), str(REPO), os.environ.get("PYTHONPATH")) if p
+            ),
+        )
         rc, output = _run_boxed(cmd, env, box_s)
         status = "ok" if rc == 0 else "failed"
         error = None if rc == 0 else output.strip()[-1500:]
@@ -169,8 +178,11 @@ def run_step(name: str, script: str, box_s: float, work: Path, toy: bool, done: 
     if result.is_file():  # a step cut off by its box keeps what it finished
         text = result.read_text()
         try:
-            out |= ({"variants": [json.loads(x) for x in text.splitlines() if x.strip()]}
-                    if name == "unet" else json.loads(text))  # fmt: skip
+            out |= (
+                {"variants": [json.loads(x) for x in text.splitlines() if x.strip()]}
+                if name == "unet"
+                else json.loads(text)
+            )
         except json.JSONDecodeError as e:  # a unet line cut off mid-write by the box
             status = out["status"] = "failed"
             error = f"{error or 'exited 0'}; its result file is cut off ({e})"
@@ -202,12 +214,14 @@ def summarize(steps: dict, toy: bool) -> dict:
         v["mfu"] = float(f"{v['tflops'] / rate:.4g}") if rate else None
         if v["preset_resolution"] == 256 and (best is None or v["img_per_s"] > best["img_per_s"]):
             best = v
-    out = {"mfu_target": MFU_TARGET, "mosaic_a100_img_per_s_256": MOSAIC_A100_IMG_PER_S,
-           "toy": toy}  # fmt: skip
+    out = {"mfu_target": MFU_TARGET, "mosaic_a100_img_per_s_256": MOSAIC_A100_IMG_PER_S, "toy": toy}
     if best is not None:
-        out |= {"best_256": {k: best[k] for k in ("wrapper", "channels_last", "compile",
-                                                  "img_per_s", "mfu")},
-                "meets_mfu_target": bool(best["mfu"] and best["mfu"] >= MFU_TARGET)}  # fmt: skip
+        out |= {
+            "best_256": {
+                k: best[k] for k in ("wrapper", "channels_last", "compile", "img_per_s", "mfu")
+            },
+            "meets_mfu_target": bool(best["mfu"] and best["mfu"] >= MFU_TARGET),
+        }
     sps = steps.get("loader", {}).get("samples_per_s")
     if best is not None and sps:
         out["loader_over_unet_256"] = round(sps / best["img_per_s"], 2)
@@ -217,14 +231,27 @@ def summarize(steps: dict, toy: bool) -> dict:
 
 def environment() -> dict:
     versions = {}
-    for name in ("torch", "accelerate", "transformers", "huggingface-hub", "diffusers",
-                 "mosaicml-streaming", "numpy", "pydantic", "mlflow-skinny"):  # fmt: skip
+    for name in (
+        "torch",
+        "accelerate",
+        "transformers",
+        "huggingface-hub",
+        "diffusers",
+        "mosaicml-streaming",
+        "numpy",
+        "pydantic",
+        "mlflow-skinny",
+    ):
         try:
             versions[name] = md.version(name)
         except md.PackageNotFoundError:
             versions[name] = None
-    return {"python": platform.python_version(), "platform": platform.platform(),
-            "cpus": os.cpu_count(), "versions": versions}  # fmt: skip
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "versions": versions,
+    }
 
 
 def _cuda_device() -> str | None:
@@ -236,22 +263,27 @@ def _cuda_device() -> str | None:
 def table(report: dict) -> str:
     """The one-screen summary printed last."""
     s, rows = report["steps"], []
-    rows.append(f"GPU check on {report['device'] or 'CPU (toy sizes)'}; "
-                f"{report['seconds']:.0f} s in all")  # fmt: skip
+    rows.append(
+        f"GPU check on {report['device'] or 'CPU (toy sizes)'}; {report['seconds']:.0f} s in all"
+    )
     for name, st in s.items():
         note = st.get("error", st.get("skipped", "")).splitlines()
-        rows.append(f"  {name:<8} {st['status']:<8} {st.get('seconds', 0):>6.1f} s  "
-                    f"{(note[-1] if note else '')[:60]}")  # fmt: skip
+        rows.append(
+            f"  {name:<8} {st['status']:<8} {st.get('seconds', 0):>6.1f} s  "
+            f"{(note[-1] if note else '')[:60]}"
+        )
     if "tflops" in s.get("matmul", {}):
         rows.append(f"matmul bf16: {s['matmul']['tflops']} TFLOP/s")
     tr = s.get("train", {})
     if "resume" in tr:
         r = tr["resume"]
-        rows.append(f"resume after SIGKILL at step {r['kill_after_step']}: batches "
-                    f"{'same' if r['same_batches'] else 'DIFFER'}, losses "
-                    f"{'same' if r['same_losses'] else 'differ'} (max rel "
-                    f"{r['max_loss_rel_diff']:.2g}), weights "
-                    f"{'same' if r['same_weights'] else 'differ'}")  # fmt: skip
+        rows.append(
+            f"resume after SIGKILL at step {r['kill_after_step']}: batches "
+            f"{'same' if r['same_batches'] else 'DIFFER'}, losses "
+            f"{'same' if r['same_losses'] else 'differ'} (max rel "
+            f"{r['max_loss_rel_diff']:.2g}), weights "
+            f"{'same' if r['same_weights'] else 'differ'}"
+        )
     for key in ("stage1", "stage2"):
         if key in tr:
             st = tr[key]
@@ -266,16 +298,23 @@ def table(report: dict) -> str:
         if "error" in v:
             rows.append(f"      {v['variant']}: {v['error'].splitlines()[0][:60]}")
             continue
-        kern = ",".join(k.replace("aten::_scaled_dot_product_", "") for k in
-                        v["attention_kernels"] if k.startswith("aten::_"))  # fmt: skip
-        rows.append(f"      {v['resolution']:<4}{v['wrapper']:<5}{v['channels_last']!s:<6}"
-                    f"{v['compile']!s:<7}{v['img_per_s']:>7.1f} {v['mfu'] or 0:>6.1%} "
-                    f"{v['peak_mem_gb'] or 0:>8.1f}  {kern}")  # fmt: skip
+        kern = ",".join(
+            k.replace("aten::_scaled_dot_product_", "")
+            for k in v["attention_kernels"]
+            if k.startswith("aten::_")
+        )
+        rows.append(
+            f"      {v['resolution']:<4}{v['wrapper']:<5}{v['channels_last']!s:<6}"
+            f"{v['compile']!s:<7}{v['img_per_s']:>7.1f} {v['mfu'] or 0:>6.1%} "
+            f"{v['peak_mem_gb'] or 0:>8.1f}  {kern}"
+        )
     sm = report["summary"]
     if "loader_over_unet_256" in sm:
-        rows.append(f"loader 256 px: {s['loader']['samples_per_s']} samples/s on "
-                    f"{s['loader']['workers']} workers = {sm['loader_over_unet_256']}x the "
-                    f"UNet's best img/s (keeps up: {sm['loader_keeps_up']})")  # fmt: skip
+        rows.append(
+            f"loader 256 px: {s['loader']['samples_per_s']} samples/s on "
+            f"{s['loader']['workers']} workers = {sm['loader_over_unet_256']}x the "
+            f"UNet's best img/s (keeps up: {sm['loader_keeps_up']})"
+        )
     if "best_256" in sm:
         rows.append(
             f"best 256 px MFU {sm['best_256']['mfu'] or 0:.1%} (target "
@@ -294,8 +333,10 @@ def _boxes(items: list[str], p: argparse.ArgumentParser) -> dict[str, float]:
         except ValueError:
             value = -1.0
         if name not in names or not 0 < value < math.inf:
-            p.error(f"--box {item!r}: expected STEP=SECONDS with STEP one of {sorted(names)} "
-                    "and SECONDS above 0")  # fmt: skip
+            p.error(
+                f"--box {item!r}: expected STEP=SECONDS with STEP one of {sorted(names)} "
+                "and SECONDS above 0"
+            )
         out[name] = value
     return out
 
@@ -309,12 +350,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--work", default="/tmp/kiln-gpu-check", help="Scratch folder")
     p.add_argument("--dry-run", action="store_true", help="Toy sizes on the CPU")
-    p.add_argument("--only", default="", help="Comma-separated steps to run (a rerun of the "
-                   "failed ones); study needs train in the same run")  # fmt: skip
-    p.add_argument("--box", action="append", default=[], metavar="STEP=SECONDS",
-                   help="Another time box for a step, e.g. --box train=400")  # fmt: skip
-    p.add_argument("--unet-variants", default="", help="The unet step's variants instead of "
-                   "the default list, e.g. 256:fsdp:cl,256:ddp:cl:compile")  # fmt: skip
+    p.add_argument(
+        "--only",
+        default="",
+        help="Comma-separated steps to run (a rerun of the "
+        "failed ones); study needs train in the same run",
+    )
+    p.add_argument(
+        "--box",
+        action="append",
+        default=[],
+        metavar="STEP=SECONDS",
+        help="Another time box for a step, e.g. --box train=400",
+    )
+    p.add_argument(
+        "--unet-variants",
+        default="",
+        help="The unet step's variants instead of "
+        "the default list, e.g. 256:fsdp:cl,256:ddp:cl:compile",
+    )
     a = p.parse_args(argv)
     boxes = _boxes(a.box, p)
     t0 = time.perf_counter()
@@ -324,8 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     wheels = check_wheels()
-    steps = {"wheels": {"status": "ok" if not (wheels["errors"] or wheels["mismatches"])
-                        else "failed", **wheels}}  # fmt: skip
+    steps = {
+        "wheels": {
+            "status": "ok" if not (wheels["errors"] or wheels["mismatches"]) else "failed",
+            **wheels,
+        }
+    }
     with open(out / "gpu_check.log", "w") as log:
         only = set(filter(None, a.only.split(",")))
         if only - {n for n, _, _ in STEPS}:
@@ -337,10 +395,15 @@ def main(argv: list[str] | None = None) -> int:
             box = boxes.get(name, TOY_BOX_S if toy else box)
             steps[name] = done[name] = run_step(name, script, box, work, toy, done, log)
             print(f"{name}: {steps[name]['status']} ({steps[name]['seconds']} s)", flush=True)
-    report = {"benchmark": "gpu_check", "device": device, "environment": environment(),
-              "simulated_device_imports": toy,
-              "steps": steps, "summary": summarize(steps, toy),
-              "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    report = {
+        "benchmark": "gpu_check",
+        "device": device,
+        "environment": environment(),
+        "simulated_device_imports": toy,
+        "steps": steps,
+        "summary": summarize(steps, toy),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(report))
     return 0 if all(s["status"] != "failed" for s in steps.values()) else 1

@@ -49,11 +49,18 @@ def _launch(args: list[str], log: Path, topology: str = "single.yaml") -> tuple[
     import torch
 
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "configs" / "accelerate" / topology),
-        "--num_processes", "1", "--mixed_precision", "bf16",
-        *([] if torch.cuda.is_available() else ["--cpu"]), *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / topology),
+        "--num_processes",
+        "1",
+        "--mixed_precision",
+        "bf16",
+        *([] if torch.cuda.is_available() else ["--cpu"]),
+        *args,
+    ]
     t = time.perf_counter()
     with open(log, "a") as f:
         f.write(f"$ {' '.join(cmd)}\n")
@@ -77,15 +84,22 @@ def _tiny_train(toy: bool):
     train.model.vae = VaeComponent(config=train.model.vae.config)
     batch = 4 if toy else None
     train.stages = [
-        s.model_copy(update={"max_steps": n, "warmup_steps": 0,
-                             **({"batch_size": batch} if batch else {})})
+        s.model_copy(
+            update={"max_steps": n, "warmup_steps": 0, **({"batch_size": batch} if batch else {})}
+        )
         for s, n in zip(train.stages, STEPS[toy], strict=True)
-    ]  # fmt: skip
-    return train.model_copy(update={
-        "log_every": 1 if toy else 10, "eval_every": 10**6, "val_timesteps": 2,
-        "val_max_samples": 8, "sample_steps": 2 if toy else 4, "num_workers": 0 if toy else 4,
-        "log_sample_keys": True,
-    })  # fmt: skip
+    ]
+    return train.model_copy(
+        update={
+            "log_every": 1 if toy else 10,
+            "eval_every": 10**6,
+            "val_timesteps": 2,
+            "val_max_samples": 8,
+            "sample_steps": 2 if toy else 4,
+            "num_workers": 0 if toy else 4,
+            "log_sample_keys": True,
+        }
+    )
 
 
 def _fresh(work: Path, *names: str) -> None:
@@ -106,8 +120,14 @@ def _write_stage_file(train, index: int, shards: Path, out: Path, **run) -> Path
     from kiln_config import StageRun
 
     res = train.stages[index].resolution
-    stage = StageRun(train=train, stage_index=index, shards=str(shards / str(res)),
-                     val_shards=str(shards / f"{res}-val"), output_dir=str(out), **run)  # fmt: skip
+    stage = StageRun(
+        train=train,
+        stage_index=index,
+        shards=str(shards / str(res)),
+        val_shards=str(shards / f"{res}-val"),
+        output_dir=str(out),
+        **run,
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "stage.yaml").write_text(yaml.safe_dump(stage.model_dump(mode="json")))
     return out / "stage.yaml"
@@ -147,12 +167,18 @@ def _keys(out: Path) -> list:
 def _resume_check(train, shards: Path, work: Path, log: Path, toy: bool) -> dict:
     """Stage 0 straight through, and killed after a checkpoint then relaunched: compared."""
     k = KILL_STEP[toy]
-    straight = _write_stage_file(train.model_copy(update={"checkpoint_every": k}), 0, shards,
-                                 work / "stage0-straight")  # fmt: skip
+    straight = _write_stage_file(
+        train.model_copy(update={"checkpoint_every": k}), 0, shards, work / "stage0-straight"
+    )
     rc, straight_s = _launch(["-m", "models.train", "--config", str(straight)], log)
     _require(rc, "stage 0 (straight)", log)
-    killed = _write_stage_file(train.model_copy(update={"checkpoint_every": k}), 0, shards,
-                               work / "stage0-killed", faults={"kill_at_steps": [k]})  # fmt: skip
+    killed = _write_stage_file(
+        train.model_copy(update={"checkpoint_every": k}),
+        0,
+        shards,
+        work / "stage0-killed",
+        faults={"kill_at_steps": [k]},
+    )
     rc_kill, killed_s = _launch(["-m", "models.train", "--config", str(killed)], log)
     if rc_kill == 0:
         raise RuntimeError(f"the launch with a SIGKILL after step {k} exited 0")
@@ -244,18 +270,27 @@ def study_step(work: Path, toy: bool, export: str) -> dict:
     _fresh(work, "study", "study.log")
     from kiln_config import EvaluateConfig, StudyRun, write_run_file
 
-    evaluate = EvaluateConfig(prompts_csv=str(REPO / "configs" / "prompts" / "tiny.csv"),
-                              num_inference_steps=2 if toy else 20, guidance_scale=4.0,
-                              batch_size=2 if toy else 36, limit=2 if toy else None)  # fmt: skip
-    run = write_run_file(StudyRun(pipeline=export, out_dir=str(study), evaluate=evaluate),
-                         work / "study-run.yaml")  # fmt: skip
+    evaluate = EvaluateConfig(
+        prompts_csv=str(REPO / "configs" / "prompts" / "tiny.csv"),
+        num_inference_steps=2 if toy else 20,
+        guidance_scale=4.0,
+        batch_size=2 if toy else 36,
+        limit=2 if toy else None,
+    )
+    run = write_run_file(
+        StudyRun(pipeline=export, out_dir=str(study), evaluate=evaluate), work / "study-run.yaml"
+    )
     args = ["-m", "models.study_images", "--config", str(run)]
     rc, secs = _launch(args, log)
     _require(rc, "the study", log)
     meta = json.loads((study / "study.json").read_text())
     n = len(list((study / "images").glob("*.png")))
-    return {"images": n, "launch_s": secs, "generated_s": meta.get("generated_s"),
-            "study": str(study / "study.json")}  # fmt: skip
+    return {
+        "images": n,
+        "launch_s": secs,
+        "generated_s": meta.get("generated_s"),
+        "study": str(study / "study.json"),
+    }
 
 
 def _write_result(path: Path, result: dict) -> None:

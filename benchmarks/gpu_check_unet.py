@@ -87,8 +87,9 @@ def _init_group() -> None:
     if not dist.is_initialized():
         f = tempfile.mkstemp(prefix="kiln-gpu-check-pg-")[1]
         os.unlink(f)
-        dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"file://{f}",
-                                rank=0, world_size=1)  # fmt: skip
+        dist.init_process_group(
+            "nccl" if CUDA else "gloo", init_method=f"file://{f}", rank=0, world_size=1
+        )
 
 
 def _wrap(unet, wrapper: str):
@@ -101,10 +102,12 @@ def _wrap(unet, wrapper: str):
         return DistributedDataParallel(unet, device_ids=[0] if CUDA else None)
     policy = size_based_auto_wrap_policy
     return FullyShardedDataParallel(
-        unet, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP, use_orig_params=True,
+        unet,
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+        use_orig_params=True,
         auto_wrap_policy=lambda *a, **k: policy(*a, **k, min_num_params=1_000_000),
         device_id=DEVICE,
-    )  # fmt: skip
+    )
 
 
 def _attention_kernels(step) -> list[str]:
@@ -172,15 +175,22 @@ def unet_variant(res: int, wrapper: str, channels_last: bool, compiled: bool, to
     secs = time.perf_counter() - t0
     flops = train_flops_per_sample(cfg, resolution=res, latent_channels=4, vae_scale=8)
     out = {
-        "resolution": res, "preset_resolution": preset_res, "wrapper": wrapper,
-        "channels_last": channels_last, "compile": compiled,
-        "compile_backend": backend if compiled else None, "batch": batch, "timed_steps": timed,
+        "resolution": res,
+        "preset_resolution": preset_res,
+        "wrapper": wrapper,
+        "channels_last": channels_last,
+        "compile": compiled,
+        "compile_backend": backend if compiled else None,
+        "batch": batch,
+        "timed_steps": timed,
         "optimizer": "fused" if fused else "foreach",
-        "img_per_s": round(batch * timed / secs, 3), "first_step_s": round(first_s, 2),
-        "flops_per_sample": flops, "attention_kernels": kernels,
+        "img_per_s": round(batch * timed / secs, 3),
+        "first_step_s": round(first_s, 2),
+        "flops_per_sample": flops,
+        "attention_kernels": kernels,
         "peak_mem_gb": round(_peak_mem() / 1e9, 3),
         "params_m": round(sum(p.numel() for p in unet.parameters()) / 1e6, 1),
-    }  # fmt: skip
+    }
     return out
 
 
@@ -207,23 +217,33 @@ def loader_rate(work: Path, toy: bool) -> dict:
 
     train = load_config(REPO / "configs" / "tiny.yaml").train
     workers = os.cpu_count() or 1
-    batch = 8 if toy else yaml.safe_load((REPO / "configs" / "sd2-base.yaml").read_text())[
-        "train"]["stages"][0]["batch_size"]  # fmt: skip
+    batch = (
+        8
+        if toy
+        else yaml.safe_load((REPO / "configs" / "sd2-base.yaml").read_text())["train"]["stages"][0][
+            "batch_size"
+        ]
+    )
     n = batch * (4 if toy else 12)
     t = time.perf_counter()
     write_synthetic_shards(work / "loader-256", 256, n, size_limit=1 << 24)
     shards_s = time.perf_counter() - t
     train = train.model_copy(update={"num_workers": workers})
-    loader = build_loader(train, str(work / "loader-256"), build_tokenizer(train.model.tokenizer),
-                          256, batch)  # fmt: skip
+    loader = build_loader(
+        train, str(work / "loader-256"), build_tokenizer(train.model.tokenizer), 256, batch
+    )
     timing = _time_loader(loader, epochs=2)
     loader.dataset.release()
     return {
-        "resolution": 256, "workers": workers, "batch": batch, "images": n,
+        "resolution": 256,
+        "workers": workers,
+        "batch": batch,
+        "images": n,
         "samples_per_s": round(timing["n"] / timing["seconds"], 1),
-        "startup_s": timing["startup_s"], "shards_s": round(shards_s, 2),
+        "startup_s": timing["startup_s"],
+        "shards_s": round(shards_s, 2),
         "pin_memory": bool(loader.pin_memory),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:

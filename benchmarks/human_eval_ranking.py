@@ -64,11 +64,15 @@ def _baseline(models: int, outcomes: list, n: int, seed: int = 0) -> dict:
     data = np.asarray(outcomes, dtype=float)
     strength = _list_fit(models, data)
     rng = np.random.default_rng(seed)
-    boots = np.array([_list_fit(models, data[rng.integers(0, len(data), len(data))])
-                      for _ in range(n)])  # fmt: skip
+    boots = np.array(
+        [_list_fit(models, data[rng.integers(0, len(data), len(data))]) for _ in range(n)]
+    )
     ci = np.percentile(boots, [2.5, 97.5], axis=0).T
-    return {"strength": strength.tolist(), "ci": ci.tolist(),
-            "order": [int(k) for k in np.argsort(-strength)]}  # fmt: skip
+    return {
+        "strength": strength.tolist(),
+        "ci": ci.tolist(),
+        "order": [int(k) for k in np.argsort(-strength)],
+    }
 
 
 def _timed(fn) -> tuple[float, float, dict]:
@@ -81,8 +85,12 @@ def _timed(fn) -> tuple[float, float, dict]:
 def run(models: int, prompts: int, votes: int) -> dict:
     rows = _outcomes(models, prompts, votes)
     configured = HumanEvalConfig().bootstrap_resamples
-    out = {"models": models, "outcomes": len(rows), "resamples": configured,
-           "baseline_resamples": BASELINE_RESAMPLES}  # fmt: skip
+    out = {
+        "models": models,
+        "outcomes": len(rows),
+        "resamples": configured,
+        "baseline_resamples": BASELINE_RESAMPLES,
+    }
     runs = {
         "baseline": lambda: _baseline(models, rows, BASELINE_RESAMPLES),
         "config": lambda: bradley_terry(models, rows, n_resamples=configured, seed=0),
@@ -107,8 +115,12 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/human_eval_ranking.json"))
     args = p.parse_args()
     results = [run(m, args.prompts, args.votes) for m in args.models]
-    out = {"benchmark": "human_eval_ranking", "machine": platform.platform(),
-           "python": platform.python_version(), "results": results}  # fmt: skip
+    out = {
+        "benchmark": "human_eval_ranking",
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        "results": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     json.dump(out, sys.stdout, indent=2)

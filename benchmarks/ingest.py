@@ -139,8 +139,11 @@ def main() -> None:
     w = args.workers
 
     def rate(seconds: float) -> dict:
-        return {"seconds": round(seconds, 3), "img_per_s": round(len(files) / seconds, 1),
-                "img_per_s_per_core": round(len(files) / seconds / w, 1)}  # fmt: skip
+        return {
+            "seconds": round(seconds, 3),
+            "img_per_s": round(len(files) / seconds, 1),
+            "img_per_s_per_core": round(len(files) / seconds / w, 1),
+        }
 
     results: dict = {}
     with prefect_test_harness(server_startup_timeout=120):
@@ -167,8 +170,11 @@ def main() -> None:
             import boto3
             from moto.server import ThreadedMotoServer
 
-            for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
-                         ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+            for k, v in (
+                ("AWS_ACCESS_KEY_ID", "x"),
+                ("AWS_SECRET_ACCESS_KEY", "x"),
+                ("AWS_DEFAULT_REGION", "us-east-1"),
+            ):
                 os.environ.setdefault(k, v)
             logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a log line per request
             port = _free_port()
@@ -206,7 +212,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
-        },  # fmt: skip
+        },
         "images": len(files),
         "image_px": args.size,
         "mean_file_kb": round(total_bytes / len(files) / 1024, 1),

@@ -57,8 +57,11 @@ def make_source(folder: Path, n: int) -> None:
     folder.mkdir(parents=True)
     step = 2000
     with ProcessPoolExecutor(os.cpu_count() or 1) as pool:
-        list(pool.map(_write_images, [(str(folder), lo, min(n, lo + step))
-                                      for lo in range(0, n, step)]))  # fmt: skip
+        list(
+            pool.map(
+                _write_images, [(str(folder), lo, min(n, lo + step)) for lo in range(0, n, step)]
+            )
+        )
     colours, things = ["red", "blue", "green", "old"], ["cup", "chair", "lamp", "book", "vase"]
     rows = ["file_name,text"] + [
         f"{i:08d}.jpg,{CAPTION.format(colours[i % 4], things[i % 5])}" for i in range(n)
@@ -92,8 +95,18 @@ def main() -> None:
             for code, checkout in codes.items():
                 root = work / f"root-{n}-{code}"
                 shutil.rmtree(root, ignore_errors=True)
-                cmd = [sys.executable, "-m", "kiln_cli.main", "ingest", "--config", str(cfg),
-                       "--root", str(root), "--source", str(src)]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "kiln_cli.main",
+                    "ingest",
+                    "--config",
+                    str(cfg),
+                    "--root",
+                    str(root),
+                    "--source",
+                    str(src),
+                ]
                 for step in ("first", "unchanged"):
                     got = measure(cmd, {**env, "PYTHONPATH": str(checkout)}, cwd=checkout)
                     got.pop("output")
@@ -107,8 +120,10 @@ def main() -> None:
     exponents = {}
     for code in codes:
         for step in ("first", "unchanged"):
-            mine = sorted((r for r in runs if (r["code"], r["step"]) == (code, step)),
-                          key=lambda r: r["items"])  # fmt: skip
+            mine = sorted(
+                (r for r in runs if (r["code"], r["step"]) == (code, step)),
+                key=lambda r: r["items"],
+            )
             items = [r["items"] for r in mine]
             exponents[f"{code}/{step}"] = {
                 "rss": _fit(items, [r["peak_rss_mb"] for r in mine]),

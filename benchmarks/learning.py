@@ -42,13 +42,26 @@ from kiln_demo.faithfulness import faithfulness  # noqa: E402
 
 # The plan measures 200 steps (13 s here; the last 100 count): 40 steps (20 counted, 1.3 s)
 # read 194-223 img/s in three tries on an idle machine, 200 steps 208-211 (docs/benchmarks.md).
-FULL = {"n": 2000, "steps": 3000, "eval_every": 250, "held_out": 64, "gen_steps": 20,
-        "measure_steps": 200}  # fmt: skip
+FULL = {
+    "n": 2000,
+    "steps": 3000,
+    "eval_every": 250,
+    "held_out": 64,
+    "gen_steps": 20,
+    "measure_steps": 200,
+}
 # CI's size: what it asserts (the loss falls, the text matters) shows within 300 steps (the
 # full run's gap is 0.39 at step 250); the VAE's fit is shortened too (colour fidelity is the
 # full run's business, not an assert).
-QUICK = {"n": 400, "steps": 300, "eval_every": 150, "held_out": 24, "gen_steps": 10,
-         "vae_fit_steps": 200, "measure_steps": 12}  # fmt: skip
+QUICK = {
+    "n": 400,
+    "steps": 300,
+    "eval_every": 150,
+    "held_out": 24,
+    "gen_steps": 10,
+    "vae_fit_steps": 200,
+    "measure_steps": 12,
+}
 
 
 def _kiln(args: list[str], env: dict, log: Path) -> float:
@@ -72,10 +85,16 @@ def _config(work: Path, size: dict, resolution: int) -> Path:
     cfg["shards"]["val_max"] = 64  # the validation passes' cost stays fixed as n grows
     cfg["launch"]["accelerate_config"] = str(REPO / "configs" / "accelerate" / "single.yaml")
     t = cfg["train"]
-    t["stages"] = [{
-        "resolution": resolution, "batch_size": 16, "learning_rate": 1.0e-3,
-        "max_steps": size["steps"], "warmup_steps": 20, "lr_scheduler": "cosine",
-    }]  # fmt: skip
+    t["stages"] = [
+        {
+            "resolution": resolution,
+            "batch_size": 16,
+            "learning_rate": 1.0e-3,
+            "max_steps": size["steps"],
+            "warmup_steps": 20,
+            "lr_scheduler": "cosine",
+        }
+    ]
     t["eval_every"] = size["eval_every"]
     t["checkpoint_every"] = size["steps"]
     t["log_every"] = 10
@@ -102,8 +121,14 @@ def _val_series(metrics: Path) -> list[dict]:
     for r in rows:
         w = "ema" if "ema/val/loss" in r else "raw" if "raw/val/loss" in r else None
         if w:
-            out.append({"step": r["step"], "loss": r[f"{w}/val/loss"],
-                        "gap": r[f"{w}/val/cond_gap"], "raw": r["raw/val/loss"]})  # fmt: skip
+            out.append(
+                {
+                    "step": r["step"],
+                    "loss": r[f"{w}/val/loss"],
+                    "gap": r[f"{w}/val/cond_gap"],
+                    "raw": r["raw/val/loss"],
+                }
+            )
     return out
 
 
@@ -232,8 +257,13 @@ def _run(work: Path, size: dict, args) -> dict:
     from kiln_config import EvaluateConfig, StudyRun, write_run_file
     from models.study_images import main as generate
 
-    ev = EvaluateConfig(prompts_csv=str(csv_path), seeds=[0], batch_size=16,
-                        num_inference_steps=size["gen_steps"], guidance_scale=4.0)  # fmt: skip
+    ev = EvaluateConfig(
+        prompts_csv=str(csv_path),
+        seeds=[0],
+        batch_size=16,
+        num_inference_steps=size["gen_steps"],
+        guidance_scale=4.0,
+    )
     study = StudyRun(pipeline=str(stage / "final"), out_dir=str(work / "held_out"), evaluate=ev)
     generate(["--config", str(write_run_file(study, work / "held_out.yaml"))])
     from PIL import Image

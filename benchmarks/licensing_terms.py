@@ -44,12 +44,14 @@ def _catalog(path: Path, n: int, seed: int = 0) -> ViewPart:
     ends = days.strftime("%Y-%m-%d").to_numpy(object)
     ends[rng.random(n) < 0.01] = None
     ends[rng.random(n) < 0.001] = "someday"
-    df = pd.DataFrame({
-        "source": "s3://bucket/licensed",
-        "key": [f"{i:09d}.jpg" for i in range(n)],
-        "contributor": [f"c{i:05d}" for i in rng.integers(0, 5000, n)],
-        "license_end": ends,
-    })  # fmt: skip
+    df = pd.DataFrame(
+        {
+            "source": "s3://bucket/licensed",
+            "key": [f"{i:09d}.jpg" for i in range(n)],
+            "contributor": [f"c{i:05d}" for i in rng.integers(0, 5000, n)],
+            "license_end": ends,
+        }
+    )
     df.to_parquet(path, index=False, row_group_size=ROW_GROUP)
     groups = -(-n // ROW_GROUP)
     return ViewPart(path=path, ingest_id="bench", seq=1, source=None, rows=n, row_groups=groups)
@@ -67,22 +69,28 @@ def run(n: int, tmp: Path) -> dict:
     rules = QualityConfig()
     rng = np.random.default_rng(1)
     down = Takedowns(
-        images=frozenset(("s3://bucket/licensed", f"{i:09d}.jpg")
-                         for i in rng.integers(0, n, 10_000)),
+        images=frozenset(
+            ("s3://bucket/licensed", f"{i:09d}.jpg") for i in rng.integers(0, n, 10_000)
+        ),
         contributors=frozenset(f"c{i:05d}" for i in range(10)),
-    )  # fmt: skip
+    )
     today = date(2026, 11, 26)
     read_s = min(_timed(part, lambda df: None) for _ in range(2))
     hits = []
-    terms_s = min(_timed(part, lambda df: hits.append(len(check_terms(df, rules, down, today))))
-                  for _ in range(2))  # fmt: skip
+    terms_s = min(
+        _timed(part, lambda df: hits.append(len(check_terms(df, rules, down, today))))
+        for _ in range(2)
+    )
     check_s = max(0.0, terms_s - read_s)
     return {
-        "rows": n, "read_s": round(read_s, 3), "terms_s": round(terms_s, 3),
-        "check_s": round(check_s, 3), "per_million_s": round(check_s / n * 1e6, 3),
+        "rows": n,
+        "read_s": round(read_s, 3),
+        "terms_s": round(terms_s, 3),
+        "check_s": round(check_s, 3),
+        "per_million_s": round(check_s / n * 1e6, 3),
         "quarantined": sum(hits) // 2,
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -92,8 +100,12 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(n, Path(tmp)) for n in args.sizes]
-    out = {"benchmark": "licensing_terms", "machine": platform.platform(),
-           "python": platform.python_version(), "results": results}  # fmt: skip
+    out = {
+        "benchmark": "licensing_terms",
+        "machine": platform.platform(),
+        "python": platform.python_version(),
+        "results": results,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     json.dump(out, sys.stdout, indent=2)

@@ -111,8 +111,9 @@ def _imagefolder_s3_item(job: tuple[str, str, str]):
     return np.asarray(crop, dtype=np.float32).mean()
 
 
-def _shard_step(src: str, root: str, workers: int,
-                tokenizer: dict) -> tuple[str, float, str, float]:  # fmt: skip
+def _shard_step(
+    src: str, root: str, workers: int, tokenizer: dict
+) -> tuple[str, float, str, float]:
     """Ingest, validate and shard `src` (in a Prefect test harness); time the shard step, and
     its one-off imports apart. Also shards a 512 px version (not timed) for the loader at the
     next stage's size."""
@@ -208,8 +209,9 @@ def _time_decode_limit(blobs: list, workers: int, rounds: int, batch: int = 32) 
     # One batch per task, as a loader worker makes them: the last task leaves one worker
     # idle for one batch's decode at most.
     spans = [(i, min(i + batch, len(blobs)), batch) for i in range(0, len(blobs), batch)]
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_hold,
-                             initargs=(blobs,)) as pool:  # fmt: skip
+    with ProcessPoolExecutor(
+        workers, mp_context=mp.get_context("spawn"), initializer=_hold, initargs=(blobs,)
+    ) as pool:
         list(pool.map(_decode_span, spans[:workers]))  # warm: workers started, code loaded
         t = time.perf_counter()
         assert sum(pool.map(_decode_span, spans * rounds)) == rounds * len(blobs)
@@ -236,8 +238,12 @@ def _time_loader(loader, epochs: int = 3) -> dict:
         teardowns.append(time.perf_counter() - last)
         steady += last - first
     mid = len(startups) // 2
-    return {"seconds": steady, "n": n, "startup_s": round(sorted(startups)[mid], 3),
-            "teardown_s": round(sorted(teardowns)[mid], 3)}  # fmt: skip
+    return {
+        "seconds": steady,
+        "n": n,
+        "startup_s": round(sorted(startups)[mid], 3),
+        "teardown_s": round(sorted(teardowns)[mid], 3),
+    }
 
 
 def _device_pixels_cost(loader, batches: int = 8) -> dict:
@@ -292,8 +298,12 @@ def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
             t3 = time.perf_counter()
             collate.ids([s["caption"] for s in samples])
             t4 = time.perf_counter()
-            for k, a, b in (("read", t0, t1), ("decode", t1, t2), ("stored_ids", t2, t3),
-                            ("tokenize", t3, t4)):  # fmt: skip
+            for k, a, b in (
+                ("read", t0, t1),
+                ("decode", t1, t2),
+                ("stored_ids", t2, t3),
+                ("tokenize", t3, t4),
+            ):
                 out[k] += b - a
     us = {k: round(v / n * 1e6, 1) for k, v in out.items()}
     # The best loader_vs_decode_only that a loader doing these steps per sample can reach,
@@ -335,13 +345,20 @@ def main() -> None:
     cfg = load_config(PROJECT_DIR / "configs" / "tiny.yaml")
     tok = build_tokenizer(cfg.train.model.tokenizer)
     # The loader's settings: no caption dropout or mirroring unless a measurement says so.
-    train = cfg.train.model_copy(update={"shuffle_seed": 0, "num_workers": w,
-                                         "caption_dropout": 0.0, "hflip": 0.0})  # fmt: skip
+    train = cfg.train.model_copy(
+        update={"shuffle_seed": 0, "num_workers": w, "caption_dropout": 0.0, "hflip": 0.0}
+    )
     # The batch per process that the production preset trains each stage with.
     prod = load_config(PROJECT_DIR / "configs" / "sd2-base.yaml")
     batch = {s.resolution: s.batch_size for s in prod.train.stages}
-    per = lambda n, s: {"seconds": round(s, 3), "samples_per_s": round(n / s, 1),  # noqa: E731
-                        "samples_per_s_per_core": round(n / s / w, 1)}  # fmt: skip
+
+    def per(n, s):
+        return {
+            "seconds": round(s, 3),
+            "samples_per_s": round(n / s, 1),
+            "samples_per_s_per_core": round(n / s / w, 1),
+        }
+
     res: dict = {}
     # Ingest, validate and shard run in a spawned child: Prefect's background threads must not
     # live in this process, whose DataLoader workers are forked.
@@ -372,8 +389,9 @@ def main() -> None:
     b, epoch = batch[RES], args.passes * ds.num_samples
     loader = build_loader(train, str(mds), tok, RES, b, epoch_size=epoch)
     tokenizing = build_loader(train, str(mds), tok, RES, b, epoch_size=epoch, token_ids=False)
-    flipping = build_loader(train.model_copy(update={"hflip": 0.5}), str(mds), tok, RES, b,
-                            epoch_size=epoch)  # fmt: skip
+    flipping = build_loader(
+        train.model_copy(update={"hflip": 0.5}), str(mds), tok, RES, b, epoch_size=epoch
+    )
     assert "input_ids" in loader.dataset.columns and "input_ids" not in tokenizing.dataset.columns
     loaders = {"loader": loader, "loader_tokenizing": tokenizing, "loader_hflip": flipping}
     rounds: dict[str, list] = {name: [] for name in loaders} | {"decode_only": []}
@@ -382,19 +400,28 @@ def main() -> None:
     for _ in range(5):
         for name, ld in loaders.items():
             t = _time_loader(ld)
-            rounds[name].append({**per(t["n"], t["seconds"]), "startup_s": t["startup_s"],
-                                 "teardown_s": t["teardown_s"]})  # fmt: skip
+            rounds[name].append(
+                {
+                    **per(t["n"], t["seconds"]),
+                    "startup_s": t["startup_s"],
+                    "teardown_s": t["teardown_s"],
+                }
+            )
         lim = _time_decode_limit(blobs, w, args.passes, b)
         rounds["decode_only"].append(per(args.passes * len(blobs), lim))
     for name, runs in rounds.items():
         runs.sort(key=lambda r: r["samples_per_s"])
-        res[name] = {**runs[len(runs) // 2], "rounds_samples_per_s_per_core":
-                     [r["samples_per_s_per_core"] for r in runs]}  # fmt: skip
+        res[name] = {
+            **runs[len(runs) // 2],
+            "rounds_samples_per_s_per_core": [r["samples_per_s_per_core"] for r in runs],
+        }
     one = build_loader(train.model_copy(update={"num_workers": 0}), str(mds), tok, RES, b)
     t = _time_loader(one)
     res["loader_in_process"] = {  # num_workers=0: one core, nothing handed over
-        "seconds": round(t["seconds"], 3), "samples_per_s": round(t["n"] / t["seconds"], 1),
-        "samples_per_s_per_core": round(t["n"] / t["seconds"], 1)}  # fmt: skip
+        "seconds": round(t["seconds"], 3),
+        "samples_per_s": round(t["n"] / t["seconds"], 1),
+        "samples_per_s_per_core": round(t["n"] / t["seconds"], 1),
+    }
     res["budget_us_per_sample"] = _budget(mds, tok, batch=b)
     res["device_pixels_us_per_image"] = _device_pixels_cost(flipping)
     # Other decoders of the same bytes, for reference: each into a fresh image, the bytes
@@ -408,12 +435,16 @@ def main() -> None:
     ds = StreamingDataset(local=str(mds_512), batch_size=1, shuffle=False)
     blobs_512 = [ds.get_item(i)["image"] for i in range(ds.num_samples)]
     b512, passes_512 = batch[2 * RES], max(1, args.passes // 2)
-    loader = build_loader(train, str(mds_512), tok, 2 * RES, b512,
-                          epoch_size=passes_512 * ds.num_samples)  # fmt: skip
+    loader = build_loader(
+        train, str(mds_512), tok, 2 * RES, b512, epoch_size=passes_512 * ds.num_samples
+    )
     _time_loader(loader, 1)
     t = _time_loader(loader)
-    res["loader_512"] = {**per(t["n"], t["seconds"]), "startup_s": t["startup_s"],
-                         "teardown_s": t["teardown_s"]}  # fmt: skip
+    res["loader_512"] = {
+        **per(t["n"], t["seconds"]),
+        "startup_s": t["startup_s"],
+        "teardown_s": t["teardown_s"],
+    }
     lim = _time_decode_limit(blobs_512, w, passes_512, b512)
     res["decode_only_512"] = per(passes_512 * len(blobs_512), lim)
     res["imagefolder_local"] = per(len(files), _time_pool(_imagefolder_item, files, w, 16))
@@ -425,21 +456,29 @@ def main() -> None:
 
     tokenize = CaptionTokenizer(tok)
     rng = np.random.default_rng(0)
-    for name, text, count in (("latents", False, 10 * len(files)),
-                              ("latents_text", True, 4 * len(files))):  # fmt: skip
+    for name, text, count in (
+        ("latents", False, 10 * len(files)),
+        ("latents_text", True, 4 * len(files)),
+    ):
         lat = work / name
         shutil.rmtree(lat, ignore_errors=True)
-        cols = {"latent_mean": "ndarray:float16", "latent_std": "ndarray:float16",
-                "key": "str", "caption": "str",
-                "text_hidden" if text else "input_ids": "ndarray:float16" if text
-                else "ndarray:int32"}  # fmt: skip
+        cols = {
+            "latent_mean": "ndarray:float16",
+            "latent_std": "ndarray:float16",
+            "key": "str",
+            "caption": "str",
+            "text_hidden" if text else "input_ids": "ndarray:float16" if text else "ndarray:int32",
+        }
         # The ids precompute stores: what the loader's tokenizer makes of each caption.
         ids = tokenize([f"caption {i}" for i in range(count)]).numpy().astype(np.int32)
         with MDSWriter(out=str(lat), columns=cols, size_limit=1 << 27) as wr:
             for i in range(count):
-                row = {"latent_mean": rng.standard_normal((4, 32, 32)).astype(np.float16),
-                       "latent_std": rng.random((4, 32, 32)).astype(np.float16),
-                       "key": f"k{i}", "caption": f"caption {i}"}  # fmt: skip
+                row = {
+                    "latent_mean": rng.standard_normal((4, 32, 32)).astype(np.float16),
+                    "latent_std": rng.random((4, 32, 32)).astype(np.float16),
+                    "key": f"k{i}",
+                    "caption": f"caption {i}",
+                }
                 if text:
                     row["text_hidden"] = rng.standard_normal((77, 1024)).astype(np.float16)
                 else:
@@ -453,8 +492,11 @@ def main() -> None:
     import boto3
     from moto.server import ThreadedMotoServer
 
-    for k, v in (("AWS_ACCESS_KEY_ID", "x"), ("AWS_SECRET_ACCESS_KEY", "x"),
-                 ("AWS_DEFAULT_REGION", "us-east-1")):  # fmt: skip
+    for k, v in (
+        ("AWS_ACCESS_KEY_ID", "x"),
+        ("AWS_SECRET_ACCESS_KEY", "x"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
         os.environ.setdefault(k, v)
     port = bench_ingest._free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -500,7 +542,7 @@ def main() -> None:
             res["loader_in_process"]["samples_per_s_per_core"]
             / res["decode_only"]["samples_per_s_per_core"],
             3,
-        ),  # fmt: skip
+        ),
         "loader_vs_imagefolder_local": round(r["loader"] / r["imagefolder_local"], 3),
         "loader_vs_imagefolder_s3": round(r["loader_s3_cold"] / r["imagefolder_s3"], 3),
         "latents_samples_per_s_per_core": res["latents"]["samples_per_s_per_core"],

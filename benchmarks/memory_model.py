@@ -24,10 +24,14 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 SD2 = yaml.safe_load((REPO / "configs" / "sd2-base.yaml").read_text())["train"]["model"]["unet"]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["train"]["model"]["unet"]
-SD2_REDUCED = {**SD2, "block_out_channels": [320, 640], "layers_per_block": 1,
-               "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-               "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-               "attention_head_dim": [5, 10]}  # fmt: skip
+SD2_REDUCED = {
+    **SD2,
+    "block_out_channels": [320, 640],
+    "layers_per_block": 1,
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "attention_head_dim": [5, 10],
+}
 CASES = [  # name, unet, batch, latent side, attention, checkpointing, precision
     ("tiny", TINY, 32, 32, "sdpa", False, "no"),
     ("tiny eager attention", TINY, 32, 32, "eager", False, "no"),
@@ -45,10 +49,16 @@ def _case(unet: dict, batch: int, side: int, attention: str, ckpt: bool, precisi
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "tasks" / "_measure_step_memory.py"),
-         json.dumps([unet, batch, side, 77, attention, ckpt, precision])],
-        capture_output=True, text=True, check=True, env=env,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "tests" / "tasks" / "_measure_step_memory.py"),
+            json.dumps([unet, batch, side, 77, attention, ckpt, precision]),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     n = unet_parameter_count(unet)
     predicted = trace_activations(unet, batch, side, 77, attention).peak_bytes(
@@ -56,12 +66,13 @@ def _case(unet: dict, batch: int, side: int, attention: str, ckpt: bool, precisi
     ) + (2 * n if precision == "bf16" else 0)
     return {
         "parameters": n,
-        "state_exact": measured["parameters"] == 4 * n and measured["gradients"] == 4 * n
+        "state_exact": measured["parameters"] == 4 * n
+        and measured["gradients"] == 4 * n
         and measured["optimizer"] == 8 * n,
         "activations_predicted_mb": round(predicted / 1e6, 1),
         "activations_measured_mb": round(measured["activations"] / 1e6, 1),
         "error": round(predicted / measured["activations"] - 1, 3),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -70,8 +81,12 @@ def main() -> None:
     args = p.parse_args()
     rows = []
     for name, unet, batch, side, attention, ckpt, precision in CASES:
-        row = {"case": name, "batch": batch, "latent_side": side,
-               **_case(unet, batch, side, attention, ckpt, precision)}  # fmt: skip
+        row = {
+            "case": name,
+            "batch": batch,
+            "latent_side": side,
+            **_case(unet, batch, side, attention, ckpt, precision),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {

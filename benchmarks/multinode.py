@@ -35,8 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _cluster_module():
-    spec = importlib.util.spec_from_file_location("slurm_cluster",
-                                                  REPO / "tests" / "slurm_cluster.py")  # fmt: skip
+    spec = importlib.util.spec_from_file_location(
+        "slurm_cluster", REPO / "tests" / "slurm_cluster.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -59,8 +60,13 @@ def _shards(base: Path) -> tuple[Path, Path, str]:
     root = pipeline.storage.root
     ing = ingest_source(pipeline.ingest, root)
     validate_catalog.fn(root, ing.ingest_id, pipeline.quality)
-    res = write_shards.fn(pipeline.shards, root, ing.ingest_id, [32],
-                          tokenizer=pipeline.train.model.tokenizer.model_dump())  # fmt: skip
+    res = write_shards.fn(
+        pipeline.shards,
+        root,
+        ing.ingest_id,
+        [32],
+        tokenizer=pipeline.train.model.tokenizer.model_dump(),
+    )
     return base / "tiny.yaml", Path(root), res.dataset_version
 
 
@@ -72,16 +78,27 @@ def _run(cfg_path: Path, shards: Path, out: Path, steps: int, nodes: int, launch
     stage = train.stages[0].model_copy(
         update={"max_steps": steps, "batch_size": 4, "num_machines": nodes}
     )
-    train = train.model_copy(update={"stages": [stage], "checkpoint_every": 10 * steps,
-                                     "eval_every": None, "log_every": 1})  # fmt: skip
+    train = train.model_copy(
+        update={
+            "stages": [stage],
+            "checkpoint_every": 10 * steps,
+            "eval_every": None,
+            "log_every": 1,
+        }
+    )
     run = StageRun(train=train, stage_index=0, shards=str(shards), output_dir=str(out))
     called = time.time()
     launch_stage.fn(run, launch)
-    times = [json.loads(line)["time"] for line in (out / "metrics.jsonl").read_text().splitlines()
-             if "step" in json.loads(line)]  # fmt: skip
+    times = [
+        json.loads(line)["time"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if "step" in json.loads(line)
+    ]
     gaps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]  # after the first step
-    return {"to_first_step_s": round(times[0] - called, 2),
-            "step_s": round(statistics.median(gaps), 4)}  # fmt: skip
+    return {
+        "to_first_step_s": round(times[0] - called, 2),
+        "step_s": round(statistics.median(gaps), 4),
+    }
 
 
 def _with_fit(result: dict) -> dict:
@@ -129,7 +146,7 @@ def main() -> None:
                 gpu_limit=None,
                 slurm=SlurmConfig(poll_s=0.2),
             ),
-        ),  # fmt: skip
+        ),
     }
     runs: dict[str, list[dict]] = {k: [] for k in engines}
     with tempfile.TemporaryDirectory(prefix="kiln-multinode-") as tmp:
@@ -143,8 +160,9 @@ def main() -> None:
                     out = base / f"{name}-{i}"
                     runs[name].append(_run(cfg_path, shards, out, args.steps, nodes, launch))
                     print(name, runs[name][-1], flush=True)
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-           for name, rs in runs.items()}  # fmt: skip
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
+    }
     result = {
         "benchmark": "multinode",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -153,7 +171,7 @@ def main() -> None:
             "batch_size_per_process": 4,
             "steps": args.steps,
             "processes": 2,
-        },  # fmt: skip
+        },
         "runs": runs,
         "median": med,
         "slurm_vs_local": {
@@ -161,7 +179,7 @@ def main() -> None:
                 med["slurm_2x1"]["to_first_step_s"] / med["local_1x2"]["to_first_step_s"], 3
             ),
             "step": round(med["slurm_2x1"]["step_s"] / med["local_1x2"]["step_s"], 3),
-        },  # fmt: skip
+        },
     }
     result = _with_fit(result)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

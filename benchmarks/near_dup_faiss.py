@@ -137,8 +137,13 @@ def run(sizes: list[int], d: int, faiss_max: int, skewed_max: int, flat_max: int
         for n in sizes:
             hashes, groups = synth(n, kind)
             ref, kiln_s = timed(near_duplicates, hashes, groups, d)
-            row = {"data": kind, "rows": n, "d": d, "kiln_s": round(kiln_s, 3),
-                   "matches": int((ref >= 0).sum())}  # fmt: skip
+            row = {
+                "data": kind,
+                "rows": n,
+                "d": d,
+                "kiln_s": round(kiln_s, 3),
+                "matches": int((ref >= 0).sum()),
+            }
             if n > (faiss_max if kind == "uniform" else skewed_max):
                 row["faiss_note"] = "multi-hash not run at this size (--faiss-max, --skewed-max)"
             else:
@@ -181,9 +186,13 @@ def main() -> None:
     near_duplicates(*warm, a.d)
     faiss_answer(*warm, a.d, layouts(a.d)[0])
     rows = run(sizes, a.d, a.faiss_max, a.skewed_max, a.flat_max)
-    out = {"benchmark": "near_dup_faiss", "faiss": faiss.__version__,
-           "numpy": np.__version__, "machine": platform.processor() or platform.machine(),
-           "results": rows}  # fmt: skip
+    out = {
+        "benchmark": "near_dup_faiss",
+        "faiss": faiss.__version__,
+        "numpy": np.__version__,
+        "machine": platform.processor() or platform.machine(),
+        "results": rows,
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=2) + "\n")
 

@@ -119,9 +119,13 @@ def _run(cmd: list[str], env: dict, log: Path, kill_when=None, tidy=None) -> dic
         f.write(stdout)
     if rc != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {rc}; see {log}")
-    return {"wall_s": round(time.perf_counter() - t, 1), "peak_rss_gib": peaks,
-            "tree_peak_gib": round(mon.tree_peak / 2**30, 2), "killed": mon.killed_at is not None,
-            "stdout": stdout}  # fmt: skip
+    return {
+        "wall_s": round(time.perf_counter() - t, 1),
+        "peak_rss_gib": peaks,
+        "tree_peak_gib": round(mon.tree_peak / 2**30, 2),
+        "killed": mon.killed_at is not None,
+        "stdout": stdout,
+    }
 
 
 def _result_json(stdout: str) -> dict:
@@ -144,12 +148,21 @@ def write_config(
     cfg["ingest"] |= {"source": str(work / "demo"), "workers": 2}
     # The demo images carry no license or aesthetic columns (a team's own catalog does).
     cfg["ingest"]["metadata_columns"] = []
-    cfg["quality"] |= {"min_side": 32, "max_reject_fraction": 0.25, "allowed_licenses": None,
-                       "min_aesthetic": None}  # fmt: skip
+    cfg["quality"] |= {
+        "min_side": 32,
+        "max_reject_fraction": 0.25,
+        "allowed_licenses": None,
+        "min_aesthetic": None,
+    }
     # 40-128 px demo images; 0.3 lets the 192 px stage take (upscaled) images from 58 px.
-    cfg["shards"] |= {"aspect_buckets": False, "min_side_factor": 0.3, "val_max": 2,
-                      "val_fraction": 0.1 if val else 0.0, "workers": 2,
-                      "precompute": precompute}  # fmt: skip
+    cfg["shards"] |= {
+        "aspect_buckets": False,
+        "min_side_factor": 0.3,
+        "val_max": 2,
+        "val_fraction": 0.1 if val else 0.0,
+        "workers": 2,
+        "precompute": precompute,
+    }
     stage = {
         "batch_size": 1,
         "learning_rate": 1.0e-4,
@@ -159,24 +172,36 @@ def write_config(
     train = cfg["train"]
     train |= {
         "stages": [{"resolution": r, **stage} for r in (64, 128, 192)],
-        "checkpoint_every": max(1, steps - 1), "keep_checkpoints": 1, "log_every": 1,
+        "checkpoint_every": max(1, steps - 1),
+        "keep_checkpoints": 1,
+        "log_every": 1,
         "num_workers": 0,
-        "eval_every": None, "val_timesteps": 1, "val_max_samples": 2,
+        "eval_every": None,
+        "val_timesteps": 1,
+        "val_max_samples": 2,
         "sample_prompts": ["a red circle above a small blue square on a white background"],
-        "sample_seeds": [0], "sample_steps": 2,
+        "sample_seeds": [0],
+        "sample_steps": 2,
         # This machine's 24 GB: docs/benchmarks.md, "Real-size run".
         "ema_dtype": "bfloat16",
-    }  # fmt: skip
+    }
     train["model"] |= {
         name: {"pretrained": str(components), "subfolder": name}
         for name in ("vae", "text_encoder", "tokenizer")
     }
     if reduced:
         train["model"]["unet"]["layers_per_block"] = 1
-    cfg["evaluate"] |= {"prompts_csv": str(REPO / "tests" / "data" / "prompts.csv"), "limit": 2,
-                        "seeds": [0], "num_inference_steps": 2, "batch_size": 2}  # fmt: skip
-    cfg["launch"] |= {"accelerate_config": str(REPO / "configs/accelerate/single.yaml"),
-                      "max_restarts": 2}  # fmt: skip
+    cfg["evaluate"] |= {
+        "prompts_csv": str(REPO / "tests" / "data" / "prompts.csv"),
+        "limit": 2,
+        "seeds": [0],
+        "num_inference_steps": 2,
+        "batch_size": 2,
+    }
+    cfg["launch"] |= {
+        "accelerate_config": str(REPO / "configs/accelerate/single.yaml"),
+        "max_restarts": 2,
+    }
     path = work / ("real-latents.yaml" if precompute else "real.yaml")
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -209,8 +234,10 @@ class CompletedCheckpoints:
             if not ckpts:
                 continue
             files = {f.name: round(f.stat().st_size / 2**30, 3) for f in ckpts[-1].iterdir()}
-            self.sizes[manifest.parent.name] = {"gib": round(sum(files.values()), 3),
-                                                "files_gib": files}  # fmt: skip
+            self.sizes[manifest.parent.name] = {
+                "gib": round(sum(files.values()), 3),
+                "files_gib": files,
+            }
             shutil.rmtree(manifest.parent / "checkpoints", ignore_errors=True)
 
 
@@ -226,9 +253,12 @@ def _stage_figures(stage: Path, ckpt: dict) -> dict:
         "export_unet_gib": _du_gib(stage / "final" / "unet"),
         "final_step": manifest["final_step"],
         "losses": manifest["losses"],
-        "resumed": any(json.loads(x).get("event") == "resumed"
-                       for x in (stage / "metrics.jsonl").read_text().splitlines() if x),
-    }  # fmt: skip
+        "resumed": any(
+            json.loads(x).get("event") == "resumed"
+            for x in (stage / "metrics.jsonl").read_text().splitlines()
+            if x
+        ),
+    }
 
 
 def reference_run(stage: Path, out: Path, env: dict, log: Path) -> dict:
@@ -242,10 +272,19 @@ def reference_run(stage: Path, out: Path, env: dict, log: Path) -> dict:
 
     # The thread count of the flow's launch (tasks/launch/accelerate.py): another count sums the
     # gradients' partial sums in another order, and the weights differ in the last bits.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs/accelerate/single.yaml"), "--num_cpu_threads_per_process",
-           str(cpu_threads_per_process(1)), "-m", "models.train",
-           "--config", str(out / "stage.yaml")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs/accelerate/single.yaml"),
+        "--num_cpu_threads_per_process",
+        str(cpu_threads_per_process(1)),
+        "-m",
+        "models.train",
+        "--config",
+        str(out / "stage.yaml"),
+    ]
     r = _run(cmd, env, log)
     from safetensors.torch import load_file
 
@@ -256,8 +295,13 @@ def reference_run(stage: Path, out: Path, env: dict, log: Path) -> dict:
         same[sub] = a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
         del a, b
     losses = [json.loads((d / "manifest.json").read_text())["losses"] for d in (stage, out)]
-    return {"wall_s": r["wall_s"], "peak_rss_gib": r["peak_rss_gib"], "bit_exact": same,
-            "losses_equal": losses[0] == losses[1], "losses": losses}  # fmt: skip
+    return {
+        "wall_s": r["wall_s"],
+        "peak_rss_gib": r["peak_rss_gib"],
+        "bit_exact": same,
+        "losses_equal": losses[0] == losses[1],
+        "losses": losses,
+    }
 
 
 CONSUMER = """
@@ -290,14 +334,29 @@ def run_all(args, env: dict, res: dict) -> None:
     work, log = args.work, args.work / "commands.log"
     work.mkdir(parents=True, exist_ok=True)
     kiln = [sys.executable, "-m", "kiln_cli.main"]
-    res |= {"reduced": args.reduced, "train_on": args.train_on, "steps_per_stage": args.steps,
-            "validation": not args.no_val, "steps": {}}  # fmt: skip
+    res |= {
+        "reduced": args.reduced,
+        "train_on": args.train_on,
+        "steps_per_stage": args.steps,
+        "validation": not args.no_val,
+        "steps": {},
+    }
     steps = res["steps"]
     steps["demo-data"] = _run([*kiln, "demo-data", str(work / "demo"), "--n", "24"], env, log)
     components = work / "sd2-random"
-    steps["components"] = _run([sys.executable, "-m", "models.sd2_components", "--out",
-                                str(components), "--text-layers", "2" if args.reduced else "23"],
-                               env, log)  # fmt: skip
+    steps["components"] = _run(
+        [
+            sys.executable,
+            "-m",
+            "models.sd2_components",
+            "--out",
+            str(components),
+            "--text-layers",
+            "2" if args.reduced else "23",
+        ],
+        env,
+        log,
+    )
     opts = {"reduced": args.reduced, "steps": args.steps, "val": not args.no_val}
     plain = write_config(work, components, precompute=False, **opts)
     latents = write_config(work, components, precompute=True, **opts)
@@ -306,37 +365,54 @@ def run_all(args, env: dict, res: dict) -> None:
     steps["shard"] = _run([*kiln, "shard", "--config", str(plain)], env, log)
     if args.train_on == "latents" or not args.no_precompute:
         steps["shard-precompute"] = _run([*kiln, "shard", "--config", str(latents)], env, log)
-    versions = {k: _result_json(steps[k]["stdout"])["dataset_version"]
-                for k in ("shard", "shard-precompute") if k in steps}  # fmt: skip
+    versions = {
+        k: _result_json(steps[k]["stdout"])["dataset_version"]
+        for k in ("shard", "shard-precompute")
+        if k in steps
+    }
     cfg = latents if args.train_on == "latents" else plain
     version = versions["shard-precompute" if args.train_on == "latents" else "shard"]
     root = work / "root"
     kill_when = _killed_checkpoint_ready(root, max(1, args.steps - 1))
     tidy = CompletedCheckpoints(root)
-    steps["train"] = _run([*kiln, "train", "--config", str(cfg), "--dataset-version", version],
-                          env, log, kill_when=kill_when, tidy=tidy)  # fmt: skip
+    steps["train"] = _run(
+        [*kiln, "train", "--config", str(cfg), "--dataset-version", version],
+        env,
+        log,
+        kill_when=kill_when,
+        tidy=tidy,
+    )
     tidy()
     run_id = _result_json(steps["train"]["stdout"])["run_id"]
     res["run_id"], res["dataset_versions"] = run_id, versions
-    res["stages"] = {r: _stage_figures(_stage_dir(root, run_id, r), tidy.sizes[f"stage-{r}"])
-                     for r in (64, 128, 192)}  # fmt: skip
-    steps["evaluate"] = _run([*kiln, "evaluate", "--config", str(cfg), "--run-id", run_id],
-                             env, log)  # fmt: skip
+    res["stages"] = {
+        r: _stage_figures(_stage_dir(root, run_id, r), tidy.sizes[f"stage-{r}"])
+        for r in (64, 128, 192)
+    }
+    steps["evaluate"] = _run(
+        [*kiln, "evaluate", "--config", str(cfg), "--run-id", run_id], env, log
+    )
     study = _result_json(steps["evaluate"]["stdout"])
     res["study"] = {k: v for k, v in study.items() if not isinstance(v, (dict, list))}
     record = json.loads((Path(study["path"]) / "study.json").read_text())
-    res["study"] |= {"generated_s": record.get("generated_s"), "settings": record["settings"],
-                     "prompts": sorted({i["prompt"] for i in record["items"]})}  # fmt: skip
-    steps["register"] = _run([*kiln, "register", "--config", str(cfg), "--run-id", run_id],
-                             env, log)  # fmt: skip
+    res["study"] |= {
+        "generated_s": record.get("generated_s"),
+        "settings": record["settings"],
+        "prompts": sorted({i["prompt"] for i in record["items"]}),
+    }
+    steps["register"] = _run(
+        [*kiln, "register", "--config", str(cfg), "--run-id", run_id], env, log
+    )
     res["registered"] = _registered(root, "kiln-t2i", "candidate")
     export = _stage_dir(root, run_id, 192) / "final"
-    steps["consumer"] = _run([sys.executable, "-c", CONSUMER, str(export),
-                              str(work / "generated.png")], env, log)  # fmt: skip
+    steps["consumer"] = _run(
+        [sys.executable, "-c", CONSUMER, str(export), str(work / "generated.png")], env, log
+    )
     res["consumer"] = _result_json(steps["consumer"]["stdout"])
     if args.reference:
-        res["reference"] = reference_run(_stage_dir(root, run_id, KILLED_RES),
-                                         work / f"reference-{KILLED_RES}", env, log)  # fmt: skip
+        res["reference"] = reference_run(
+            _stage_dir(root, run_id, KILLED_RES), work / f"reference-{KILLED_RES}", env, log
+        )
     for s in steps.values():
         s.pop("stdout", None)
 
@@ -346,16 +422,25 @@ def main() -> None:
     p.add_argument("--out", required=True, type=Path, help="JSON output path")
     p.add_argument("--work", required=True, type=Path, help="Working folder (a fresh one)")
     p.add_argument("--reduced", action="store_true", help="One layer per block (the test's)")
-    p.add_argument("--train-on", choices=("images", "latents"), default="images",
-                   help="Train on the image shards or the precomputed ones")  # fmt: skip
+    p.add_argument(
+        "--train-on",
+        choices=("images", "latents"),
+        default="images",
+        help="Train on the image shards or the precomputed ones",
+    )
     p.add_argument("--reference", action="store_true", help="Rerun the killed stage whole")
     p.add_argument("--steps", type=int, default=3, help="Optimizer steps per stage (>= 2)")
     p.add_argument("--no-val", action="store_true", help="No validation split (faster)")
-    p.add_argument("--no-precompute", action="store_true",
-                   help="Skip the precomputed shards (with --train-on images)")  # fmt: skip
+    p.add_argument(
+        "--no-precompute",
+        action="store_true",
+        help="Skip the precomputed shards (with --train-on images)",
+    )
     args = p.parse_args()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    }
     env.setdefault("PREFECT_HOME", str(args.work / "prefect"))
     t, res = time.perf_counter(), {}
     try:
@@ -370,8 +455,11 @@ def main() -> None:
             resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2
         )
         res["total_wall_s"] = round(time.perf_counter() - t, 1)
-        res["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "mem_gib": round(psutil.virtual_memory().total / 2**30, 1)}  # fmt: skip
+        res["machine"] = {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "mem_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(res, indent=1))
     for d in args.work.glob("reference-*"):  # its checkpoints (each stage's went at its end)

@@ -58,17 +58,19 @@ def main() -> None:
         rate = measure_stage(train, i, steps=args.steps)["img_per_s"]
         step_s = stage.batch_size * stage.gradient_accumulation_steps / rate
         grid_s = statistics.median(times)
-        stages.append({
-            "resolution": stage.resolution,
-            "images_per_grid": len(train.sample_prompts) * len(train.sample_seeds),
-            "sample_steps": train.sample_steps,
-            "grid_s": round(grid_s, 3),
-            "grid_s_each": [round(t, 3) for t in times],
-            "step_s": round(step_s, 4),
-            "grid_over_step": round(grid_s / step_s, 2),
-            "max_steps": stage.max_steps,
-            "share_of_stage_end_only": round(grid_s / (grid_s + stage.max_steps * step_s), 4),
-        })  # fmt: skip
+        stages.append(
+            {
+                "resolution": stage.resolution,
+                "images_per_grid": len(train.sample_prompts) * len(train.sample_seeds),
+                "sample_steps": train.sample_steps,
+                "grid_s": round(grid_s, 3),
+                "grid_s_each": [round(t, 3) for t in times],
+                "step_s": round(step_s, 4),
+                "grid_over_step": round(grid_s / step_s, 2),
+                "max_steps": stage.max_steps,
+                "share_of_stage_end_only": round(grid_s / (grid_s + stage.max_steps * step_s), 4),
+            }
+        )
         print(json.dumps(stages[-1]), flush=True)
     result = {
         "config": args.config,

@@ -49,27 +49,54 @@ def _register(root: Path) -> str:
     c = build_components(cfg.train.model, seed=0)
     export = root / "final"
     StableDiffusionPipeline(
-        vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer, unet=c.unet,
-        scheduler=sampling_scheduler(c.noise_scheduler), safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False,
-    ).save_pretrained(export)  # fmt: skip
+        vae=c.vae,
+        text_encoder=c.text_encoder,
+        tokenizer=c.tokenizer,
+        unet=c.unet,
+        scheduler=sampling_scheduler(c.noise_scheduler),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    ).save_pretrained(export)
     uri = f"sqlite:///{root / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(ensure_experiment(client, "bench", str(root / "art"))).info.run_id
     client.set_terminated(run_id)
-    register_model.fn(uri, run_id, str(export), "kiln-bench", "candidate", {"run_id": "bench"},
-                      evaluate=cfg.evaluate)  # fmt: skip
+    register_model.fn(
+        uri,
+        run_id,
+        str(export),
+        "kiln-bench",
+        "candidate",
+        {"run_id": "bench"},
+        evaluate=cfg.evaluate,
+    )
     return uri
 
 
 def _kiln_generate(cfg: Path, out: Path, n: int, steps: int) -> dict:
     t0 = time.perf_counter()
     p = subprocess.run(
-        [str(BIN / "kiln"), "generate", "--config", str(cfg), "--model",
-         "models:/kiln-bench@candidate", "--prompt", PROMPT, "--n", str(n), "--steps",
-         str(steps), "--out", str(out)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            str(BIN / "kiln"),
+            "generate",
+            "--config",
+            str(cfg),
+            "--model",
+            "models:/kiln-bench@candidate",
+            "--prompt",
+            PROMPT,
+            "--n",
+            str(n),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     wall = time.perf_counter() - t0
     if p.returncode:
         raise SystemExit(f"kiln generate failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
@@ -87,15 +114,31 @@ def _served(uri: str, steps: int, requests: int, log: Path) -> dict:
     import httpx
 
     port = _free_port()
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri,
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "MLFLOW_TRACKING_URI": uri,
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     t0 = time.perf_counter()
     server = subprocess.Popen(
-        [str(BIN / "mlflow"), "models", "serve", "-m", "models:/kiln-bench@candidate",
-         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        [
+            str(BIN / "mlflow"),
+            "models",
+            "serve",
+            "-m",
+            "models:/kiln-bench@candidate",
+            "--env-manager",
+            "local",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=open(log, "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT,
         start_new_session=True,
-    )  # fmt: skip
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         while True:
@@ -110,8 +153,7 @@ def _served(uri: str, steps: int, requests: int, log: Path) -> dict:
                 raise SystemExit("the scoring server did not come up in 300 s")
             time.sleep(0.5)
         startup = time.perf_counter() - t0
-        body = {"dataframe_records": [{"prompt": PROMPT}],
-                "params": {"num_inference_steps": steps}}  # fmt: skip
+        body = {"dataframe_records": [{"prompt": PROMPT}], "params": {"num_inference_steps": steps}}
         times = []
         for _ in range(requests + 1):  # the first request warms up and is not counted
             t = time.perf_counter()
@@ -119,8 +161,12 @@ def _served(uri: str, steps: int, requests: int, log: Path) -> dict:
             r.raise_for_status()
             times.append(time.perf_counter() - t)
         median = round(statistics.median(times[1:]), 3)
-        return {"startup_s": round(startup, 2), "first_request_s": round(times[0], 3),
-                "median_s": median, "requests": requests}  # fmt: skip
+        return {
+            "startup_s": round(startup, 2),
+            "first_request_s": round(times[0], 3),
+            "median_s": median,
+            "requests": requests,
+        }
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
@@ -167,7 +213,7 @@ def main() -> None:
             "one": one,
             "many": many,
             "marginal_s_per_image": round((many["wall_s"] - one["wall_s"]) / (args.n - 1), 3),
-        },  # fmt: skip
+        },
         "served": served,
         "in_process_predict": local,
         "serving_overhead_s": round(served["median_s"] - local["median_s"], 3),

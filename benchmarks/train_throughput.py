@@ -24,15 +24,25 @@ REPO = Path(__file__).resolve().parent.parent
 # SD2's frozen encoders as config dicts (OpenCLIP-H text tower, SD VAE), for machines that
 # cannot download them: throughput does not depend on the weights.
 SD2_VAE = {
-    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "sample_size": 768,
-    "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2,
-    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
-}  # fmt: skip
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 4,
+    "sample_size": 768,
+    "block_out_channels": [128, 256, 512, 512],
+    "layers_per_block": 2,
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+}
 SD2_TEXT = {
-    "vocab_size": 49408, "hidden_size": 1024, "intermediate_size": 4096,
-    "num_hidden_layers": 23, "num_attention_heads": 16, "max_position_embeddings": 77,
-    "hidden_act": "gelu", "projection_dim": 1024,
-}  # fmt: skip
+    "vocab_size": 49408,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,
+    "num_hidden_layers": 23,
+    "num_attention_heads": 16,
+    "max_position_embeddings": 77,
+    "hidden_act": "gelu",
+    "projection_dim": 1024,
+}
 
 
 def main() -> None:
@@ -62,8 +72,9 @@ def main() -> None:
     if args.batch_size:
         stage = cfg.stages[args.stage]
         cfg.stages[args.stage] = stage.model_copy(update={"batch_size": args.batch_size})
-    fast = cfg.model_copy(update={"attention": "sdpa", "channels_last": True,
-                                  "compile": args.compile})  # fmt: skip
+    fast = cfg.model_copy(
+        update={"attention": "sdpa", "channels_last": True, "compile": args.compile}
+    )
     result = measure_stage(fast, args.stage, steps=args.steps)
     out = {
         "benchmark": "train_throughput",
@@ -73,8 +84,9 @@ def main() -> None:
         **result,
     }
     if not args.no_baseline:
-        slow = cfg.model_copy(update={"attention": "eager", "channels_last": False,
-                                      "compile": False})  # fmt: skip
+        slow = cfg.model_copy(
+            update={"attention": "eager", "channels_last": False, "compile": False}
+        )
         base = measure_stage(slow, args.stage, steps=args.steps)
         out["baseline"] = {k: base[k] for k in ("img_per_s", "mfu", "data_wait_frac")}
         out["speedup_vs_baseline"] = round(result["img_per_s"] / base["img_per_s"], 3)

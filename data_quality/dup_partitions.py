@@ -103,12 +103,16 @@ def write_hash_file(path: str | Path, hashes, parts: int) -> int:
     hi, lo, ph = (np.asarray(h, dtype=np.uint64) for h in hashes)
     xp = _part_of(hi >> np.uint64(32), parts)
     order = np.argsort(xp, kind="stable")
-    table = pa.table({
-        "xp": xp[order],
-        "pp": _part_of(_hash32(ph, _ALL_BITS), parts)[order],
-        "idx": order.astype(np.int64),
-        "hi": hi[order], "lo": lo[order], "ph": ph[order],
-    })  # fmt: skip
+    table = pa.table(
+        {
+            "xp": xp[order],
+            "pp": _part_of(_hash32(ph, _ALL_BITS), parts)[order],
+            "idx": order.astype(np.int64),
+            "hi": hi[order],
+            "lo": lo[order],
+            "ph": ph[order],
+        }
+    )
     _write_sorted(Path(path), table, "xp", parts)
     return len(hi)
 

@@ -236,8 +236,9 @@ def _filter_design(d: int, n_new: int) -> tuple[int, int, float] | None:
     return None if best is None else best[1:]
 
 
-def near_candidates(hashes: np.ndarray, old_hashes: np.ndarray, max_distance: int
-                    ) -> np.ndarray | None:  # fmt: skip
+def near_candidates(
+    hashes: np.ndarray, old_hashes: np.ndarray, max_distance: int
+) -> np.ndarray | None:
     """A mask of the old rows that could lie within `max_distance` of a new row, or None where
     filtering costs more than it saves (many new rows, or few old ones): `near_filter`'s,
     for one set of old rows."""
@@ -279,8 +280,13 @@ def near_filter(hashes: np.ndarray, max_distance: int, old_rows: int) -> NearFil
     edges = [64 * i // m for i in range(m + 1)]
     tables = []
     for chosen in _cover(m, j, d):
-        mask = np.uint64(sum(((1 << (edges[b + 1] - edges[b])) - 1) << edges[b]
-                             for b in range(m) if chosen >> b & 1))  # fmt: skip
+        mask = np.uint64(
+            sum(
+                ((1 << (edges[b + 1] - edges[b])) - 1) << edges[b]
+                for b in range(m)
+                if chosen >> b & 1
+            )
+        )
         bits = min(_FILTER_BITS[1], mask.bit_count())
         seen = np.zeros(1 << bits, dtype=bool)
         seen[_key(h, mask, bits)] = True

@@ -37,10 +37,24 @@ from kiln_config import QualityConfig
 from kiln_config.errors import InputError
 
 __all__ = [
-    "CROSS_REASONS", "INGEST_REASONS", "REASONS", "TERMS_REASONS", "QualityVerdict", "RowCheck",
-    "apply_cross", "build_suite", "check_rows", "cross_catalog", "cross_hits", "derive",
-    "expectation_summaries", "hash_columns", "run_suite", "suite_key", "write_data_docs",
-]  # fmt: skip
+    "CROSS_REASONS",
+    "INGEST_REASONS",
+    "REASONS",
+    "TERMS_REASONS",
+    "QualityVerdict",
+    "RowCheck",
+    "apply_cross",
+    "build_suite",
+    "check_rows",
+    "cross_catalog",
+    "cross_hits",
+    "derive",
+    "expectation_summaries",
+    "hash_columns",
+    "run_suite",
+    "suite_key",
+    "write_data_docs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -102,44 +116,50 @@ def build_suite(rules: QualityConfig, columns: set[str]):
             column="caption", regex=r"\S", meta={"reason": "caption_blank"}
         ),
         e.ExpectColumnValueLengthsToBeBetween(
-            column="caption", min_value=rules.min_caption_chars,
+            column="caption",
+            min_value=rules.min_caption_chars,
             meta={"reason": "caption_too_short"},
         ),
         e.ExpectColumnValueLengthsToBeBetween(
-            column="caption", max_value=rules.max_caption_chars,
+            column="caption",
+            max_value=rules.max_caption_chars,
             meta={"reason": "caption_too_long"},
         ),
-    ]  # fmt: skip
+    ]
     if rules.min_ascii_ratio is not None:
         exps.append(
             e.ExpectColumnValuesToBeBetween(
-                column="ascii_ratio", min_value=rules.min_ascii_ratio,
+                column="ascii_ratio",
+                min_value=rules.min_ascii_ratio,
                 meta={"reason": "caption_not_ascii"},
             )
-        )  # fmt: skip
+        )
     exps += [
         e.ExpectColumnValuesToBeBetween(
             column="short_side", min_value=rules.min_side, meta={"reason": "too_small"}
         ),
         e.ExpectColumnValuesToBeBetween(
-            column="aspect_ratio", max_value=rules.max_aspect_ratio,
+            column="aspect_ratio",
+            max_value=rules.max_aspect_ratio,
             meta={"reason": "extreme_aspect"},
         ),
-    ]  # fmt: skip
+    ]
     if rules.allowed_licenses is not None:
         exps.append(
             e.ExpectColumnValuesToBeInSet(
-                column=rules.license_column, value_set=list(rules.allowed_licenses),
+                column=rules.license_column,
+                value_set=list(rules.allowed_licenses),
                 meta={"reason": "license_not_allowed"},
             )
-        )  # fmt: skip
+        )
     if rules.min_aesthetic is not None and rules.aesthetic_column in columns:
         exps.append(
             e.ExpectColumnValuesToBeBetween(
-                column=rules.aesthetic_column, min_value=rules.min_aesthetic,
+                column=rules.aesthetic_column,
+                min_value=rules.min_aesthetic,
                 meta={"reason": "low_aesthetic"},
             )
-        )  # fmt: skip
+        )
     exps.append(
         e.ExpectColumnValuesToBeUnique(column="sha256", meta={"reason": "duplicate_sha256"})
     )
@@ -298,8 +318,9 @@ def _gx_run(frame: pd.DataFrame, rules: QualityConfig):
     ctx, vd = _gx.get(rules, tuple(frame.columns))
     with _GX_LOCK:
         project_manager.set_project(ctx)
-        return vd.run(batch_parameters={"dataframe": frame},
-                      result_format={"result_format": "SUMMARY"})  # fmt: skip
+        return vd.run(
+            batch_parameters={"dataframe": frame}, result_format={"result_format": "SUMMARY"}
+        )
 
 
 @dataclass
@@ -333,8 +354,10 @@ def check_rows(
         if counts[reason]:
             samples.append(vdf.take(np.flatnonzero(bad)[:SAMPLE]))
     if gx_check and len(df):
-        theirs = {r.expectation_config.meta["reason"]: int(r.result.get("unexpected_count") or 0)
-                  for r in _gx_run(vdf, rules).results}  # fmt: skip
+        theirs = {
+            r.expectation_config.meta["reason"]: int(r.result.get("unexpected_count") or 0)
+            for r in _gx_run(vdf, rules).results
+        }
         wrong = {r: (theirs.get(r), n) for r, n in counts.items() if theirs.get(r) != n}
         if wrong:
             raise RuntimeError(
@@ -347,16 +370,26 @@ def check_rows(
     cols = columns[first[hit]]
     bad = vdf[hit]
     details = [f"{c}={v!r}"[:300] for c, v in zip(cols, _values(bad, cols), strict=True)]
-    rejected = pd.DataFrame({"source": bad["source"].to_numpy(object),
-                             "key": bad["key"].to_numpy(object),
-                             "reason": reasons[first[hit]], "detail": details,
-                             "pos": np.flatnonzero(hit)},
-                            columns=["source", "key", "reason", "detail", "pos"])  # fmt: skip
+    rejected = pd.DataFrame(
+        {
+            "source": bad["source"].to_numpy(object),
+            "key": bad["key"].to_numpy(object),
+            "reason": reasons[first[hit]],
+            "detail": details,
+            "pos": np.flatnonzero(hit),
+        },
+        columns=["source", "key", "reason", "detail", "pos"],
+    )
     # GX renders the Data Docs from a sample: the failing rows, and a few rows at least. A
     # take copies them (a slice would keep the whole partition's Arrow buffers alive).
     sample = pd.concat([*samples, vdf.take(np.arange(min(3, len(vdf))))], ignore_index=True)
-    return RowCheck(rows=len(df), rejected=rejected, counts=counts, sample=sample,
-                    hashes=hash_columns(df) if hashes else None)  # fmt: skip
+    return RowCheck(
+        rows=len(df),
+        rejected=rejected,
+        counts=counts,
+        sample=sample,
+        hashes=hash_columns(df) if hashes else None,
+    )
 
 
 def _values(frame: pd.DataFrame, columns: np.ndarray) -> list:
@@ -371,16 +404,20 @@ def _values(frame: pd.DataFrame, columns: np.ndarray) -> list:
 def hash128(values: np.ndarray, hi_key: str, lo_key: str) -> tuple[np.ndarray, np.ndarray]:
     """Two independent 64-bit hashes of each string (16-character keys): equal strings, equal
     pair; unequal ones collide with odds near 1e-20 at a billion rows."""
-    return (pd.util.hash_array(values, hash_key=hi_key, categorize=False),
-            pd.util.hash_array(values, hash_key=lo_key, categorize=False))  # fmt: skip
+    return (
+        pd.util.hash_array(values, hash_key=hi_key, categorize=False),
+        pd.util.hash_array(values, hash_key=lo_key, categorize=False),
+    )
 
 
 def hash_columns(df: pd.DataFrame) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(sha_hi, sha_lo, phash) as uint64: the sha256 as 128 bits (`hash128`) and the
     16-hex-digit pHash."""
     sha = df["sha256"].astype(str).to_numpy(object)
-    return (*hash128(sha, "kiln-sha256-hi-0", "kiln-sha256-lo-1"),
-            phash_to_uint64(df["phash"].to_numpy(object)))  # fmt: skip
+    return (
+        *hash128(sha, "kiln-sha256-hi-0", "kiln-sha256-lo-1"),
+        phash_to_uint64(df["phash"].to_numpy(object)),
+    )
 
 
 @dataclass
@@ -480,8 +517,9 @@ def _joined(chunk: list) -> tuple:
     return tuple(np.concatenate([g[i] for g in got]) for i in range(3))
 
 
-def cross_catalog(new, rules: QualityConfig, old_batches=(), old_rows: int = 0, *,
-                  workers: int = 1) -> CrossCheck:  # fmt: skip
+def cross_catalog(
+    new, rules: QualityConfig, old_batches=(), old_rows: int = 0, *, workers: int = 1
+) -> CrossCheck:
     """Exact and near duplicates of the `new` rows' hashes (hi, lo, phash), among themselves
     and against the old rows, which all come earlier: `old_batches` yields their hashes a
     batch at a time, in order (`old_rows` rows in all), each as (hi, lo, phash) or as a
@@ -539,9 +577,15 @@ def apply_cross(
         me = [at[int(p)] for p in hit_pos]
         of = [at[int(p)] for p in hit_of]
         uid = [f"{str(src[i]).rstrip('/')}/{key[i]}" for i in of]
-        out = pd.DataFrame({"source": src[me], "key": key[me], "reason": reason,
-                            "detail": [f"{what} {u}" for u in uid]},
-                           columns=["source", "key", "reason", "detail"])  # fmt: skip
+        out = pd.DataFrame(
+            {
+                "source": src[me],
+                "key": key[me],
+                "reason": reason,
+                "detail": [f"{what} {u}" for u in uid],
+            },
+            columns=["source", "key", "reason", "detail"],
+        )
         return out, uid
 
     dups, _ = frame(dup_pos, dup_of, "duplicate_sha256", "same sha256 as")
@@ -553,12 +597,17 @@ def apply_cross(
     else:
         flags = nears[["source", "key"]].assign(near_duplicate_of=near_uid)
     rejected = pd.concat([x for x in parts if len(x)] or [dups], ignore_index=True)
-    return {"rejected": rejected, "flags": flags, "counts": counts,
-            "near_duplicates": hits["near_duplicates"]}  # fmt: skip
+    return {
+        "rejected": rejected,
+        "flags": flags,
+        "counts": counts,
+        "near_duplicates": hits["near_duplicates"],
+    }
 
 
-def cross_hits(rejected: np.ndarray, cross: CrossCheck, rules: QualityConfig,
-               offset: int = 0) -> dict:  # fmt: skip
+def cross_hits(
+    rejected: np.ndarray, cross: CrossCheck, rules: QualityConfig, offset: int = 0
+) -> dict:
     """The cross-catalog results of the rows at positions `offset`... as positions: `dup`
     and `near` ((positions, the positions they duplicate), each by position) for the rows
     that no row-local rule rejected (`rejected`: their positions), an exact copy taking
@@ -571,16 +620,27 @@ def cross_hits(rejected: np.ndarray, cross: CrossCheck, rules: QualityConfig,
     free = ~np.isin(pos, rejected)
     is_dup = free & (dup >= 0)
     is_near = free & ~is_dup & (near >= 0)
-    return {"dup": (pos[is_dup], dup[is_dup]), "near": (pos[is_near], near[is_near]),
-            "counts": counts, "near_duplicates": int(is_near.sum())}  # fmt: skip
+    return {
+        "dup": (pos[is_dup], dup[is_dup]),
+        "near": (pos[is_near], near[is_near]),
+        "counts": counts,
+        "near_duplicates": int(is_near.sum()),
+    }
 
 
 def expectation_summaries(rules: QualityConfig, counts: dict[str, int]) -> list[dict]:
     """One summary per expectation of the suite (type, column, reason, success, unexpected)."""
     cols = {*REQUIRED, rules.license_column, rules.aesthetic_column}
-    return [{"expectation": kind, "column": column, "reason": reason,
-             "success": not counts.get(reason, 0), "unexpected": int(counts.get(reason, 0))}
-            for reason, kind, column, _ in _expectations(rules, cols)]  # fmt: skip
+    return [
+        {
+            "expectation": kind,
+            "column": column,
+            "reason": reason,
+            "success": not counts.get(reason, 0),
+            "unexpected": int(counts.get(reason, 0)),
+        }
+        for reason, kind, column, _ in _expectations(rules, cols)
+    ]
 
 
 def write_data_docs(
@@ -599,25 +659,36 @@ def write_data_docs(
 
     ctx, vd = _gx.get(rules, tuple(sample.columns))
     site = f"kiln-{threading.get_ident()}"
-    ctx.add_data_docs_site(site_name=site, site_config={
-        "class_name": "SiteBuilder",
-        "store_backend": {"class_name": "TupleFilesystemStoreBackend",
-                          "base_directory": str(docs_dir)},
-        "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
-    })  # fmt: skip
+    ctx.add_data_docs_site(
+        site_name=site,
+        site_config={
+            "class_name": "SiteBuilder",
+            "store_backend": {
+                "class_name": "TupleFilesystemStoreBackend",
+                "base_directory": str(docs_dir),
+            },
+            "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+        },
+    )
     try:
         run = copy.deepcopy(_gx_run(sample, rules))
         for r in run.results:
             n = int(counts.get(r.expectation_config.meta["reason"], 0))
-            r.result.update(element_count=rows, unexpected_count=n, missing_count=0,
-                            unexpected_percent=100 * n / rows if rows else 0.0)  # fmt: skip
+            r.result.update(
+                element_count=rows,
+                unexpected_count=n,
+                missing_count=0,
+                unexpected_percent=100 * n / rows if rows else 0.0,
+            )
             r.success = n == 0
         ok = sum(r.success for r in run.results)
         run.success = ok == len(run.results)
-        run.statistics.update(evaluated_expectations=len(run.results),
-                              successful_expectations=ok,
-                              unsuccessful_expectations=len(run.results) - ok,
-                              success_percent=100 * ok / max(1, len(run.results)))  # fmt: skip
+        run.statistics.update(
+            evaluated_expectations=len(run.results),
+            successful_expectations=ok,
+            unsuccessful_expectations=len(run.results) - ok,
+            success_percent=100 * ok / max(1, len(run.results)),
+        )
         suite_id = ExpectationSuiteIdentifier(name=vd.suite.name)
         key = ValidationResultIdentifier(
             expectation_suite_identifier=suite_id,
@@ -658,8 +729,9 @@ def run_suite(
     df = catalog.sort_values(["ingest_seq", "source", "key"], kind="stable").reset_index(drop=True)
     rows = check_rows(df, rules)
     src, key = df["source"].to_numpy(object), df["key"].to_numpy(object)
-    verdict = apply_cross(rows, cross_catalog(rows.hashes, rules), rules,
-                          lambda pos: (src[pos], key[pos]))  # fmt: skip
+    verdict = apply_cross(
+        rows, cross_catalog(rows.hashes, rules), rules, lambda pos: (src[pos], key[pos])
+    )
     docs_index = None
     if docs_dir is not None and len(df):
         docs_index = write_data_docs(docs_dir, rules, rows.sample, verdict["counts"], len(df))
@@ -668,8 +740,11 @@ def run_suite(
     keep = ~pd.MultiIndex.from_arrays([df["source"], df["key"]]).isin(gone)
     flags = verdict["flags"].set_index(["source", "key"])["near_duplicate_of"]
     clean = df[keep]
-    clean = clean.assign(near_duplicate_of=flags.reindex(
-        pd.MultiIndex.from_frame(clean[["source", "key"]])).to_numpy())  # fmt: skip
+    clean = clean.assign(
+        near_duplicate_of=flags.reindex(
+            pd.MultiIndex.from_frame(clean[["source", "key"]])
+        ).to_numpy()
+    )
     clean = clean.sort_values(["source", "key"], kind="stable").reset_index(drop=True)
     return QualityVerdict(
         clean=clean,

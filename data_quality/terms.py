@@ -56,8 +56,10 @@ class Takedowns:
             keys = _strings(df["key"])
             cand = np.flatnonzero(pc.is_in(keys, value_set=self._keys).to_numpy(False))
             src = _strings(df["source"]).take(pa.array(cand)).to_pylist()
-            hit[cand] = [(a, b) in self.images for a, b in
-                         zip(src, keys.take(pa.array(cand)).to_pylist(), strict=True)]  # fmt: skip
+            hit[cand] = [
+                (a, b) in self.images
+                for a, b in zip(src, keys.take(pa.array(cand)).to_pylist(), strict=True)
+            ]
         if self.contributors and contributor_column in df.columns and len(df):
             who = pc.is_in(_strings(df[contributor_column]), value_set=self._contributors)
             hit |= pc.fill_null(who, False).to_numpy(False)
@@ -77,8 +79,9 @@ def license_ends(col: pd.Series) -> tuple[pd.Series, np.ndarray]:
     parsed = pd.Series(days.to_pandas(), index=col.index).dt.tz_localize("UTC")
     rest = pc.is_valid(text).to_numpy(False) & parsed.isna().to_numpy()
     if rest.any():
-        parsed[rest] = pd.to_datetime(col[rest].astype(object), errors="coerce", utc=True,
-                                      format="ISO8601")  # fmt: skip
+        parsed[rest] = pd.to_datetime(
+            col[rest].astype(object), errors="coerce", utc=True, format="ISO8601"
+        )
     invalid = pc.is_valid(text).to_numpy(False) & parsed.isna().to_numpy()
     return parsed, invalid
 
@@ -114,6 +117,12 @@ def check_terms(
     reason[down] = "takedown"
     detail[down] = "on the takedown list"
     hit = np.flatnonzero(reason != None)  # noqa: E711 (element-wise on an object array)
-    return pd.DataFrame({"source": df["source"].to_numpy(object)[hit],
-                         "key": df["key"].to_numpy(object)[hit],
-                         "reason": reason[hit], "detail": detail[hit]}, columns=cols)  # fmt: skip
+    return pd.DataFrame(
+        {
+            "source": df["source"].to_numpy(object)[hit],
+            "key": df["key"].to_numpy(object)[hit],
+            "reason": reason[hit],
+            "detail": detail[hit],
+        },
+        columns=cols,
+    )

@@ -38,18 +38,27 @@ def build_deployments(config_path: str, cron: str | None) -> list:
         match={
             "prefect.resource.id": root_resource_id(load_config(config_path).storage.root),
             "kiln.retrain-due": "true",
-        },  # fmt: skip
+        },
     )
     deployments = [
         entry.pipeline.to_deployment(
             "retrain", parameters=params, cron=cron, concurrency_limit=one, triggers=[new_data]
-        )  # fmt: skip
+        )
     ]
-    for f in (entry.ingest, entry.validate, entry.shard, entry.train, entry.evaluate,
-              entry.register):  # fmt: skip
+    for f in (
+        entry.ingest,
+        entry.validate,
+        entry.shard,
+        entry.train,
+        entry.evaluate,
+        entry.register,
+    ):
         limit = one if f is entry.train else None
-        deployments.append(f.to_deployment(f.name.removeprefix("kiln-"), parameters=params,
-                                           concurrency_limit=limit))  # fmt: skip
+        deployments.append(
+            f.to_deployment(
+                f.name.removeprefix("kiln-"), parameters=params, concurrency_limit=limit
+            )
+        )
     return deployments
 
 

@@ -76,8 +76,9 @@ def shard(
 ) -> dict:
     """The shards (`flows.shard.shard_flow`) from a pipeline YAML path."""
     cfg = load_checked(config, ("shard",))
-    return shard_flow.fn(cfg, ingest_id=ingest_id, allow_failed_gate=allow_failed_gate,
-                         dry_run=dry_run)  # fmt: skip
+    return shard_flow.fn(
+        cfg, ingest_id=ingest_id, allow_failed_gate=allow_failed_gate, dry_run=dry_run
+    )
 
 
 @flow(name=train_flow.name, log_prints=True)
@@ -109,9 +110,14 @@ def promote(
     allow_takedown: bool = False,
 ) -> dict:
     """Promotion (`flows.promote.promote_flow`) from a pipeline YAML path."""
-    return promote_flow.fn(load_checked(config), candidate=candidate,
-                           first=first, force=force, reason=reason,
-                           allow_takedown=allow_takedown)  # fmt: skip
+    return promote_flow.fn(
+        load_checked(config),
+        candidate=candidate,
+        first=first,
+        force=force,
+        reason=reason,
+        allow_takedown=allow_takedown,
+    )
 
 
 @flow(name=human_eval_flow.name, log_prints=True)
@@ -126,6 +132,13 @@ def human_eval(
     name: str | None = None,
 ) -> dict:
     """Human evaluation (`flows.human_evaluation.human_eval_flow`) from a pipeline YAML path."""
-    return human_eval_flow.fn(load_checked(config), study_a, study_b, wait_s=wait_s,
-                              poll_s=poll_s, raters_per_pair=raters_per_pair, gold=gold,
-                              name=name)  # fmt: skip
+    return human_eval_flow.fn(
+        load_checked(config),
+        study_a,
+        study_b,
+        wait_s=wait_s,
+        poll_s=poll_s,
+        raters_per_pair=raters_per_pair,
+        gold=gold,
+        name=name,
+    )

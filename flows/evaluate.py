@@ -60,9 +60,13 @@ def evaluate_flow(config: PipelineConfig, run_id: str | None = None) -> dict:
     ev = cfg.evaluate.model_copy(update={"prompts_csv": prompts_file(cfg)})
     study_id = study_id_for(run_id, ev)
     study = launch_generate(
-        record["export"], ev.prompts_csv, str(layout.study(study_id)),
-        evaluate=ev, launch=cfg.launch, model_ref=run_id,
-    )  # fmt: skip
+        record["export"],
+        ev.prompts_csv,
+        str(layout.study(study_id)),
+        evaluate=ev,
+        launch=cfg.launch,
+        model_ref=run_id,
+    )
     study_dir = layout.study(study_id)
     sheets = write_contact_sheets(study_dir, study["items"])
     final_res = cfg.train.stages[-1].resolution

@@ -106,8 +106,14 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     study_id = study_id_for(ident, ev)
     out = layout.study(study_id)
     if not (out / "study.json").is_file():
-        launch_generate.fn(str(pipeline()), ev.prompts_csv, str(out), evaluate=ev,
-                           launch=cfg.launch, model_ref=ident)  # fmt: skip
+        launch_generate.fn(
+            str(pipeline()),
+            ev.prompts_csv,
+            str(out),
+            evaluate=ev,
+            launch=cfg.launch,
+            model_ref=ident,
+        )
     return study_id
 
 
@@ -127,12 +133,16 @@ def _markdown(report: dict, wait: dict, chart_url: str | None = None) -> str:
         return "-" if x is None else f"{x:.3f}"
 
     for q in QUESTIONS:
-        cells = {"overall": report["questions"][q]["overall"],
-                 **report["questions"][q]["categories"]}  # fmt: skip
+        cells = {
+            "overall": report["questions"][q]["overall"],
+            **report["questions"][q]["categories"],
+        }
         for group, c in cells.items():
-            lines.append(f"| {q} | {group} | {f(c['pref'])} | [{f(c['ci_low'])}, "
-                         f"{f(c['ci_high'])}] | {f(c['tie_share'])} | {c['votes']} | "
-                         f"{c['prompts']} |")  # fmt: skip
+            lines.append(
+                f"| {q} | {group} | {f(c['pref'])} | [{f(c['ci_low'])}, "
+                f"{f(c['ci_high'])}] | {f(c['tie_share'])} | {c['votes']} | "
+                f"{c['prompts']} |"
+            )
     for q in QUESTIONS:
         a = report["questions"][q]["alpha"]
         lines.append(f"\nKrippendorff's alpha ({q}): {f(a['value'])} over {a['pairs']} pairs.")
@@ -171,11 +181,19 @@ def human_eval_flow(
     n_gold = he.gold_per_rater if gold is None else gold
     cid = create_comparison_task(r, he.database_url, study_a, study_b, k, n_gold, name, he.seed)
     wait = wait_for_votes(r, he.database_url, cid, wait_s, poll_s)
-    report = report_task(r, he.database_url, cid, he.min_gold_accuracy,
-                         he.bootstrap_resamples, he.seed)  # fmt: skip
+    report = report_task(
+        r, he.database_url, cid, he.min_gold_accuracy, he.bootstrap_resamples, he.seed
+    )
     logged = log_to_mlflow(cfg.tracking_uri, cfg.registry.model_name, r, report)
-    create_markdown_artifact(key=f"human-eval-{cid}".lower().replace("_", "-"),
-                             markdown=_markdown(report, wait, logged["chart_url"]),
-                             description=f"Human evaluation {cid}")  # fmt: skip
-    return {"comparison": cid, "wait": wait, "mlflow": logged,
-            "metrics": mlflow_metrics(report), "outputs": report["outputs"]}  # fmt: skip
+    create_markdown_artifact(
+        key=f"human-eval-{cid}".lower().replace("_", "-"),
+        markdown=_markdown(report, wait, logged["chart_url"]),
+        description=f"Human evaluation {cid}",
+    )
+    return {
+        "comparison": cid,
+        "wait": wait,
+        "mlflow": logged,
+        "metrics": mlflow_metrics(report),
+        "outputs": report["outputs"],
+    }

@@ -37,12 +37,21 @@ def ingest_flow(
         dask_address=config.execution.dask_address,
     )
     compaction = compact_after_ingest(
-        config.storage.root, result.ingest_id, result.reused,
-        every=config.ingest.compact_every, retain_hours=config.ingest.compact_retain_hours,
-        tracking_uri=config.tracking_uri, model_name=config.registry.model_name,
-    )  # fmt: skip
-    fresh = new_data(config.storage.root, result.ingest_id, result.decoded_accepted,
-                     config.retrain.min_new_images, standalone)  # fmt: skip
+        config.storage.root,
+        result.ingest_id,
+        result.reused,
+        every=config.ingest.compact_every,
+        retain_hours=config.ingest.compact_retain_hours,
+        tracking_uri=config.tracking_uri,
+        model_name=config.registry.model_name,
+    )
+    fresh = new_data(
+        config.storage.root,
+        result.ingest_id,
+        result.decoded_accepted,
+        config.retrain.min_new_images,
+        standalone,
+    )
     emit_ingest_completed(config.storage.root, fresh)
     create_markdown_artifact(
         key="ingest-summary",

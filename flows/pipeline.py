@@ -62,8 +62,10 @@ def _pipeline(
     last = fresh["trained_run_id"]
     down = fresh.get("taken_down_since_training", 0)
     if only_new_data and last and fresh["new_since_training"] == 0 and not down:
-        why = (f"no accepted image is new or changed since run {last} trained on catalog "
-               f"{fresh['trained_ingest_id']}: nothing to retrain on")  # fmt: skip
+        why = (
+            f"no accepted image is new or changed since run {last} trained on catalog "
+            f"{fresh['trained_ingest_id']}: nothing to retrain on"
+        )
         get_run_logger().info(why)
         return {"ingest": ingest, "skipped": why}
     gate = {"ingest_id": ingest["ingest_id"], "allow_failed_gate": allow_failed_gate}

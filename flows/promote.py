@@ -23,8 +23,10 @@ def _markdown(title: str, record: dict) -> str:
     lines += [f"- **{k}**: {v}" for k, v in record.items() if k != "checks"]
     if record.get("checks"):
         lines += ["\n| check | ok | detail |", "|---|---|---|"]
-        lines += [f"| {c['check']} | {'yes' if c['ok'] else '**no**'} | {c['detail']} |"
-                  for c in record["checks"]]  # fmt: skip
+        lines += [
+            f"| {c['check']} | {'yes' if c['ok'] else '**no**'} | {c['detail']} |"
+            for c in record["checks"]
+        ]
     return "\n".join(lines)
 
 
@@ -55,16 +57,30 @@ def promote_flow(
         config.storage.root, config.tracking_uri, config.registry.model_name, config.quality
     )
     try:
-        record = promote(config.tracking_uri, ref, config.registry.gate, first=first, force=force,
-                         reason=reason, allow_takedown=allow_takedown)  # fmt: skip
+        record = promote(
+            config.tracking_uri,
+            ref,
+            config.registry.gate,
+            first=first,
+            force=force,
+            reason=reason,
+            allow_takedown=allow_takedown,
+        )
     except PromotionRefused as e:
-        create_markdown_artifact(key="promotion", description=f"{ref}: refused",
-                                 markdown=f"## {ref}: not promoted\n\n```\n{e}\n```")  # fmt: skip
+        create_markdown_artifact(
+            key="promotion",
+            description=f"{ref}: refused",
+            markdown=f"## {ref}: not promoted\n\n```\n{e}\n```",
+        )
         raise
-    get_run_logger().info("%s version %s is now champion (%s)", record["name"],
-                          record["version"], record["outcome"])  # fmt: skip
-    create_markdown_artifact(key="promotion", description=f"{ref}: {record['outcome']}",
-                             markdown=_markdown(f"{ref} → champion", record))  # fmt: skip
+    get_run_logger().info(
+        "%s version %s is now champion (%s)", record["name"], record["version"], record["outcome"]
+    )
+    create_markdown_artifact(
+        key="promotion",
+        description=f"{ref}: {record['outcome']}",
+        markdown=_markdown(f"{ref} → champion", record),
+    )
     return record
 
 

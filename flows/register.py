@@ -32,9 +32,11 @@ def _study_scores(layout: Layout, study_id: str | None) -> dict | None:
     metrics = json.loads(path.read_text()) if path.is_file() else {}
     study = layout.study(study_id) / "study.json"
     prompts = json.loads(study.read_text())["prompts_csv"] if study.is_file() else None
-    return {"study_id": study_id, **({"prompts": prompt_set_name(prompts)} if prompts else {}),
-            **{k: m["value"] for k, m in metrics.items()
-               if isinstance(m, dict) and "value" in m}}  # fmt: skip
+    return {
+        "study_id": study_id,
+        **({"prompts": prompt_set_name(prompts)} if prompts else {}),
+        **{k: m["value"] for k, m in metrics.items() if isinstance(m, dict) and "value" in m},
+    }
 
 
 def _val_metrics(record: dict) -> dict[str, float]:
@@ -95,8 +97,9 @@ def register_flow(
         evaluate=cfg.evaluate,
     )
     # The contributors' report, the earliest license end and any takedowns, on the version.
-    info["licensing"] = register_lineage(cfg.storage.root, cfg.tracking_uri, info["name"],
-                                         info["version"], cfg.quality)  # fmt: skip
+    info["licensing"] = register_lineage(
+        cfg.storage.root, cfg.tracking_uri, info["name"], info["version"], cfg.quality
+    )
     create_markdown_artifact(
         key="registered-model",
         description=f"{info['name']} v{info['version']}",

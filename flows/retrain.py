@@ -44,8 +44,10 @@ def retrain_flow(config: PipelineConfig, event_root: str | None = None) -> dict:
     cfg = config
     log = get_run_logger()
     if event_root is not None and Path(event_root) != Path(cfg.storage.root):
-        why = (f"the new-data event came from root {event_root}; this retrain trains "
-               f"{cfg.storage.root}: nothing to do")  # fmt: skip
+        why = (
+            f"the new-data event came from root {event_root}; this retrain trains "
+            f"{cfg.storage.root}: nothing to do"
+        )
         log.info(why)
         return {"skipped": why}
     if not cfg.train.init_from_model:
@@ -57,18 +59,34 @@ def retrain_flow(config: PipelineConfig, event_root: str | None = None) -> dict:
     check_inputs(cfg, ("ingest", "train", "evaluate", "register"))
     result = kiln_pipeline(cfg, only_new_data=True)
     if "skipped" in result:
-        create_markdown_artifact(key="retrain", description="nothing new to retrain on",
-                                 markdown=f"## No retrain\n\n{result['skipped']}.")  # fmt: skip
+        create_markdown_artifact(
+            key="retrain",
+            description="nothing new to retrain on",
+            markdown=f"## No retrain\n\n{result['skipped']}.",
+        )
         return result
     he, r = cfg.human_eval, cfg.storage.root
     # The file to pass back: the run's own snapshot, which loads to the same values.
     name = Layout(Path(r)).run_config(result["run"]["run_id"])
     champion = f"models:/{cfg.registry.model_name}@champion"
     champ_study = study_for_model(cfg, champion)
-    cid = create_comparison_task(r, he.database_url, result["study"]["study_id"], champ_study,
-                                 he.raters_per_pair, he.gold_per_rater, None, he.seed)  # fmt: skip
-    log.info("candidate %s v%s vs %s: comparison %s is open", cfg.registry.model_name,
-                          result["model"]["version"], champion, cid)  # fmt: skip
+    cid = create_comparison_task(
+        r,
+        he.database_url,
+        result["study"]["study_id"],
+        champ_study,
+        he.raters_per_pair,
+        he.gold_per_rater,
+        None,
+        he.seed,
+    )
+    log.info(
+        "candidate %s v%s vs %s: comparison %s is open",
+        cfg.registry.model_name,
+        result["model"]["version"],
+        champion,
+        cid,
+    )
     create_markdown_artifact(
         key="retrain",
         description=f"candidate v{result['model']['version']} vs champion",

@@ -73,10 +73,14 @@ def shard_flow(
             val = layout.val_shards(version, res) if result.stages[res]["val_samples"] else None
             val_out = layout.val_latents(version, res, encoder_key(cfg)) if val else None
             run = PrecomputeRun(
-                train=cfg.train, stage_index=i, shards=str(images), out_dir=str(out),
-                val_shards=val and str(val), val_out_dir=val_out and str(val_out),
+                train=cfg.train,
+                stage_index=i,
+                shards=str(images),
+                out_dir=str(out),
+                val_shards=val and str(val),
+                val_out_dir=val_out and str(val_out),
                 text=cfg.shards.precompute_text,
-            )  # fmt: skip
+            )
             launch_precompute.with_options(name=f"precompute-{res}px")(run, cfg.launch)
             result.stages[res]["latents"] = str(out)
             if val_out:

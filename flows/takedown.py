@@ -70,8 +70,13 @@ def takedown_flow(
     down = taken_down_since_training(root, config.quality)
     due = emit_takedown_added(root, len(added), down)
     what = f"{len(images)} images" if images else f"contributor `{contributor}`"
-    get_run_logger().info("takedown %s: %s (%s); versions tagged: %s", added["id"].iloc[0],
-                          what, reason, tagged or "none")  # fmt: skip
+    get_run_logger().info(
+        "takedown %s: %s (%s); versions tagged: %s",
+        added["id"].iloc[0],
+        what,
+        reason,
+        tagged or "none",
+    )
     create_markdown_artifact(
         key="takedown",
         description=f"takedown of {what}",
@@ -85,6 +90,12 @@ def takedown_flow(
             + "\n\nThe next validate quarantines them (reason `takedown`)."
         ),
     )
-    return {"id": added["id"].iloc[0], "rows": len(added), "images": len(images),
-            "contributor": contributor, "tagged_versions": tagged,
-            "taken_down_since_training": down, "retrain_due": due}  # fmt: skip
+    return {
+        "id": added["id"].iloc[0],
+        "rows": len(added),
+        "images": len(images),
+        "contributor": contributor,
+        "tagged_versions": tagged,
+        "taken_down_since_training": down,
+        "retrain_due": due,
+    }

@@ -64,7 +64,7 @@ def _run_record(
         dataset=(
             version,
             f"{cfg.shards.remote}/{version}" if cfg.shards.remote else str(layout.shards(version)),
-        ),  # fmt: skip
+        ),
     )
     record = {
         "run_id": run_id,
@@ -137,16 +137,20 @@ def _mix_shards(cfg: PipelineConfig, layout: Layout, res: int, latents: bool) ->
     return out
 
 
-def _val_shards(cfg: PipelineConfig, layout: Layout, version: str, res: int,
-                latents: bool) -> str | None:  # fmt: skip
+def _val_shards(
+    cfg: PipelineConfig, layout: Layout, version: str, res: int, latents: bool
+) -> str | None:
     """The stage's held-out validation split (`tasks.shards.write`), of the same kind as what it
     trains on (precomputed latents or images); None when the version has none for `res`.
 
     Always the local copy, even when training streams `shards.remote` (the split is small):
     validation on another machine needs `storage.root` mounted there.
     """
-    path = (layout.val_latents(version, res, encoder_key(cfg)) if latents
-            else layout.val_shards(version, res))  # fmt: skip
+    path = (
+        layout.val_latents(version, res, encoder_key(cfg))
+        if latents
+        else layout.val_shards(version, res)
+    )
     return str(path) if is_published(path) else None
 
 
@@ -156,8 +160,13 @@ def _streamed(cfg: PipelineConfig, layout: Layout, shards: Path, mix: list[str])
     rel = [Path(p).relative_to(layout.folder("shards")).as_posix() for p in [shards, *mix]]
     remotes = [f"{cfg.shards.remote}/{r}" for r in rel]
     caches = [str(Path(cfg.shards.cache_dir, r)) for r in rel]
-    return {"shards_remote": remotes[0], "shards_cache": caches[0], "mix_remotes": remotes[1:],
-            "mix_caches": caches[1:], "s3_endpoint_url": cfg.storage.endpoint_url}  # fmt: skip
+    return {
+        "shards_remote": remotes[0],
+        "shards_cache": caches[0],
+        "mix_remotes": remotes[1:],
+        "mix_caches": caches[1:],
+        "s3_endpoint_url": cfg.storage.endpoint_url,
+    }
 
 
 @flow(name="kiln-train", log_prints=True)
@@ -234,9 +243,10 @@ def _feasible(cfg: PipelineConfig, layout: Layout, run_id: str, version: str) ->
     """Fail, before a VAE is fitted, a run folder written or a job launched, when a pending
     stage cannot run as configured (tasks.launch.preflight.stage_feasibility); never retried."""
     pending = [
-        i for i, s in enumerate(cfg.train.stages)
+        i
+        for i, s in enumerate(cfg.train.stages)
         if not (layout.stage(run_id, s.resolution) / "manifest.json").is_file()
-    ]  # fmt: skip
+    ]
     if not pending:
         return
     shards = json.loads((layout.shards(version) / "shards.json").read_text())
@@ -254,9 +264,10 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
     plan_path = layout.plan()  # written by `kiln plan`
     plan = json.loads(plan_path.read_text()) if plan_path.is_file() else None
     pending = [
-        s for s in cfg.train.stages
+        s
+        for s in cfg.train.stages
         if not (layout.stage(run_id, s.resolution) / "manifest.json").is_file()
-    ]  # fmt: skip
+    ]
     if cfg.launch.health_check and pending:
         record["health"] = preflight(
             cfg.train,
@@ -305,14 +316,15 @@ def _train_stages(cfg: PipelineConfig, layout: Layout, record: dict) -> None:
         record["stages"][str(stage.resolution)] = manifest
         curves = write_loss_curves(out)
         if curves is not None:
-            log_run_artifact(cfg.tracking_uri, record["mlflow_run_id"], str(curves),
-                             f"stage-{stage.resolution}")  # fmt: skip
+            log_run_artifact(
+                cfg.tracking_uri, record["mlflow_run_id"], str(curves), f"stage-{stage.resolution}"
+            )
         create_markdown_artifact(
             key=f"stage-{stage.resolution}",
             description=f"{run_id} stage {stage.resolution}px",
             markdown=stage_report(
                 run_id, i, stage.resolution, manifest, plan, str(curves) if curves else None
-            ),  # fmt: skip
+            ),
         )
         grid = sample_grid_report(stage.resolution, manifest, cfg.tracking_uri, run.mlflow_run_id)
         if grid:  # the newest sample grid of the stage, shown from MLflow

@@ -177,12 +177,18 @@ def _progress(store: RatingStore, cmp, settings: dict) -> dict:
         done = sum(v["rater"] == r.pseudonym for v in votes)
         correct, n = gold.get(r.pseudonym, (0, 0))
         raters.append({"rater": r.pseudonym, "done": done, "gold": f"{correct}/{n}"})
-    return {"comparison": cmp, "categories": dict(sorted(cats.items())), "raters": raters,
-            "votes": sum(c["votes"] for c in cats.values()),
-            "target": sum(c["target"] for c in cats.values()), "result": result,
-            "questions": {q: {"alpha": r["alpha"], "groups": {"overall": r["overall"],
-                                                              **r["categories"]}}
-                          for q, r in result["questions"].items()}}  # fmt: skip
+    return {
+        "comparison": cmp,
+        "categories": dict(sorted(cats.items())),
+        "raters": raters,
+        "votes": sum(c["votes"] for c in cats.values()),
+        "target": sum(c["target"] for c in cats.values()),
+        "result": result,
+        "questions": {
+            q: {"alpha": r["alpha"], "groups": {"overall": r["overall"], **r["categories"]}}
+            for q, r in result["questions"].items()
+        },
+    }
 
 
 def _fmt(x: float | None) -> str:
@@ -207,8 +213,11 @@ def create_app(
     templates.env.globals["fmt"] = _fmt
     app = FastAPI(title="Kiln human evaluation", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
-    app.state.report_settings = {"min_gold_accuracy": min_gold_accuracy,
-                                 "n_resamples": n_resamples, "seed": seed}  # fmt: skip
+    app.state.report_settings = {
+        "min_gold_accuracy": min_gold_accuracy,
+        "n_resamples": n_resamples,
+        "seed": seed,
+    }
     app.include_router(_rating_router(templates))
     app.include_router(_admin_router(templates))
 

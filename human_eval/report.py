@@ -33,15 +33,33 @@ from human_eval.store import QUESTIONS, RatingStore
 from kiln_config.errors import NotFound
 
 __all__ = [
-    "NO_VOTES", "build_report", "gold_accuracy", "plot_preference", "preference_figure",
-    "ranking", "summarize", "summarize_comparison",
-]  # fmt: skip
+    "NO_VOTES",
+    "build_report",
+    "gold_accuracy",
+    "plot_preference",
+    "preference_figure",
+    "ranking",
+    "summarize",
+    "summarize_comparison",
+]
 
 NO_VOTES = "no votes"
 CSV_COLUMNS = [
-    "vote_id", "rater", "pair_id", "prompt_index", "seed", "category", "prompt", "gold",
-    "question", "answer", "left", "served_at", "voted_at", "excluded",
-]  # fmt: skip
+    "vote_id",
+    "rater",
+    "pair_id",
+    "prompt_index",
+    "seed",
+    "category",
+    "prompt",
+    "gold",
+    "question",
+    "answer",
+    "left",
+    "served_at",
+    "voted_at",
+    "excluded",
+]
 
 
 def gold_accuracy(votes: list[dict]) -> dict[str, tuple[int, int]]:
@@ -72,10 +90,14 @@ def _cell(votes: list[dict], n_resamples: int, seed: int) -> dict:
     prompts = [v["prompt_index"] for v in votes]
     low, high = bootstrap_ci(scores, prompts, n_resamples=n_resamples, seed=seed)
     cell = {
-        "pref": rate, "ci_low": low, "ci_high": high, "tie_share": ties,
-        "votes": len(votes), "pairs": len({v["pair_id"] for v in votes}),
+        "pref": rate,
+        "ci_low": low,
+        "ci_high": high,
+        "tie_share": ties,
+        "votes": len(votes),
+        "pairs": len({v["pair_id"] for v in votes}),
         "prompts": len(set(prompts)),
-    }  # fmt: skip
+    }
     if not votes:
         cell["note"] = NO_VOTES
     return cell
@@ -145,8 +167,13 @@ def summarize_comparison(
     """`summarize` over a comparison's votes in the store, as the report and the admin page
     show them (every category of its pairs listed, `min_votes_per_pair` over all pairs)."""
     votes = store.votes(comparison_id) if votes is None else votes
-    return summarize(votes, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples,
-                     seed=seed, **_pairs_of(store, comparison_id))  # fmt: skip
+    return summarize(
+        votes,
+        min_gold_accuracy=min_gold_accuracy,
+        n_resamples=n_resamples,
+        seed=seed,
+        **_pairs_of(store, comparison_id),
+    )
 
 
 def ranking(
@@ -199,8 +226,10 @@ def preference_figure(report: dict):
 
     fig, axes = plt.subplots(1, len(QUESTIONS), figsize=(6 * len(QUESTIONS), 4.5), sharey=True)
     for ax, q in zip(np.atleast_1d(axes), QUESTIONS, strict=True):
-        cells = {"overall": report["questions"][q]["overall"],
-                 **report["questions"][q]["categories"]}  # fmt: skip
+        cells = {
+            "overall": report["questions"][q]["overall"],
+            **report["questions"][q]["categories"],
+        }
         names = list(cells)
         for i, name in enumerate(names):
             c = cells[name]
@@ -258,12 +287,22 @@ def build_report(
         raise NotFound(f"no comparison {comparison_id!r}; known: {known or 'none'}")
     votes = store.votes(comparison_id)
     report = {
-        "comparison": cmp.id, "study_a": cmp.study_a, "study_b": cmp.study_b,
-        "model_a": cmp.model_a, "model_b": cmp.model_b,
-        "raters_per_pair": cmp.raters_per_pair, "gold_per_rater": cmp.gold_per_rater,
-        **summarize_comparison(store, cmp.id, min_gold_accuracy=min_gold_accuracy,
-                               n_resamples=n_resamples, seed=seed, votes=votes),
-    }  # fmt: skip
+        "comparison": cmp.id,
+        "study_a": cmp.study_a,
+        "study_b": cmp.study_b,
+        "model_a": cmp.model_a,
+        "model_b": cmp.model_b,
+        "raters_per_pair": cmp.raters_per_pair,
+        "gold_per_rater": cmp.gold_per_rater,
+        **summarize_comparison(
+            store,
+            cmp.id,
+            min_gold_accuracy=min_gold_accuracy,
+            n_resamples=n_resamples,
+            seed=seed,
+            votes=votes,
+        ),
+    }
     bt = ranking(store, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples, seed=seed)
     if bt is not None:
         report["bradley_terry"] = bt

@@ -16,8 +16,13 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
-    "SCORES", "bootstrap_ci", "bradley_terry", "krippendorff_alpha", "preference", "scores_of",
-]  # fmt: skip
+    "SCORES",
+    "bootstrap_ci",
+    "bradley_terry",
+    "krippendorff_alpha",
+    "preference",
+    "scores_of",
+]
 
 # A vote's score for side A: a win, a loss, or half for a tie ("indifferent").
 SCORES = {"a": 1.0, "b": 0.0, "tie": 0.5}

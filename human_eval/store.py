@@ -44,9 +44,17 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sess
 from kiln_config.errors import NotFound
 
 __all__ = [
-    "ANSWERS", "QUESTIONS", "Comparison", "Image", "Pair", "Rater", "RatingStore", "Task", "Vote",
+    "ANSWERS",
+    "QUESTIONS",
+    "Comparison",
+    "Image",
+    "Pair",
+    "Rater",
+    "RatingStore",
+    "Task",
+    "Vote",
     "sqlite_url",
-]  # fmt: skip
+]
 
 QUESTIONS = ("quality", "alignment")
 # A vote's answer names the study side (a, b) or a tie; the screen side is stored beside it.
@@ -250,9 +258,17 @@ class RatingStore:
         with self.session() as s:
             if s.get(Comparison, comparison_id) is not None:
                 return False
-            s.add(Comparison(id=comparison_id, study_a=study_a, study_b=study_b,
-                             model_a=model_a, model_b=model_b, raters_per_pair=raters_per_pair,
-                             gold_per_rater=gold_per_rater))  # fmt: skip
+            s.add(
+                Comparison(
+                    id=comparison_id,
+                    study_a=study_a,
+                    study_b=study_b,
+                    model_a=model_a,
+                    model_b=model_b,
+                    raters_per_pair=raters_per_pair,
+                    gold_per_rater=gold_per_rater,
+                )
+            )
             s.flush()
             ids: dict[str, str] = {}
 
@@ -264,10 +280,18 @@ class RatingStore:
 
             for is_gold, rows in ((False, items), (True, gold)):
                 for it in rows:
-                    s.add(Pair(comparison_id=comparison_id, prompt_index=it["prompt_index"],
-                               prompt=it["prompt"], category=it["category"], seed=it["seed"],
-                               image_a=image_id(it["path_a"]), image_b=image_id(it["path_b"]),
-                               gold=is_gold))  # fmt: skip
+                    s.add(
+                        Pair(
+                            comparison_id=comparison_id,
+                            prompt_index=it["prompt_index"],
+                            prompt=it["prompt"],
+                            category=it["category"],
+                            seed=it["seed"],
+                            image_a=image_id(it["path_a"]),
+                            image_b=image_id(it["path_b"]),
+                            gold=is_gold,
+                        )
+                    )
         return True
 
     def comparison(self, comparison_id: str) -> Comparison | None:
@@ -405,11 +429,18 @@ class RatingStore:
             other = "b" if task.left == "a" else "a"
             side = {"left": task.left, "right": other, "tie": "tie"}
             rows = [
-                dict(rater_id=rater.id, pair_id=task.pair_id, task_id=task.id, question=q,
-                     answer=side[answers[q]], left=task.left, served_at=task.served_at,
-                     voted_at=_now())
+                dict(
+                    rater_id=rater.id,
+                    pair_id=task.pair_id,
+                    task_id=task.id,
+                    question=q,
+                    answer=side[answers[q]],
+                    left=task.left,
+                    served_at=task.served_at,
+                    voted_at=_now(),
+                )
                 for q in QUESTIONS
-            ]  # fmt: skip
+            ]
             inserted = self._insert_votes(s, rows)
             task.answered = True
         return inserted
@@ -444,12 +475,23 @@ class RatingStore:
                 .order_by(Vote.id)
             )
             return [
-                {"vote_id": v.id, "rater": who, "pair_id": p.id, "prompt_index": p.prompt_index,
-                 "seed": p.seed, "category": p.category, "prompt": p.prompt, "gold": p.gold,
-                 "question": v.question, "answer": v.answer, "left": v.left,
-                 "served_at": v.served_at.isoformat(), "voted_at": v.voted_at.isoformat()}
+                {
+                    "vote_id": v.id,
+                    "rater": who,
+                    "pair_id": p.id,
+                    "prompt_index": p.prompt_index,
+                    "seed": p.seed,
+                    "category": p.category,
+                    "prompt": p.prompt,
+                    "gold": p.gold,
+                    "question": v.question,
+                    "answer": v.answer,
+                    "left": v.left,
+                    "served_at": v.served_at.isoformat(),
+                    "voted_at": v.voted_at.isoformat(),
+                }
                 for v, p, who in s.execute(q)
-            ]  # fmt: skip
+            ]
 
     def pairs(self, comparison_id: str) -> list[Pair]:
         with self.session() as s:

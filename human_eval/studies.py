@@ -80,8 +80,10 @@ def match_studies(a: Study, b: Study) -> list[tuple[dict, dict]]:
         sorted({it["seed"] for it in b.items}),
     )
     if seeds_a != seeds_b:
-        raise StudyMismatch(f"seeds differ: {a.study_id} has {seeds_a}, {b.study_id} has "
-                            f"{seeds_b}; evaluate both with the same evaluate.seeds")  # fmt: skip
+        raise StudyMismatch(
+            f"seeds differ: {a.study_id} has {seeds_a}, {b.study_id} has "
+            f"{seeds_b}; evaluate both with the same evaluate.seeds"
+        )
     prompts_a = [(it["prompt"], it["category"]) for it in sorted(ka.values(), key=key)]
     prompts_b = [(it["prompt"], it["category"]) for it in sorted(kb.values(), key=key)]
     if set(ka) != set(kb) or prompts_a != prompts_b:
@@ -92,15 +94,19 @@ def match_studies(a: Study, b: Study) -> list[tuple[dict, dict]]:
             + "; evaluate both with the same evaluate.prompts_csv and limit"
         )
     if a.resolution != b.resolution:
-        raise StudyMismatch(f"image sizes differ: {a.study_id} is {a.resolution}px, "
-                            f"{b.study_id} is {b.resolution}px")  # fmt: skip
+        raise StudyMismatch(
+            f"image sizes differ: {a.study_id} is {a.resolution}px, "
+            f"{b.study_id} is {b.resolution}px"
+        )
     pairs = []
     for k in sorted(ka):
         ia, ib = ka[k], kb[k]
         sa, sb = _image_size(a.folder / ia["path"]), _image_size(b.folder / ib["path"])
         if sa != sb:
-            raise StudyMismatch(f"image sizes differ: {a.study_id}/{ia['path']} is {sa}, "
-                                f"{b.study_id}/{ib['path']} is {sb}")  # fmt: skip
+            raise StudyMismatch(
+                f"image sizes differ: {a.study_id}/{ia['path']} is {sa}, "
+                f"{b.study_id}/{ib['path']} is {sb}"
+            )
         pairs.append((ia, ib))
     return pairs
 
@@ -133,8 +139,9 @@ def create_comparison(
         (comparison id, whether it was created now).
     """
     if raters_per_pair < 1 or gold < 0:
-        raise InputError(f"raters_per_pair must be >= 1 and gold >= 0 "
-                         f"(got {raters_per_pair}, {gold})")  # fmt: skip
+        raise InputError(
+            f"raters_per_pair must be >= 1 and gold >= 0 (got {raters_per_pair}, {gold})"
+        )
     matched = match_studies(a, b)
     key = json.dumps([a.study_id, b.study_id, raters_per_pair, gold]).encode()
     cid = name or "cmp-" + hashlib.sha256(key).hexdigest()[:10]
@@ -144,19 +151,34 @@ def create_comparison(
     existing = store.comparison(cid)
     if existing is not None:
         if (existing.study_a, existing.study_b) != (a.study_id, b.study_id):
-            raise InputError(f"comparison {cid!r} already exists for {existing.study_a} vs "
-                             f"{existing.study_b}; choose another --name")  # fmt: skip
+            raise InputError(
+                f"comparison {cid!r} already exists for {existing.study_a} vs "
+                f"{existing.study_b}; choose another --name"
+            )
         return cid, False
     items = [
-        {"prompt_index": ia["index"], "prompt": ia["prompt"], "category": ia["category"],
-         "seed": ia["seed"], "path_a": _inside(a.folder, ia["path"]),
-         "path_b": _inside(b.folder, ib["path"])}
+        {
+            "prompt_index": ia["index"],
+            "prompt": ia["prompt"],
+            "category": ia["category"],
+            "seed": ia["seed"],
+            "path_a": _inside(a.folder, ia["path"]),
+            "path_b": _inside(b.folder, ib["path"]),
+        }
         for ia, ib in matched
-    ]  # fmt: skip
+    ]
     gold_rows = _gold_pairs(items, gold, random.Random(seed))
-    store.add_comparison(cid, study_a=a.study_id, study_b=b.study_id, model_a=a.model,
-                         model_b=b.model, items=items, gold=gold_rows,
-                         raters_per_pair=raters_per_pair, gold_per_rater=gold)  # fmt: skip
+    store.add_comparison(
+        cid,
+        study_a=a.study_id,
+        study_b=b.study_id,
+        model_a=a.model,
+        model_b=b.model,
+        items=items,
+        gold=gold_rows,
+        raters_per_pair=raters_per_pair,
+        gold_per_rater=gold,
+    )
     return cid, True
 
 
@@ -164,8 +186,9 @@ def _gold_pairs(items: list[dict], n: int, rng: random.Random) -> list[dict]:
     if n == 0:
         return []
     if len({it["prompt"] for it in items}) < 2 or n > len(items):
-        raise InputError(f"--gold {n}: needs at least two prompts and at most {len(items)} "
-                         "gold pairs")  # fmt: skip
+        raise InputError(
+            f"--gold {n}: needs at least two prompts and at most {len(items)} gold pairs"
+        )
     out = []
     for it in rng.sample(items, n):
         other = rng.choice([o for o in items if o["prompt"] != it["prompt"]])

@@ -26,8 +26,9 @@ def _table(df) -> str:
     """The whole frame as text: every column, however wide."""
     import pandas as pd
 
-    with pd.option_context("display.width", None, "display.max_columns", None,
-                           "display.max_colwidth", None):  # fmt: skip
+    with pd.option_context(
+        "display.width", None, "display.max_columns", None, "display.max_colwidth", None
+    ):
         return df.to_string(index=False) if len(df) else "(none)"
 
 
@@ -47,8 +48,9 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
     from tasks.registry.lineage import image_lineage
 
     cfg = load_checked(config_path, root)
-    found = image_lineage(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name,
-                          key_or_path, cfg.quality)  # fmt: skip
+    found = image_lineage(
+        cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name, key_or_path, cfg.quality
+    )
     click.echo(f"image {key_or_path}: in {len(found)} dataset version(s)")
     click.echo(_table(found))
 
@@ -57,9 +59,12 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 @config_options
 @click.argument("model_uri")
 @click.option(
-    "--csv", "csv_path", type=click.Path(dir_okay=False), default=None,
+    "--csv",
+    "csv_path",
+    type=click.Path(dir_okay=False),
+    default=None,
     help="Also write the contributors' report (revenue share) to this CSV file.",
-)  # fmt: skip
+)
 def lineage_model(config_path: str, root: str | None, model_uri: str, csv_path: str | None) -> None:
     """What a registered version (models:/NAME/N or models:/NAME@ALIAS) trained on."""
     from tasks.registry.lineage import model_lineage
@@ -67,9 +72,11 @@ def lineage_model(config_path: str, root: str | None, model_uri: str, csv_path: 
     cfg = load_checked(config_path, root)
     info = model_lineage(cfg.storage.root, cfg.tracking_uri, model_uri, cfg.quality)
     aliases = f" ({', '.join(info['aliases'])})" if info["aliases"] else ""
-    click.echo(f"{info['name']} version {info['version']}{aliases}: run {info['run_id']}, "
-               f"dataset version {info['dataset_version']} ({info['images']} images); "
-               f"earliest license end {info['earliest_license_end'] or 'none'}")  # fmt: skip
+    click.echo(
+        f"{info['name']} version {info['version']}{aliases}: run {info['run_id']}, "
+        f"dataset version {info['dataset_version']} ({info['images']} images); "
+        f"earliest license end {info['earliest_license_end'] or 'none'}"
+    )
     click.echo("\nRows by source, license and contributor:\n" + _table(info["rows"]))
     if not info["exposure_recorded"]:
         click.echo("\n(draws not recorded: the run trained with train.log_sample_keys off)")
@@ -88,18 +95,29 @@ def takedown() -> None:
 @config_options
 @click.option("--key", "keys", multiple=True, help="An image: catalog key or <source>/<key>.")
 @click.option("--contributor", default=None, help="Every image of this contributor.")
-@click.option("--file", "keys_file", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A CSV with a `key` column (or one key per line).")  # fmt: skip
+@click.option(
+    "--file",
+    "keys_file",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="A CSV with a `key` column (or one key per line).",
+)
 @click.option("--reason", required=True, help="Why (recorded with who and when).")
 @click.option("--by", default=None, help="Who asked (default: the current user).")
 def takedown_add(
-    config_path: str, root: str | None, keys: tuple[str, ...], contributor: str | None,
-    keys_file: str | None, reason: str, by: str | None,
-) -> None:  # fmt: skip
+    config_path: str,
+    root: str | None,
+    keys: tuple[str, ...],
+    contributor: str | None,
+    keys_file: str | None,
+    reason: str,
+    by: str | None,
+) -> None:
     """Append to the takedown list; the next validate quarantines those rows, registered
     versions holding them are tagged, and a retrain is due if the newest training saw one."""
-    given = [n for n, v in (("--key", keys), ("--contributor", contributor),
-                            ("--file", keys_file)) if v]  # fmt: skip
+    given = [
+        n for n, v in (("--key", keys), ("--contributor", contributor), ("--file", keys_file)) if v
+    ]
     if len(given) != 1:
         raise click.UsageError(f"give exactly one of --key, --contributor, --file (got {given})")
     from flows.takedown import read_keys_file, takedown_flow

@@ -93,8 +93,13 @@ def main(debug: bool) -> None:
 
 @main.command("demo-data")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--n", default=60, show_default=True, type=click.IntRange(min=8),
-              help="Number of image files, 5 planted bad.")  # fmt: skip
+@click.option(
+    "--n",
+    default=60,
+    show_default=True,
+    type=click.IntRange(min=8),
+    help="Number of image files, 5 planted bad.",
+)
 @click.option("--seed", default=0, show_default=True, help="Random seed; same seed, same bytes.")
 def demo_data(directory: str, n: int, seed: int) -> None:
     """Write a generated, captioned image set (imagefolder layout) to DIRECTORY.
@@ -114,10 +119,14 @@ def demo_data(directory: str, n: int, seed: int) -> None:
 def run(config_path: str, source: str | None, root: str | None, allow_failed_gate: bool) -> None:
     """Run the whole pipeline as one Prefect flow run (a subflow per step)."""
     cfg, result = _call(
-        "flows.pipeline:kiln_pipeline", config_path, root,
+        "flows.pipeline:kiln_pipeline",
+        config_path,
+        root,
         ("ingest", "train", "evaluate", "register"),
-        source=source, exclusive=True, allow_failed_gate=allow_failed_gate,
-    )  # fmt: skip
+        source=source,
+        exclusive=True,
+        allow_failed_gate=allow_failed_gate,
+    )
     _show(result)
     _where(cfg, config_path, result)
 
@@ -155,8 +164,17 @@ def shard(
     dry_run: bool,
 ) -> None:
     """Write one MDS dataset per training stage resolution."""
-    _show(_call("flows.shard:shard_flow", config_path, root, ("shard",), ingest_id=ingest_id,
-                allow_failed_gate=allow_failed_gate, dry_run=dry_run)[1])  # fmt: skip
+    _show(
+        _call(
+            "flows.shard:shard_flow",
+            config_path,
+            root,
+            ("shard",),
+            ingest_id=ingest_id,
+            allow_failed_gate=allow_failed_gate,
+            dry_run=dry_run,
+        )[1]
+    )
 
 
 @main.command()
@@ -168,22 +186,31 @@ def train(
 ) -> None:
     """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
     _, result = _call(
-        "flows.train:train_flow", config_path, root, ("train",), exclusive=True,
-        dataset_version=dataset_version, run_id=run_id,
-    )  # fmt: skip
+        "flows.train:train_flow",
+        config_path,
+        root,
+        ("train",),
+        exclusive=True,
+        dataset_version=dataset_version,
+        run_id=run_id,
+    )
     _show({k: v for k, v in result.items() if k not in ("stages", "config")})
 
 
 @main.command()
 @config_options
 @click.option(
-    "--measure-steps", type=int, default=None,
+    "--measure-steps",
+    type=int,
+    default=None,
     help="Measure each stage's img/s on this machine with N real training steps.",
-)  # fmt: skip
+)
 @click.option(
-    "--img-per-s", type=float, default=None,
+    "--img-per-s",
+    type=float,
+    default=None,
     help="Per-device img/s of stage 1 (other stages scaled by FLOPs per sample).",
-)  # fmt: skip
+)
 def plan(
     config_path: str, root: str | None, measure_steps: int | None, img_per_s: float | None
 ) -> None:
@@ -209,11 +236,14 @@ def plan(
     cfg = load_checked(config_path, root, ("plan",))
     try:
         result = make_plan(
-            cfg.train, stage_processes(cfg.launch, cfg.train), cfg.launch.gpu_hour_usd,
-            img_per_s=img_per_s, measure_steps=measure_steps,
+            cfg.train,
+            stage_processes(cfg.launch, cfg.train),
+            cfg.launch.gpu_hour_usd,
+            img_per_s=img_per_s,
+            measure_steps=measure_steps,
             val_samples=_val_samples(cfg),
             processes_per_machine=processes_per_machine(cfg.launch),
-        )  # fmt: skip
+        )
         memory_and_scale(result, cfg.train, cfg.launch, cfg.shards.precompute)
     except OSError as e:  # an unreadable topology or shards.json
         raise CliError(str(e)) from e
@@ -256,8 +286,11 @@ def evaluate(config_path: str, root: str | None, run_id: str | None, model: str 
     if model and run_id:
         raise CliError("--model and --run-id exclude each other: pass one")
     if not model:
-        _show(_call("flows.evaluate:evaluate_flow", config_path, root, ("evaluate",),
-                    run_id=run_id)[1])  # fmt: skip
+        _show(
+            _call("flows.evaluate:evaluate_flow", config_path, root, ("evaluate",), run_id=run_id)[
+                1
+            ]
+        )
         return
     cfg = load_checked(config_path, root, ("evaluate",))
     from flows.human_evaluation import study_for_model
@@ -275,27 +308,42 @@ def evaluate(config_path: str, root: str | None, run_id: str | None, model: str 
 )
 def register(config_path: str, root: str | None, run_id: str | None, study_id: str | None) -> None:
     """Log the final pipeline to MLflow, register a version and set the alias."""
-    _show(_call("flows.register:register_flow", config_path, root, ("register",),
-                run_id=run_id, study_id=study_id)[1])  # fmt: skip
+    _show(
+        _call(
+            "flows.register:register_flow",
+            config_path,
+            root,
+            ("register",),
+            run_id=run_id,
+            study_id=study_id,
+        )[1]
+    )
 
 
 @main.command()
 @config_options
 @click.option(
-    "--model", required=True,
+    "--model",
+    required=True,
     help="models:/NAME@ALIAS, models:/NAME/VERSION or an exported pipeline folder.",
-)  # fmt: skip
+)
 @click.option("--prompt", required=True, help="What to draw.")
 @click.option("--n", "n", type=int, default=4, show_default=True, help="Images (one seed each).")
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
-@click.option("--steps", type=int, cls=ConfigDefault, field="evaluate.num_inference_steps",
-              help="Inference steps.")  # fmt: skip
-@click.option("--guidance", type=float, cls=ConfigDefault, field="evaluate.guidance_scale",
-              help="CFG scale.")  # fmt: skip
+@click.option(
+    "--steps",
+    type=int,
+    cls=ConfigDefault,
+    field="evaluate.num_inference_steps",
+    help="Inference steps.",
+)
+@click.option(
+    "--guidance", type=float, cls=ConfigDefault, field="evaluate.guidance_scale", help="CFG scale."
+)
 @click.option("--out", default="generated", show_default=True, help="Folder for the PNGs.")
 def generate(
     config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int, out: str
-) -> None:  # fmt: skip
+) -> None:
     """Generate PNG files from a registered model (or an export) for one prompt."""
     from tasks.evaluation.export_pngs import generate_images, resolve_pipeline
 
@@ -304,9 +352,14 @@ def generate(
     _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
     try:
         result = generate_images(
-            folder, prompt, Path(out), n=n, seed=seed,
-            steps=ev.num_inference_steps, guidance_scale=ev.guidance_scale,
-        )  # fmt: skip
+            folder,
+            prompt,
+            Path(out),
+            n=n,
+            seed=seed,
+            steps=ev.num_inference_steps,
+            guidance_scale=ev.guidance_scale,
+        )
     except OSError as e:  # an unwritable --out
         raise CliError(str(e)) from e
     _show(result)
@@ -315,20 +368,27 @@ def generate(
 @main.command()
 @config_options
 @click.option(
-    "--candidate", default=None,
+    "--candidate",
+    default=None,
     help="models:/NAME@ALIAS or models:/NAME/VERSION (default: the registry alias, candidate).",
-)  # fmt: skip
+)
 @click.option("--first", is_flag=True, help="Promote with no champion yet.")
 @click.option("--force", is_flag=True, help="Promote past a refused gate (needs --reason).")
 @click.option("--reason", default=None, help="Why (recorded on the version).")
 @click.option(
-    "--allow-takedown", is_flag=True,
+    "--allow-takedown",
+    is_flag=True,
     help="Promote a candidate whose dataset holds taken-down images (needs --reason).",
-)  # fmt: skip
+)
 def promote(
-    config_path: str, root: str | None, candidate: str | None, first: bool, force: bool,
-    reason: str | None, allow_takedown: bool,
-) -> None:  # fmt: skip
+    config_path: str,
+    root: str | None,
+    candidate: str | None,
+    first: bool,
+    force: bool,
+    reason: str | None,
+    allow_takedown: bool,
+) -> None:
     """Move the `champion` alias to the candidate if the gate (registry.gate) passes.
 
     The gate reads the candidate's human-evaluation comparison against the current champion
@@ -338,9 +398,19 @@ def promote(
     `previous-champion`; `kiln rollback` swaps them back. A candidate whose dataset holds a
     taken-down image is refused unless --allow-takedown --reason says why.
     """
-    _show(_call("flows.promote:promote_flow", config_path, root, ("register",),
-                candidate=candidate, first=first, force=force, reason=reason,
-                allow_takedown=allow_takedown)[1])  # fmt: skip
+    _show(
+        _call(
+            "flows.promote:promote_flow",
+            config_path,
+            root,
+            ("register",),
+            candidate=candidate,
+            first=first,
+            force=force,
+            reason=reason,
+            allow_takedown=allow_takedown,
+        )[1]
+    )
 
 
 @main.command()
@@ -348,8 +418,7 @@ def promote(
 @click.option("--reason", default=None, help="Why (recorded on both versions).")
 def rollback(config_path: str, root: str | None, reason: str | None) -> None:
     """Swap `champion` and `previous-champion` back."""
-    _show(_call("flows.promote:rollback_flow", config_path, root, ("register",),
-                reason=reason)[1])  # fmt: skip
+    _show(_call("flows.promote:rollback_flow", config_path, root, ("register",), reason=reason)[1])
 
 
 @main.command()

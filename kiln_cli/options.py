@@ -19,9 +19,15 @@ if TYPE_CHECKING:
     from kiln_config import PipelineConfig
 
 __all__ = [
-    "CONFIG", "ROOT", "CliError", "ConfigDefault", "KilnGroup", "config_options",
-    "load_checked", "schema_default",
-]  # fmt: skip
+    "CONFIG",
+    "ROOT",
+    "CliError",
+    "ConfigDefault",
+    "KilnGroup",
+    "config_options",
+    "load_checked",
+    "schema_default",
+]
 
 CONFIG = click.option(
     "--config",
@@ -119,8 +125,9 @@ class _Bug(click.ClickException):
             f"kiln: bug: {self.format_message()} is a bug in Kiln, not a mistake in your input "
             "or config. Please report it to Kiln's maintainers with the traceback above and "
             "the command you ran.",
-            err=True, file=file,
-        )  # fmt: skip
+            err=True,
+            file=file,
+        )
 
 
 def load_checked(
@@ -183,8 +190,10 @@ def _exit_cleanly_on_sigterm() -> None:
     def stop(signum, frame):
         raise SystemExit(128 + signum)
 
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):  # fmt: skip
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
         signal.signal(signal.SIGTERM, stop)
 
 

@@ -31,8 +31,9 @@ def _load(config_path: str, root: str | None, steps: tuple[str, ...] = ()):
     from tasks.storage.layout import Layout
 
     cfg = load_checked(config_path, root, steps)
-    store = RatingStore.open(Layout(Path(cfg.storage.root)).ratings_db(),
-                             cfg.human_eval.database_url)  # fmt: skip
+    store = RatingStore.open(
+        Layout(Path(cfg.storage.root)).ratings_db(), cfg.human_eval.database_url
+    )
     click.get_current_context().call_on_close(store.close)
     return cfg, store
 
@@ -40,17 +41,31 @@ def _load(config_path: str, root: str | None, steps: tuple[str, ...] = ()):
 @click.command()
 @config_options
 @click.option(
-    "--a", "study_a", required=True,
+    "--a",
+    "study_a",
+    required=True,
     help="A (e.g. the candidate): a study id or folder, models:/NAME@ALIAS or a pipeline folder.",
-)  # fmt: skip
+)
 @click.option(
-    "--b", "study_b", required=True,
+    "--b",
+    "study_b",
+    required=True,
     help="B (e.g. the champion): a study id or folder, models:/NAME@ALIAS or a pipeline folder.",
-)  # fmt: skip
-@click.option("--raters-per-pair", type=int, cls=ConfigDefault, field="human_eval.raters_per_pair",
-              help="Votes per pair, K.")  # fmt: skip
-@click.option("--gold", type=int, cls=ConfigDefault, field="human_eval.gold_per_rater",
-              help="Attention checks per rater.")  # fmt: skip
+)
+@click.option(
+    "--raters-per-pair",
+    type=int,
+    cls=ConfigDefault,
+    field="human_eval.raters_per_pair",
+    help="Votes per pair, K.",
+)
+@click.option(
+    "--gold",
+    type=int,
+    cls=ConfigDefault,
+    field="human_eval.gold_per_rater",
+    help="Attention checks per rater.",
+)
 @click.option("--name", default=None, help="Comparison id (default: a hash of the studies).")
 def compare(
     config_path: str, root: str | None, study_a: str, study_b: str, name: str | None
@@ -75,11 +90,17 @@ def compare(
     studies = Layout(Path(cfg.storage.root)).folder("eval")
     a, b = load_study(study_a, studies), load_study(study_b, studies)
     cid, created = create_comparison(
-        store, a, b,
-        raters_per_pair=he.raters_per_pair, gold=he.gold_per_rater, name=name, seed=he.seed,
-    )  # fmt: skip
-    click.echo(f"{'created' if created else 'exists:'} {a.study_id} (A) vs {b.study_id} (B)",
-               err=True)  # fmt: skip
+        store,
+        a,
+        b,
+        raters_per_pair=he.raters_per_pair,
+        gold=he.gold_per_rater,
+        name=name,
+        seed=he.seed,
+    )
+    click.echo(
+        f"{'created' if created else 'exists:'} {a.study_id} (A) vs {b.study_id} (B)", err=True
+    )
     click.echo(cid)
 
 
@@ -101,8 +122,14 @@ def serve(config_path: str, root: str | None) -> None:
     click.echo(f"Rating app at http://{host}:{port}/rate/<token> (kiln rate invite)")
     click.echo(f"Admin page: http://{host}:{port}/admin/{store.admin_token()}")
     he = cfg.human_eval  # the admin page's running result: the report's settings
-    run_app(store, host, port, min_gold_accuracy=he.min_gold_accuracy,
-            n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
+    run_app(
+        store,
+        host,
+        port,
+        min_gold_accuracy=he.min_gold_accuracy,
+        n_resamples=he.bootstrap_resamples,
+        seed=he.seed,
+    )
 
 
 @rate.command()
@@ -110,8 +137,9 @@ def serve(config_path: str, root: str | None) -> None:
 @COMPARISON
 @click.option("--raters", type=int, required=True, help="Number of rater links to create.")
 @click.option("--host", cls=ConfigDefault, field="human_eval.host", help="Host in the links.")
-@click.option("--port", type=int, cls=ConfigDefault, field="human_eval.port",
-              help="Port in the links.")  # fmt: skip
+@click.option(
+    "--port", type=int, cls=ConfigDefault, field="human_eval.port", help="Port in the links."
+)
 def invite(config_path: str, root: str | None, comparison: str, raters: int) -> None:
     """Print one rating link per new rater: http://HOST:PORT/rate/<token>."""
     cfg, store = _load(config_path, root)
@@ -134,8 +162,14 @@ def report(config_path: str, root: str | None, comparison: str) -> None:
     cfg, store = _load(config_path, root)
     he = cfg.human_eval
     out = Layout(Path(cfg.storage.root)).comparison(comparison)
-    result = build_report(store, comparison, out, min_gold_accuracy=he.min_gold_accuracy,
-                          n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
+    result = build_report(
+        store,
+        comparison,
+        out,
+        min_gold_accuracy=he.min_gold_accuracy,
+        n_resamples=he.bootstrap_resamples,
+        seed=he.seed,
+    )
     summary = {
         q: {k: v["overall"][k] for k in ("pref", "ci_low", "ci_high", "tie_share", "votes")}
         for q, v in result["questions"].items()

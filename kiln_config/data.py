@@ -22,10 +22,25 @@ from kiln_config.base import Strict
 
 # The columns ingest writes for every row: `ingest.metadata_columns` may not reuse them.
 CATALOG_COLUMNS = [
-    "key", "source", "object", "offset", "length", "sha256", "phash", "width", "height",
-    "format", "mode", "bytes", "conversion", "caption", "unit", "unit_version", "ingest_id",
+    "key",
+    "source",
+    "object",
+    "offset",
+    "length",
+    "sha256",
+    "phash",
+    "width",
+    "height",
+    "format",
+    "mode",
+    "bytes",
+    "conversion",
+    "caption",
+    "unit",
+    "unit_version",
+    "ingest_id",
     "ingest_seq",
-]  # fmt: skip
+]
 
 __all__ = ["CATALOG_COLUMNS", "SOURCE_FORMATS", "IngestConfig", "QualityConfig", "ShardsConfig"]
 

@@ -25,10 +25,13 @@ class GpuLimitConfig(Strict):
         1, ge=1, description="Its slots when Kiln creates it on first use (launches at once)."
     )
     lease_s: float = Field(
-        300, ge=60, le=86400, description="Lease of a held slot (the server accepts 60 s to a "
+        300,
+        ge=60,
+        le=86400,
+        description="Lease of a held slot (the server accepts 60 s to a "
         "day), renewed while the launch runs; a killed holder's slot frees itself after this "
         "long on a Prefect server.",
-    )  # fmt: skip
+    )
 
 
 class SlurmConfig(Strict):
@@ -45,9 +48,12 @@ class SlurmConfig(Strict):
         default_factory=list, description="Extra `#SBATCH` lines, e.g. `--exclusive`."
     )
     main_process_port: int = Field(
-        29500, gt=0, le=64536, description="Rendezvous port on the job's first node, plus the "
+        29500,
+        gt=0,
+        le=64536,
+        description="Rendezvous port on the job's first node, plus the "
         "job id modulo 1000 (so two jobs that share a first node do not collide).",
-    )  # fmt: skip
+    )
     poll_s: float = Field(2.0, gt=0, description="How often the job's state and log are read.")
 
 
@@ -57,9 +63,10 @@ class KubernetesConfig(Strict):
     in-cluster service account, else `KUBECONFIG` or ~/.kube/config)."""
 
     image: str | None = Field(
-        None, description="Container image with Kiln installed at its working directory "
+        None,
+        description="Container image with Kiln installed at its working directory "
         "(required for the kubernetes backend).",
-    )  # fmt: skip
+    )
     namespace: str = "default"
     runtime: str = Field(
         "torch-distributed", description="The ClusterTrainingRuntime the TrainJob refers to."
@@ -72,13 +79,15 @@ class KubernetesConfig(Strict):
         default_factory=dict, description="More limits per node, e.g. {cpu: '32', memory: 400Gi}."
     )
     storage_claim: str | None = Field(
-        None, description="PersistentVolumeClaim holding the storage root, mounted on every "
+        None,
+        description="PersistentVolumeClaim holding the storage root, mounted on every "
         "node at mount_path; None: the runtime mounts the shared filesystem itself.",
-    )  # fmt: skip
+    )
     mount_path: str | None = Field(
-        None, description="Where storage_claim is mounted: the storage root's absolute path, "
+        None,
+        description="Where storage_claim is mounted: the storage root's absolute path, "
         "the same as on the machine that runs the flow.",
-    )  # fmt: skip
+    )
     env: dict[str, str] = Field(
         default_factory=dict, description="Environment of every node, e.g. NCCL_SOCKET_IFNAME."
     )
@@ -119,20 +128,25 @@ class LaunchConfig(Strict):
         "On a cluster backend the cluster's scheduler owns the GPUs.",
     )
     backend: Literal["local", "slurm", "kubernetes"] = Field(
-        "local", description="local: `accelerate launch` on this machine; slurm: one SLURM "
+        "local",
+        description="local: `accelerate launch` on this machine; slurm: one SLURM "
         "job per stage on its `num_machines` nodes; kubernetes: one Kubeflow Trainer TrainJob "
         "per stage. A cluster backend needs the storage root on a shared filesystem.",
-    )  # fmt: skip
+    )
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     gpu_memory_gb: float = Field(
-        80.0, gt=0, description="Memory of each GPU (GB): `kiln plan` and the train flow check "
+        80.0,
+        gt=0,
+        description="Memory of each GPU (GB): `kiln plan` and the train flow check "
         "every stage's per-GPU memory (tasks/planning/memory_model.py) against it.",
-    )  # fmt: skip
+    )
     inter_node_gbps: float = Field(
-        400.0, gt=0, description="Network bandwidth of each node (Gbit/s; p4de: 400): "
+        400.0,
+        gt=0,
+        description="Network bandwidth of each node (Gbit/s; p4de: 400): "
         "`kiln plan`'s gradient traffic and scaling efficiency (tasks/planning/scale_model.py).",
-    )  # fmt: skip
+    )
 
     @model_validator(mode="after")
     def _kubernetes_has_an_image(self) -> LaunchConfig:

@@ -60,8 +60,10 @@ class VaeComponent(Component):
     @model_validator(mode="after")
     def _fit_needs_config(self) -> VaeComponent:
         if self.fit is not None and self.config is None:
-            raise ValueError("'fit' trains a VAE built from 'config'; a 'pretrained' VAE is "
-                             "used as it is (remove 'fit' or use 'config')")  # fmt: skip
+            raise ValueError(
+                "'fit' trains a VAE built from 'config'; a 'pretrained' VAE is "
+                "used as it is (remove 'fit' or use 'config')"
+            )
         return self
 
 

@@ -85,10 +85,12 @@ class RetrainConfig(Strict):
     """When new data makes a retrain due (the ingest flow's `kiln.ingest.completed` event)."""
 
     min_new_images: int = Field(
-        10_000, ge=1, description="Accepted images new or changed since the last training run "
+        10_000,
+        ge=1,
+        description="Accepted images new or changed since the last training run "
         "that make a retrain due (the event's `kiln.retrain-due` label; a deployment trigger "
         "starts the retrain).",
-    )  # fmt: skip
+    )
 
 
 class PipelineConfig(Strict):
@@ -176,11 +178,12 @@ def encoder_key(cfg: PipelineConfig) -> str:
     """
     m = cfg.train.model
     if m.vae.fit is not None:
-        raise ValueError("train.model.vae.fit is not resolved to its fitted folder yet; "
-                         "call tasks.shards.vae_folder.resolve_fitted_vae first")  # fmt: skip
+        raise ValueError(
+            "train.model.vae.fit is not resolved to its fitted folder yet; "
+            "call tasks.shards.vae_folder.resolve_fitted_vae first"
+        )
     vae = m.vae.model_dump(exclude={"fit"})  # as before `fit` existed: the same keys
-    parts = [vae, m.text_encoder.model_dump(), m.tokenizer.model_dump(),
-             cfg.shards.precompute_text]  # fmt: skip
+    parts = [vae, m.text_encoder.model_dump(), m.tokenizer.model_dump(), cfg.shards.precompute_text]
     return stable_hash(parts, 8)
 
 
@@ -277,14 +280,18 @@ def run_config(cfg: PipelineConfig, snapshot: Path, log: logging.Logger | None =
     """
     log = log or logging.getLogger(__name__)
     if not snapshot.is_file():
-        log.warning("no config snapshot at %s (a run from before snapshots): using the given "
-                    "config", snapshot)  # fmt: skip
+        log.warning(
+            "no config snapshot at %s (a run from before snapshots): using the given config",
+            snapshot,
+        )
         return cfg
     text = snapshot.read_text()
     if text == _snapshot_text(cfg):
         return cfg
     snap = load_config(snapshot)
     if config_hash(snap) != config_hash(cfg):
-        log.warning("the given config differs from the run's snapshot; the run keeps its "
-                    "snapshot %s", snapshot)  # fmt: skip
+        log.warning(
+            "the given config differs from the run's snapshot; the run keeps its snapshot %s",
+            snapshot,
+        )
     return snap

@@ -43,9 +43,11 @@ class PrecomputeRun(Strict):
     @model_validator(mode="after")
     def _split_and_its_output(self) -> PrecomputeRun:
         if (self.val_shards is None) != (self.val_out_dir is None):
-            raise ValueError(f"val_out_dir: set it with val_shards, or neither (received "
-                             f"val_shards={self.val_shards!r}, "
-                             f"val_out_dir={self.val_out_dir!r})")  # fmt: skip
+            raise ValueError(
+                f"val_out_dir: set it with val_shards, or neither (received "
+                f"val_shards={self.val_shards!r}, "
+                f"val_out_dir={self.val_out_dir!r})"
+            )
         if self.stage_index >= len(self.train.stages):
             raise ValueError(
                 f"stage_index {self.stage_index} out of range for {len(self.train.stages)} stages"
@@ -67,8 +69,9 @@ class StudyRun(Strict):
     @model_validator(mode="after")
     def _prompts_resolved(self) -> StudyRun:
         if not self.evaluate.prompts_csv:
-            raise ValueError("evaluate.prompts_csv: a study run needs the resolved prompts file "
-                             "(received None)")  # fmt: skip
+            raise ValueError(
+                "evaluate.prompts_csv: a study run needs the resolved prompts file (received None)"
+            )
         return self
 
 

@@ -35,10 +35,12 @@ class StageConfig(Strict):
     warmup_steps: int = Field(0, ge=0)
     lr_scheduler: Literal["constant", "cosine"] = "constant"
     num_machines: int = Field(
-        1, ge=1, description="Nodes this stage trains on (more than 1: launch.backend slurm or "
+        1,
+        ge=1,
+        description="Nodes this stage trains on (more than 1: launch.backend slurm or "
         "kubernetes); each runs the backend's gpus_per_node processes, else launch."
         "num_processes or the topology's count.",
-    )  # fmt: skip
+    )
 
 
 class EMAConfig(Strict):
@@ -173,8 +175,10 @@ class TrainConfig(Strict):
     def _mix_total(self) -> TrainConfig:
         total = sum(m.proportion for m in self.mix)
         if total >= 1:
-            raise ValueError(f"train.mix proportions sum to {total:g}; they must leave the "
-                             "current dataset a share (sum < 1)")  # fmt: skip
+            raise ValueError(
+                f"train.mix proportions sum to {total:g}; they must leave the "
+                "current dataset a share (sum < 1)"
+            )
         return self
 
     @model_validator(mode="after")
@@ -266,10 +270,12 @@ class StageRun(Strict):
         if self.shards_remote and not (
             len(self.mix_remotes) == len(self.mix_caches) == len(self.mix_shards)
         ):
-            raise ValueError("with shards_remote, every mix_shards entry needs a remote and a "
-                             f"cache (received {len(self.mix_shards)} mix_shards, "
-                             f"{len(self.mix_remotes)} mix_remotes, {len(self.mix_caches)} "
-                             "mix_caches)")  # fmt: skip
+            raise ValueError(
+                "with shards_remote, every mix_shards entry needs a remote and a "
+                f"cache (received {len(self.mix_shards)} mix_shards, "
+                f"{len(self.mix_remotes)} mix_remotes, {len(self.mix_caches)} "
+                "mix_caches)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -148,8 +148,10 @@ def write_demo_dataset(out_dir: str | Path, n: int = 60, seed: int = 0) -> dict:
         "bad-no-caption.jpg": "",
         "bad-duplicate.jpg": rows[0]["text"],
     }
-    rows += [{"file_name": k, "text": v, **licensing(good + j)}
-             for j, (k, v) in enumerate(captions.items())]  # fmt: skip
+    rows += [
+        {"file_name": k, "text": v, **licensing(good + j)}
+        for j, (k, v) in enumerate(captions.items())
+    ]
     with open(out / "metadata.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -92,9 +92,13 @@ def _background(img: Image.Image) -> str:
     px = np.asarray(img.convert("RGB"), dtype=np.float32)
     k = max(1, px.shape[0] // 16, px.shape[1] // 16)
     border = np.concatenate(
-        [px[:k].reshape(-1, 3), px[-k:].reshape(-1, 3), px[:, :k].reshape(-1, 3),
-         px[:, -k:].reshape(-1, 3)]
-    )  # fmt: skip
+        [
+            px[:k].reshape(-1, 3),
+            px[-k:].reshape(-1, 3),
+            px[:, :k].reshape(-1, 3),
+            px[:, -k:].reshape(-1, 3),
+        ]
+    )
     names = list(BACKGROUNDS)
     rgb = np.array([BACKGROUNDS[n] for n in names], dtype=np.float32)
     return names[int(np.linalg.norm(rgb - np.median(border, axis=0), axis=1).argmin())]

@@ -105,8 +105,11 @@ class KilnCollate:
             for col in ("latent_mean", "latent_std", "text_hidden"):
                 if col in first:
                     arrays = [s[col] for s in samples]
-                    cols[col] = ((n, *arrays[0].shape), _dtype(arrays[0]),
-                                 functools.partial(_stack, arrays))  # fmt: skip
+                    cols[col] = (
+                        (n, *arrays[0].shape),
+                        _dtype(arrays[0]),
+                        functools.partial(_stack, arrays),
+                    )
         else:
             images = [s["image"] for s in samples]
             w, h = self._batch_size(images[0])
@@ -115,8 +118,11 @@ class KilnCollate:
             # (3, H, W) views into a (B, 3, H, W)-contiguous batch instead is a strided
             # transpose (measured 84 vs 34 us per 256-px image); the trainer makes the batch
             # contiguous on the device, where the transpose is nearly free.
-            cols["pixel_values"] = ((n, h, w, 3), torch.uint8,
-                                    functools.partial(decode_into, images))  # fmt: skip
+            cols["pixel_values"] = (
+                (n, h, w, 3),
+                torch.uint8,
+                functools.partial(decode_into, images),
+            )
             perm["pixel_values"] = (0, 3, 1, 2)
             if "flip" in first:  # which images to mirror; `device_pixels` does it
                 flip = torch.tensor([s["flip"] for s in samples])
@@ -178,8 +184,9 @@ class KilnCollate:
         return out
 
 
-def _ids_into(arrays: list[np.ndarray], drop: list[bool], empty: np.ndarray,
-              out: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _ids_into(
+    arrays: list[np.ndarray], drop: list[bool], empty: np.ndarray, out: torch.Tensor
+) -> torch.Tensor:
     """Stored token ids (int32 views of the shard) into `out` (B, L) int64, the empty
     caption's ids in the rows of dropped captions. Gathered by one small numpy copy and cast
     on the way into `out` (3 us a batch; a shared-memory temporary cost 100 times more)."""

@@ -49,16 +49,23 @@ class KilnEMA(EMAModel):
         **kwargs: `EMAModel`'s (decay, update_after_step, model_cls, model_config).
     """
 
-    def __init__(self, parameters: Iterable[torch.nn.Parameter], *, dtype: torch.dtype,
-                 seed: int = 0, **kwargs) -> None:  # fmt: skip
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        *,
+        dtype: torch.dtype,
+        seed: int = 0,
+        **kwargs,
+    ) -> None:
         super().__init__(parameters, **kwargs)
         self.dtype, self.seed = dtype, seed
         self.to(dtype=dtype)
 
     def to(self, device=None, dtype=None, non_blocking=False) -> None:
         """Move the shadow weights to `device`; they keep the EMA's dtype unless one is given."""
-        super().to(device=device, dtype=dtype or getattr(self, "dtype", None),
-                   non_blocking=non_blocking)  # fmt: skip
+        super().to(
+            device=device, dtype=dtype or getattr(self, "dtype", None), non_blocking=non_blocking
+        )
 
     @torch.no_grad()
     def step(self, parameters: Iterable[torch.nn.Parameter]) -> None:
@@ -87,7 +94,9 @@ class KilnEMA(EMAModel):
         if shadow is None:
             return
         if len(shadow) != len(self.shadow_params):
-            raise ValueError(f"the checkpoint's EMA holds {len(shadow)} tensors, the UNet "
-                             f"{len(self.shadow_params)}")  # fmt: skip
+            raise ValueError(
+                f"the checkpoint's EMA holds {len(shadow)} tensors, the UNet "
+                f"{len(self.shadow_params)}"
+            )
         for dst, src in zip(self.shadow_params, shadow, strict=True):
             dst.copy_(src)

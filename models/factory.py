@@ -160,8 +160,11 @@ def encoder_mismatch(init_from: str, cfg: ModelConfig) -> list[str]:
     if cfg.text_encoder.config is not None and saved_cfg.is_file():
         saved = json.loads(saved_cfg.read_text())
         here = CLIPTextConfig(**cfg.text_encoder.config).to_dict()
-        out += [f"text_encoder.{k}: {saved.get(k)!r} there, {here.get(k)!r} here"
-                for k in _ENCODER_KEYS if saved.get(k) != here.get(k)]  # fmt: skip
+        out += [
+            f"text_encoder.{k}: {saved.get(k)!r} there, {here.get(k)!r} here"
+            for k in _ENCODER_KEYS
+            if saved.get(k) != here.get(k)
+        ]
     saved_tok = Path(init_from) / "tokenizer"
     if cfg.tokenizer.builtin is not None and saved_tok.is_dir():
         there = len(CLIPTokenizerFast.from_pretrained(saved_tok))
@@ -182,15 +185,26 @@ def build_unet(cfg: ModelConfig, init_from: str | None = None) -> UNet2DConditio
     """
     if init_from:
         for mismatch, what, consequence in (
-            (schedule_mismatch, "with another objective",
-             "train.model.noise_scheduler's, so its first steps re-learn the output"),
-            (encoder_mismatch, "on another text encoder",
-             "train.model's, so its text conditioning is learned again"),
-        ):  # fmt: skip
+            (
+                schedule_mismatch,
+                "with another objective",
+                "train.model.noise_scheduler's, so its first steps re-learn the output",
+            ),
+            (
+                encoder_mismatch,
+                "on another text encoder",
+                "train.model's, so its text conditioning is learned again",
+            ),
+        ):
             diffs = mismatch(init_from, cfg)
             if diffs:
-                log.warning("the UNet at %s was trained %s (%s); training continues with %s",
-                            init_from, what, "; ".join(diffs), consequence)  # fmt: skip
+                log.warning(
+                    "the UNet at %s was trained %s (%s); training continues with %s",
+                    init_from,
+                    what,
+                    "; ".join(diffs),
+                    consequence,
+                )
         return UNet2DConditionModel.from_pretrained(init_from, subfolder="unet")
     return UNet2DConditionModel.from_config(cfg.unet)
 
@@ -210,9 +224,11 @@ def build_components(
     if getattr(cfg.vae, "fit", None) is not None:
         # The train and shard flows resolve a `fit` to its fitted folder before any launch;
         # here (a unit test, a hand-written stage.yaml) only the architecture is known.
-        log.warning("train.model.vae.fit is not resolved: the VAE has random weights (run "
-                    "`kiln train`/`kiln shard`, which fit it, or set vae.pretrained to the "
-                    "fitted folder <root>/vae/<key>)")  # fmt: skip
+        log.warning(
+            "train.model.vae.fit is not resolved: the VAE has random weights (run "
+            "`kiln train`/`kiln shard`, which fit it, or set vae.pretrained to the "
+            "fitted folder <root>/vae/<key>)"
+        )
     vae = _load(AutoencoderKL, cfg.vae, "vae")
     unet = build_unet(cfg, init_unet_from)
     if unet.config.cross_attention_dim != text_encoder.config.hidden_size:

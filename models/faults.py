@@ -60,8 +60,9 @@ class Faults:
         """The faults of stage file `run`, at its output folder."""
         return cls(run.faults, Path(run.output_dir))
 
-    def at(self, point: str, value: T = None, *, step: int | None = None,
-           rank: int | None = None) -> T:  # fmt: skip
+    def at(
+        self, point: str, value: T = None, *, step: int | None = None, rank: int | None = None
+    ) -> T:
         """Fire the fault planned at `point`, if any.
 
         Args:

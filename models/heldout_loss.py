@@ -90,8 +90,12 @@ def bootstrap_cond_gap(
     }
     logged = (manifest.get("val") or {}).get(f"{weights}/val/cond_gap")
     if logged is not None and not np.isclose(logged, out["cond_gap"], rtol=1e-4, atol=1e-7):
-        log.warning("the export's conditioning gap %.6g differs from the %.6g training logged at "
-                    "its end (another precision or device?)", out["cond_gap"], logged)  # fmt: skip
+        log.warning(
+            "the export's conditioning gap %.6g differs from the %.6g training logged at "
+            "its end (another precision or device?)",
+            out["cond_gap"],
+            logged,
+        )
     return out
 
 

@@ -45,8 +45,9 @@ __all__ = [
 log = logging.getLogger("kiln.data")
 
 # The columns training reads; the others (original size, crop, metadata) are not decoded.
-TRAINING_COLUMNS = frozenset({"latent_mean", "latent_std", "text_hidden", "input_ids", "image",
-                              "caption", "key"})  # fmt: skip
+TRAINING_COLUMNS = frozenset(
+    {"latent_mean", "latent_std", "text_hidden", "input_ids", "image", "caption", "key"}
+)
 
 
 def dataset_buckets(local: str) -> list[dict] | None:
@@ -179,17 +180,21 @@ def _stored_ids_match(dataset: ImageCaptionDataset, tokenize: CaptionTokenizer) 
     not used."""
     if not all("input_ids" in getattr(sh, "column_names", ()) for sh in dataset.shards):
         return False
-    for offset, count in zip(dataset.sample_offset_per_stream, dataset.samples_per_stream,
-                             strict=True):  # fmt: skip
+    for offset, count in zip(
+        dataset.sample_offset_per_stream, dataset.samples_per_stream, strict=True
+    ):
         if not count:
             continue
         s = dataset.read_sample(int(offset), frozenset({"caption", "input_ids", "key"}))
         want = tokenize([s["caption"]])[0].numpy()
         got = np.asarray(s["input_ids"])
         if got.shape != want.shape or not np.array_equal(got, want):
-            log.warning("the token ids stored with %s are not this tokenizer's (sample %s): "
-                        "tokenizing captions in the loader instead", dataset.streams[0].local
-                        if len(dataset.streams) == 1 else "a stream", s["key"])  # fmt: skip
+            log.warning(
+                "the token ids stored with %s are not this tokenizer's (sample %s): "
+                "tokenizing captions in the loader instead",
+                dataset.streams[0].local if len(dataset.streams) == 1 else "a stream",
+                s["key"],
+            )
             return False
     return True
 
@@ -228,11 +233,13 @@ def _streams(local: str, remote: str | None, mix: list, resolution: Size) -> tup
             return [Stream(local=path, remote=remote, proportion=share)], []
         total = sum(b["samples"] for b in buckets)
         return [
-            Stream(local=str(Path(path) / b["name"]),
-                   remote=f"{remote}/{b['name']}" if remote else None,
-                   proportion=share * b["samples"] / total)
+            Stream(
+                local=str(Path(path) / b["name"]),
+                remote=f"{remote}/{b['name']}" if remote else None,
+                proportion=share * b["samples"] / total,
+            )
             for b in buckets
-        ], [(b["width"], b["height"]) for b in buckets]  # fmt: skip
+        ], [(b["width"], b["height"]) for b in buckets]
 
     rest = 1.0 - sum(m[1] for m in mix)
     streams, sizes = parts(local, remote, rest)
@@ -290,8 +297,9 @@ def build_loader(
     if not 0 <= cfg.hflip <= 1:  # validated in TrainConfig, but a copy can bypass that
         raise InputError(f"hflip is a probability in [0, 1], got {cfg.hflip!r}")
     streams, sizes = _streams(local, remote, mix or [], resolution)
-    dataset = _dataset(cfg, local, remote, streams, bool(sizes), batch_size, stage_index,
-                       epoch_size)  # fmt: skip
+    dataset = _dataset(
+        cfg, local, remote, streams, bool(sizes), batch_size, stage_index, epoch_size
+    )
     collate = KilnCollate(tokenizer, sizes or resolution)
     if token_ids and _stored_ids_match(dataset, collate.ids):
         dataset.columns = TRAINING_COLUMNS - {"caption"}  # only tokenizing needs the captions
@@ -344,6 +352,9 @@ def _dataset(
         epoch_size=epoch_size,
     )
     if cfg.hflip and "latent_mean" in getattr(dataset.shards[0], "column_names", ()):
-        log.warning("hflip=%s is not applied: these shards hold precomputed latents, which "
-                    "are never flipped", cfg.hflip)  # fmt: skip
+        log.warning(
+            "hflip=%s is not applied: these shards hold precomputed latents, which "
+            "are never flipped",
+            cfg.hflip,
+        )
     return dataset

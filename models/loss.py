@@ -74,9 +74,11 @@ def encode_text(comps: Components, batch: dict, weight_dtype: torch.dtype, devic
             drop = batch["drop"].to(device)
             if drop.any():  # caption dropout: the empty caption's states
                 empty = comps.tokenizer(
-                    "", padding="max_length", max_length=comps.tokenizer.model_max_length,
+                    "",
+                    padding="max_length",
+                    max_length=comps.tokenizer.model_max_length,
                     return_tensors="pt",
-                ).input_ids.to(device)  # fmt: skip
+                ).input_ids.to(device)
                 empty_hidden = comps.text_encoder(empty)[0].to(weight_dtype)
                 # Not an in-place write: `.to` may return the batch's own tensor.
                 encoder_hidden = torch.where(drop[:, None, None], empty_hidden, encoder_hidden)

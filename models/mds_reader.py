@@ -176,8 +176,9 @@ def _plan(shard) -> tuple | None:
         raw = getattr(shard, "raw_data", None)
         if raw is not None and hasattr(shard, "column_sizes"):
             columns = []
-            for name, enc, size in zip(shard.column_names, shard.column_encodings,
-                                       shard.column_sizes, strict=True):  # fmt: skip
+            for name, enc, size in zip(
+                shard.column_names, shard.column_encodings, shard.column_sizes, strict=True
+            ):
                 if enc == "bytes":
                     decode = _as_view
                 elif enc == "str":

@@ -96,9 +96,12 @@ def _measure(
         tmp = Path(tmp)
         n_val = _write_measured_data(tmp, stage, cfg, steps, val_samples)
         run = StageRun(
-            train=cfg, stage_index=stage_index, shards=str(tmp / "shards"),
-            output_dir=str(tmp / "out"), val_shards=str(tmp / "val"),
-        )  # fmt: skip
+            train=cfg,
+            stage_index=stage_index,
+            shards=str(tmp / "shards"),
+            output_dir=str(tmp / "out"),
+            val_shards=str(tmp / "val"),
+        )
         (tmp / "out").mkdir()
         accelerator = _train_steps(run)
         lines = [json.loads(x) for x in (tmp / "out" / "metrics.jsonl").read_text().splitlines()]
@@ -129,8 +132,9 @@ def _measure(
     }
 
 
-def _write_measured_data(tmp: Path, stage, cfg: TrainConfig, steps: int,
-                         val_samples: int | None) -> int:  # fmt: skip
+def _write_measured_data(
+    tmp: Path, stage, cfg: TrainConfig, steps: int, val_samples: int | None
+) -> int:
     """The synthetic training set (`tmp/shards`) and validation split (`tmp/val`); returns the
     validation split's size."""
     per_step = stage.batch_size * stage.gradient_accumulation_steps

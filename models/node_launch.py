@@ -26,8 +26,15 @@ import yaml
 from kiln_config.errors import InputError
 from models.cpu_threads import cpu_threads_per_process
 
-__all__ = ["NodeLaunchError", "NodeRole", "accelerate_argv", "from_flags", "from_slurm",
-           "from_torchrun", "main"]  # fmt: skip
+__all__ = [
+    "NodeLaunchError",
+    "NodeRole",
+    "accelerate_argv",
+    "from_flags",
+    "from_slurm",
+    "from_torchrun",
+    "main",
+]
 
 DEFAULT_PORT = 29500  # torchrun's and accelerate's default rendezvous port
 
@@ -115,8 +122,9 @@ def from_slurm(env: dict[str, str], port: int, processes_per_machine: int) -> No
     nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not nodelist:
         raise NodeLaunchError("SLURM_JOB_NODELIST is not set: is this running inside the job?")
-    return NodeRole(nodes, rank, slurm_first_node_address(nodelist, env), port,
-                    processes_per_machine)  # fmt: skip
+    return NodeRole(
+        nodes, rank, slurm_first_node_address(nodelist, env), port, processes_per_machine
+    )
 
 
 def from_torchrun(env: dict[str, str]) -> NodeRole:
@@ -128,12 +136,22 @@ def from_torchrun(env: dict[str, str]) -> NodeRole:
     nproc = env.get("PET_NPROC_PER_NODE", "1").strip()
     if not nproc.isdigit():  # torchrun also accepts "gpu"/"auto"; Kiln needs the number
         raise NodeLaunchError(f"PET_NPROC_PER_NODE must be a number of processes (got {nproc!r})")
-    return NodeRole(_int(env, "PET_NNODES"), _int(env, "PET_NODE_RANK"), master,
-                    _int(env, "PET_MASTER_PORT", DEFAULT_PORT), int(nproc))  # fmt: skip
+    return NodeRole(
+        _int(env, "PET_NNODES"),
+        _int(env, "PET_NODE_RANK"),
+        master,
+        _int(env, "PET_MASTER_PORT", DEFAULT_PORT),
+        int(nproc),
+    )
 
 
-def from_flags(num_machines: int, machine_rank: int, main_process_ip: str | None, port: int,
-               processes_per_machine: int) -> NodeRole:  # fmt: skip
+def from_flags(
+    num_machines: int,
+    machine_rank: int,
+    main_process_ip: str | None,
+    port: int,
+    processes_per_machine: int,
+) -> NodeRole:
     """The role given by hand (flags), for engines Kiln does not read."""
     if not main_process_ip:
         raise NodeLaunchError("--main-process-ip is required with --source flags")
@@ -150,20 +168,31 @@ def accelerate_argv(role: NodeRole, rest: list[str], python: str = sys.executabl
         if not path.is_file():
             raise NodeLaunchError(f"--config_file {path} not found on this node")
         topology = yaml.safe_load(path.read_text()) or {}
-    argv = [python, "-m", "accelerate.commands.launch",
-            "--num_machines", str(role.num_machines),
-            "--machine_rank", str(role.machine_rank),
-            "--main_process_ip", role.main_process_ip,
-            "--main_process_port", str(role.main_process_port),
-            "--num_processes", str(role.num_processes)]  # fmt: skip
+    argv = [
+        python,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_machines",
+        str(role.num_machines),
+        "--machine_rank",
+        str(role.machine_rank),
+        "--main_process_ip",
+        role.main_process_ip,
+        "--main_process_port",
+        str(role.main_process_port),
+        "--num_processes",
+        str(role.num_processes),
+    ]
     if role.num_machines > 1:
         # Every node knows the first one's address: no rendezvous server needed.
         argv += ["--rdzv_backend", "static", "--same_network"]
     if role.num_processes > 1 and str(topology.get("distributed_type", "NO")) in ("NO", "None"):
         argv.append("--multi_gpu")
     if "--num_cpu_threads_per_process" not in rest and not _has_gpu():
-        argv += ["--num_cpu_threads_per_process",
-                 str(cpu_threads_per_process(role.processes_per_machine))]  # fmt: skip
+        argv += [
+            "--num_cpu_threads_per_process",
+            str(cpu_threads_per_process(role.processes_per_machine)),
+        ]
     return argv + rest
 
 
@@ -180,11 +209,16 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if "--" not in argv:
         raise SystemExit("node_launch: put `--` before the `accelerate launch` arguments")
     cut = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m models.node_launch",
-                                description=__doc__.split("\n\n")[0])  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m models.node_launch", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--source", choices=("slurm", "torchrun", "flags"), required=True)
-    p.add_argument("--main-process-port", type=int, default=None,
-                   help=f"Rendezvous port (slurm, flags; default {DEFAULT_PORT}).")  # fmt: skip
+    p.add_argument(
+        "--main-process-port",
+        type=int,
+        default=None,
+        help=f"Rendezvous port (slurm, flags; default {DEFAULT_PORT}).",
+    )
     p.add_argument(
         "--processes-per-machine",
         type=int,
@@ -205,8 +239,9 @@ def role_for(args: argparse.Namespace, env: dict[str, str]) -> NodeRole:
         return from_torchrun(env)
     if args.num_machines is None or args.machine_rank is None:
         raise NodeLaunchError("--num-machines and --machine-rank are required with --source flags")
-    return from_flags(args.num_machines, args.machine_rank, args.main_process_ip, port,
-                      args.processes_per_machine)  # fmt: skip
+    return from_flags(
+        args.num_machines, args.machine_rank, args.main_process_ip, port, args.processes_per_machine
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,9 +53,12 @@ def encode_batch(comps, pixels: torch.Tensor, captions: list[str], text: bool) -
     """VAE mean/std (unscaled) and text states (or ids) for a batch; fp32 tensors on CPU."""
     dist = comps.vae.encode(pixels).latent_dist
     ids = comps.tokenizer(
-        captions, padding="max_length", truncation=True,
-        max_length=comps.tokenizer.model_max_length, return_tensors="pt",
-    ).input_ids  # fmt: skip
+        captions,
+        padding="max_length",
+        truncation=True,
+        max_length=comps.tokenizer.model_max_length,
+        return_tensors="pt",
+    ).input_ids
     out = {"latent_mean": dist.mean.float().cpu(), "latent_std": dist.std.float().cpu()}
     if text:
         out["text_hidden"] = comps.text_encoder(ids.to(pixels.device))[0].float().cpu()
@@ -64,8 +67,9 @@ def encode_batch(comps, pixels: torch.Tensor, captions: list[str], text: bool) -
     return out
 
 
-def _encode_dataset(accelerator, comps, dtype, src: Path, dst: Path, size, cols: dict,
-                    batch_size: int) -> int:  # fmt: skip
+def _encode_dataset(
+    accelerator, comps, dtype, src: Path, dst: Path, size, cols: dict, batch_size: int
+) -> int:
     """Encode this rank's share (every world-th sample) of one MDS image dataset into
     `dst/part-<rank>`; returns the number of samples encoded."""
     ds = StreamingDataset(local=str(src), batch_size=1, shuffle=False)
@@ -76,9 +80,11 @@ def _encode_dataset(accelerator, comps, dtype, src: Path, dst: Path, size, cols:
             samples = [ds.get_item(i) for i in mine[start : start + batch_size]]
             pixels = torch.stack([decode_pixels(s["image"], size) for s in samples])
             enc = encode_batch(
-                comps, pixels.to(accelerator.device, dtype=dtype),
-                [s["caption"] for s in samples], "text_hidden" in cols,
-            )  # fmt: skip
+                comps,
+                pixels.to(accelerator.device, dtype=dtype),
+                [s["caption"] for s in samples],
+                "text_hidden" in cols,
+            )
             for j, s in enumerate(samples):
                 row = {"key": s["key"], "caption": s["caption"]}
                 for name, t in enc.items():
@@ -93,8 +99,9 @@ def _complete(out: Path) -> bool:
     return (out / "index.json").is_file() or (out / "buckets.json").is_file()
 
 
-def _encode_folder(accelerator, comps, dtype, cols: dict, src: Path, out: Path, res: int,
-                   batch_size: int) -> None:  # fmt: skip
+def _encode_folder(
+    accelerator, comps, dtype, cols: dict, src: Path, out: Path, res: int, batch_size: int
+) -> None:
     """Encode one image dataset (`src`, square or in aspect buckets) into the latents dataset
     `out`, written under `<out>.tmp` and renamed into place when complete."""
     tmp = out.with_name(out.name + ".tmp")
@@ -110,8 +117,9 @@ def _encode_folder(accelerator, comps, dtype, cols: dict, src: Path, out: Path, 
     names = [name for name, _ in parts]
     total = 0
     for name, size in parts:
-        total += _encode_dataset(accelerator, comps, dtype, src / name, tmp / name, size, cols,
-                                 batch_size)  # fmt: skip
+        total += _encode_dataset(
+            accelerator, comps, dtype, src / name, tmp / name, size, cols, batch_size
+        )
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         for name in names:
@@ -153,8 +161,9 @@ def main(argv: list[str] | None = None) -> None:
         "ndarray:float16" if run.text else "ndarray:int32"
     )
     for src, out in todo:  # the training set, then its validation split
-        _encode_folder(accelerator, comps, dtype, cols, src, out, run.stage.resolution,
-                       run.batch_size)  # fmt: skip
+        _encode_folder(
+            accelerator, comps, dtype, cols, src, out, run.stage.resolution, run.batch_size
+        )
     accelerator.end_training()
 
 

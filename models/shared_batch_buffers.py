@@ -162,6 +162,8 @@ class InRing:
 def _rebuild(token, slot, offset, dtype, shape, perm) -> torch.Tensor:
     ring = _RINGS.get(token)
     if ring is None:
-        raise RuntimeError(f"batch ring {token} is not in this process: was the loader's "
-                           "iterator dropped while batches were in flight?")  # fmt: skip
+        raise RuntimeError(
+            f"batch ring {token} is not in this process: was the loader's "
+            "iterator dropped while batches were in flight?"
+        )
     return ring._rebuild(slot, offset, dtype, shape, perm)

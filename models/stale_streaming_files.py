@@ -93,6 +93,8 @@ def clean_stale_streaming(shm_dir: str = "/dev/shm", lock_dir: str | None = None
         except (FileNotFoundError, PermissionError):
             continue
     if removed:
-        log.info("removed %d stale streaming files (shared memory and locks of killed runs)",
-                 len(removed))  # fmt: skip
+        log.info(
+            "removed %d stale streaming files (shared memory and locks of killed runs)",
+            len(removed),
+        )
     return removed

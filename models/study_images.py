@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     state.destroy_process_group()  # or a rank can abort at exit with the group still up
 
 
-def _generate_into(pipe: StableDiffusionPipeline, todo: list[dict], out: Path,
-                   ev: EvaluateConfig) -> None:  # fmt: skip
+def _generate_into(
+    pipe: StableDiffusionPipeline, todo: list[dict], out: Path, ev: EvaluateConfig
+) -> None:
     """Generate `todo`'s images in batches, each PNG renamed into place when complete."""
     for start in range(0, len(todo), ev.batch_size):
         batch = todo[start : start + ev.batch_size]

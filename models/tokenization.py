@@ -55,8 +55,9 @@ class CaptionTokenizer:
         # of being re-applied by the Python wrapper on every call.
         backend = Tokenizer.from_str(fast.backend_tokenizer.to_str())
         backend.enable_truncation(self.max_length)
-        backend.enable_padding(length=self.max_length, pad_id=fast.pad_token_id,
-                               pad_token=fast.pad_token)  # fmt: skip
+        backend.enable_padding(
+            length=self.max_length, pad_id=fast.pad_token_id, pad_token=fast.pad_token
+        )
         self.backend = backend
 
     def __call__(self, captions: list[str]) -> torch.Tensor:

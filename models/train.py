@@ -159,10 +159,20 @@ def build_dataloader(run: StageRun, comps: Components):
     local, remote = run.shards, None
     if run.shards_remote:  # stream the published copy through a local cache
         local, remote = run.shards_cache, run.shards_remote
-        mix = [(cache, p, rem) for (_, p), cache, rem
-               in zip(mix, run.mix_caches, run.mix_remotes, strict=True)]  # fmt: skip
-    return build_loader(cfg, local, comps.tokenizer, run.stage.resolution, run.stage.batch_size,
-                        stage_index=run.stage_index, remote=remote, mix=mix)  # fmt: skip
+        mix = [
+            (cache, p, rem)
+            for (_, p), cache, rem in zip(mix, run.mix_caches, run.mix_remotes, strict=True)
+        ]
+    return build_loader(
+        cfg,
+        local,
+        comps.tokenizer,
+        run.stage.resolution,
+        run.stage.batch_size,
+        stage_index=run.stage_index,
+        remote=remote,
+        mix=mix,
+    )
 
 
 def build_callbacks(ctx: TrainContext, checkpoints: bool = True) -> Callbacks:
@@ -365,8 +375,10 @@ def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, si
     sink.event("perf", **perf)
     log.info(
         "%.3g TFLOPs per training sample; device peak %.3g TFLOP/s (%s)",
-        flops / 1e12, peak / 1e12, source,
-    )  # fmt: skip
+        flops / 1e12,
+        peak / 1e12,
+        source,
+    )
     return perf
 
 
@@ -497,8 +509,13 @@ def main(argv: list[str] | None = None) -> None:
         log.info("stage %dpx already complete: %s", run.stage.resolution, out / "final")
         return
     accelerator = _accelerator(run)
-    sink = MetricsSink(out, run.tracking_uri, run.mlflow_run_id, f"stage{run.stage.resolution}",
-                       accelerator.is_main_process)  # fmt: skip
+    sink = MetricsSink(
+        out,
+        run.tracking_uri,
+        run.mlflow_run_id,
+        f"stage{run.stage.resolution}",
+        accelerator.is_main_process,
+    )
     # CPU, memory (and GPU) use into the stage's MLflow run, stopped however the stage ends.
     with system_metrics(run.tracking_uri, run.mlflow_run_id, accelerator.is_main_process):
         comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
@@ -506,8 +523,9 @@ def main(argv: list[str] | None = None) -> None:
         # timesteps. A resumed run restores these RNG states from the checkpoint instead.
         set_seed(run.train.seed + run.stage_index, device_specific=True)
         loader = build_dataloader(run, comps)
-        ctx = TrainContext(run, accelerator, comps, optimizer, lr_scheduler, ema, weight_dtype,
-                           loader, sink)  # fmt: skip
+        ctx = TrainContext(
+            run, accelerator, comps, optimizer, lr_scheduler, ema, weight_dtype, loader, sink
+        )
         state = train_loop(ctx)
         release_optimizer_state(optimizer)
         sample_grid(run, accelerator, comps, ema, state.step, sink)  # listed in the manifest

@@ -94,8 +94,15 @@ class MetricsWindow:
         gpu_hour_usd: Price of one device-hour.
     """
 
-    def __init__(self, accelerator, sink: MetricsSink, flops_per_sample: float,
-                 peak_flops_total: float, samples_per_step: int, gpu_hour_usd: float):  # fmt: skip
+    def __init__(
+        self,
+        accelerator,
+        sink: MetricsSink,
+        flops_per_sample: float,
+        peak_flops_total: float,
+        samples_per_step: int,
+        gpu_hour_usd: float,
+    ):
         self.accelerator, self.sink = accelerator, sink
         self.flops_per_sample, self.peak_flops_total = flops_per_sample, peak_flops_total
         self.samples_per_step, self.gpu_hour_usd = samples_per_step, gpu_hour_usd

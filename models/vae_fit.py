@@ -111,8 +111,10 @@ def _objective(vae: AutoencoderKL, x: torch.Tensor, fit: VaeFitConfig, gen: torc
 @torch.no_grad()
 def _scaling_factor(vae: AutoencoderKL, images: list[torch.Tensor], gen: torch.Generator):
     """1 / std of the sampled latents of `images` (SD's recipe for its 0.18215)."""
-    z = [vae.encode(_to_float(img)[None]).latent_dist.sample(generator=gen).flatten()
-         for img in images]  # fmt: skip
+    z = [
+        vae.encode(_to_float(img)[None]).latent_dist.sample(generator=gen).flatten()
+        for img in images
+    ]
     return 1.0 / float(torch.cat(z).std())
 
 
@@ -121,8 +123,10 @@ def reconstruction_mse(vae: AutoencoderKL, images: list[torch.Tensor]) -> float:
     """Mean per-image MSE (pixels in [-1, 1]) of decoding the posterior mean of each image."""
     vae.eval()
     with _one_thread():
-        errs = [float(F.mse_loss(vae(x, sample_posterior=False).sample, x))
-                for x in (_to_float(img)[None] for img in images)]  # fmt: skip
+        errs = [
+            float(F.mse_loss(vae(x, sample_posterior=False).sample, x))
+            for x in (_to_float(img)[None] for img in images)
+        ]
     return sum(errs) / len(errs)
 
 

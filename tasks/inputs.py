@@ -132,8 +132,10 @@ def _probe_source(cfg: PipelineConfig) -> list[str]:
             return [f"ingest.source: {src} holds no files ({SOURCE_FIX})"]
     except ProbeError as e:
         if store.is_s3:
-            hint = ("check the bucket and prefix, the AWS credentials, and storage.endpoint_url "
-                    "or S3_ENDPOINT_URL for MinIO, Ceph or R2")  # fmt: skip
+            hint = (
+                "check the bucket and prefix, the AWS credentials, and storage.endpoint_url "
+                "or S3_ENDPOINT_URL for MinIO, Ceph or R2"
+            )
         elif "is a file" in str(e):
             hint = "ingest reads a folder: images with a manifest or .txt captions, or .tar shards"
         else:
@@ -180,14 +182,17 @@ def _check_tracking_local(uri: str) -> list[str]:
     folder = folder.absolute()
     existing = next(p for p in (folder, *folder.parents) if p.exists() or p == p.parent)
     if not existing.is_dir():
-        return [f"registry.tracking_uri: {existing} is a file, not a folder (received "
-                f"{shown!r}); {fix}"]  # fmt: skip
+        return [
+            f"registry.tracking_uri: {existing} is a file, not a folder (received {shown!r}); {fix}"
+        ]
     try:  # os.access says yes to root even on a read-only mount: write, then remove
         with tempfile.TemporaryFile(dir=existing, prefix=".kiln-write-check-"):
             pass
     except OSError as e:
-        return [f"registry.tracking_uri: {existing} is not writable ({e.strerror or e}; received "
-                f"{shown!r}); {fix}"]  # fmt: skip
+        return [
+            f"registry.tracking_uri: {existing} is not writable ({e.strerror or e}; received "
+            f"{shown!r}); {fix}"
+        ]
     return []
 
 

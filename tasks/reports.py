@@ -84,11 +84,15 @@ def new_data_report(d: NewData) -> str:
     if d.retrain_due and d.server:
         verdict = "**due**: the `weekly-retrain` deployment's trigger starts it"
     elif d.retrain_due:
-        verdict = ("**due**, but no Prefect server got the event (`PREFECT_API_URL` is unset), "
-                   "so no trigger starts it: run `kiln run` with the retrain config")  # fmt: skip
+        verdict = (
+            "**due**, but no Prefect server got the event (`PREFECT_API_URL` is unset), "
+            "so no trigger starts it: run `kiln run` with the retrain config"
+        )
     elif d.trained_run_id is None:
-        verdict = ("not asked for: no finished training to continue from (train the first "
-                   "model from scratch: the `from-scratch` deployment or `kiln run`)")  # fmt: skip
+        verdict = (
+            "not asked for: no finished training to continue from (train the first "
+            "model from scratch: the `from-scratch` deployment or `kiln run`)"
+        )
     elif not d.standalone:
         verdict = "not asked for: this ingest is the first step of a training pipeline"
     elif d.root_busy:
@@ -156,9 +160,11 @@ def shards_report(result, ingest_id: str, path: str, published: dict | None) -> 
     gate override, the publish."""
     pub = ""
     if published:
-        pub = (f"Published to `{published['remote']}`: {published['uploaded']} objects "
-               f"({published['bytes'] / 1e6:.2f} MB) sent; {published['already_there']} were "
-               "there already.\n\n")  # fmt: skip
+        pub = (
+            f"Published to `{published['remote']}`: {published['uploaded']} objects "
+            f"({published['bytes'] / 1e6:.2f} MB) sent; {published['already_there']} were "
+            "there already.\n\n"
+        )
     rows = "\n".join(
         f"| {r}px | {s['samples']} | {s.get('val_samples', 0)} | {s['shards']} | "
         f"{s['bytes'] / 1e6:.2f} MB | "
@@ -191,8 +197,10 @@ def stage_report(
     ]
     lines += _val_section(manifest.get("val"), manifest.get("val_history") or [], m)
     if curves:
-        lines += [f"\nTraining and validation loss curves: [{CURVES}]({Path(curves).as_uri()}) "
-                  f"(`{curves}`, also in the MLflow run's artifacts).\n"]  # fmt: skip
+        lines += [
+            f"\nTraining and validation loss curves: [{CURVES}]({Path(curves).as_uri()}) "
+            f"(`{curves}`, also in the MLflow run's artifacts).\n"
+        ]
     if plan and i < len(plan["stages"]) and plan["stages"][i]["resolution"] == res:
         p = plan["stages"][i]
         lines += [
@@ -214,9 +222,12 @@ def _val_section(val: dict | None, history: list[dict], window: dict) -> list[st
     kinds = [k for k in ("ema", "raw") if f"{k}/val/loss" in val]
     prefix = f"{kinds[0]}/val/loss_t"
     steps = sorted(int(k.removeprefix(prefix)) for k in val if k.startswith(prefix))
-    rows = [("loss (mean)", "loss"), ("conditioning gap", "cond_gap"),
-            *((f"loss at t={t}", f"loss_t{t}") for t in steps),
-            *((f"gap at t={t}", f"cond_gap_t{t}") for t in steps)]  # fmt: skip
+    rows = [
+        ("loss (mean)", "loss"),
+        ("conditioning gap", "cond_gap"),
+        *((f"loss at t={t}", f"loss_t{t}") for t in steps),
+        *((f"gap at t={t}", f"cond_gap_t{t}") for t in steps),
+    ]
     spent = sum(e.get("val/eval_s", 0.0) for e in history)
     step_s = window.get("step_time_s")
     cost = f"; a training step took {step_s:.3g} s" if step_s else ""
@@ -227,7 +238,7 @@ def _val_section(val: dict | None, history: list[dict], window: dict) -> list[st
         *(
             f"| {name} | " + " | ".join(f"{val[f'{k}/val/{key}']:.5g}" for k in kinds) + " |"
             for name, key in rows
-        ),  # fmt: skip
+        ),
         f"\nThe gap is the loss with the captions rolled by one minus the loss with the right "
         f"ones: 0 for a model that ignores its text. {len(history)} evaluation(s) took "
         f"{spent:.3g} s in all ({val.get('val/eval_s', 0.0):.3g} s the last){cost}.",
@@ -261,16 +272,22 @@ def write_loss_curves(stage_dir: str | Path) -> Path | None:
     if train:
         ax_loss.plot(list(train), list(train.values()), label="train (window mean)", alpha=0.6)
     for kind, style, colour in (("ema", "o-", "C1"), ("raw", "s--", "C2")):
-        pts = [(s, r[f"{kind}/val/loss"], r[f"{kind}/val/cond_gap"])
-               for s, r in sorted(val.items()) if f"{kind}/val/loss" in r]  # fmt: skip
+        pts = [
+            (s, r[f"{kind}/val/loss"], r[f"{kind}/val/cond_gap"])
+            for s, r in sorted(val.items())
+            if f"{kind}/val/loss" in r
+        ]
         if pts:
             steps, losses, gaps = zip(*pts, strict=True)
             ax_loss.plot(steps, losses, style, color=colour, label=f"validation ({kind})")
             ax_gap.plot(steps, gaps, style, color=colour, label=kind)
     ax_loss.set(xlabel="optimizer step", ylabel="denoising loss (MSE)", title="Loss")
     ax_gap.axhline(0.0, color="grey", linewidth=0.8)
-    ax_gap.set(xlabel="optimizer step", ylabel="loss(rolled captions) - loss",
-               title="Conditioning gap (validation)")  # fmt: skip
+    ax_gap.set(
+        xlabel="optimizer step",
+        ylabel="loss(rolled captions) - loss",
+        title="Conditioning gap (validation)",
+    )
     for ax in (ax_loss, ax_gap):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -324,22 +341,42 @@ def pipeline_report(result: dict, run: dict) -> str:
     gpu_h = sum(m.get("metrics", {}).get("gpu_hours", 0.0) for m in stages.values())
     verdict = "passed" if q.get("passed", True) else "FAILED (overridden)"
     rows = [
-        ("ingest", f"`{ing['ingest_id']}`",
-         f"{ing['listed']} listed, {ing['accepted']} accepted, {ing['quarantined']} quarantined"),
-        ("validate", f"`{q['ingest_id']}`",
-         f"gate {verdict}: {q['clean']} clean, "
-         f"{q['rejected_ingest'] + q['rejected_validate']} quarantined"),
-        ("shard", f"`{sh['dataset_version']}`",
-         ", ".join(f"{r}px: {s['samples']} (+{s.get('val_samples', 0)} val)"
-                   for r, s in sh["stages"].items())),
-        ("train", f"`{run['run_id']}`",
-         f"stages {', '.join(f'{r}px' for r in stages)}; final loss {loss:.4f}; "
-         f"{gpu_h:.4g} GPU-hours"),
-        ("evaluate", f"`{st['study_id']}`",
-         f"{st['images']} images of the {st['prompts']} prompts at `{st['path']}`"),
-        ("register", f"`{model['name']}` v{model['version']}",
-         f"alias `{model['alias']}`: `{model['uri_by_alias']}`"),
-    ]  # fmt: skip
+        (
+            "ingest",
+            f"`{ing['ingest_id']}`",
+            f"{ing['listed']} listed, {ing['accepted']} accepted, {ing['quarantined']} quarantined",
+        ),
+        (
+            "validate",
+            f"`{q['ingest_id']}`",
+            f"gate {verdict}: {q['clean']} clean, "
+            f"{q['rejected_ingest'] + q['rejected_validate']} quarantined",
+        ),
+        (
+            "shard",
+            f"`{sh['dataset_version']}`",
+            ", ".join(
+                f"{r}px: {s['samples']} (+{s.get('val_samples', 0)} val)"
+                for r, s in sh["stages"].items()
+            ),
+        ),
+        (
+            "train",
+            f"`{run['run_id']}`",
+            f"stages {', '.join(f'{r}px' for r in stages)}; final loss {loss:.4f}; "
+            f"{gpu_h:.4g} GPU-hours",
+        ),
+        (
+            "evaluate",
+            f"`{st['study_id']}`",
+            f"{st['images']} images of the {st['prompts']} prompts at `{st['path']}`",
+        ),
+        (
+            "register",
+            f"`{model['name']}` v{model['version']}",
+            f"alias `{model['alias']}`: `{model['uri_by_alias']}`",
+        ),
+    ]
     return "## Kiln pipeline\n\n| step | output | result |\n|---|---|---|\n" + "\n".join(
         f"| {a} | {b} | {c} |" for a, b, c in rows
     )
@@ -356,8 +393,10 @@ def model_card(record: dict, shards: dict, study: dict | None = None) -> str:
             computed}.
     """
     st = shards.get("stages", {})
-    counts = ", ".join(f"{r}px {s.get('samples', '?')} train + {s.get('val_samples', 0)} val"
-                       for r, s in st.items())  # fmt: skip
+    counts = ", ".join(
+        f"{r}px {s.get('samples', '?')} train + {s.get('val_samples', 0)} val"
+        for r, s in st.items()
+    )
     lines = [
         "## Model card\n",
         f"**Data**: dataset version `{record['dataset_version']}` (catalog "
@@ -366,10 +405,15 @@ def model_card(record: dict, shards: dict, study: dict | None = None) -> str:
     warm = record.get("init_from_model")
     lines.append(
         f"**Start**: warm-started from `{warm.get('resolved', warm['ref'])}`."
-        if warm else "**Start**: random initialisation (trained from scratch)."
-    )  # fmt: skip
-    lines += ["", "| stage | steps | samples seen | final loss | val loss (EMA) | cond. gap "
-              "| GPU-hours | cost $ |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        if warm
+        else "**Start**: random initialisation (trained from scratch)."
+    )
+    lines += [
+        "",
+        "| stage | steps | samples seen | final loss | val loss (EMA) | cond. gap "
+        "| GPU-hours | cost $ |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     gpu_h = cost = 0.0
     for res, m in record.get("stages", {}).items():
         met = m.get("metrics", {})
@@ -387,8 +431,10 @@ def model_card(record: dict, shards: dict, study: dict | None = None) -> str:
     if study:
         scores = ", ".join(f"{k} {study[k]:.4g}" for k in ("clip_score", "fid") if k in study)
         on = f" on the {study['prompts']} prompts" if study.get("prompts") else ""
-        lines.append(f"**Evaluation study**: `{study['study_id']}`{on}"
-                     + (f" ({scores})." if scores else "."))  # fmt: skip
+        lines.append(
+            f"**Evaluation study**: `{study['study_id']}`{on}"
+            + (f" ({scores})." if scores else ".")
+        )
     lines.append("**Human evaluation**: none yet (see `kiln rate`; added here when reported).")
     return "\n".join(lines)
 

@@ -128,12 +128,22 @@ def landing_src(tmp_path, demo_src):
 
 
 TEST_STAGES = [
-    {"resolution": 32, "batch_size": 8, "learning_rate": 5.0e-4, "max_steps": 12,
-     "warmup_steps": 2},
+    {
+        "resolution": 32,
+        "batch_size": 8,
+        "learning_rate": 5.0e-4,
+        "max_steps": 12,
+        "warmup_steps": 2,
+    },
     {"resolution": 48, "batch_size": 8, "learning_rate": 3.0e-4, "max_steps": 8},
-    {"resolution": 64, "batch_size": 4, "learning_rate": 2.0e-4, "max_steps": 8,
-     "gradient_accumulation_steps": 2},
-]  # fmt: skip
+    {
+        "resolution": 64,
+        "batch_size": 4,
+        "learning_rate": 2.0e-4,
+        "max_steps": 8,
+        "gradient_accumulation_steps": 2,
+    },
+]
 
 
 def _write_tiny_config(
@@ -152,8 +162,12 @@ def _write_tiny_config(
     # The tests check mechanics, not what the model draws: a few steps per stage (the preset
     # trains long enough for its samples to follow their captions; tests/test_newcomer.py
     # runs it as `make demo` does).
-    cfg["train"] |= {"stages": TEST_STAGES, "checkpoint_every": 10, "eval_every": 10,
-                     "log_every": 5}  # fmt: skip
+    cfg["train"] |= {
+        "stages": TEST_STAGES,
+        "checkpoint_every": 10,
+        "eval_every": 10,
+        "log_every": 5,
+    }
     cfg["evaluate"]["num_inference_steps"] = 4
     for dotted, value in overrides.items():
         node = cfg

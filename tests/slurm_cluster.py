@@ -22,8 +22,18 @@ from pathlib import Path
 
 __all__ = ["SlurmCluster", "slurm_available"]
 
-_BINARIES = ("taskset", "unshare", "munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol",
-             "squeue", "scancel")  # fmt: skip
+_BINARIES = (
+    "taskset",
+    "unshare",
+    "munged",
+    "slurmctld",
+    "slurmd",
+    "sbatch",
+    "srun",
+    "scontrol",
+    "squeue",
+    "scancel",
+)
 
 
 def slurm_available() -> str | None:
@@ -88,12 +98,19 @@ class SlurmCluster:
         os.chmod(key, 0o400)
         socket_path = munge_dir / "munge.socket"
         self.munge_pid = munge_dir / "munged.pid"
-        munged = ["munged", f"--socket={socket_path}", f"--key-file={key}",
-                  f"--pid-file={self.munge_pid}", f"--log-file={munge_dir / 'munged.log'}",
-                  f"--seed-file={munge_dir / 'seed'}", "--force"]  # fmt: skip
+        munged = [
+            "munged",
+            f"--socket={socket_path}",
+            f"--key-file={key}",
+            f"--pid-file={self.munge_pid}",
+            f"--log-file={munge_dir / 'munged.log'}",
+            f"--seed-file={munge_dir / 'seed'}",
+            "--force",
+        ]
         # munged daemonizes itself.
-        started = subprocess.run(["runuser", "-u", "munge", "--", *munged], capture_output=True,
-                                 text=True)  # fmt: skip
+        started = subprocess.run(
+            ["runuser", "-u", "munge", "--", *munged], capture_output=True, text=True
+        )
         if started.returncode != 0:
             raise RuntimeError(f"munged did not start: {started.stderr.strip()}")
         self.munge_pid = munge_dir / "munged.pid"
@@ -128,10 +145,14 @@ class SlurmCluster:
             f"SlurmdLogFile={b / 'log'}/slurmd-%n.log",
         ]
         for node in self.nodes:
-            lines.append(f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 "
-                         f"Port={_free_port()} CPUs={self.cpus} State=UNKNOWN")  # fmt: skip
-        lines.append(f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES "
-                     "MaxTime=INFINITE State=UP")  # fmt: skip
+            lines.append(
+                f"NodeName={node} NodeHostname=localhost NodeAddr=127.0.0.1 "
+                f"Port={_free_port()} CPUs={self.cpus} State=UNKNOWN"
+            )
+        lines.append(
+            f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES "
+            "MaxTime=INFINITE State=UP"
+        )
         self.conf.write_text("\n".join(lines) + "\n")
         for node in self.nodes:
             (b / "spool" / node).mkdir(exist_ok=True)
@@ -143,23 +164,43 @@ class SlurmCluster:
             # name, and a rank sizes its threads by the cores it may run on.
             slurmd = shlex.join(["slurmd", "-D", "-N", node, "-f", str(self.conf)])
             core = str(cores[i % len(cores)])
-            self._daemon(["taskset", "-c", core, "unshare", "--mount", "--propagation", "private",
-                          "sh", "-c", f"mount -t tmpfs -o size=1g tmpfs /dev/shm && exec {slurmd}"],
-                         f"slurmd-{node}")  # fmt: skip
+            self._daemon(
+                [
+                    "taskset",
+                    "-c",
+                    core,
+                    "unshare",
+                    "--mount",
+                    "--propagation",
+                    "private",
+                    "sh",
+                    "-c",
+                    f"mount -t tmpfs -o size=1g tmpfs /dev/shm && exec {slurmd}",
+                ],
+                f"slurmd-{node}",
+            )
         self._wait_idle(timeout_s)
         return self
 
     def _daemon(self, argv: list[str], name: str) -> None:
         with open(self.base / "log" / f"{name}.stdout", "wb") as log:  # the child keeps its copy
-            self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                               env=self.env(), start_new_session=True))  # fmt: skip
+            self.procs.append(
+                subprocess.Popen(
+                    argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env(),
+                    start_new_session=True,
+                )
+            )
 
     def _wait_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         out = ""
         while time.monotonic() < deadline:
-            proc = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True,
-                                  text=True, env=self.env())  # fmt: skip
+            proc = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env()
+            )
             out = proc.stdout
             states = dict(line.split() for line in out.splitlines() if line.strip())
             if proc.returncode == 0 and all(states.get(n) == "idle" for n in self.nodes):
@@ -172,14 +213,16 @@ class SlurmCluster:
 
     def jobs(self) -> list[str]:
         """The ids of the jobs in the queue (pending or running)."""
-        out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True,
-                             env=self.env(), check=True).stdout  # fmt: skip
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i"], capture_output=True, text=True, env=self.env(), check=True
+        ).stdout
         return out.split()
 
     def stop(self) -> None:
         with contextlib.suppress(subprocess.TimeoutExpired):  # no controller: nothing to cancel
-            subprocess.run(["scancel", "--full", "-u", "root"], env=self.env(),
-                           capture_output=True, timeout=30)  # fmt: skip
+            subprocess.run(
+                ["scancel", "--full", "-u", "root"], env=self.env(), capture_output=True, timeout=30
+            )
         for p in reversed(self.procs):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)

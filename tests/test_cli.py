@@ -57,8 +57,10 @@ def test_bad_config_is_one_clear_line(tmp_path):
     (tmp_path / "bad.yaml").write_text("train: {stages: []}\nevaluate: {prompts_csv: x}\n")
     proc = subprocess.run(
         [sys.executable, "-m", "kiln_cli.main", "ingest", "--config", str(tmp_path / "bad.yaml")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert "train.model: Field required" in proc.stderr
@@ -123,8 +125,9 @@ def test_plan_for_tiny_from_a_given_rate_and_from_a_measurement(tmp_path, tiny_c
     assert all(s["img_per_s"] > 0 and s["wall_hours"] > 0 for s in plan["stages"])
     assert all(s["val_forward_s"] > 0 for s in plan["stages"]), "a validation pass measured"
 
-    both = runner.invoke(main, ["plan", "--config", str(tiny_config), "--img-per-s", "1",
-                                "--measure-steps", "4"])  # fmt: skip
+    both = runner.invoke(
+        main, ["plan", "--config", str(tiny_config), "--img-per-s", "1", "--measure-steps", "4"]
+    )
     assert both.exit_code != 0 and "exactly one of" in both.output
 
 
@@ -135,10 +138,18 @@ def test_train_throughput_benchmark_writes_its_fields(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "tt.json"
     proc = subprocess.run(
-        [sys.executable, str(repo / "benchmarks" / "train_throughput.py"), "--out", str(out),
-         "--steps", "6"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(repo / "benchmarks" / "train_throughput.py"),
+            "--out",
+            str(out),
+            "--steps",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     import json
 
@@ -150,12 +161,18 @@ def test_train_throughput_benchmark_writes_its_fields(tmp_path):
 
 def test_plan_with_a_missing_topology_names_the_field(tmp_path, demo_src, make_config):
     missing = tmp_path / "no-such-topology.yaml"
-    cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
-                      **{"launch.accelerate_config": str(missing)})  # fmt: skip
+    cfg = make_config(
+        tmp_path / "c.yaml",
+        tmp_path / "root",
+        demo_src,
+        **{"launch.accelerate_config": str(missing)},
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "kiln_cli.main", "plan", "--config", str(cfg), "--img-per-s", "10"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     assert f"launch.accelerate_config: file not found (received '{missing}')" in proc.stderr
@@ -167,8 +184,9 @@ SECRET_URI = "postgresql://kiln:s3cret-pw@db.internal:5432/mlflow"
 def test_mlflow_ui_gets_the_tracking_uri_through_the_environment(
     tmp_path, demo_src, make_config, monkeypatch
 ):
-    cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
-                      **{"registry.tracking_uri": SECRET_URI})  # fmt: skip
+    cfg = make_config(
+        tmp_path / "c.yaml", tmp_path / "root", demo_src, **{"registry.tracking_uri": SECRET_URI}
+    )
     calls = []
 
     def fake_call(argv, env):  # stands in for the `mlflow ui` process
@@ -192,14 +210,27 @@ def test_run_summary_and_register_artifact_redact_the_tracking_uri(
     from kiln_config import load_config
     from tasks.reports import registered_report
 
-    cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
-                                  **{"registry.tracking_uri": SECRET_URI}))  # fmt: skip
-    model = {"name": "kiln-t2i", "version": "1", "alias": "candidate",
-             "uri_by_alias": "models:/kiln-t2i@candidate"}  # fmt: skip
-    result = {"ingest": {"ingest_id": "i"}, "shards": {"dataset_version": "d"},
-              "run": {"run_id": "r", "export": "e"},
-              "study": {"path": "s", "images": 1, "prompts": "tiny.csv"},
-              "model": model}  # fmt: skip
+    cfg = load_config(
+        make_config(
+            tmp_path / "c.yaml",
+            tmp_path / "root",
+            demo_src,
+            **{"registry.tracking_uri": SECRET_URI},
+        )
+    )
+    model = {
+        "name": "kiln-t2i",
+        "version": "1",
+        "alias": "candidate",
+        "uri_by_alias": "models:/kiln-t2i@candidate",
+    }
+    result = {
+        "ingest": {"ingest_id": "i"},
+        "shards": {"dataset_version": "d"},
+        "run": {"run_id": "r", "export": "e"},
+        "study": {"path": "s", "images": 1, "prompts": "tiny.csv"},
+        "model": model,
+    }
     _where(cfg, "c.yaml", result)
     out = capsys.readouterr()
     assert "s3cret-pw" not in out.out + out.err and "kiln:***@db.internal" in out.out
@@ -215,9 +246,12 @@ def _kiln(*args, env=None, timeout=120):
 
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln_cli.main", *args], capture_output=True, text=True,
-        timeout=timeout, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+        [sys.executable, "-m", "kiln_cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     return proc, time.monotonic() - t0
 
 
@@ -227,10 +261,15 @@ def test_missing_source_fails_fast_without_prefect(tmp_path):
     repo = Path(__file__).resolve().parent.parent
     home = tmp_path / "prefect-home"
     proc, took = _kiln(
-        "run", "--source", str(tmp_path / "nonexistent"),
-        "--config", str(repo / "configs/tiny.yaml"), "--root", str(tmp_path / "root"),
+        "run",
+        "--source",
+        str(tmp_path / "nonexistent"),
+        "--config",
+        str(repo / "configs/tiny.yaml"),
+        "--root",
+        str(tmp_path / "root"),
         env={"PREFECT_HOME": str(home)},
-    )  # fmt: skip
+    )
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
         f"kiln: error: ingest.source: {tmp_path / 'nonexistent'} does not exist "
@@ -301,8 +340,17 @@ def test_every_error_kiln_expects_derives_from_one_base():
     from tasks.registry.promotion import PromotionRefused
     from tasks.registry.tracking import ModelVersionNotFound
 
-    for kind in (ConfigError, InputError, MissingInput, NotFound, LaunchError, StageDiverged,
-                 QualityGateError, PromotionRefused, ModelVersionNotFound):  # fmt: skip
+    for kind in (
+        ConfigError,
+        InputError,
+        MissingInput,
+        NotFound,
+        LaunchError,
+        StageDiverged,
+        QualityGateError,
+        PromotionRefused,
+        ModelVersionNotFound,
+    ):
         assert issubclass(kind, KilnError), kind
     # Each keeps the builtin kind its callers catch.
     assert issubclass(ConfigError, ValueError) and issubclass(MissingInput, FileNotFoundError)
@@ -314,8 +362,9 @@ def test_every_error_kiln_expects_derives_from_one_base():
 def test_run_checks_the_tracking_folder_before_any_work(tmp_path, demo_src, make_config):
     (tmp_path / "afile").write_text("")
     uri = f"sqlite:///{tmp_path}/afile/mlflow.db"
-    cfg = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
-                      **{"registry.tracking_uri": uri})  # fmt: skip
+    cfg = make_config(
+        tmp_path / "c.yaml", tmp_path / "root", demo_src, **{"registry.tracking_uri": uri}
+    )
     result = CliRunner().invoke(main, ["run", "--config", str(cfg)])
     assert result.exit_code == 1
     assert result.stderr.startswith("kiln: error: registry.tracking_uri: ")
@@ -327,8 +376,12 @@ def test_offline_without_cached_prompts_names_both_fixes(tmp_path, demo_src):
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
-    env = {"XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
-           "HF_HUB_OFFLINE": "1", "KILN_DRAWBENCH_CSV": ""}  # fmt: skip
+    env = {
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",
+        "KILN_DRAWBENCH_CSV": "",
+    }
     # A recipe that evaluates on DrawBench: the tiny preset without its own prompts.
     cfg = tmp_path / "drawbench.yaml"
     cfg.write_text(f"base: {repo / 'configs/tiny.yaml'}\nevaluate: {{prompts_csv: null}}\n")
@@ -365,9 +418,13 @@ def test_kiln_ui_on_another_port_calls_its_own_api(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
     env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     log = open(tmp_path / "ui.log", "w")  # noqa: SIM115 - closed in finally
-    proc = subprocess.Popen([sys.executable, "-m", "kiln_cli.main", "ui", "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln_cli.main", "ui", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -396,18 +453,34 @@ def test_kiln_ui_on_another_port_calls_its_own_api(tmp_path):
 def test_evaluate_takes_a_model_or_a_run_not_both():
     result = CliRunner().invoke(
         main,
-        ["evaluate", "--config", "configs/tiny.yaml", "--model", "models:/kiln-t2i@champion",
-         "--run-id", "run-1"],
-    )  # fmt: skip
+        [
+            "evaluate",
+            "--config",
+            "configs/tiny.yaml",
+            "--model",
+            "models:/kiln-t2i@champion",
+            "--run-id",
+            "run-1",
+        ],
+    )
     assert result.exit_code != 0 and "--model and --run-id exclude each other" in result.output
 
 
 def test_an_option_is_checked_like_its_config_field():
     result = CliRunner().invoke(
         main,
-        ["generate", "--config", "configs/tiny.yaml", "--model", "models:/kiln-t2i@champion",
-         "--prompt", "a red circle", "--steps", "0"],
-    )  # fmt: skip
+        [
+            "generate",
+            "--config",
+            "configs/tiny.yaml",
+            "--model",
+            "models:/kiln-t2i@champion",
+            "--prompt",
+            "a red circle",
+            "--steps",
+            "0",
+        ],
+    )
     assert result.exit_code == 1
     assert result.stderr.splitlines() == [
         "kiln: error: --steps (evaluate.num_inference_steps): Input should be greater than 0 "

@@ -13,10 +13,26 @@ REPO = Path(__file__).resolve().parent.parent
 def _pytest(folder: Path, *args: str) -> str:
     shutil.copy(REPO / "tests" / "conftest.py", folder / "conftest.py")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist",
-         "--rootdir", str(folder), "-c", "/dev/null", *args, str(folder)],
-        capture_output=True, text=True, cwd=folder, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            "--rootdir",
+            str(folder),
+            "-c",
+            "/dev/null",
+            *args,
+            str(folder),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=120,
+    )
     return proc.stdout + proc.stderr
 
 

@@ -80,10 +80,18 @@ def test_each_entry_takes_a_config_path_and_the_parameters_of_its_flow():
     from flows.train import train_flow
     from flows.validate import validate_flow
 
-    typed = {"pipeline": kiln_pipeline, "retrain": retrain_flow, "ingest": ingest_flow,
-             "validate": validate_flow, "shard": shard_flow, "train": train_flow,
-             "evaluate": evaluate_flow, "register": register_flow, "promote": promote_flow,
-             "human_eval": human_eval_flow}  # fmt: skip
+    typed = {
+        "pipeline": kiln_pipeline,
+        "retrain": retrain_flow,
+        "ingest": ingest_flow,
+        "validate": validate_flow,
+        "shard": shard_flow,
+        "train": train_flow,
+        "evaluate": evaluate_flow,
+        "register": register_flow,
+        "promote": promote_flow,
+        "human_eval": human_eval_flow,
+    }
     assert set(typed) == set(entry.__all__)
     for name, flow in typed.items():
         start = getattr(entry, name)
@@ -95,7 +103,9 @@ def test_each_entry_takes_a_config_path_and_the_parameters_of_its_flow():
         assert list(ours)[1:] == list(theirs)[1:], name
         for p in list(ours)[1:]:
             assert (ours[p].annotation, ours[p].default) == (
-                theirs[p].annotation, theirs[p].default), (name, p)  # fmt: skip
+                theirs[p].annotation,
+                theirs[p].default,
+            ), (name, p)
 
 
 @pytest.mark.integration  # a Prefect flow run

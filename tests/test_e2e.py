@@ -92,8 +92,12 @@ def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint, slurm):
     for p in sorted(demo_src.rglob("*")):
         if p.is_file():
             s3.upload_file(str(p), "kiln-e2e", f"raw/{p.relative_to(demo_src).as_posix()}")
-    overrides = {"evaluate.seeds": [0, 1], "storage.endpoint_url": s3_endpoint,
-                 "launch.backend": "slurm", "launch.slurm": {"poll_s": 0.5}}  # fmt: skip
+    overrides = {
+        "evaluate.seeds": [0, 1],
+        "storage.endpoint_url": s3_endpoint,
+        "launch.backend": "slurm",
+        "launch.slurm": {"poll_s": 0.5},
+    }
     cfg = make_config(base / "tiny.yaml", base / "root", "s3://kiln-e2e/raw", **overrides)
     data = yaml.safe_load(cfg.read_text())
     for stage, nodes in zip(data["train"]["stages"], (1, 2, 2), strict=True):
@@ -105,10 +109,19 @@ def pipeline_run(tmp_path_factory, demo_src, make_config, s3_endpoint, slurm):
     env |= {"SLURM_CONF": str(slurm.conf), "GLOO_SOCKET_IFNAME": "lo"}
     (base / "count_parses.py").write_text(COUNT_PARSES)
     proc = subprocess.run(
-        [sys.executable, str(base / "count_parses.py"), str(base / "counts.json"),
-         "run", "--config", str(cfg)],
-        capture_output=True, text=True, env={**env, **SECRETS}, timeout=1200,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(base / "count_parses.py"),
+            str(base / "counts.json"),
+            "run",
+            "--config",
+            str(cfg),
+        ],
+        capture_output=True,
+        text=True,
+        env={**env, **SECRETS},
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     (base / "run.stdout").write_text(proc.stdout)
     (base / "run.stderr").write_text(proc.stderr)
@@ -165,14 +178,22 @@ def test_pipeline_result_and_quality_gate(pipeline_run):
     quarantine = pd.read_parquet(root / "quality" / ing["ingest_id"] / "quarantine.parquet")
     assert (root / "quality" / ing["ingest_id"] / "index.html").is_file(), "Data Docs built"
     reasons = dict(zip(quarantine["key"], quarantine["reason"], strict=True))
-    assert {k: reasons[k] for k in ("bad-truncated.jpg", "bad-empty.jpg", "bad-text.jpg",
-                                    "bad-no-caption.jpg", "bad-duplicate.jpg")} == {
+    assert {
+        k: reasons[k]
+        for k in (
+            "bad-truncated.jpg",
+            "bad-empty.jpg",
+            "bad-text.jpg",
+            "bad-no-caption.jpg",
+            "bad-duplicate.jpg",
+        )
+    } == {
         "bad-truncated.jpg": "decode_error",
         "bad-empty.jpg": "empty_file",
         "bad-text.jpg": "not_an_image",
         "bad-no-caption.jpg": "caption_blank",
         "bad-duplicate.jpg": "duplicate_sha256",
-    }  # fmt: skip
+    }
     run = json.loads((root / "runs" / result["run"]["run_id"] / "run.json").read_text())
     assert list(run["stages"]) == ["32", "48", "64"]
     for res, m in run["stages"].items():
@@ -319,10 +340,24 @@ def test_served_model_answers_a_rest_request_with_a_png(pipeline_run, tmp_path):
     }
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     server = subprocess.Popen(
-        [str(bindir / "mlflow"), "models", "serve", "-m", "models:/kiln-t2i@candidate",
-         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(bindir / "mlflow"),
+            "models",
+            "serve",
+            "-m",
+            "models:/kiln-t2i@candidate",
+            "--env-manager",
+            "local",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -373,10 +408,26 @@ def test_kiln_generate_writes_pngs_from_a_registered_alias(pipeline_run, tmp_pat
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     kiln = [sys.executable, "-m", "kiln_cli.main", "generate", "--config", str(tmp_path / "c.yaml")]
     proc = subprocess.run(
-        [*kiln, "--model", "models:/kiln-t2i@candidate", "--prompt", "a red circle",
-         "--n", "3", "--seed", "5", "--steps", "2", "--out", str(tmp_path / "png")],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            *kiln,
+            "--model",
+            "models:/kiln-t2i@candidate",
+            "--prompt",
+            "a red circle",
+            "--n",
+            "3",
+            "--seed",
+            "5",
+            "--steps",
+            "2",
+            "--out",
+            str(tmp_path / "png"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     got = json.loads(proc.stdout)
     assert [Path(p).name for p in got["images"]] == ["00-s5.png", "01-s6.png", "02-s7.png"]
@@ -386,6 +437,9 @@ def test_kiln_generate_writes_pngs_from_a_registered_alias(pipeline_run, tmp_pat
     print(f"kiln generate: {got['seconds_per_image']:.3f} s per image (2 steps, CPU)")
     bad = subprocess.run(
         [*kiln, "--model", "models:/kiln-t2i@nope", "--prompt", "x"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert bad.returncode == 1 and "kiln: error: models:/kiln-t2i@nope" in bad.stderr

@@ -53,8 +53,12 @@ def test_wheel_list_errors_name_the_line_and_value(tmp_path):
 def test_box_option_names_the_steps_on_a_bad_value():
     """`--box` takes STEP=SECONDS; a typo is refused before any step runs."""
     for bad in ("trian=300", "train=0", "train=soon"):
-        proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--box", bad],
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--dry-run", "--box", bad],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2
         assert f"--box {bad!r}: expected STEP=SECONDS with STEP one of" in proc.stderr
         assert "'train'" in proc.stderr
@@ -68,8 +72,9 @@ def test_dry_run_imports_only_what_the_device_machine_has_or_is_carried():
         "import importlib.util as u; import diffusers, streaming, models.train, kiln_pyfunc; "
         "print(u.find_spec('prefect'), u.find_spec('boto3'))"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=REPO, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["None", "None"]  # installed here, hidden as there
 
@@ -84,8 +89,11 @@ def test_dry_run_runs_every_step_and_reports_real_numbers(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry-run", "--out", str(out), "--work", str(tmp_path)],
-        capture_output=True, text=True, timeout=900, cwd=REPO,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     steps = report["steps"]
@@ -93,9 +101,14 @@ def test_dry_run_runs_every_step_and_reports_real_numbers(tmp_path):
     assert report["simulated_device_imports"] is True
     assert set(steps) == {"wheels", "matmul", "train", "fsdp", "study", "unet", "loader"}
     assert {n: s["status"] for n, s in steps.items()} == {
-        "wheels": "ok", "matmul": "ok", "train": "ok", "fsdp": "skipped", "study": "ok",
-        "unet": "ok", "loader": "ok",
-    }  # fmt: skip
+        "wheels": "ok",
+        "matmul": "ok",
+        "train": "ok",
+        "fsdp": "skipped",
+        "study": "ok",
+        "unet": "ok",
+        "loader": "ok",
+    }
     assert "needs an accelerator" in steps["fsdp"]["skipped"]
     assert _finite_positive(steps["matmul"]["tflops"])
 
@@ -109,11 +122,15 @@ def test_dry_run_runs_every_step_and_reports_real_numbers(tmp_path):
     assert steps["study"]["images"] == 2
 
     variants = steps["unet"]["variants"]
-    assert [(v["preset_resolution"], v["wrapper"], v["channels_last"], v["compile"])
-            for v in variants] == [
-        (256, "ddp", False, False), (256, "ddp", True, False), (256, "fsdp", True, False),
-        (512, "ddp", True, False), (256, "ddp", False, True),
-    ]  # fmt: skip
+    assert [
+        (v["preset_resolution"], v["wrapper"], v["channels_last"], v["compile"]) for v in variants
+    ] == [
+        (256, "ddp", False, False),
+        (256, "ddp", True, False),
+        (256, "fsdp", True, False),
+        (512, "ddp", True, False),
+        (256, "ddp", False, True),
+    ]
     for v in variants:
         for key in ("img_per_s", "flops_per_sample", "tflops", "mfu", "peak_mem_gb"):
             assert _finite_positive(v[key]), (key, v)

@@ -17,7 +17,7 @@ ALLOWED = {
         "human_eval",
         "kiln_demo",
         "kiln_config",
-    },  # fmt: skip
+    },
     "flows": {"flows", "tasks", "data_quality", "human_eval", "kiln_config"},
     "tasks": {"tasks", "models", "data_quality", "human_eval", "kiln_demo", "kiln_config"},
     "models": {"models", "kiln_config"},

@@ -30,10 +30,20 @@ def test_the_tiny_preset_learns_and_uses_its_captions(tmp_path):
     env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     out = tmp_path / "learning.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "learning.py"), "--quick", "--out", str(out),
-         "--keep", str(tmp_path / "work")],
-        capture_output=True, text=True, env=env, timeout=1500,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "learning.py"),
+            "--quick",
+            "--out",
+            str(out),
+            "--keep",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     print(json.dumps({k: v for k, v in r.items() if k not in ("machine", "aims")}, indent=1))

@@ -52,8 +52,14 @@ def kiln(clone, tmp_path):
     }
 
     def run(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "kiln_cli.main", *args], cwd=clone, env=env,
-                              capture_output=True, text=True, timeout=120)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "kiln_cli.main", *args],
+            cwd=clone,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     yield run
     assert not (tmp_path / "prefect-home").exists(), "a fail-fast check started Prefect"
@@ -83,9 +89,12 @@ def test_the_clone_runs_its_own_code(clone, kiln, tmp_path):
     # From a folder that is neither checkout: PYTHONPATH, not the editable install, wins.
     where = subprocess.run(
         [sys.executable, "-c", "import kiln_cli.main, kiln_config; print(kiln_config.PROJECT_DIR)"],
-        env={**os.environ, "PYTHONPATH": str(clone)}, cwd=tmp_path, capture_output=True,
-        text=True, timeout=60,
-    )  # fmt: skip
+        env={**os.environ, "PYTHONPATH": str(clone)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert where.stdout.strip() == str(clone)
 
 
@@ -140,8 +149,10 @@ def test_offline_with_no_cached_drawbench(clone, kiln, tmp_path, demo):
 def _study(path: Path) -> list[tuple[str, np.ndarray]]:
     """(prompt, pixels as float RGB) of every image of a study folder."""
     items = json.loads((path / "study.json").read_text())["items"]
-    return [(it["prompt"], np.asarray(Image.open(path / it["path"]).convert("RGB"), np.float32))
-            for it in items]  # fmt: skip
+    return [
+        (it["prompt"], np.asarray(Image.open(path / it["path"]).convert("RGB"), np.float32))
+        for it in items
+    ]
 
 
 def _spread(study: list[tuple[str, np.ndarray]]) -> float:
@@ -171,9 +182,13 @@ def _offline_env(tmp_path: Path, clone: Path) -> dict:
         for k, v in os.environ.items()
         if k not in ("KILN_DRAWBENCH_CSV", "PYTHONPATH") and not k.startswith("PREFECT_")
     }
-    return env | {"PYTHONPATH": str(clone), "PREFECT_HOME": str(tmp_path / "prefect-home"),
-                  "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf"),
-                  "HF_HUB_OFFLINE": "1"}  # fmt: skip
+    return env | {
+        "PYTHONPATH": str(clone),
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "HF_HOME": str(tmp_path / "hf"),
+        "HF_HUB_OFFLINE": "1",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -190,8 +205,9 @@ def made_demo(clone, tmp_path_factory) -> dict:
     (shim / "python").symlink_to(sys.executable)
     (tmp / "stamp").touch()
     make = ["make", f"BIN={shim}", f"STAMP={tmp / 'stamp'}"]
-    proc = subprocess.run([*make, "demo"], cwd=clone, env=env, capture_output=True, text=True,
-                          timeout=1500)  # fmt: skip
+    proc = subprocess.run(
+        [*make, "demo"], cwd=clone, env=env, capture_output=True, text=True, timeout=1500
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = proc.stdout
     result = json.loads(out[out.index('{\n  "ingest"') : out.index("\nKiln pipeline finished")])
@@ -211,14 +227,27 @@ def test_make_demo_ends_with_a_study_that_follows_its_prompts(clone, made_demo, 
     untrained_dir = tmp_path / "untrained"
     shutil.copytree(result["run"]["export"], untrained_dir)
     torch.manual_seed(0)
-    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(
-        untrained_dir / "unet"))  # fmt: skip
+    unet = UNet2DConditionModel.from_config(
+        UNet2DConditionModel.load_config(untrained_dir / "unet")
+    )
     unet.save_pretrained(untrained_dir / "unet")
     ev = subprocess.run(
-        [sys.executable, "-m", "kiln_cli.main", "evaluate", "--config", "configs/tiny.yaml",
-         "--model", str(untrained_dir)], cwd=clone, env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kiln_cli.main",
+            "evaluate",
+            "--config",
+            "configs/tiny.yaml",
+            "--model",
+            str(untrained_dir),
+        ],
+        cwd=clone,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
-    )  # fmt: skip
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     untrained = _study(Path(json.loads(ev.stdout)["path"]))
 
@@ -270,10 +299,14 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [*made_demo["make"], "demo-compare", f"RATE_PORT={port}", "GOLD=0"], cwd=clone,
-        env=made_demo["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [*made_demo["make"], "demo-compare", f"RATE_PORT={port}", "GOLD=0"],
+        cwd=clone,
+        env=made_demo["env"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     watchdog = threading.Timer(900, os.killpg, (proc.pid, signal.SIGKILL))
     watchdog.start()
     lines: list[str] = []
@@ -292,8 +325,7 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
             except httpx.TransportError:
                 time.sleep(0.5)
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
-                                        args=["--no-sandbox"])  # fmt: skip
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
             page = browser.new_page(viewport={"width": 1366, "height": 768})
             page.set_default_timeout(30_000)
             page.goto(link)
@@ -301,8 +333,10 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
             while page.locator("#done").count() == 0:
                 prompt = page.locator("#prompt").inner_text()
                 srcs = [page.locator("img").nth(i).get_attribute("src") for i in (0, 1)]
-                imgs = [Image.open(io.BytesIO(page.request.get(urljoin(page.url, src)).body()))
-                        for src in srcs]  # fmt: skip
+                imgs = [
+                    Image.open(io.BytesIO(page.request.get(urljoin(page.url, src)).body()))
+                    for src in srcs
+                ]
                 key = _judge(prompt, *imgs)
                 page.keyboard.press(key)  # quality
                 page.keyboard.press(key)  # alignment
@@ -316,10 +350,23 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
     rep = subprocess.run(
-        [sys.executable, "-m", "kiln_cli.main", "rate", "report", "--config", "configs/tiny.yaml",
-         "--comparison", cid], cwd=clone, env=made_demo["env"], capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "kiln_cli.main",
+            "rate",
+            "report",
+            "--config",
+            "configs/tiny.yaml",
+            "--comparison",
+            cid,
+        ],
+        cwd=clone,
+        env=made_demo["env"],
+        capture_output=True,
+        text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     assert rep.returncode == 0, rep.stderr[-3000:]
     summary = json.loads(rep.stdout)
     print(json.dumps(summary, indent=1))

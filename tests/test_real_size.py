@@ -38,10 +38,25 @@ def real_size(tmp_path_factory, _prefect_api):
     env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     out = work / "real_size.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "real_size.py"), "--reduced", "--steps", "2",
-         "--train-on", "latents", "--reference", "--work", str(work / "w"), "--out", str(out)],
-        capture_output=True, text=True, env=env, timeout=1500,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "real_size.py"),
+            "--reduced",
+            "--steps",
+            "2",
+            "--train-on",
+            "latents",
+            "--reference",
+            "--work",
+            str(work / "w"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1500,
+    )
     log = work / "w" / "commands.log"
     tail = log.read_text()[-4000:] if log.is_file() else ""
     try:

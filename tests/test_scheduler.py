@@ -66,9 +66,13 @@ def _deployment_id(api: str, flow: str, name: str) -> str | None:
 
 def _cli(args: list[str], env: dict, cwd: Path, timeout: float = 120) -> str:
     p = subprocess.run(
-        [str(BIN / "prefect"), *args], env=env, cwd=cwd, capture_output=True, text=True,
+        [str(BIN / "prefect"), *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
         timeout=timeout,
-    )  # fmt: skip
+    )
     assert p.returncode == 0, f"prefect {' '.join(args)} failed:\n{p.stdout}\n{p.stderr}"
     return p.stdout
 
@@ -97,10 +101,21 @@ def prefect_server(tmp_path_factory):
     env.pop("PREFECT_API_KEY", None)
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-         "--no-ui"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(BIN / "prefect"),
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-ui",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
     def healthy():
         try:
@@ -131,9 +146,12 @@ def _states(api: str, dep_id: str, manual_only: bool = True) -> list[dict]:
 def _worker(env: dict, cwd: Path, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [str(BIN / "prefect"), "worker", "start", "--pool", "kiln-process", "--type", "process"],
-        env=env, cwd=cwd, stdout=open(log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        env=env,
+        cwd=cwd,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,  # noqa: SIM115
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
@@ -157,12 +175,17 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     src, land = landing_src
     root = tmp_path / "root"
     small = {
-        "train.stages": [{"resolution": 32, "batch_size": 4, "learning_rate": 1e-3,
-                          "max_steps": 2}],
-        "launch.health_check": False, "launch.max_restarts": 0, "evaluate.limit": 2,
-        "evaluate.num_inference_steps": 1, "evaluate.batch_size": 2, "evaluate.seeds": [0],
+        "train.stages": [
+            {"resolution": 32, "batch_size": 4, "learning_rate": 1e-3, "max_steps": 2}
+        ],
+        "launch.health_check": False,
+        "launch.max_restarts": 0,
+        "evaluate.limit": 2,
+        "evaluate.num_inference_steps": 1,
+        "evaluate.batch_size": 2,
+        "evaluate.seeds": [0],
         "retrain.min_new_images": 10,
-    }  # fmt: skip
+    }
     cfg = make_config(tmp_path / "tiny.yaml", root, src, **small)
     warm = {**small, "train.init_from_model": "models:/kiln-t2i@champion"}
     retrain = make_config(tmp_path / "retrain.yaml", root, src, **warm)
@@ -201,8 +224,11 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     # the time until the schedule comes due.
     first = kiln_pipeline(load_config(cfg))
     promote_flow(load_config(cfg), first=True)
-    assert not [r for r in _states(api, ingest_id, manual_only=False)
-                if r["state_type"] not in ("SCHEDULED", "PENDING")], "nothing ran yet"  # fmt: skip
+    assert not [
+        r
+        for r in _states(api, ingest_id, manual_only=False)
+        if r["state_type"] not in ("SCHEDULED", "PENDING")
+    ], "nothing ran yet"
 
     # 2. A real worker, started outside the project folder, runs it (the pull step moves the
     # run into the checkout). Nothing new since the champion's training: no retrain.
@@ -213,31 +239,35 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     try:
         done = _wait(
             "the scheduled ingest, run by the worker",
-            lambda: [r for r in _states(api, ingest_id, manual_only=False)
-                     if r["state_type"] in FINAL],
-            300, [worker],
-        )  # fmt: skip
+            lambda: [
+                r for r in _states(api, ingest_id, manual_only=False) if r["state_type"] in FINAL
+            ],
+            300,
+            [worker],
+        )
         assert done[0]["state_type"] == "COMPLETED", wlog()
 
         # 3. New data lands; the nightly ingest started by hand catalogs it, and its event
         # (15 new images >= retrain.min_new_images 10) makes the trigger start weekly-retrain.
         assert land() == 15
         t0 = time.monotonic()
-        assert "Created flow run" in _cli(["deployment", "run", "kiln-ingest/nightly-ingest"],
-                                          env, REPO)  # fmt: skip
+        assert "Created flow run" in _cli(
+            ["deployment", "run", "kiln-ingest/nightly-ingest"], env, REPO
+        )
         manual = _wait(
             "the ingest started by hand",
-            lambda: [r for r in _states(api, ingest_id) if r["state_type"] in FINAL], 300,
+            lambda: [r for r in _states(api, ingest_id) if r["state_type"] in FINAL],
+            300,
             [worker],
-        )  # fmt: skip
+        )
         ingest_s = time.monotonic() - t0
         assert manual[0]["state_type"] == "COMPLETED", wlog()
         triggered = _wait(
             "the retrain the new-data trigger starts",
-            lambda: [r for r in _states(api, weekly_id)
-                     if r["state_type"] in ("RUNNING", *FINAL)],
-            120, [worker],
-        )[0]  # fmt: skip
+            lambda: [r for r in _states(api, weekly_id) if r["state_type"] in ("RUNNING", *FINAL)],
+            120,
+            [worker],
+        )[0]
         assert triggered["state_type"] == "RUNNING", wlog()
         t1 = time.monotonic()
 
@@ -245,21 +275,28 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         _cli(["deployment", "run", "kiln-retrain/weekly-retrain"], env, REPO)
         second = _wait(
             "the second retrain, waiting for the concurrency slot",
-            lambda: [r for r in _states(api, weekly_id)
-                     if r["id"] != triggered["id"] and r["state_name"] ==
-                     "AwaitingConcurrencySlot"],
-            120, [worker],
-        )[0]  # fmt: skip
+            lambda: [
+                r
+                for r in _states(api, weekly_id)
+                if r["id"] != triggered["id"] and r["state_name"] == "AwaitingConcurrencySlot"
+            ],
+            120,
+            [worker],
+        )[0]
         now = {r["id"]: r for r in _states(api, weekly_id)}
         assert now[triggered["id"]]["state_type"] == "RUNNING", "the first still runs"
 
         # 5. The triggered retrain completes: a candidate warm-started from the champion.
         finished = _wait(
             "the triggered retrain to finish",
-            lambda: [r for r in _states(api, weekly_id)
-                     if r["id"] == triggered["id"] and r["state_type"] in FINAL],
-            900, [worker],
-        )[0]  # fmt: skip
+            lambda: [
+                r
+                for r in _states(api, weekly_id)
+                if r["id"] == triggered["id"] and r["state_type"] in FINAL
+            ],
+            900,
+            [worker],
+        )[0]
         retrain_s = time.monotonic() - t1
         assert finished["state_type"] == "COMPLETED", wlog()
         client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
@@ -276,49 +313,67 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         # that training: it completes without training (no version 3).
         after = _wait(
             "the second retrain to run once the first is done",
-            lambda: [r for r in _states(api, weekly_id)
-                     if r["id"] == second["id"] and r["state_type"] in FINAL],
-            300, [worker],
-        )[0]  # fmt: skip
+            lambda: [
+                r
+                for r in _states(api, weekly_id)
+                if r["id"] == second["id"] and r["state_type"] in FINAL
+            ],
+            300,
+            [worker],
+        )[0]
         assert after["state_type"] == "COMPLETED", wlog()
         assert len(client.search_model_versions("name='kiln-t2i'")) == 2
 
         # 7. Another root's ingest on the same server (a developer's) triggers a run that
         # retrains nothing.
-        other = {"prefect.resource.id": "kiln.root.0123456789abcdef",
-                 "prefect.resource.name": str(tmp_path / "someone-elses-root"),
-                 "kiln.retrain-due": "true"}  # fmt: skip
-        _cli(["events", "emit", "kiln.ingest.completed", "--resource", json.dumps(other)],
-             env, REPO)  # fmt: skip
+        other = {
+            "prefect.resource.id": "kiln.root.0123456789abcdef",
+            "prefect.resource.name": str(tmp_path / "someone-elses-root"),
+            "kiln.retrain-due": "true",
+        }
+        _cli(
+            ["events", "emit", "kiln.ingest.completed", "--resource", json.dumps(other)], env, REPO
+        )
         foreign = _wait(
             "the run the other root's event triggers",
-            lambda: [r for r in _states(api, weekly_id)
-                     if r["parameters"].get("event_root") == other["prefect.resource.name"]
-                     and r["state_type"] in FINAL],
-            300, [worker],
-        )[0]  # fmt: skip
+            lambda: [
+                r
+                for r in _states(api, weekly_id)
+                if r["parameters"].get("event_root") == other["prefect.resource.name"]
+                and r["state_type"] in FINAL
+            ],
+            300,
+            [worker],
+        )[0]
         assert foreign["state_type"] == "COMPLETED", wlog()
         assert len(client.search_model_versions("name='kiln-t2i'")) == 2
         # A takedown's event (`kiln takedown add`, labelled due when the newest training saw
         # a taken-down image) starts the retrain the same way; that root's, here.
         down = {**other, "prefect.resource.name": str(tmp_path / "someone-elses-takedown")}
-        _cli(["events", "emit", "kiln.takedown.added", "--resource", json.dumps(down)],
-             env, REPO)  # fmt: skip
+        _cli(["events", "emit", "kiln.takedown.added", "--resource", json.dumps(down)], env, REPO)
         _wait(
             "the run the takedown event triggers",
-            lambda: [r for r in _states(api, weekly_id)
-                     if r["parameters"].get("event_root") == down["prefect.resource.name"]
-                     and r["state_type"] == "COMPLETED"],
-            300, [worker],
-        )  # fmt: skip
+            lambda: [
+                r
+                for r in _states(api, weekly_id)
+                if r["parameters"].get("event_root") == down["prefect.resource.name"]
+                and r["state_type"] == "COMPLETED"
+            ],
+            300,
+            [worker],
+        )
         runs = _states(api, weekly_id)
         assert len(runs) == 4, "one run per due event (only the ingest with new data) + two"
 
-        timing = {"deployment_run_to_ingest_completed_s": ingest_s,
-                  "triggered_retrain_running_to_completed_s": retrain_s}  # fmt: skip
+        timing = {
+            "deployment_run_to_ingest_completed_s": ingest_s,
+            "triggered_retrain_running_to_completed_s": retrain_s,
+        }
         (tmp_path / "timing.json").write_text(json.dumps(timing))
-        print(f"prefect deployment run -> ingest completed: {ingest_s:.1f}s; triggered tiny "
-              f"retrain running -> completed: {retrain_s:.1f}s")  # fmt: skip
+        print(
+            f"prefect deployment run -> ingest completed: {ingest_s:.1f}s; triggered tiny "
+            f"retrain running -> completed: {retrain_s:.1f}s"
+        )
     finally:
         worker.terminate()
         try:
@@ -333,9 +388,12 @@ def test_serve_cron_schedule_creates_runs(prefect_server, tmp_path, demo_src, ma
     slog = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     serve = subprocess.Popen(
         [sys.executable, "deployments/serve.py", "--config", str(cfg), "--cron", "* * * * *"],
-        env={**env, "PYTHONPATH": str(REPO)}, cwd=REPO, stdout=slog, stderr=subprocess.STDOUT,
+        env={**env, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        stdout=slog,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         dep_id = _wait(
             "serve.py's retrain deployment",

@@ -58,9 +58,11 @@ def _listening(port: int) -> bool:
 COMMANDS = {
     "ui": (lambda cfg, port: ["ui", "--port", port], "/api/health"),
     "mlflow-ui": (lambda cfg, port: ["mlflow-ui", "--config", cfg, "--port", port], "/health"),
-    "rate serve": (lambda cfg, port: ["rate", "serve", "--config", cfg, "--port", port],
-                   "/healthz"),
-}  # fmt: skip
+    "rate serve": (
+        lambda cfg, port: ["rate", "serve", "--config", cfg, "--port", port],
+        "/healthz",
+    ),
+}
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -71,8 +73,14 @@ def test_a_serving_command_stops_its_whole_tree(command, sig, tmp_path, tiny_con
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
     cmd = [sys.executable, "-m", "kiln_cli.main", *argv(str(tiny_config), str(port))]
     # Its own session: the test's signal reaches the kiln process only, not a group.
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_up(f"http://127.0.0.1:{port}{health}", proc)
         tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]

@@ -40,12 +40,21 @@ def test_prefect_and_mlflow_uis_serve(tmp_path, tiny_config):
     pp, mp = _port(), _port()
     cli = [sys.executable, "-m", "kiln_cli.main"]
     procs = [
-        subprocess.Popen([*cli, "ui", "--port", str(pp)], env=env, start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        subprocess.Popen([*cli, "mlflow-ui", "--config", str(tiny_config), "--port", str(mp)],
-                         env=env, start_new_session=True,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-    ]  # fmt: skip
+        subprocess.Popen(
+            [*cli, "ui", "--port", str(pp)],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+        subprocess.Popen(
+            [*cli, "mlflow-ui", "--config", str(tiny_config), "--port", str(mp)],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ),
+    ]
     try:
         assert _wait_ok(f"http://127.0.0.1:{pp}/api/health", procs).strip() == b"true"
         assert _wait_ok(f"http://127.0.0.1:{mp}/health", procs).strip() == b"OK"

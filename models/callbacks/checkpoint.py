@@ -30,5 +30,10 @@ class DueCheckpoint(Callback):
         cfg = ctx.run.train
         if state.step % cfg.checkpoint_every and state.step != ctx.run.stage.max_steps:
             return
-        save_checkpoint(ctx.accelerator, ctx.out / "checkpoints", state.step,
-                        checkpoint_extra(ctx, state), cfg.keep_checkpoints)  # fmt: skip
+        save_checkpoint(
+            ctx.accelerator,
+            ctx.out / "checkpoints",
+            state.step,
+            checkpoint_extra(ctx, state),
+            cfg.keep_checkpoints,
+        )

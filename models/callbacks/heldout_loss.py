@@ -183,8 +183,10 @@ def _text_batch(samples: list[dict], collate: KilnCollate) -> dict:
     first = samples[0]
     if "text_hidden" in first:
         hidden = np.stack([np.asarray(s["text_hidden"]) for s in samples])
-        return {"text_hidden": torch.from_numpy(hidden),
-                "drop": torch.zeros(len(samples), dtype=torch.bool)}  # fmt: skip
+        return {
+            "text_hidden": torch.from_numpy(hidden),
+            "drop": torch.zeros(len(samples), dtype=torch.bool),
+        }
     if "input_ids" in first:
         ids = np.stack([np.asarray(s["input_ids"]) for s in samples]).astype(np.int64)
         return {"input_ids": torch.from_numpy(ids)}
@@ -206,8 +208,18 @@ class Validator:
         channels_last: Feed the UNet channels-last inputs, as training does.
     """
 
-    def __init__(self, evalset, accelerator, comps, ema, weight_dtype, timesteps: int,
-                 every: int | None, max_steps: int, channels_last: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        evalset,
+        accelerator,
+        comps,
+        ema,
+        weight_dtype,
+        timesteps: int,
+        every: int | None,
+        max_steps: int,
+        channels_last: bool = False,
+    ):
         self.evalset, self.accelerator, self.comps, self.ema = evalset, accelerator, comps, ema
         self.weight_dtype, self.every, self.max_steps = weight_dtype, every, max_steps
         self.channels_last = channels_last
@@ -239,16 +251,18 @@ class Validator:
                 return _noise(keys, LATENT_T, like)
 
             latents = encode_latents(comps, batch, dtype, device, noise_like=posterior_noise)
-            text = encode_text(comps, _text_batch([*samples, nxt], self.evalset.collate),
-                               dtype, device)  # fmt: skip
+            text = encode_text(
+                comps, _text_batch([*samples, nxt], self.evalset.collate), dtype, device
+            )
             self._cache[j] = (keys, latents, torch.cat([text[:-1], text[1:]]))
         return self._cache[j]
 
     def _table(self, unet) -> torch.Tensor:
         """(samples, timesteps, 2) per-sample losses, right and rolled captions, all ranks'."""
         sched, device = self.comps.noise_scheduler, self.accelerator.device
-        table = torch.zeros(len(self.evalset), len(self.timesteps), 2, dtype=torch.float64,
-                            device=device)  # fmt: skip
+        table = torch.zeros(
+            len(self.evalset), len(self.timesteps), 2, dtype=torch.float64, device=device
+        )
         jobs = [(j, True) for j in self.mine] + [(0, False)] * self.pad
         for j, real in jobs:
             keys, latents, hidden = self._encoded(j)
@@ -322,8 +336,11 @@ class Validator:
         sink.last = last
         state.val.append({"step": state.step, **metrics})
         state.elapsed_s += metrics["val/eval_s"]
-        log.info("validation at step %d: %s", state.step, {k: round(v, 5) for k, v in
-                 metrics.items() if k.count("/") == 2 and "_t" not in k})  # fmt: skip
+        log.info(
+            "validation at step %d: %s",
+            state.step,
+            {k: round(v, 5) for k, v in metrics.items() if k.count("/") == 2 and "_t" not in k},
+        )
         return metrics["val/eval_s"]
 
     def finish(self, state, sink) -> None:
@@ -339,10 +356,20 @@ def build_validator(run, accelerator, comps, ema, weight_dtype) -> Validator | N
         return None
     cfg, stage = run.train, run.stage
     with _rng_untouched(accelerator.device):
-        evalset = EvalSet(run.val_shards, comps.tokenizer, stage.resolution, stage.batch_size,
-                          cfg.val_max_samples)  # fmt: skip
-    return Validator(evalset, accelerator, comps, ema, weight_dtype, cfg.val_timesteps,
-                     cfg.eval_every, stage.max_steps, cfg.channels_last)  # fmt: skip
+        evalset = EvalSet(
+            run.val_shards, comps.tokenizer, stage.resolution, stage.batch_size, cfg.val_max_samples
+        )
+    return Validator(
+        evalset,
+        accelerator,
+        comps,
+        ema,
+        weight_dtype,
+        cfg.val_timesteps,
+        cfg.eval_every,
+        stage.max_steps,
+        cfg.channels_last,
+    )
 
 
 class HeldOutLoss(Callback):

@@ -173,8 +173,9 @@ def _log_image(run: StageRun, grid: Image.Image, step: int) -> bool:
         )
         return True
     except Exception as e:  # noqa: BLE001 - the grid is on disk; training goes on
-        log.warning("sample grid of step %d not logged to MLflow (%s: %s)", step,
-                    type(e).__name__, e)  # fmt: skip
+        log.warning(
+            "sample grid of step %d not logged to MLflow (%s: %s)", step, type(e).__name__, e
+        )
         return False
 
 

@@ -46,8 +46,14 @@ from tasks.storage.layout import Layout
 from tasks.storage.lock import catalog_writer
 
 __all__ = [
-    "DEFAULT_RETAIN_HOURS", "compact", "export", "migrate", "query", "registered_versions", "show",
-]  # fmt: skip
+    "DEFAULT_RETAIN_HOURS",
+    "compact",
+    "export",
+    "migrate",
+    "query",
+    "registered_versions",
+    "show",
+]
 
 DEFAULT_RETAIN_HOURS = 168  # vacuum keeps every version this recent (Delta's own default)
 
@@ -86,12 +92,17 @@ def show(root: str) -> dict:
     history = {}
     for table in TABLES:
         dt = open_table(layout, table)
-        history[table] = [{k: h.get(k) for k in ("version", "timestamp", "operation",
-                                                  "operationMetrics")}
-                          for h in (dt.history() if dt else [])]  # fmt: skip
-    return {"ingest_id": ingest_id, "table_versions": versions,
-            "accepted_by_source": counts["accepted"],
-            "quarantined_by_reason": counts["quarantine"], "history": history}  # fmt: skip
+        history[table] = [
+            {k: h.get(k) for k in ("version", "timestamp", "operation", "operationMetrics")}
+            for h in (dt.history() if dt else [])
+        ]
+    return {
+        "ingest_id": ingest_id,
+        "table_versions": versions,
+        "accepted_by_source": counts["accepted"],
+        "quarantined_by_reason": counts["quarantine"],
+        "history": history,
+    }
 
 
 def _connect(root: str, version: int | None):
@@ -112,8 +123,9 @@ def _connect(root: str, version: int | None):
     # `target_schema`): `accepted` has it, null, as Kiln's steps read it.
     accepted = datasets["accepted"]
     have = set((accepted if accepted is not None else empty).schema.names)
-    absent = [c for c in declared_columns(layout, layout.latest_or_none("catalog"))
-              if c not in have]  # fmt: skip
+    absent = [
+        c for c in declared_columns(layout, layout.latest_or_none("catalog")) if c not in have
+    ]
     for table, data in datasets.items():
         name = "accepted_data" if table == "accepted" and absent else table
         con.register(name, data if data is not None else empty)
@@ -122,8 +134,10 @@ def _connect(root: str, version: int | None):
         con.execute(f"CREATE VIEW accepted AS SELECT *{nulls} FROM accepted_data")
     rejects = _verdict_rejects(layout)
     con.register("rejects", rejects)
-    con.execute("CREATE VIEW clean AS SELECT a.* FROM accepted a ANTI JOIN rejects r "
-                "ON a.source = r.source AND a.key = r.key")  # fmt: skip
+    con.execute(
+        "CREATE VIEW clean AS SELECT a.* FROM accepted a ANTI JOIN rejects r "
+        "ON a.source = r.source AND a.key = r.key"
+    )
     return con
 
 
@@ -196,8 +210,9 @@ def _horizon(dt, keep: int | None, retain_hours: float) -> int:
     return max(int(retain_hours), int(age) + 1)
 
 
-def compact(root: str, retain_hours: float = DEFAULT_RETAIN_HOURS,
-            keep: dict[str, int] | None = None) -> dict:  # fmt: skip
+def compact(
+    root: str, retain_hours: float = DEFAULT_RETAIN_HOURS, keep: dict[str, int] | None = None
+) -> dict:
     """Compact each table's small files, then vacuum the files that no version of the last
     `retain_hours` names, nor any version at or after `keep[table]` (the versions a
     registered model's dataset was cut from: `registered_versions`). A view named by an

@@ -49,8 +49,15 @@ __all__ = [
 
 ACCEPTED_COLUMNS = CATALOG_COLUMNS
 QUARANTINE_COLUMNS = [
-    "key", "source", "reason", "detail", "step", "unit", "unit_version", "ingest_id",
-]  # fmt: skip
+    "key",
+    "source",
+    "reason",
+    "detail",
+    "step",
+    "unit",
+    "unit_version",
+    "ingest_id",
+]
 ROW_GROUP = 65_536  # rows per Parquet row group: the unit that scans and partitions read
 
 
@@ -95,11 +102,18 @@ def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -
         path = folder / (f"view_{table}.parquet" if s["legacy"] else f"{table}.parquet")
         meta = pq.ParquetFile(path).metadata
         mine = dead if src is None else {d for d in dead if d.startswith(src + "\0")}
-        parts.append(ViewPart(
-            path=path, ingest_id=s["id"], seq=int(s["ingest_seq"]), source=src,
-            rows=meta.num_rows, row_groups=meta.num_row_groups, dead=tuple(sorted(mine)),
-            drop_manifest=tuple(sorted(newer if src is None else newer & {src})),
-        ))  # fmt: skip
+        parts.append(
+            ViewPart(
+                path=path,
+                ingest_id=s["id"],
+                seq=int(s["ingest_seq"]),
+                source=src,
+                rows=meta.num_rows,
+                row_groups=meta.num_row_groups,
+                dead=tuple(sorted(mine)),
+                drop_manifest=tuple(sorted(newer if src is None else newer & {src})),
+            )
+        )
         if src is not None:
             gone = pq.read_table(folder / "superseded.parquet", columns=["unit"]).column("unit")
             dead.update(f"{src}\0{u}" for u in gone.to_pylist())
@@ -160,6 +174,7 @@ def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.D
         parts = view_parts(layout, ingest_id, table)
         cols = view_columns(parts) if parts else base
         got = [read_part(p, cols) for p in parts]
-        frames.append(pd.concat([g for g in got if len(g)] or [pd.DataFrame(columns=cols)],
-                                ignore_index=True))  # fmt: skip
+        frames.append(
+            pd.concat([g for g in got if len(g)] or [pd.DataFrame(columns=cols)], ignore_index=True)
+        )
     return frames[0], frames[1], int(seq)

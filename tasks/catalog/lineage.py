@@ -102,12 +102,16 @@ def dataset_rows(root: str | Path, version: str, rules: QualityConfig | None = N
             stages.setdefault(key, []).append(name)
     lic = [rules.contributor_column, rules.license_column, rules.license_end_column]
     cols = ["source", "key", "sha256", *lic]
-    view = pd.concat([b for b in scan_view(layout, ingest_id, "accepted", cols)
-                      if len(b)] or [pd.DataFrame(columns=cols)], ignore_index=True)  # fmt: skip
+    view = pd.concat(
+        [b for b in scan_view(layout, ingest_id, "accepted", cols) if len(b)]
+        or [pd.DataFrame(columns=cols)],
+        ignore_index=True,
+    )
     view = view[view["key"].isin(stages)].drop_duplicates("key", keep="last")
     rows = view.assign(stages=[",".join(stages[k]) for k in view["key"]])
-    rows = rows.rename(columns=dict(zip(lic, ["contributor", "license", "license_end"],
-                                        strict=True)))  # fmt: skip
+    rows = rows.rename(
+        columns=dict(zip(lic, ["contributor", "license", "license_end"], strict=True))
+    )
     rows = rows.astype(object).sort_values(["source", "key"]).reset_index(drop=True)
     tmp = cached.with_name(cached.name + ".tmp")
     rows.to_parquet(tmp, index=False)
@@ -184,8 +188,9 @@ def contributors_report(rows: pd.DataFrame, draws: dict[str, Counter]) -> pd.Dat
         images=("key", "size"),
         licenses=("license", lambda s: ",".join(sorted({str(x) for x in s.dropna()}))),
     )
-    out["earliest_license_end"] = [earliest_license_end(g) for _, g in
-                                   rows.groupby("contributor", sort=True)]  # fmt: skip
+    out["earliest_license_end"] = [
+        earliest_license_end(g) for _, g in rows.groupby("contributor", sort=True)
+    ]
     for stage, counts in draws.items():
         per: Counter = Counter()
         for key, n in counts.items():

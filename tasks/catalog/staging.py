@@ -148,13 +148,15 @@ def commit_staged(
             kept = None if old_seq == seq else _rewrite(root, act, old_seq, replaced, units)
             if kept is False:  # no replaced row in it
                 continue
-            removes.append(RemoveAction(act["path"], True, _now_ms(), act["size_bytes"],
-                                        {SEQ: str(old_seq)}))  # fmt: skip
+            removes.append(
+                RemoveAction(act["path"], True, _now_ms(), act["size_bytes"], {SEQ: str(old_seq)})
+            )
             rewritten += kept or []
         if not adds and not removes:
             return dt.version()
-        dt.create_write_transaction([*adds, *rewritten, *removes], mode="append",
-                                    schema=schema, partition_by=[SEQ])  # fmt: skip
+        dt.create_write_transaction(
+            [*adds, *rewritten, *removes], mode="append", schema=schema, partition_by=[SEQ]
+        )
     except BaseException:
         _remove_files(root, [a.path for a in (*adds, *rewritten)])  # no version names them
         raise
@@ -215,15 +217,17 @@ def _remove_files(root: Path, paths: list[str]) -> None:
         (root / rel).unlink(missing_ok=True)
 
 
-def _rewrite(root: Path, act: dict, seq: int, replaced: Replaced, units: pa.Array
-             ) -> list[AddAction] | bool:  # fmt: skip
+def _rewrite(
+    root: Path, act: dict, seq: int, replaced: Replaced, units: pa.Array
+) -> list[AddAction] | bool:
     """The data file of `act` without its `replaced` rows (`units`: the replaced units of its
     range): False when it holds none, else the add action of its rewrite (none when no row is
     left)."""
     f = pq.ParquetFile(root / unquote(act["path"]))
     need = [c for c in ("source", "unit", "step") if c in f.schema_arrow.names]
-    masks = [replaced.mask(f.read_row_group(g, columns=need), units)
-             for g in range(f.num_row_groups)]  # fmt: skip
+    masks = [
+        replaced.mask(f.read_row_group(g, columns=need), units) for g in range(f.num_row_groups)
+    ]
     if not any(pc.any(m).as_py() for m in masks):
         return False
     tables = (f.read_row_group(g).filter(pc.invert(m)) for g, m in enumerate(masks))
@@ -245,9 +249,13 @@ def _stats(meta: pq.FileMetaData) -> dict:
     leaf = {meta.schema.column(j).path: j for j in range(len(meta.schema))}
     for field in arrow:
         t, j = field.type, leaf.get(field.name)
-        if j is None or not (pa.types.is_string(t) or pa.types.is_large_string(t)
-                             or pa.types.is_integer(t) or pa.types.is_floating(t)
-                             or pa.types.is_boolean(t)):  # fmt: skip
+        if j is None or not (
+            pa.types.is_string(t)
+            or pa.types.is_large_string(t)
+            or pa.types.is_integer(t)
+            or pa.types.is_floating(t)
+            or pa.types.is_boolean(t)
+        ):
             continue
         cols = [meta.row_group(g).column(j).statistics for g in range(meta.num_row_groups)]
         if any(s is None for s in cols):

@@ -60,11 +60,17 @@ def add_takedown(
         )
     at = datetime.now(UTC)
     ident = f"{at.strftime('%Y%m%dT%H%M%S%fZ')}-{secrets.token_hex(4)}"
-    rows = ([{"source": s, "key": k, "contributor": None} for s, k in images] if images
-            else [{"source": None, "key": None, "contributor": contributor}])  # fmt: skip
+    rows = (
+        [{"source": s, "key": k, "contributor": None} for s, k in images]
+        if images
+        else [{"source": None, "key": None, "contributor": contributor}]
+    )
     df = pd.DataFrame(rows).assign(
-        id=ident, at=at.isoformat(timespec="seconds"), by=by or getpass.getuser(),
-        reason=reason.strip())[TAKEDOWN_COLUMNS]  # fmt: skip
+        id=ident,
+        at=at.isoformat(timespec="seconds"),
+        by=by or getpass.getuser(),
+        reason=reason.strip(),
+    )[TAKEDOWN_COLUMNS]
     folder = Layout(Path(root)).takedowns()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{ident}.parquet"

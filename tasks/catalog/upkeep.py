@@ -63,9 +63,16 @@ def compact_catalog(root: str, retain_hours: float, tracking_uri: str, model_nam
         log.info(
             "compacted %s: %d files (%d bytes) into %d (%d bytes); vacuumed %d files (%d "
             "bytes) older than %d h; now version %d",
-            table, d["files_removed"], d["bytes_removed"], d["files_added"], d["bytes_added"],
-            d["vacuumed"], d["vacuumed_bytes"], d["retain_hours"], d["version"],
-        )  # fmt: skip
+            table,
+            d["files_removed"],
+            d["bytes_removed"],
+            d["files_added"],
+            d["bytes_added"],
+            d["vacuumed"],
+            d["vacuumed_bytes"],
+            d["retain_hours"],
+            d["version"],
+        )
     return done
 
 
@@ -99,11 +106,16 @@ def compact_after_ingest(
     if state.is_completed():
         return {"ingest_seq": seq, "tables": state.result()}
     error = state.result(raise_on_failure=False)
-    message = f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else (
-        state.message or str(state.type))  # fmt: skip
+    message = (
+        f"{type(error).__name__}: {error}"
+        if isinstance(error, BaseException)
+        else (state.message or str(state.type))
+    )
     task_logger(__name__).warning(
         "catalog compaction after ingest %s (ingest_seq %d) failed; the ingest is committed "
         "and the next due ingest or `kiln catalog compact` compacts again: %s",
-        ingest_id, seq, message,
-    )  # fmt: skip
+        ingest_id,
+        seq,
+        message,
+    )
     return {"ingest_seq": seq, "error": message}

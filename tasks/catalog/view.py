@@ -73,8 +73,15 @@ __all__ = [
 
 ACCEPTED_COLUMNS = CATALOG_COLUMNS
 QUARANTINE_COLUMNS = [
-    "key", "source", "reason", "detail", "step", "unit", "unit_version", "ingest_id",
-]  # fmt: skip
+    "key",
+    "source",
+    "reason",
+    "detail",
+    "step",
+    "unit",
+    "unit_version",
+    "ingest_id",
+]
 ROW_GROUP = 65_536  # rows per Parquet row group: the unit that scans and partitions read
 TABLES = ("accepted", "quarantine")
 VERDICT_TABLES = ("rejects", "flags")  # each validate's rejects and kept near-duplicates
@@ -152,8 +159,9 @@ def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -
     dt = open_table(layout, table, resolve_version(dt, version))
     acts = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
     root, parts = table_path(layout, table), []
-    for a in sorted(acts, key=lambda a: (int(a[f"partition.{SEQ}"]), a["modification_time"],
-                                         a["path"])):  # fmt: skip
+    for a in sorted(
+        acts, key=lambda a: (int(a[f"partition.{SEQ}"]), a["modification_time"], a["path"])
+    ):
         path = root / unquote(a["path"])
         if not path.is_file():
             raise MissingInput(
@@ -162,16 +170,22 @@ def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -
             )
         lo, hi = a.get("min.source"), a.get("max.source")
         meta = pq.ParquetFile(path).metadata  # its own row count: a file's stats may be absent
-        parts.append(ViewPart(
-            path=path, ingest_id=ingest_id, seq=int(a[f"partition.{SEQ}"]),
-            source=lo if lo is not None and lo == hi else None, rows=int(meta.num_rows),
-            row_groups=meta.num_row_groups,
-        ))  # fmt: skip
+        parts.append(
+            ViewPart(
+                path=path,
+                ingest_id=ingest_id,
+                seq=int(a[f"partition.{SEQ}"]),
+                source=lo if lo is not None and lo == hi else None,
+                rows=int(meta.num_rows),
+                row_groups=meta.num_row_groups,
+            )
+        )
     return parts
 
 
-def accepted_columns(layout: Layout, ingest_id: str | None,
-                     parts: list[ViewPart] | None = None) -> list[str]:  # fmt: skip
+def accepted_columns(
+    layout: Layout, ingest_id: str | None, parts: list[ViewPart] | None = None
+) -> list[str]:
     """The columns of the accepted rows of the view after `ingest_id` (of `parts`, its data
     files, when given): those of the files, then the declared metadata columns that no row
     has a value for yet (`declared_columns`), which reads give as null."""
@@ -216,8 +230,9 @@ def read_part(
     groups = list(range(f.num_row_groups) if row_groups is None else row_groups)
     t = f.read_row_groups(groups, columns=need + extra) if groups else f.schema_arrow.empty_table()
     if t.num_rows and sources is not None and part.source is None:
-        t = t.filter(pc.is_in(t.column("source").cast(pa.string()),
-                              value_set=pa.array(sorted(sources))))  # fmt: skip
+        t = t.filter(
+            pc.is_in(t.column("source").cast(pa.string()), value_set=pa.array(sorted(sources)))
+        )
     df = t.select(need).to_pandas()
     if columns is None or SEQ in columns:
         df[SEQ] = pd.Series(part.seq, index=df.index, dtype="int64")
@@ -239,11 +254,17 @@ def scan_view(
     """The view's rows, one row group at a time, oldest ingest first; only those of `sources`
     and of ingests after `after_seq` when given (a partition filter: no other file is
     opened). Every batch has the same columns."""
-    parts = [p for p in view_parts(layout, ingest_id, table) if p.seq > after_seq
-             and (sources is None or p.source is None or p.source in sources)]  # fmt: skip
+    parts = [
+        p
+        for p in view_parts(layout, ingest_id, table)
+        if p.seq > after_seq and (sources is None or p.source is None or p.source in sources)
+    ]
     if columns is None:
-        columns = (accepted_columns(layout, ingest_id, parts) if table == "accepted"
-                   else view_columns(parts))  # fmt: skip
+        columns = (
+            accepted_columns(layout, ingest_id, parts)
+            if table == "accepted"
+            else view_columns(parts)
+        )
     for p in parts:
         for g in range(p.row_groups):
             yield read_part(p, columns, [g], sources)
@@ -261,8 +282,9 @@ def read_view(layout: Layout, ingest_id: str | None) -> tuple[pd.DataFrame, pd.D
         else:
             cols = view_columns(parts) if parts else base
         got = [read_part(p, cols) for p in parts]
-        frames.append(pd.concat([g for g in got if len(g)] or [pd.DataFrame(columns=cols)],
-                                ignore_index=True))  # fmt: skip
+        frames.append(
+            pd.concat([g for g in got if len(g)] or [pd.DataFrame(columns=cols)], ignore_index=True)
+        )
     return frames[0], frames[1], int(seq)
 
 
@@ -305,8 +327,9 @@ def target_schema(schemas: list[pa.Schema], dt: DeltaTable | None) -> pa.Schema:
 
 def _widest(name: str, types: list[pa.DataType]) -> pa.DataType:
     try:
-        return pa.unify_schemas([pa.schema([(name, t)]) for t in types],
-                                promote_options="permissive")[0].type  # fmt: skip
+        return pa.unify_schemas(
+            [pa.schema([(name, t)]) for t in types], promote_options="permissive"
+        )[0].type
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
         raise InputError(f"catalog column {name!r} has values of types {types} ({e})") from e
 
@@ -331,8 +354,11 @@ def conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
 
 def _arrow(df: pd.DataFrame, dt: DeltaTable | None, seq: int) -> pa.Table:
     """`df` as Arrow with `ingest_seq` (`seq` where absent), each column of the table's type."""
-    t = untyped_nulls(pa.Table.from_pandas(df if SEQ in df.columns else df.assign(**{SEQ: seq}),
-                                           preserve_index=False))  # fmt: skip
+    t = untyped_nulls(
+        pa.Table.from_pandas(
+            df if SEQ in df.columns else df.assign(**{SEQ: seq}), preserve_index=False
+        )
+    )
     return conform(t, target_schema([t.schema], dt))
 
 
@@ -360,12 +386,21 @@ def write_ingest(
     if not len(rows):
         dt.delete(cond, writer_properties=props)
     elif dt is None:
-        write_deltalake(str(table_path(layout, table)), _arrow(rows, dt, seq),
-                        partition_by=[SEQ], writer_properties=props)  # fmt: skip
+        write_deltalake(
+            str(table_path(layout, table)),
+            _arrow(rows, dt, seq),
+            partition_by=[SEQ],
+            writer_properties=props,
+        )
     else:
-        write_deltalake(dt, _arrow(rows, dt, seq), mode="overwrite",
-                        predicate=f"{SEQ} = {seq} OR ({cond})", schema_mode="merge",
-                        writer_properties=props)  # fmt: skip
+        write_deltalake(
+            dt,
+            _arrow(rows, dt, seq),
+            mode="overwrite",
+            predicate=f"{SEQ} = {seq} OR ({cond})",
+            schema_mode="merge",
+            writer_properties=props,
+        )
     return open_table(layout, table).version()
 
 
@@ -387,8 +422,14 @@ def write_verdict_rows(layout: Layout, table: str, rows: pd.DataFrame, ingest_id
     if dt is None:
         write_deltalake(path, data, writer_properties=writer_properties())
     else:
-        write_deltalake(dt, data, mode="overwrite", predicate=f"verdict = {sql_str(ingest_id)}",
-                        schema_mode="merge", writer_properties=writer_properties())  # fmt: skip
+        write_deltalake(
+            dt,
+            data,
+            mode="overwrite",
+            predicate=f"verdict = {sql_str(ingest_id)}",
+            schema_mode="merge",
+            writer_properties=writer_properties(),
+        )
     return open_table(layout, table).version()
 
 

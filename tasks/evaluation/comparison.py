@@ -30,17 +30,27 @@ __all__ = [
 
 @task(name="create-comparison", cache_policy=NO_CACHE)
 def create_comparison_task(
-    root: str, url: str | None, study_a: str, study_b: str, k: int, gold: int,
-    name: str | None, seed: int,
-) -> str:  # fmt: skip
+    root: str,
+    url: str | None,
+    study_a: str,
+    study_b: str,
+    k: int,
+    gold: int,
+    name: str | None,
+    seed: int,
+) -> str:
     """Create (or find) the comparison; idempotent, so a retried flow reuses it."""
     layout = Layout(Path(root))
     with RatingStore.open(layout.ratings_db(), url) as store:
         cid, created = create_comparison(
-            store, load_study(study_a, layout.folder("eval")),
+            store,
+            load_study(study_a, layout.folder("eval")),
             load_study(study_b, layout.folder("eval")),
-            raters_per_pair=k, gold=gold, name=name, seed=seed,
-        )  # fmt: skip
+            raters_per_pair=k,
+            gold=gold,
+            name=name,
+            seed=seed,
+        )
     get_run_logger().info("comparison %s %s", cid, "created" if created else "exists")
     return cid
 
@@ -58,8 +68,7 @@ def wait_for_votes(root: str, url: str | None, cid: str, wait_s: float, poll_s: 
             log.info("%s: %d of %d votes; next check in %.0f s", cid, done, target, poll_s)
             time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
     if done < target:
-        log.warning("%s: deadline reached with %d of %d votes; reporting those", cid, done,
-                    target)  # fmt: skip
+        log.warning("%s: deadline reached with %d of %d votes; reporting those", cid, done, target)
     return {"votes": done, "target": target, "complete": done >= target}
 
 
@@ -67,8 +76,9 @@ def wait_for_votes(root: str, url: str | None, cid: str, wait_s: float, poll_s: 
 def report_task(root: str, url: str | None, cid: str, min_gold: float, n: int, seed: int) -> dict:
     layout = Layout(Path(root))
     with RatingStore.open(layout.ratings_db(), url) as store:
-        return build_report(store, cid, layout.comparison(cid), min_gold_accuracy=min_gold,
-                            n_resamples=n, seed=seed)  # fmt: skip
+        return build_report(
+            store, cid, layout.comparison(cid), min_gold_accuracy=min_gold, n_resamples=n, seed=seed
+        )
 
 
 def _with_human_eval(description: str | None, report: dict) -> str:
@@ -81,11 +91,14 @@ def _with_human_eval(description: str | None, report: dict) -> str:
         return f"{q} preferred {c['pref']:.0%} (95% CI {c['ci_low']:.0%}–{c['ci_high']:.0%})"
 
     votes = report["questions"]["quality"]["overall"]["votes"]
-    line = (f"**Human evaluation**: comparison `{report['comparison']}` against "
-            f"`{report['model_b']}`: {cell('quality')}, {cell('alignment')}; {votes} votes from "
-            f"{report['raters']['total'] - report['raters']['excluded']} raters.")  # fmt: skip
-    lines = [ln for ln in (description or "").splitlines()
-             if not ln.startswith("**Human evaluation**")]  # fmt: skip
+    line = (
+        f"**Human evaluation**: comparison `{report['comparison']}` against "
+        f"`{report['model_b']}`: {cell('quality')}, {cell('alignment')}; {votes} votes from "
+        f"{report['raters']['total'] - report['raters']['excluded']} raters."
+    )
+    lines = [
+        ln for ln in (description or "").splitlines() if not ln.startswith("**Human evaluation**")
+    ]
     return "\n".join([*lines, line])
 
 
@@ -99,9 +112,13 @@ def mlflow_metrics(report: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     for q in QUESTIONS:
         cell, alpha = report["questions"][q]["overall"], report["questions"][q]["alpha"]
-        for key, name in [("pref", "pref"), ("ci_low", "pref_ci_low"),
-                          ("ci_high", "pref_ci_high"), ("tie_share", "tie_share"),
-                          ("votes", "votes")]:  # fmt: skip
+        for key, name in [
+            ("pref", "pref"),
+            ("ci_low", "pref_ci_low"),
+            ("ci_high", "pref_ci_high"),
+            ("tie_share", "tie_share"),
+            ("votes", "votes"),
+        ]:
             if cell[key] is not None:
                 out[f"human_eval/{q}_{name}"] = float(cell[key])
         if alpha["value"] is not None:
@@ -125,8 +142,11 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
 
     run_json = Layout(Path(root)).run_record(report["model_a"])
     if not run_json.is_file():
-        get_run_logger().warning("study A's model %r is not a training run under %s: nothing "
-                                 "logged to MLflow", report["model_a"], root)  # fmt: skip
+        get_run_logger().warning(
+            "study A's model %r is not a training run under %s: nothing logged to MLflow",
+            report["model_a"],
+            root,
+        )
         return {"mlflow_run_id": None, "versions": [], "chart_url": None}
     mlflow_run_id = json.loads(run_json.read_text())["mlflow_run_id"]
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
@@ -138,9 +158,10 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
         client.log_artifact(mlflow_run_id, report["outputs"][name], f"human_eval/{cid}")
     client.set_tag(mlflow_run_id, "human_eval.comparison", cid)
     versions = [
-        v for v in client.search_model_versions(f"run_id = '{mlflow_run_id}'")
+        v
+        for v in client.search_model_versions(f"run_id = '{mlflow_run_id}'")
         if v.name == model_name
-    ]  # fmt: skip
+    ]
     tags = {"human_eval.comparison": cid, "human_eval.against": report["model_b"]}
     for q in QUESTIONS:
         cell = report["questions"][q]["overall"]
@@ -155,7 +176,11 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
     from tasks.registry.tracking import artifacts_url
 
     experiment_id = client.get_run(mlflow_run_id).info.experiment_id
-    chart = artifacts_url(tracking_uri, experiment_id, mlflow_run_id,
-                          f"human_eval/{cid}/preference.png")  # fmt: skip
-    return {"mlflow_run_id": mlflow_run_id, "versions": [v.version for v in versions],
-            "chart_url": chart}  # fmt: skip
+    chart = artifacts_url(
+        tracking_uri, experiment_id, mlflow_run_id, f"human_eval/{cid}/preference.png"
+    )
+    return {
+        "mlflow_run_id": mlflow_run_id,
+        "versions": [v.version for v in versions],
+        "chart_url": chart,
+    }

@@ -59,8 +59,9 @@ def generate_images(
     from models.study_images import generate_images as generate
 
     if n < 1 or steps < 1 or batch_size < 1:
-        raise InputError(f"--n, --steps and --batch-size must be at least 1 (got {n}, {steps}, "
-                         f"{batch_size})")  # fmt: skip
+        raise InputError(
+            f"--n, --steps and --batch-size must be at least 1 (got {n}, {steps}, {batch_size})"
+        )
     pipe = load_pipeline(str(pipeline_dir))
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(seed, seed + n))
@@ -74,9 +75,13 @@ def generate_images(
             img.save(path, format="PNG")
             paths.append(str(path))
     result = {
-        "model": str(pipeline_dir), "prompt": prompt, "images": paths,
-        "steps": steps, "guidance_scale": guidance_scale, "device": str(pipe.device),
+        "model": str(pipeline_dir),
+        "prompt": prompt,
+        "images": paths,
+        "steps": steps,
+        "guidance_scale": guidance_scale,
+        "device": str(pipe.device),
         "seconds_per_image": round((time.perf_counter() - t0) / n, 4),
-    }  # fmt: skip
+    }
     (out / "generate.json").write_text(json.dumps(result, indent=2))
     return result

@@ -41,9 +41,18 @@ DRAWBENCH_REVISION = "refs/convert/parquet"
 DRAWBENCH_FILE = "default/test/0000.parquet"
 # The dataset's ClassLabel names, in label order (its `category` column holds the index).
 DRAWBENCH_CATEGORIES = [
-    "Colors", "Conflicting", "Counting", "DALL-E", "Descriptions", "Gary Marcus et al.",
-    "Misspellings", "Positional", "Rare Words", "Reddit", "Text",
-]  # fmt: skip
+    "Colors",
+    "Conflicting",
+    "Counting",
+    "DALL-E",
+    "Descriptions",
+    "Gary Marcus et al.",
+    "Misspellings",
+    "Positional",
+    "Rare Words",
+    "Reddit",
+    "Text",
+]
 ENV_CSV = "KILN_DRAWBENCH_CSV"
 
 
@@ -73,8 +82,11 @@ def prompt_set_name(path: str | Path) -> str:
     if not path.is_file():  # removed since the study: its name is what is left
         return path.name
     with open(path, newline="", encoding="utf-8") as f:
-        rows = [(r.get("Prompts") or "", r.get("Category") or "")
-                for r in csv.DictReader(f) if (r.get("Prompts") or "").strip()]  # fmt: skip
+        rows = [
+            (r.get("Prompts") or "", r.get("Category") or "")
+            for r in csv.DictReader(f)
+            if (r.get("Prompts") or "").strip()
+        ]
     return "DrawBench" if _is_drawbench(rows) else path.name
 
 

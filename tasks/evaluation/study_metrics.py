@@ -67,8 +67,13 @@ def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
     local = Path(name).expanduser()
     files = local if local.is_dir() else hub_snapshot(name)
     digest = weights_sha256(files) if files else {"sha256": None}
-    return {"value": value, "images": len(items), "model": name, **digest,
-            "resize": clip_resize(processor)}  # fmt: skip
+    return {
+        "value": value,
+        "images": len(items),
+        "model": name,
+        **digest,
+        "resize": clip_resize(processor),
+    }
 
 
 def _write_captions(path: Path, captions: list[str]) -> None:
@@ -79,8 +84,13 @@ def _write_captions(path: Path, captions: list[str]) -> None:
         w.writerows([c, "validation"] for c in captions)
 
 
-def _fid(study_dir: Path, cfg: EvalMetricsConfig, val_dir: Path, generate: dict,
-         feature: torch.nn.Module | None) -> dict:  # fmt: skip
+def _fid(
+    study_dir: Path,
+    cfg: EvalMetricsConfig,
+    val_dir: Path,
+    generate: dict,
+    feature: torch.nn.Module | None,
+) -> dict:
     from models.image_metrics import (
         FID_RESIZE,
         MetricUnavailable,
@@ -117,9 +127,15 @@ def _fid(study_dir: Path, cfg: EvalMetricsConfig, val_dir: Path, generate: dict,
     # On the device only now: the generation subprocess had the GPU to itself.
     real = decode_images(s["image"] for s in val)
     value = fid(real, fake, feature.to(_device()))
-    return {"value": value, "images": len(val), "real": str(val_dir), "generated": str(out),
-            **weights, "resize": resize,
-            "generated_resolution": gen["settings"]["resolution"]}  # fmt: skip
+    return {
+        "value": value,
+        "images": len(val),
+        "real": str(val_dir),
+        "generated": str(out),
+        **weights,
+        "resize": resize,
+        "generated_resolution": gen["settings"]["resolution"],
+    }
 
 
 @task(name="compute-study-metrics", cache_policy=NO_CACHE)
@@ -150,8 +166,10 @@ def compute_study_metrics(
     log = task_logger(__name__)
     study = Path(study_dir)
     result: dict = {"study_id": study.name}
-    steps = (("clip_score", lambda: _clip(study, items, cfg.clip_model)),
-             ("fid", lambda: _fid(study, cfg, Path(val_dir), generate, fid_feature)))  # fmt: skip
+    steps = (
+        ("clip_score", lambda: _clip(study, items, cfg.clip_model)),
+        ("fid", lambda: _fid(study, cfg, Path(val_dir), generate, fid_feature)),
+    )
     for name, run in steps:
         t0 = time.perf_counter()
         try:
@@ -165,8 +183,7 @@ def compute_study_metrics(
             log.warning("%s skipped: %s", name, result[name]["skipped"])
         else:
             result[name]["seconds"] = round(time.perf_counter() - t0, 2)
-            log.info("%s = %.4f on %d images", name, result[name]["value"],
-                     result[name]["images"])  # fmt: skip
+            log.info("%s = %.4f on %d images", name, result[name]["value"], result[name]["images"])
     tmp = study / "metrics.json.tmp"
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(study / "metrics.json")
@@ -196,8 +213,11 @@ def log_study_metrics(
     study = Path(study_dir)
     try:
         client = MlflowClient(tracking_uri)
-        values = {f"eval/{k}": metrics[k]["value"] for k in ("clip_score", "fid")
-                  if "value" in metrics.get(k, {})}  # fmt: skip
+        values = {
+            f"eval/{k}": metrics[k]["value"]
+            for k in ("clip_score", "fid")
+            if "value" in metrics.get(k, {})
+        }
         for k, v in values.items():
             client.log_metric(mlflow_run_id, k, v)
         for k, v in _tags(study.name, metrics).items():
@@ -211,8 +231,11 @@ def log_study_metrics(
         task_logger(__name__).warning(
             "study %s not logged to MLflow (%s: %s); it stays at %s. Check "
             "registry.tracking_uri and that its server is reachable.",
-            study.name, type(e).__name__, e, study,
-        )  # fmt: skip
+            study.name,
+            type(e).__name__,
+            e,
+            study,
+        )
         return None
     return artifacts_url(tracking_uri, exp_id, mlflow_run_id, f"{base}/contact")
 
@@ -238,8 +261,10 @@ def _metric_row(label: str, m: dict) -> str:
         reason = m["skipped"].replace("|", "\\|").replace("\n", " ")  # one table cell
         return f"| {label} | skipped: {reason} | | | |"
     sha = m.get("sha256")
-    return (f"| {label} | {m['value']:.4f} | {m['images']} | "
-            f"{f'`{sha[:16]}`' if sha else '-'} | {m['resize']} |")  # fmt: skip
+    return (
+        f"| {label} | {m['value']:.4f} | {m['images']} | "
+        f"{f'`{sha[:16]}`' if sha else '-'} | {m['resize']} |"
+    )
 
 
 def metrics_report(metrics: dict, sheets: dict[str, Path], url: str | None) -> str:
@@ -261,7 +286,14 @@ def metrics_report(metrics: dict, sheets: dict[str, Path], url: str | None) -> s
         _metric_row("FID", metrics.get("fid", {"skipped": "not computed"})),
     ]
     return "\n".join(
-        ["### Contact sheets\n", where, *links, "", "### Metrics\n",
-         "| metric | value | images | weights sha256 | resize |", "|---|---|---:|---|---|",
-         *rows]
-    )  # fmt: skip
+        [
+            "### Contact sheets\n",
+            where,
+            *links,
+            "",
+            "### Metrics\n",
+            "| metric | value | images | weights sha256 | resize |",
+            "|---|---|---:|---|---|",
+            *rows,
+        ]
+    )

@@ -59,15 +59,39 @@ BATCH = 10_000  # rows the driver handles at a time
 _MEMORY = "128MB"  # DuckDB's limit; past it, it spills to the plan's folder
 
 _LISTING = pa.schema([("key", pa.string()), ("size", pa.int64()), ("version", pa.string())])
-_OBJECTS = pa.schema([*_LISTING, ("stem", pa.string()), ("ext", pa.string()),
-                      ("unsafe", pa.bool_()), ("is_tar", pa.bool_())])  # fmt: skip
-_MANIFEST = pa.schema([("line", pa.int64()), ("key", pa.string()), ("file_name", pa.string()),
-                       ("caption", pa.string()), ("meta", pa.binary()),
-                       ("reason", pa.string()), ("detail", pa.string())])  # fmt: skip
-_ITEMS = pa.schema([("key", pa.string()), ("kind", pa.string()), ("version", pa.string()),
-                    ("caption", pa.string()), ("meta", pa.binary()), ("txt", pa.string()),
-                    ("json", pa.string()), ("reason", pa.string()),
-                    ("detail", pa.string())])  # fmt: skip
+_OBJECTS = pa.schema(
+    [
+        *_LISTING,
+        ("stem", pa.string()),
+        ("ext", pa.string()),
+        ("unsafe", pa.bool_()),
+        ("is_tar", pa.bool_()),
+    ]
+)
+_MANIFEST = pa.schema(
+    [
+        ("line", pa.int64()),
+        ("key", pa.string()),
+        ("file_name", pa.string()),
+        ("caption", pa.string()),
+        ("meta", pa.binary()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+    ]
+)
+_ITEMS = pa.schema(
+    [
+        ("key", pa.string()),
+        ("kind", pa.string()),
+        ("version", pa.string()),
+        ("caption", pa.string()),
+        ("meta", pa.binary()),
+        ("txt", pa.string()),
+        ("json", pa.string()),
+        ("reason", pa.string()),
+        ("detail", pa.string()),
+    ]
+)
 _KNOWN_ACC = pa.schema([("unit", pa.string()), ("unit_version", pa.string())])
 _KNOWN_Q = pa.schema([*_KNOWN_ACC, ("step", pa.string()), ("reason", pa.string())])
 
@@ -75,9 +99,11 @@ _KNOWN_Q = pa.schema([*_KNOWN_ACC, ("step", pa.string()), ("reason", pa.string()
 def listing_table(objs: Iterable[ObjectInfo]) -> pa.Table:
     """Listed objects as a compact table (key, size, version)."""
     objs = list(objs)
-    cols = [pa.array([o.key for o in objs], pa.string()),
-            pa.array([o.size for o in objs], pa.int64()),
-            pa.array([o.version for o in objs], pa.string())]  # fmt: skip
+    cols = [
+        pa.array([o.key for o in objs], pa.string()),
+        pa.array([o.size for o in objs], pa.int64()),
+        pa.array([o.version for o in objs], pa.string()),
+    ]
     return pa.table(cols, schema=_LISTING)
 
 
@@ -114,11 +140,15 @@ class PlanFiles:
         self.con = self._connect()
 
     def _connect(self) -> duckdb.DuckDBPyConnection:
-        return duckdb.connect(config={
-            "memory_limit": _MEMORY, "temp_directory": str(self.folder / "spill"),
-            "threads": 2, "autoinstall_known_extensions": False,
-            "autoload_known_extensions": False,
-        })  # fmt: skip
+        return duckdb.connect(
+            config={
+                "memory_limit": _MEMORY,
+                "temp_directory": str(self.folder / "spill"),
+                "threads": 2,
+                "autoinstall_known_extensions": False,
+                "autoload_known_extensions": False,
+            }
+        )
 
     def release(self) -> None:
         """Hand DuckDB's memory back: a new connection (the staged tables are files, so
@@ -145,8 +175,9 @@ class PlanFiles:
         return n
 
     def _query(self, query: str) -> str:
-        names = {p.stem: f"read_parquet({self._literal(p.stem)})"
-                 for p in self.folder.glob("*.parquet")}  # fmt: skip
+        names = {
+            p.stem: f"read_parquet({self._literal(p.stem)})" for p in self.folder.glob("*.parquet")
+        }
         return query.format(**names)
 
     def sql(self, query: str, params: list | None = None) -> duckdb.DuckDBPyConnection:
@@ -166,8 +197,9 @@ class PlanFiles:
         """The rows of `query`, whole, as a table."""
         return self.con.cursor().sql(self._query(query), params=params or None).to_arrow_table()
 
-    def batches(self, query: str, params: list | None = None, size: int | None = None
-                ) -> Iterator[list[dict]]:  # fmt: skip
+    def batches(
+        self, query: str, params: list | None = None, size: int | None = None
+    ) -> Iterator[list[dict]]:
         """The rows of `query`, streamed, a batch of dicts at a time (`BATCH` rows unless
         `size` is given), on a cursor of its own, so that other queries can run while it is
         read."""
@@ -237,14 +269,17 @@ class Plan:
             "SELECT key FROM {todo} UNION SELECT txt FROM {todo} WHERE txt IS NOT NULL UNION "
             "SELECT json FROM {todo} WHERE json IS NOT NULL UNION SELECT key FROM {rejects} "
             "UNION SELECT ?::VARCHAR) d ON d.key = o.key ORDER BY o.key",
-            "listing_delta", [self.src, manifest],
-        )  # fmt: skip
+            "listing_delta",
+            [self.src, manifest],
+        )
 
     def stale_between(self, lo: str | None, hi: str | None) -> pa.Array:
         """The units whose rows this run replaces or removes, from `lo` to `hi` (None: no
         bound), sorted."""
-        q = ("SELECT unit FROM {stale} WHERE (?::VARCHAR IS NULL OR unit >= ?) "
-             "AND (?::VARCHAR IS NULL OR unit <= ?) ORDER BY unit")  # fmt: skip
+        q = (
+            "SELECT unit FROM {stale} WHERE (?::VARCHAR IS NULL OR unit >= ?) "
+            "AND (?::VARCHAR IS NULL OR unit <= ?) ORDER BY unit"
+        )
         got = self.files.table(q, [lo, lo, hi, hi])
         return got.column("unit").combine_chunks() if got.num_rows else pa.array([], pa.string())
 
@@ -257,18 +292,24 @@ class Plan:
         this run keeps (`kept_accepted`, and `kept_files` by (step, reason), the files'
         quarantine rows), and `quarantine` by (step, reason) before it."""
         f = self.files
-        acc, kept = f.sql("SELECT count(*), count(*) FILTER (WHERE s.unit IS NULL) FROM "
-                          "{known_acc} k LEFT JOIN {stale} s USING (unit)").fetchone()  # fmt: skip
-        rows = f.sql("SELECT step, reason, count(*), count(*) FILTER (WHERE s.unit IS NULL) "
-                     "FROM {known_q} k LEFT JOIN {stale} s USING (unit) "
-                     "GROUP BY step, reason").fetchall()  # fmt: skip
+        acc, kept = f.sql(
+            "SELECT count(*), count(*) FILTER (WHERE s.unit IS NULL) FROM "
+            "{known_acc} k LEFT JOIN {stale} s USING (unit)"
+        ).fetchone()
+        rows = f.sql(
+            "SELECT step, reason, count(*), count(*) FILTER (WHERE s.unit IS NULL) "
+            "FROM {known_q} k LEFT JOIN {stale} s USING (unit) "
+            "GROUP BY step, reason"
+        ).fetchall()
         return {
-            "accepted": int(acc), "kept_accepted": int(kept),
+            "accepted": int(acc),
+            "kept_accepted": int(kept),
             "quarantined": sum(int(r[2]) for r in rows),
             "quarantine": Counter({(r[0], r[1]): int(r[2]) for r in rows}),
-            "kept_files": Counter({(r[0], r[1]): int(r[3]) for r in rows
-                                   if r[0] == "ingest" and r[3]}),
-        }  # fmt: skip
+            "kept_files": Counter(
+                {(r[0], r[1]): int(r[3]) for r in rows if r[0] == "ingest" and r[3]}
+            ),
+        }
 
 
 # The manifest's rows a file name keeps (its first), and its problems.
@@ -291,9 +332,13 @@ SELECT key, reason, detail FROM (
 
 
 def plan_run(
-    store: Storage, cfg: IngestConfig, cat_layout: Layout, runner, endpoint_url: str | None,
+    store: Storage,
+    cfg: IngestConfig,
+    cat_layout: Layout,
+    runner,
+    endpoint_url: str | None,
     folder: Path,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """List the source and compare it with the view, item by item: what to decode, what is
     gone. The plan's rows are staged under `folder`."""
     files = PlanFiles(folder)
@@ -305,9 +350,13 @@ def plan_run(
 
 
 def _plan(
-    store: Storage, cfg: IngestConfig, cat_layout: Layout, runner, endpoint_url: str | None,
+    store: Storage,
+    cfg: IngestConfig,
+    cat_layout: Layout,
+    runner,
+    endpoint_url: str | None,
     files: PlanFiles,
-) -> Plan:  # fmt: skip
+) -> Plan:
     src = store.url()
     log = task_logger(__name__)
     tables = _counted(_listing(store, runner, endpoint_url, cfg), f"listing {src}", "objects")
@@ -336,10 +385,19 @@ def _plan(
         log.info("ingest settings for %s changed: re-reading every item", src)
     n_items = files.write("items", _ITEMS, _items(files, chosen, set(exts), manifest))
     counts = _compare(files, rebuild)
-    plan = Plan(src=src, source_format=chosen, manifest=manifest, settings=settings,
-                previous=previous, prev_summary=prev_summary,
-                seq=int(prev_summary.get("ingest_seq", 0)), files=files, listed=n_items,
-                ingest_id=None, **counts)  # fmt: skip
+    plan = Plan(
+        src=src,
+        source_format=chosen,
+        manifest=manifest,
+        settings=settings,
+        previous=previous,
+        prev_summary=prev_summary,
+        seq=int(prev_summary.get("ingest_seq", 0)),
+        files=files,
+        listed=n_items,
+        ingest_id=None,
+        **counts,
+    )
     if plan.todo or plan.rejects or plan.removed or plan.manifest_changed or previous is None:
         state = {**settings, "previous": previous, "manifest": manifest.version}
         plan.ingest_id = _ingest_id(files, src, state)
@@ -347,23 +405,26 @@ def _plan(
     return plan
 
 
-def _listing(store: Storage, runner, endpoint_url: str | None, cfg: IngestConfig
-             ) -> Iterator[pa.Table]:  # fmt: skip
+def _listing(
+    store: Storage, runner, endpoint_url: str | None, cfg: IngestConfig
+) -> Iterator[pa.Table]:
     """The source's listing, a table at a time: the objects directly under the root in
     batches, then one task per top-level folder."""
     dirs: list[str] = []
     for d, objs in store.iter_top_level(BATCH):
         dirs += d
         yield listing_table(objs)
-    args = ({"source": store.url(), "prefix": d, "endpoint_url": endpoint_url}
-            for d in sorted(dirs))  # fmt: skip
+    args = (
+        {"source": store.url(), "prefix": d, "endpoint_url": endpoint_url} for d in sorted(dirs)
+    )
     window = 2 * max(1, cfg.workers or 2)
     for _, t in in_order(lambda a: runner.submit(list_partition, a), args, window):
         yield t
 
 
-def _counted(tables: Iterable[pa.Table], what: str, unit: str, interval_s: float = 10.0
-             ) -> Iterator[pa.Table]:  # fmt: skip
+def _counted(
+    tables: Iterable[pa.Table], what: str, unit: str, interval_s: float = 10.0
+) -> Iterator[pa.Table]:
     """`tables`, with a log line about every `interval_s` seconds of the rows so far (a
     listing has no total to show progress against)."""
     log, n, last = task_logger(__name__), 0, time.monotonic()
@@ -380,11 +441,12 @@ def _objects(t: pa.Table) -> pa.Table:
     whether it escapes the source, whether it names a tar."""
     keys = t.column("key").to_pylist()
     split = [split_ext(k) for k in keys]
-    return (t.append_column("stem", pa.array([s for s, _ in split], pa.string()))
-            .append_column("ext", pa.array([e for _, e in split], pa.string()))
-            .append_column("unsafe", pa.array([is_unsafe_key(k) for k in keys], pa.bool_()))
-            .append_column("is_tar", pa.array([k.lower().endswith(".tar") for k in keys],
-                                              pa.bool_())))  # fmt: skip
+    return (
+        t.append_column("stem", pa.array([s for s, _ in split], pa.string()))
+        .append_column("ext", pa.array([e for _, e in split], pa.string()))
+        .append_column("unsafe", pa.array([is_unsafe_key(k) for k in keys], pa.bool_()))
+        .append_column("is_tar", pa.array([k.lower().endswith(".tar") for k in keys], pa.bool_()))
+    )
 
 
 def _detect_format(files: PlanFiles, exts: list[str]) -> str:
@@ -393,23 +455,26 @@ def _detect_format(files: PlanFiles, exts: list[str]) -> str:
     if files.sql("SELECT 1 FROM {objects} WHERE is_tar LIMIT 1").fetchone():
         return "webdataset"
     names = list(MANIFEST_NAMES)
-    if files.sql("SELECT 1 FROM {objects} WHERE list_contains(?, key) LIMIT 1",
-                 [names]).fetchone():  # fmt: skip
+    if files.sql("SELECT 1 FROM {objects} WHERE list_contains(?, key) LIMIT 1", [names]).fetchone():
         return "imagefolder"
-    if files.sql("SELECT 1 FROM {objects} i JOIN {objects} t ON t.key = i.stem || '.txt' "
-                 "WHERE list_contains(?, i.ext) LIMIT 1", [exts]).fetchone():  # fmt: skip
+    if files.sql(
+        "SELECT 1 FROM {objects} i JOIN {objects} t ON t.key = i.stem || '.txt' "
+        "WHERE list_contains(?, i.ext) LIMIT 1",
+        [exts],
+    ).fetchone():
         return "img2dataset"
     return "imagefolder"
 
 
-def _stage_manifest(store: Storage, files: PlanFiles, chosen: str, cfg: IngestConfig
-                    ) -> Manifest:  # fmt: skip
+def _stage_manifest(store: Storage, files: PlanFiles, chosen: str, cfg: IngestConfig) -> Manifest:
     """Stage the manifest's rows (an imagefolder's; none for the other formats)."""
     found = None
     if chosen == "imagefolder":
         names = [cfg.metadata_file] if cfg.metadata_file else list(MANIFEST_NAMES)
-        found = files.sql("SELECT key, version FROM {objects} WHERE list_contains(?, key) "
-                          "ORDER BY key LIMIT 1", [names]).fetchone()  # fmt: skip
+        found = files.sql(
+            "SELECT key, version FROM {objects} WHERE list_contains(?, key) ORDER BY key LIMIT 1",
+            [names],
+        ).fetchone()
         if found is None:
             task_logger(__name__).warning(
                 "no manifest (%s) in %s: images will lack captions", names, store.url()
@@ -443,21 +508,24 @@ def _chunked(rows: Iterable[dict], size: int) -> Iterator[list[dict]]:
 def _stage_known(files: PlanFiles, cat_layout: Layout, previous: str | None, src: str) -> None:
     """Stage `src`'s (accepted, quarantined) rows in the view after `previous`: a scan of the
     source's own ingests, four narrow columns, never the other sources' rows."""
-    for name, table, schema in (("known_acc", "accepted", _KNOWN_ACC),
-                                ("known_q", "quarantine", _KNOWN_Q)):  # fmt: skip
+    for name, table, schema in (
+        ("known_acc", "accepted", _KNOWN_ACC),
+        ("known_q", "quarantine", _KNOWN_Q),
+    ):
         frames = scan_view(cat_layout, previous, table, schema.names, sources={src})
-        files.write(name, schema, (pa.Table.from_pandas(f, preserve_index=False)
-                                   for f in frames))  # fmt: skip
+        files.write(name, schema, (pa.Table.from_pandas(f, preserve_index=False) for f in frames))
 
 
-def _items(files: PlanFiles, chosen: str, exts: set[str], manifest: Manifest
-           ) -> Iterator[list[dict]]:  # fmt: skip
+def _items(
+    files: PlanFiles, chosen: str, exts: set[str], manifest: Manifest
+) -> Iterator[list[dict]]:
     """Every item and listing reject of the source, a batch at a time (in no order): each
     listed object less the manifest and the sidecars images consume, with its sidecars
     (img2dataset) or its manifest row (imagefolder) beside it."""
     images = "SELECT stem FROM {objects} WHERE list_contains(?, ext) AND NOT unsafe"
-    sidecars = (f"SELECT stem || '.txt' AS key FROM ({images}) "
-                f"UNION SELECT stem || '.json' FROM ({images})")  # fmt: skip
+    sidecars = (
+        f"SELECT stem || '.txt' AS key FROM ({images}) UNION SELECT stem || '.json' FROM ({images})"
+    )
     params: list = [manifest.name or ""]
     if chosen == "img2dataset":
         query = f"""
@@ -488,17 +556,23 @@ def _compare(files: PlanFiles, rebuild: bool) -> dict[str, int]:
     )
     if rebuild:  # nothing is known: every item is read again
         known = "SELECT NULL::VARCHAR AS unit, NULL::VARCHAR AS v WHERE false"
-    changed = (f"SELECT i.* FROM {{items}} i LEFT JOIN ({known}) k ON k.unit = i.key "
-               "WHERE k.v IS DISTINCT FROM i.version")  # fmt: skip
+    changed = (
+        f"SELECT i.* FROM {{items}} i LEFT JOIN ({known}) k ON k.unit = i.key "
+        "WHERE k.v IS DISTINCT FROM i.version"
+    )
     todo = files.copy(f"SELECT * FROM ({changed}) WHERE kind <> 'reject' ORDER BY key", "todo")
-    rejects = files.copy(f"SELECT * FROM ({changed}) WHERE kind = 'reject' ORDER BY key",
-                         "rejects")  # fmt: skip
+    rejects = files.copy(f"SELECT * FROM ({changed}) WHERE kind = 'reject' ORDER BY key", "rejects")
     units = "SELECT unit FROM {known_acc} UNION SELECT unit FROM {known_q} WHERE step = 'ingest'"
-    removed = files.copy(f"SELECT unit FROM ({units}) u WHERE NOT EXISTS "
-                         "(SELECT 1 FROM {items} i WHERE i.key = u.unit) ORDER BY unit",
-                         "removed")  # fmt: skip
-    files.copy("SELECT key AS unit FROM {todo} UNION SELECT key FROM {rejects} "
-               "UNION SELECT unit FROM {removed} ORDER BY unit", "stale")  # fmt: skip
+    removed = files.copy(
+        f"SELECT unit FROM ({units}) u WHERE NOT EXISTS "
+        "(SELECT 1 FROM {items} i WHERE i.key = u.unit) ORDER BY unit",
+        "removed",
+    )
+    files.copy(
+        "SELECT key AS unit FROM {todo} UNION SELECT key FROM {rejects} "
+        "UNION SELECT unit FROM {removed} ORDER BY unit",
+        "stale",
+    )
     return {"todo": todo, "rejects": rejects, "removed": removed}
 
 
@@ -511,7 +585,7 @@ def _ingest_id(files: PlanFiles, source: str, state: dict) -> str:
         "SELECT key, version FROM {todo}",
         "SELECT key, version FROM {rejects}",
         "SELECT unit, '' FROM {removed}",
-    ):  # each staged in key order; fmt: skip
+    ):  # each staged in key order
         for batch in files.batches(query):
             for row in batch:
                 h.update(json.dumps(list(row.values())).encode())

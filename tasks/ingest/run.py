@@ -142,42 +142,75 @@ def ingest_source(
 
 
 def _ingest(
-    cfg: IngestConfig, store: Storage, root: str, endpoint_url: str | None,
+    cfg: IngestConfig,
+    store: Storage,
+    root: str,
+    endpoint_url: str | None,
     dask_address: str | None,
-) -> IngestResult:  # fmt: skip
+) -> IngestResult:
     log = task_logger(__name__)
     cat_layout = Layout(Path(root))
     n_workers = cfg.workers or os.cpu_count() or 1
     with ExitStack() as stack:
         runner = stack.enter_context(partition_runner(n_workers, dask_address))
         # The writer lock is held: a plan folder left by a killed run is nobody's.
-        plan = plan_run(store, cfg, cat_layout, runner, endpoint_url,
-                        cat_layout.folder("catalog") / "plan.staging")  # fmt: skip
+        plan = plan_run(
+            store,
+            cfg,
+            cat_layout,
+            runner,
+            endpoint_url,
+            cat_layout.folder("catalog") / "plan.staging",
+        )
         stack.callback(plan.files.close)
         plan.files.release()  # the plan's batches and DuckDB's buffers
         if plan.ingest_id is None:
             log.info("source %s unchanged since %s: nothing to decode", plan.src, plan.previous)
             counts = plan.view_counts()
-            return _result_for(plan.previous, plan.src, plan.source_format, counts["accepted"],
-                               counts["quarantine"], plan.prev_summary, reused=True)  # fmt: skip
+            return _result_for(
+                plan.previous,
+                plan.src,
+                plan.source_format,
+                counts["accepted"],
+                counts["quarantine"],
+                plan.prev_summary,
+                reused=True,
+            )
         log.info(
             "ingest %s (%s source): %d items listed, %d new or changed, %d removed; decoding "
             "in partitions of %d on %s",
-            plan.ingest_id, plan.source_format, plan.listed, plan.todo + plan.rejects,
-            plan.removed, cfg.partition_size,
+            plan.ingest_id,
+            plan.source_format,
+            plan.listed,
+            plan.todo + plan.rejects,
+            plan.removed,
+            cfg.partition_size,
             "Dask " + dask_address if dask_address else f"{n_workers} processes",
-        )  # fmt: skip
-        opts = InspectOptions(plan.src, endpoint_url, cfg.max_pixels,
-                              tuple(cfg.metadata_columns), tuple(cfg.image_extensions))  # fmt: skip
+        )
+        opts = InspectOptions(
+            plan.src,
+            endpoint_url,
+            cfg.max_pixels,
+            tuple(cfg.metadata_columns),
+            tuple(cfg.image_extensions),
+        )
         pool = None
         if not dask_address and plan.todo:
             # spawn, not fork: the parent runs Prefect's threads, and forking those can deadlock.
-            pool = stack.enter_context(ProcessPoolExecutor(
-                min(n_workers, plan.todo), mp_context=mp.get_context("spawn")))  # fmt: skip
+            pool = stack.enter_context(
+                ProcessPoolExecutor(min(n_workers, plan.todo), mp_context=mp.get_context("spawn"))
+            )
         rows = _RunRows(plan, cat_layout, list(cfg.metadata_columns))
         stack.callback(rows.discard)
-        _decode(plan, opts, runner, pool, cfg.partition_size, rows.add_records,
-                window=2 * max(2, n_workers))  # fmt: skip
+        _decode(
+            plan,
+            opts,
+            runner,
+            pool,
+            cfg.partition_size,
+            rows.add_records,
+            window=2 * max(2, n_workers),
+        )
         rows.add_listing_problems()
         result, summary = _summarize(plan, rows)
         summary["table_versions"] = _commit_rows(cat_layout, plan, rows)
@@ -185,7 +218,7 @@ def _ingest(
             cat_layout.catalog(plan.ingest_id),
             {"listing": plan.listing_delta, "superseded": Path(plan.files.path("stale"))},
             summary,
-        )  # fmt: skip
+        )
     cat_layout.set_latest("catalog", plan.ingest_id)
     return result
 
@@ -257,26 +290,45 @@ class _RunRows:
         """Stage one decode partition's records."""
         stamp, seq = self._stamp, self.plan.seq + 1
         self.accepted.add([{**r, **stamp, "ingest_seq": seq} for r in records if "reason" not in r])
-        self._add_quarantine([
-            {**{k: r.get(k) for k in QUARANTINE_COLUMNS}, **stamp, "step": "ingest"}
-            for r in records if "reason" in r
-        ])  # fmt: skip
+        self._add_quarantine(
+            [
+                {**{k: r.get(k) for k in QUARANTINE_COLUMNS}, **stamp, "step": "ingest"}
+                for r in records
+                if "reason" in r
+            ]
+        )
 
     def add_listing_problems(self) -> None:
         """Stage the files rejected from the listing alone and the manifest's problems."""
         plan, stamp = self.plan, self._stamp
         for batch in plan.reject_batches():
-            self._add_quarantine([
-                {"key": r["key"], "reason": r["reason"], "detail": r["detail"], **stamp,
-                 "step": "ingest", "unit": r["key"], "unit_version": r["version"]}
-                for r in batch
-            ])  # fmt: skip
+            self._add_quarantine(
+                [
+                    {
+                        "key": r["key"],
+                        "reason": r["reason"],
+                        "detail": r["detail"],
+                        **stamp,
+                        "step": "ingest",
+                        "unit": r["key"],
+                        "unit_version": r["version"],
+                    }
+                    for r in batch
+                ]
+            )
         for batch in plan.problem_batches():
-            self._add_quarantine([
-                {**p, **stamp, "step": "ingest-manifest", "unit": plan.manifest.name or "-",
-                 "unit_version": plan.manifest.version}
-                for p in batch
-            ])  # fmt: skip
+            self._add_quarantine(
+                [
+                    {
+                        **p,
+                        **stamp,
+                        "step": "ingest-manifest",
+                        "unit": plan.manifest.name or "-",
+                        "unit_version": plan.manifest.version,
+                    }
+                    for p in batch
+                ]
+            )
 
     def _add_quarantine(self, rows: list[dict]) -> None:
         self.quarantined.update((r["step"], r.get("reason")) for r in rows)
@@ -293,9 +345,12 @@ def _commit_rows(cat_layout: Layout, plan: Plan, rows: _RunRows) -> dict[str, in
     versions = {}
     for table, staged, replaced in (
         ("accepted", rows.accepted, Replaced(plan.src, plan.stale_between)),
-        ("quarantine", rows.quarantine,
-         Replaced(plan.src, plan.stale_between, ("ingest-manifest",))),
-    ):  # fmt: skip
+        (
+            "quarantine",
+            rows.quarantine,
+            Replaced(plan.src, plan.stale_between, ("ingest-manifest",)),
+        ),
+    ):
         versions[table] = commit_staged(cat_layout, table, staged, plan.seq + 1, replaced)
         release_freed_memory()  # the data files' row groups
         if versions[table] is None:
@@ -313,18 +368,30 @@ def _summarize(plan: Plan, rows: _RunRows) -> tuple[IngestResult, dict]:
     n_acc, n_q = rows.accepted.rows, rows.quarantine.rows
     before = plan.prev_summary
     totals = {  # the whole view: the previous totals, less what left it, plus this run's rows
-        "view_accepted": int(before.get("view_accepted", 0)) - c["accepted"]
-        + c["kept_accepted"] + n_acc,
-        "view_quarantined": int(before.get("view_quarantined", 0)) - c["quarantined"]
-        + sum(c["kept_files"].values()) + n_q,
-    }  # fmt: skip
-    result = _result_for(plan.ingest_id, plan.src, plan.source_format,
-                         c["kept_accepted"] + n_acc, mine_q, totals, reused=False)  # fmt: skip
+        "view_accepted": int(before.get("view_accepted", 0))
+        - c["accepted"]
+        + c["kept_accepted"]
+        + n_acc,
+        "view_quarantined": int(before.get("view_quarantined", 0))
+        - c["quarantined"]
+        + sum(c["kept_files"].values())
+        + n_q,
+    }
+    result = _result_for(
+        plan.ingest_id,
+        plan.src,
+        plan.source_format,
+        c["kept_accepted"] + n_acc,
+        mine_q,
+        totals,
+        reused=False,
+    )
     result.new_items, result.removed_items = plan.todo + plan.rejects, plan.removed
     result.unchanged_items = plan.listed - result.new_items
     result.decoded_accepted = n_acc
-    result.decoded_quarantined = sum(n for (step, _), n in rows.quarantined.items()
-                                     if step == "ingest")  # fmt: skip
+    result.decoded_quarantined = sum(
+        n for (step, _), n in rows.quarantined.items() if step == "ingest"
+    )
     assert result.listed == result.accepted + result.quarantined, "accepted + quarantined = listed"
     summary = {
         **result.to_dict(),
@@ -363,7 +430,7 @@ def _result_for(
         reasons=dict(reasons),
         manifest_problems=sum(
             n for (step, _), n in quarantined.items() if step == "ingest-manifest"
-        ),  # fmt: skip
+        ),
         unchanged_items=accepted + files_q if reused else 0,
         view_accepted=int(totals.get("view_accepted", 0)),
         view_quarantined=int(totals.get("view_quarantined", 0)),

@@ -104,8 +104,13 @@ def _manifest_row(
         return {"line": n, **_problem(name, "manifest_unsafe_key", f"{where}: path escapes source")}
     cap = _clean_value(row.get(caption_column))
     meta = {c: _clean_value(row.get(c)) for c in metadata_columns}
-    return {"line": n, "key": where, "file_name": name,
-            "caption": None if cap is None else str(cap), "meta": pickle.dumps(meta)}  # fmt: skip
+    return {
+        "line": n,
+        "key": where,
+        "file_name": name,
+        "caption": None if cap is None else str(cap),
+        "meta": pickle.dumps(meta),
+    }
 
 
 def iter_manifest(
@@ -158,8 +163,7 @@ def iter_manifest(
             for batch in batches:
                 for row in batch.to_pylist():
                     n += 1
-                    yield _manifest_row(n, f"{name}:row{n}", row, caption_column,
-                                        metadata_columns)  # fmt: skip
+                    yield _manifest_row(n, f"{name}:row{n}", row, caption_column, metadata_columns)
         except Exception as e:  # noqa: BLE001 - a broken manifest is a reason, not a crash
             yield {"line": 0, **_problem(name, "manifest_unreadable", f"{type(e).__name__}: {e}")}
 
@@ -188,18 +192,34 @@ def plan_object(row: dict, source_format: str, image_exts: set[str]) -> dict:
         return {**out, **_problem(key, "unsupported_extension", key)}
     if source_format == "img2dataset":
         version = _version(size, over, row.get("txt_version"), row.get("json_version"))
-        return {**out, "kind": "file", "version": version, "txt": row.get("txt"),
-                "json": row.get("json")}  # fmt: skip
+        return {
+            **out,
+            "kind": "file",
+            "version": version,
+            "txt": row.get("txt"),
+            "json": row.get("json"),
+        }
     manifest_row = None
     if row.get("has_row"):
         manifest_row = {"caption": row["caption"], "meta": pickle.loads(row["meta"])}
-    return {**out, "kind": "file", "version": _version(size, over, manifest_row),
-            "caption": row.get("caption"), "meta": row.get("meta")}  # fmt: skip
+    return {
+        **out,
+        "kind": "file",
+        "version": _version(size, over, manifest_row),
+        "caption": row.get("caption"),
+        "meta": row.get("meta"),
+    }
 
 
 def item_from_row(row: dict) -> Item:
     """The decode work of one staged item row (of `plan_object`)."""
     meta = pickle.loads(row["meta"]) if row.get("meta") is not None else {}
-    return Item(key=row["key"], kind=row["kind"], version=row["version"],
-                caption=row.get("caption"), meta=meta, txt=row.get("txt"),
-                json=row.get("json"))  # fmt: skip
+    return Item(
+        key=row["key"],
+        kind=row["kind"],
+        version=row["version"],
+        caption=row.get("caption"),
+        meta=meta,
+        txt=row.get("txt"),
+        json=row.get("json"),
+    )

@@ -190,8 +190,16 @@ def _run(cmd, logger, tail, env, heartbeat, hang_timeout_s, on_progress, timeout
         raise LaunchError(f"accelerate launch failed: {why}\n" + "\n".join(tail))
 
 
-def launch_module(launch: LaunchConfig, module: str, args: list[str], *, nodes: int = 1,
-                  workdir: Path, name: str, **watch) -> None:  # fmt: skip
+def launch_module(
+    launch: LaunchConfig,
+    module: str,
+    args: list[str],
+    *,
+    nodes: int = 1,
+    workdir: Path,
+    name: str,
+    **watch,
+) -> None:
     """`accelerate launch -m module args` through `launch.backend`: on this machine (holding a
     `launch.gpu_limit` slot), as a SLURM job or as a Kubeflow Trainer TrainJob on `nodes`
     nodes. `watch` is the heartbeat, hang timeout, progress callback, timeout and extra
@@ -206,8 +214,9 @@ def launch_module(launch: LaunchConfig, module: str, args: list[str], *, nodes: 
         run_launch(cmd, gpu_limit=launch.gpu_limit, **watch)
         return
     rest = ["--config_file", launch.accelerate_config, "-m", module, *args]
-    job = ClusterJob(rest, nodes, processes_per_machine(launch), name, task_logger(__name__),
-                     **watch)  # fmt: skip
+    job = ClusterJob(
+        rest, nodes, processes_per_machine(launch), name, task_logger(__name__), **watch
+    )
     if launch.backend == "slurm":
         from tasks.launch.slurm import run_slurm_job
 
@@ -250,13 +259,18 @@ def launch_stage(stage: StageRun, launch: LaunchConfig) -> dict:
 
     try:
         launch_module(
-            launch, "models.train", ["--config", str(stage_yaml)],
-            nodes=stage.stage.num_machines, workdir=out, name=f"stage-{stage.stage.resolution}px",
-            heartbeat=out / "heartbeat", hang_timeout_s=launch.hang_timeout_s,
+            launch,
+            "models.train",
+            ["--config", str(stage_yaml)],
+            nodes=stage.stage.num_machines,
+            workdir=out,
+            name=f"stage-{stage.stage.resolution}px",
+            heartbeat=out / "heartbeat",
+            hang_timeout_s=launch.hang_timeout_s,
             on_progress=report if progress_id else None,
             # streaming's S3 client takes a custom endpoint (MinIO, R2...) from the environment.
             env={"S3_ENDPOINT_URL": stage.s3_endpoint_url} if stage.s3_endpoint_url else None,
-        )  # fmt: skip
+        )
     except LaunchError:
         _raise_if_diverged(out)
         raise
@@ -289,11 +303,19 @@ def launch_generate(
         model_ref: The model's identity, recorded in study.json.
     """
     out = Path(out_dir)
-    run = StudyRun(pipeline=pipeline_dir, out_dir=out_dir, model_ref=model_ref,
-                   evaluate=evaluate.model_copy(update={"prompts_csv": prompts_csv}))  # fmt: skip
+    run = StudyRun(
+        pipeline=pipeline_dir,
+        out_dir=out_dir,
+        model_ref=model_ref,
+        evaluate=evaluate.model_copy(update={"prompts_csv": prompts_csv}),
+    )
     run_file = write_run_file(run, out / "run.yaml")
-    cmd = accelerate_command(launch.accelerate_config, "models.study_images",
-                             ["--config", str(run_file)], launch.num_processes)  # fmt: skip
+    cmd = accelerate_command(
+        launch.accelerate_config,
+        "models.study_images",
+        ["--config", str(run_file)],
+        launch.num_processes,
+    )
     run_launch(cmd, gpu_limit=launch.gpu_limit)
     return json.loads((out / "study.json").read_text())
 
@@ -311,7 +333,11 @@ def launch_precompute(run: PrecomputeRun, launch: LaunchConfig) -> str:
     if is_published(out) and (val_out is None or is_published(Path(val_out))):
         return str(out)
     run_file = write_run_file(run, out.parent / f".precompute-{out.name}.yaml")
-    cmd = accelerate_command(launch.accelerate_config, "models.precompute",
-                             ["--config", str(run_file)], launch.num_processes)  # fmt: skip
+    cmd = accelerate_command(
+        launch.accelerate_config,
+        "models.precompute",
+        ["--config", str(run_file)],
+        launch.num_processes,
+    )
     run_launch(cmd, gpu_limit=launch.gpu_limit)
     return str(out)

@@ -50,8 +50,9 @@ def topology_processes(accelerate_config: str, override: int | None) -> int:
     if override:
         return override
     if not Path(accelerate_config).is_file():
-        raise MissingInput(f"launch.accelerate_config: file not found "
-                           f"(received {accelerate_config!r})")  # fmt: skip
+        raise MissingInput(
+            f"launch.accelerate_config: file not found (received {accelerate_config!r})"
+        )
     cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
     return int(cfg.get("num_processes") or 1)
 
@@ -69,16 +70,19 @@ def local_processes(accelerate_config: str, num_processes: int | None = None) ->
 def processes_per_machine(launch: LaunchConfig) -> int:
     """Training processes on each node: on a cluster backend its `gpus_per_node` when set,
     else `launch.num_processes` or the topology's count."""
-    per_node = {"slurm": launch.slurm.gpus_per_node,
-                "kubernetes": launch.kubernetes.gpus_per_node}.get(launch.backend)  # fmt: skip
+    per_node = {
+        "slurm": launch.slurm.gpus_per_node,
+        "kubernetes": launch.kubernetes.gpus_per_node,
+    }.get(launch.backend)
     return per_node or local_processes(launch.accelerate_config, launch.num_processes)
 
 
 def stage_processes(launch: LaunchConfig, train: TrainConfig) -> list[int]:
     """Each stage's world size: its `num_machines` times the processes on each node."""
     if launch.backend == "local":  # one machine: the topology's count (validated: 1 node)
-        return [topology_processes(launch.accelerate_config, launch.num_processes)
-                ] * len(train.stages)  # fmt: skip
+        return [topology_processes(launch.accelerate_config, launch.num_processes)] * len(
+            train.stages
+        )
     return [s.num_machines * processes_per_machine(launch) for s in train.stages]
 
 
@@ -108,8 +112,12 @@ class HeartbeatWatch:
     """A stage's heartbeat file, read while its launch runs (here, or as a cluster job whose
     run folder this machine sees): progress for the UI, and the hang watchdog."""
 
-    def __init__(self, path: Path | None, hang_timeout_s: float | None,
-                 on_progress: Callable[[int], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        path: Path | None,
+        hang_timeout_s: float | None,
+        on_progress: Callable[[int], None] | None = None,
+    ):
         self.path, self.hang_timeout_s, self.on_progress = path, hang_timeout_s, on_progress
         self.last_step = None
 

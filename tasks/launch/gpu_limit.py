@@ -65,26 +65,37 @@ def ensure_limit(limit: GpuLimitConfig) -> GlobalConcurrencyLimitResponse:
 
 
 @contextmanager
-def gpu_slot(limit: GpuLimitConfig | None, logger: logging.Logger | logging.LoggerAdapter,
-             what: str) -> Iterator[None]:  # fmt: skip
+def gpu_slot(
+    limit: GpuLimitConfig | None, logger: logging.Logger | logging.LoggerAdapter, what: str
+) -> Iterator[None]:
     """Hold one slot of `limit` while the block runs (nothing when `limit` is None)."""
     if limit is None or not _shared_server():
         yield
         return
     gcl = ensure_limit(limit)
     if not gcl.active:
-        logger.warning("global concurrency limit %r is inactive: %s runs without it",
-                       limit.name, what)  # fmt: skip
+        logger.warning(
+            "global concurrency limit %r is inactive: %s runs without it", limit.name, what
+        )
     elif gcl.active_slots >= gcl.limit:
         logger.info(
             "waiting for the %r concurrency limit (%d of %d slots taken: another launch is "
             "using the GPUs) before %s; if no launch runs, a restarted server kept a dead "
             "holder's slot: `prefect gcl update %s --active-slots 0`",
-            limit.name, gcl.active_slots, gcl.limit, what, limit.name,
-        )  # fmt: skip
+            limit.name,
+            gcl.active_slots,
+            gcl.limit,
+            what,
+            limit.name,
+        )
     started = time.monotonic()
-    with concurrency(limit.name, occupy=1, lease_duration=limit.lease_s, strict=True,
-                     raise_on_lease_renewal_failure=False):  # fmt: skip
+    with concurrency(
+        limit.name,
+        occupy=1,
+        lease_duration=limit.lease_s,
+        strict=True,
+        raise_on_lease_renewal_failure=False,
+    ):
         waited = time.monotonic() - started
         if waited >= 1:
             logger.info("got a %r slot after %.0fs: starting %s", limit.name, waited, what)

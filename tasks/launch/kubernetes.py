@@ -25,8 +25,14 @@ import uuid
 from kiln_config import KubernetesConfig
 from tasks.launch.common import ClusterJob, LaunchError, LaunchRejected
 
-__all__ = ["KubernetesError", "KubernetesRejected", "check_kubernetes", "job_outcome",
-           "run_train_job", "train_job"]  # fmt: skip
+__all__ = [
+    "KubernetesError",
+    "KubernetesRejected",
+    "check_kubernetes",
+    "job_outcome",
+    "run_train_job",
+    "train_job",
+]
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 NODE = "node"  # the torch-distributed runtime's replicated job, and its trainer container
@@ -50,8 +56,15 @@ def _name(name: str) -> str:
     return f"kiln-{slug}-{uuid.uuid4().hex[:6]}"
 
 
-def train_job(rest: list[str], *, name: str, nodes: int, processes_per_machine: int,
-              kube: KubernetesConfig, env: dict[str, str] | None = None) -> dict:  # fmt: skip
+def train_job(
+    rest: list[str],
+    *,
+    name: str,
+    nodes: int,
+    processes_per_machine: int,
+    kube: KubernetesConfig,
+    env: dict[str, str] | None = None,
+) -> dict:
     """The TrainJob for `accelerate launch <rest>` on `nodes` nodes, as the API takes it.
 
     Raises:
@@ -76,16 +89,22 @@ def train_job(rest: list[str], *, name: str, nodes: int, processes_per_machine: 
     spec: dict = {"runtimeRef": {"name": kube.runtime}, "trainer": trainer}
     pod: dict = {}
     if kube.storage_claim:
-        pod["volumes"] = [{"name": STORAGE_VOLUME,
-                           "persistentVolumeClaim": {"claimName": kube.storage_claim}}]  # fmt: skip
-        pod["containers"] = [{"name": NODE, "volumeMounts": [
-            {"name": STORAGE_VOLUME, "mountPath": kube.mount_path}]}]  # fmt: skip
+        pod["volumes"] = [
+            {"name": STORAGE_VOLUME, "persistentVolumeClaim": {"claimName": kube.storage_claim}}
+        ]
+        pod["containers"] = [
+            {"name": NODE, "volumeMounts": [{"name": STORAGE_VOLUME, "mountPath": kube.mount_path}]}
+        ]
     if kube.node_selector:
         pod["nodeSelector"] = dict(kube.node_selector)
     if pod:
         replicated = [{"name": NODE, "template": {"spec": {"template": {"spec": pod}}}}]
-        spec["runtimePatches"] = [{"manager": "kiln", "trainingRuntimeSpec": {
-            "template": {"spec": {"replicatedJobs": replicated}}}}]  # fmt: skip
+        spec["runtimePatches"] = [
+            {
+                "manager": "kiln",
+                "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": replicated}}},
+            }
+        ]
     job = {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "TrainJob",
@@ -93,7 +112,7 @@ def train_job(rest: list[str], *, name: str, nodes: int, processes_per_machine: 
             "name": _name(name),
             "namespace": kube.namespace,
             "labels": {"app.kubernetes.io/managed-by": "kiln"},
-        },  # fmt: skip
+        },
         "spec": spec,
     }
     # The generated models ignore unknown keys: a round trip that loses nothing means every
@@ -152,11 +171,14 @@ class _NodeZeroLog:
         self.running_since: float | None = None  # when node 0 was first seen running
 
     def poll(self) -> None:
-        selector = (f"jobset.sigs.k8s.io/jobset-name={self.job},"
-                    f"jobset.sigs.k8s.io/replicatedjob-name={NODE},"
-                    "batch.kubernetes.io/job-completion-index=0")  # fmt: skip
-        pods = self.core.list_namespaced_pod(self.ns, label_selector=selector,
-                                             _request_timeout=TIMEOUT).items  # fmt: skip
+        selector = (
+            f"jobset.sigs.k8s.io/jobset-name={self.job},"
+            f"jobset.sigs.k8s.io/replicatedjob-name={NODE},"
+            "batch.kubernetes.io/job-completion-index=0"
+        )
+        pods = self.core.list_namespaced_pod(
+            self.ns, label_selector=selector, _request_timeout=TIMEOUT
+        ).items
         for pod in pods:
             name, phase = pod.metadata.name, pod.status.phase
             if phase == "Running" and self.running_since is None:
@@ -177,9 +199,13 @@ class _NodeZeroLog:
         from kubernetes import watch
 
         with contextlib.suppress(Exception):  # the pod went away: its log ends here
-            for line in watch.Watch().stream(self.core.read_namespaced_pod_log, name=pod,
-                                             namespace=self.ns, container=NODE,
-                                             follow=True):  # fmt: skip
+            for line in watch.Watch().stream(
+                self.core.read_namespaced_pod_log,
+                name=pod,
+                namespace=self.ns,
+                container=NODE,
+                follow=True,
+            ):
                 self.keep.append(line)
                 del self.keep[:-40]
                 self.log.info(line)
@@ -196,8 +222,9 @@ def check_kubernetes(kube: KubernetesConfig) -> None:
 
     custom, _ = _clients(kube)
     try:
-        custom.get_cluster_custom_object(GROUP, VERSION, "clustertrainingruntimes", kube.runtime,
-                                         _request_timeout=TIMEOUT)  # fmt: skip
+        custom.get_cluster_custom_object(
+            GROUP, VERSION, "clustertrainingruntimes", kube.runtime, _request_timeout=TIMEOUT
+        )
     except ApiException as e:
         raise KubernetesRejected(
             f"launch.kubernetes.runtime: the cluster has no ClusterTrainingRuntime "
@@ -215,8 +242,14 @@ def run_train_job(job: ClusterJob, kube: KubernetesConfig) -> str:
     """
     custom, core = _clients(kube)
     logger, timeout_s = job.logger, job.timeout_s
-    obj = train_job(job.rest, name=job.name, nodes=job.nodes, kube=kube, env=job.env,
-                    processes_per_machine=job.processes_per_machine)  # fmt: skip
+    obj = train_job(
+        job.rest,
+        name=job.name,
+        nodes=job.nodes,
+        kube=kube,
+        env=job.env,
+        processes_per_machine=job.processes_per_machine,
+    )
     job_name, ns = obj["metadata"]["name"], kube.namespace
     api = (GROUP, VERSION, ns, PLURAL)
     try:
@@ -224,10 +257,16 @@ def run_train_job(job: ClusterJob, kube: KubernetesConfig) -> str:
     except Exception as e:  # noqa: BLE001 - ApiException, or urllib3's connection errors
         detail = f"{getattr(e, 'status', '')} {getattr(e, 'reason', '')} {getattr(e, 'body', e)}"
         kind = KubernetesRejected if _refused(e) else KubernetesError
-        raise kind(f"the Kubernetes API did not take TrainJob {ns}/{job_name}: "
-                   f"{detail.strip()}") from None  # fmt: skip
-    logger.info("created TrainJob %s/%s: %d node(s) x %d process(es)", ns, job_name, job.nodes,
-                job.processes_per_machine)  # fmt: skip
+        raise kind(
+            f"the Kubernetes API did not take TrainJob {ns}/{job_name}: {detail.strip()}"
+        ) from None
+    logger.info(
+        "created TrainJob %s/%s: %d node(s) x %d process(es)",
+        ns,
+        job_name,
+        job.nodes,
+        job.processes_per_machine,
+    )
     tail: list[str] = []
     node_zero = _NodeZeroLog(core, ns, job_name, logger, tail)
     beat = job.heartbeat_watch()
@@ -235,15 +274,15 @@ def run_train_job(job: ClusterJob, kube: KubernetesConfig) -> str:
     try:
         while True:
             try:
-                current = custom.get_namespaced_custom_object(*api, job_name,
-                                                          _request_timeout=TIMEOUT)  # fmt: skip
+                current = custom.get_namespaced_custom_object(
+                    *api, job_name, _request_timeout=TIMEOUT
+                )
                 node_zero.poll()
                 answered = time.time()
             except Exception as e:  # noqa: BLE001 - the API busy or away: the job goes on
                 if _refused(e) or time.time() - answered > UNREACHABLE_S:
                     raise KubernetesError(f"TrainJob {ns}/{job_name}: the API failed: {e}") from e
-                logger.warning("TrainJob %s/%s: the API failed (%s); asking again", ns, job_name,
-                               e)  # fmt: skip
+                logger.warning("TrainJob %s/%s: the API failed (%s); asking again", ns, job_name, e)
                 time.sleep(kube.poll_s)
                 continue
             if outcome := job_outcome(current):
@@ -270,8 +309,9 @@ def _delete(custom, api: tuple, job_name: str, logger) -> None:
     """Delete the TrainJob with its pods, and wait (up to a minute) until it is gone, so a
     retry's pods do not meet the old ones."""
     with contextlib.suppress(Exception):
-        custom.delete_namespaced_custom_object(*api, job_name, propagation_policy="Foreground",
-                                               _request_timeout=TIMEOUT)  # fmt: skip
+        custom.delete_namespaced_custom_object(
+            *api, job_name, propagation_policy="Foreground", _request_timeout=TIMEOUT
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:

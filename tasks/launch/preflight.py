@@ -125,8 +125,15 @@ def check_collective(launch: LaunchConfig, out: Path, timeout_s: float, nodes: i
     """
     run_file = write_run_file(HealthCheckRun(out_dir=str(out)), out / "health.yaml")
     try:
-        launch_module(launch, "models.collective_check", ["--config", str(run_file)],
-                      nodes=nodes, workdir=out, name="health", timeout_s=timeout_s)  # fmt: skip
+        launch_module(
+            launch,
+            "models.collective_check",
+            ["--config", str(run_file)],
+            nodes=nodes,
+            workdir=out,
+            name="health",
+            timeout_s=timeout_s,
+        )
     except LaunchError as e:
         raise HealthCheckError(
             f"collective: the all-reduce across the processes of "
@@ -154,8 +161,11 @@ def preflight(
         check_gpus(launch.accelerate_config, launch.num_processes)
     check_storage(run, shard_dirs)
     check_disk(run, train)
-    if (local and topology_processes(launch.accelerate_config, launch.num_processes) == 1
-            and not cuda_available()):  # fmt: skip
+    if (
+        local
+        and topology_processes(launch.accelerate_config, launch.num_processes) == 1
+        and not cuda_available()
+    ):
         # One CPU process: no collective to form and no device to probe.
         report = {"world_size": 1, "collective": "skipped: one CPU process, nothing to all-reduce"}
     else:
@@ -212,8 +222,7 @@ def check_stages(
 def _check_memory(train, launch, worlds, pending, precomputed) -> None:
     from tasks.planning.memory_model import memory_plan
 
-    plan = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb,
-                       precomputed)  # fmt: skip
+    plan = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb, precomputed)
     for i in pending:
         mem = plan[i]["configured"]
         if not mem["fits"]:
@@ -242,5 +251,6 @@ def stage_feasibility(
     has_gpus = cuda_available() if launch.backend == "local" else bool(gpus[launch.backend])
     on_gpu = has_gpus and not topology.get("use_cpu")
     check_stages(train, launch, stage_stats, pending, on_gpu, precomputed)
-    task_logger(__name__).info("every pending stage fits its dataset%s",
-                               " and GPU memory" if on_gpu else "")  # fmt: skip
+    task_logger(__name__).info(
+        "every pending stage fits its dataset%s", " and GPU memory" if on_gpu else ""
+    )

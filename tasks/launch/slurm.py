@@ -28,15 +28,30 @@ from pathlib import Path
 from kiln_config import SlurmConfig
 from tasks.launch.common import ClusterJob, HeartbeatWatch, LaunchError, LaunchRejected
 
-__all__ = ["SlurmError", "SlurmRejected", "SlurmUnavailable", "check_slurm", "job_script",
-           "run_slurm_job"]  # fmt: skip
+__all__ = [
+    "SlurmError",
+    "SlurmRejected",
+    "SlurmUnavailable",
+    "check_slurm",
+    "job_script",
+    "run_slurm_job",
+]
 
 # End states (`scontrol show job`'s JobState). Any of them but COMPLETED fails the launch, and
 # the stage task's retries resubmit it (resuming from the newest checkpoint) unless the stage
 # diverged: NODE_FAIL, PREEMPTED, a killed rank (FAILED) and TIMEOUT all come back that way.
 # Jobs are submitted with --no-requeue, so SLURM does not resubmit them behind Kiln's back.
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-            "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}  # fmt: skip
+FINISHED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 # States of a job that will not go on by itself: ended as far as Kiln is concerned, and
 # cancelled so that it leaves the queue.
 HELD = {"SPECIAL_EXIT", "REQUEUE_HOLD", "REQUEUE_FED", "REQUEUED", "STOPPED", "SUSPENDED"}
@@ -46,14 +61,28 @@ HELD = {"SPECIAL_EXIT", "REQUEUE_HOLD", "REQUEUE_FED", "REQUEUED", "STOPPED", "S
 # QOS allows. A cluster without `EnforcePartLimits` accepts such a job and leaves it pending
 # for ever; the stage fails at once instead, as if sbatch had refused it.
 # (PartitionNodeLimit is not among them: it also means that needed nodes are down for now.)
-NEVER_RUNS = {"PartitionConfig", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
-              "InvalidQOS", "AccountNotAllowed", "QOSMaxNodePerJobLimit",
-              "QOSMaxWallDurationPerJobLimit", "QOSMaxGRESPerJob"}  # fmt: skip
+NEVER_RUNS = {
+    "PartitionConfig",
+    "PartitionTimeLimit",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSMaxNodePerJobLimit",
+    "QOSMaxWallDurationPerJobLimit",
+    "QOSMaxGRESPerJob",
+}
 
 # sbatch failures that a later try may not meet: the controller busy or unreachable.
-TRANSIENT = ("Socket timed out", "Unable to contact slurm controller", "temporarily unable",
-             "Resource temporarily unavailable", "Zero Bytes were transmitted",
-             "Transport endpoint", "timed out after")  # fmt: skip
+TRANSIENT = (
+    "Socket timed out",
+    "Unable to contact slurm controller",
+    "temporarily unable",
+    "Resource temporarily unavailable",
+    "Zero Bytes were transmitted",
+    "Transport endpoint",
+    "timed out after",
+)
 # How long the controller may not answer `scontrol` before the watch gives up on the job.
 UNREACHABLE_S = 300.0
 
@@ -95,8 +124,13 @@ def _slurm(argv: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def _directives(slurm: SlurmConfig, nodes: int, name: str, log: Path) -> list[str]:
-    lines = [f"--job-name={name}", f"--nodes={nodes}", "--ntasks-per-node=1", f"--output={log}",
-             "--no-requeue"]  # fmt: skip
+    lines = [
+        f"--job-name={name}",
+        f"--nodes={nodes}",
+        "--ntasks-per-node=1",
+        f"--output={log}",
+        "--no-requeue",
+    ]
     if slurm.partition:
         lines.append(f"--partition={slurm.partition}")
     if slurm.account:
@@ -127,14 +161,29 @@ def check_slurm(slurm: SlurmConfig, nodes: int) -> None:
         raise SlurmRejected(f"launch.slurm: the cluster refuses a {nodes}-node job ({e})") from None
 
 
-def job_script(rest: list[str], *, nodes: int, processes_per_machine: int, slurm: SlurmConfig,
-               name: str, log: Path, workdir: str) -> str:  # fmt: skip
+def job_script(
+    rest: list[str],
+    *,
+    nodes: int,
+    processes_per_machine: int,
+    slurm: SlurmConfig,
+    name: str,
+    log: Path,
+    workdir: str,
+) -> str:
     """The batch script: one node entrypoint per node, each starting `accelerate launch
     <rest>` with that node's flags. The rendezvous port is the configured one plus the job
     id modulo 1000, so two jobs that share a first node do not collide."""
     header = "".join(f"#SBATCH {d}\n" for d in _directives(slurm, nodes, name, log))
-    node = [sys.executable, "-m", "models.node_launch", "--source", "slurm",
-            "--processes-per-machine", str(processes_per_machine)]  # fmt: skip
+    node = [
+        sys.executable,
+        "-m",
+        "models.node_launch",
+        "--source",
+        "slurm",
+        "--processes-per-machine",
+        str(processes_per_machine),
+    ]
     port = f'--main-process-port "$(( {slurm.main_process_port} + SLURM_JOB_ID % 1000 ))"'
     return (
         "#!/bin/bash\n"
@@ -208,20 +257,31 @@ def run_slurm_job(job: ClusterJob, slurm: SlurmConfig, workdir: Path) -> str:
     name, nodes, logger = job.name, job.nodes, job.logger
     log_path = workdir / f"slurm-{name}.log"
     script = workdir / f"slurm-{name}.sh"
-    text = job_script(job.rest, nodes=nodes, processes_per_machine=job.processes_per_machine,
-                      slurm=slurm, name=name, log=log_path, workdir=os.getcwd())  # fmt: skip
+    text = job_script(
+        job.rest,
+        nodes=nodes,
+        processes_per_machine=job.processes_per_machine,
+        slurm=slurm,
+        name=name,
+        log=log_path,
+        workdir=os.getcwd(),
+    )
     script.write_text(text)
     offset = log_path.stat().st_size if log_path.is_file() else 0  # a retry appends
     sbatch_env = {**os.environ, **(job.env or {})}
     try:
-        job_id = _slurm(["sbatch", "--parsable", "--open-mode=append", str(script)],
-                        sbatch_env).strip().split(";")[0]  # fmt: skip
+        job_id = (
+            _slurm(["sbatch", "--parsable", "--open-mode=append", str(script)], sbatch_env)
+            .strip()
+            .split(";")[0]
+        )
     except SlurmUnavailable as e:  # retried: the controller may answer next time
         raise SlurmError(f"sbatch could not submit the job: {e}") from e
     except SlurmError as e:
         raise SlurmRejected(f"sbatch refused the job: {e}") from e
-    logger.info("submitted SLURM job %s: %d node(s), script %s, output %s", job_id, nodes,
-                script, log_path)  # fmt: skip
+    logger.info(
+        "submitted SLURM job %s: %d node(s), script %s, output %s", job_id, nodes, script, log_path
+    )
     tail: collections.deque[str] = collections.deque(maxlen=40)
     reader = _Tail(log_path, logger, tail)
     reader.offset = offset
@@ -235,8 +295,9 @@ def run_slurm_job(job: ClusterJob, slurm: SlurmConfig, workdir: Path) -> str:
                 answered = time.time()
             except SlurmUnavailable as e:  # a busy controller: the job itself goes on
                 if time.time() - answered > UNREACHABLE_S:
-                    raise SlurmError(f"SLURM job {job_id}: no answer for {UNREACHABLE_S:g}s "
-                                     f"({e})") from e  # fmt: skip
+                    raise SlurmError(
+                        f"SLURM job {job_id}: no answer for {UNREACHABLE_S:g}s ({e})"
+                    ) from e
                 logger.warning(
                     "SLURM job %s: scontrol did not answer (%s); trying again", job_id, e
                 )
@@ -247,8 +308,7 @@ def run_slurm_job(job: ClusterJob, slurm: SlurmConfig, workdir: Path) -> str:
             if state == "RUNNING":
                 first_running = first_running or time.time()
             since = _start_time(fields, first_running or time.time())
-            if state in FINISHED or (why := _why_stop(state, fields, beat, job.timeout_s,
-                                                      since)):  # fmt: skip
+            if state in FINISHED or (why := _why_stop(state, fields, beat, job.timeout_s, since)):
                 break
             time.sleep(slurm.poll_s)
     finally:
@@ -257,18 +317,24 @@ def run_slurm_job(job: ClusterJob, slurm: SlurmConfig, workdir: Path) -> str:
             _cancel(job_id, logger)
         reader.read(final=True)
     if why and why.startswith("can never start"):
-        raise SlurmRejected(f"SLURM job {job_id} {why}: the cluster has no room for {nodes} "
-                            "node(s) with these launch.slurm settings")  # fmt: skip
+        raise SlurmRejected(
+            f"SLURM job {job_id} {why}: the cluster has no room for {nodes} "
+            "node(s) with these launch.slurm settings"
+        )
     if why or state != "COMPLETED" or fields.get("ExitCode", "0:0") != "0:0":
         reason = fields.get("Reason", "None")
-        what = why or (f"ended {state} (exit code {fields.get('ExitCode', '?')}"
-                       + (f", {reason}" if reason not in ("None", "") else "") + ")")  # fmt: skip
+        what = why or (
+            f"ended {state} (exit code {fields.get('ExitCode', '?')}"
+            + (f", {reason}" if reason not in ("None", "") else "")
+            + ")"
+        )
         raise SlurmError(f"SLURM job {job_id} {what}\n" + "\n".join(tail))
     return job_id
 
 
-def _why_stop(state: str, fields: dict[str, str], beat: HeartbeatWatch,
-              timeout_s: float | None, since: float) -> str | None:  # fmt: skip
+def _why_stop(
+    state: str, fields: dict[str, str], beat: HeartbeatWatch, timeout_s: float | None, since: float
+) -> str | None:
     """Why the watch stops a job that has not finished: held, never to start, hung, or past
     `timeout_s` (the watchdog and the timeout count from its start); None to watch on."""
     if state in HELD:

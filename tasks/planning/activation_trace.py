@@ -110,8 +110,16 @@ class _TraceAttnProcessor:
     def __init__(self, math: bool):
         self.math = math
 
-    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
-                 temb=None, *args, **kwargs):  # fmt: skip
+    def __call__(
+        self,
+        attn,
+        hidden_states,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        temb=None,
+        *args,
+        **kwargs,
+    ):
         if attn.spatial_norm is not None or attn.group_norm is not None:
             raise ValueError("the trace supports the UNet's transformer attention only")
         b, n, _ = hidden_states.shape
@@ -142,8 +150,9 @@ def _module_stack(unet, names: tuple[str, ...]):
     for m in unet.modules():
         kind = type(m).__name__
         if kind in names:
-            handles.append(m.register_forward_pre_hook(
-                lambda mod, args, k=kind: stack.append((k, id(mod)))))  # fmt: skip
+            handles.append(
+                m.register_forward_pre_hook(lambda mod, args, k=kind: stack.append((k, id(mod))))
+            )
             handles.append(m.register_forward_hook(lambda mod, args, out: _pop(stack)))
     try:
         yield stack

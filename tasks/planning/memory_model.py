@@ -114,8 +114,11 @@ def encoder_params(train: TrainConfig) -> dict[str, int | None]:
     vae_cfg = _local_config(train.model.vae, "vae")
     text_cfg = _local_config(train.model.text_encoder, "text_encoder")
     with torch.device("meta"):
-        out["vae"] = (sum(p.numel() for p in AutoencoderKL.from_config(vae_cfg).parameters())
-                      if vae_cfg else None)  # fmt: skip
+        out["vae"] = (
+            sum(p.numel() for p in AutoencoderKL.from_config(vae_cfg).parameters())
+            if vae_cfg
+            else None
+        )
         if text_cfg:
             text_cfg = {k: v for k, v in text_cfg.items() if not k.startswith("_")}
             model = CLIPTextModel(CLIPTextConfig(**text_cfg))
@@ -189,9 +192,16 @@ def stage_memory(
         )
     total = sum(state.values()) + frozen + activations
     gpu = int(setup.gpu_memory_gb * GB)
-    return StageMemory(setup=setup.label, batch_size=batch, **state, frozen_encoders=frozen,
-                       activations=activations, total=total, fits=total <= gpu,
-                       gpu_bytes=gpu)  # fmt: skip
+    return StageMemory(
+        setup=setup.label,
+        batch_size=batch,
+        **state,
+        frozen_encoders=frozen,
+        activations=activations,
+        total=total,
+        fits=total <= gpu,
+        gpu_bytes=gpu,
+    )
 
 
 def topology_setup(accelerate_config: str) -> tuple[str, str]:
@@ -228,21 +238,44 @@ def _options(train: TrainConfig, i: int, setup: Setup, **counts) -> list[dict]:
     if setup.strategy == "ddp" and not train.ema.enabled:  # Kiln's EMA needs whole params
         fsdp = stage_memory(train, i, Setup(**{**asdict(setup), "strategy": "fsdp"}), **counts)
         if fsdp.fits:
-            out.append({"change": "fsdp", "memory": fsdp.as_dict(), "text": (
-                "use FSDP SHARD_GRAD_OP (configs/accelerate/fsdp.yaml): "
-                f"{fsdp.total / GB:.1f} GB per GPU")})  # fmt: skip
+            out.append(
+                {
+                    "change": "fsdp",
+                    "memory": fsdp.as_dict(),
+                    "text": (
+                        "use FSDP SHARD_GRAD_OP (configs/accelerate/fsdp.yaml): "
+                        f"{fsdp.total / GB:.1f} GB per GPU"
+                    ),
+                }
+            )
     ckpt = stage_memory(train, i, Setup(**{**asdict(setup), "checkpointing": True}), **counts)
     if ckpt.fits:
-        out.append({"change": "gradient_checkpointing", "memory": ckpt.as_dict(), "text": (
-            f"gradient checkpointing: {ckpt.total / GB:.1f} GB per GPU (no setting switches "
-            "it on: unet.enable_gradient_checkpointing() in models/train.py)")})  # fmt: skip
+        out.append(
+            {
+                "change": "gradient_checkpointing",
+                "memory": ckpt.as_dict(),
+                "text": (
+                    f"gradient checkpointing: {ckpt.total / GB:.1f} GB per GPU (no setting "
+                    "switches it on: unet.enable_gradient_checkpointing() in models/train.py)"
+                ),
+            }
+        )
     smaller = _smaller_batch(train, i, setup, **counts)
     if smaller:
         b, accum, mem = smaller
-        text = (f"train.stages.{i}.batch_size {b} with gradient_accumulation_steps {accum} "
-                f"(global batch unchanged): {mem.total / GB:.1f} GB per GPU")  # fmt: skip
-        out.append({"change": "batch_size", "batch_size": b, "gradient_accumulation_steps": accum,
-                    "memory": mem.as_dict(), "text": text})  # fmt: skip
+        text = (
+            f"train.stages.{i}.batch_size {b} with gradient_accumulation_steps {accum} "
+            f"(global batch unchanged): {mem.total / GB:.1f} GB per GPU"
+        )
+        out.append(
+            {
+                "change": "batch_size",
+                "batch_size": b,
+                "gradient_accumulation_steps": accum,
+                "memory": mem.as_dict(),
+                "text": text,
+            }
+        )
     return out
 
 
@@ -255,9 +288,14 @@ def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
     options = _options(train, i, setup, **counts)
     if not options:
         stage = train.stages[i]
-        return {"change": None, "alternatives": [], "text": (
-            f"nothing fits {setup.gpu_memory_gb:g} GB at batch 1 of {stage.resolution}px: a "
-            "larger GPU (launch.gpu_memory_gb) or a smaller model")}  # fmt: skip
+        return {
+            "change": None,
+            "alternatives": [],
+            "text": (
+                f"nothing fits {setup.gpu_memory_gb:g} GB at batch 1 of {stage.resolution}px: a "
+                "larger GPU (launch.gpu_memory_gb) or a smaller model"
+            ),
+        }
     first = dict(options[0])
     first["alternatives"] = options[1:]
     if first["change"] == "gradient_checkpointing" and options[1:]:
@@ -265,13 +303,20 @@ def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
     return first
 
 
-def memory_plan(train: TrainConfig, accelerate_config: str, worlds: list[int],
-                gpu_memory_gb: float, precomputed: bool) -> list[dict]:  # fmt: skip
+def memory_plan(
+    train: TrainConfig,
+    accelerate_config: str,
+    worlds: list[int],
+    gpu_memory_gb: float,
+    precomputed: bool,
+) -> list[dict]:
     """Per stage: the configured setup's memory, every setup's total, and a recommendation
     for a stage that does not fit."""
     strategy, precision = topology_setup(accelerate_config)
-    counts = {"encoders": encoder_params(train),
-              "unet_params": unet_parameter_count(train.model.unet)}  # fmt: skip
+    counts = {
+        "encoders": encoder_params(train),
+        "unet_params": unet_parameter_count(train.model.unet),
+    }
     out = []
     for i, world in enumerate(worlds):
         base = Setup(strategy, False, precision, world, gpu_memory_gb, precomputed)
@@ -280,9 +325,15 @@ def memory_plan(train: TrainConfig, accelerate_config: str, worlds: list[int],
         for s, ck in (("ddp", False), ("ddp", True), ("fsdp", False), ("fsdp", True)):
             other = Setup(s, ck, precision, world, gpu_memory_gb, precomputed)
             setups[other.label] = stage_memory(train, i, other, **counts).total
-        out.append({"resolution": train.stages[i].resolution, "configured": mem.as_dict(),
-                    "setups_total": setups,
-                    "recommendation": None if mem.fits else recommend(train, i, base, **counts),
-                    "unknown_encoders": [k for k, v in counts["encoders"].items()
-                                         if v is None and not precomputed]})  # fmt: skip
+        out.append(
+            {
+                "resolution": train.stages[i].resolution,
+                "configured": mem.as_dict(),
+                "setups_total": setups,
+                "recommendation": None if mem.fits else recommend(train, i, base, **counts),
+                "unknown_encoders": [
+                    k for k, v in counts["encoders"].items() if v is None and not precomputed
+                ],
+            }
+        )
     return out

@@ -100,10 +100,14 @@ def make_plan(
         # it dominates the cost of every stage.
         unet = train.model.unet
         flops = [
-            train_flops_per_sample(unet, resolution=s.resolution, latent_channels=unet.get(
-                "in_channels", 4), seq_len=train.model.tokenizer.model_max_length)
+            train_flops_per_sample(
+                unet,
+                resolution=s.resolution,
+                latent_channels=unet.get("in_channels", 4),
+                seq_len=train.model.tokenizer.model_max_length,
+            )
             for s in train.stages
-        ]  # fmt: skip
+        ]
         rates = [
             (img_per_s * flops[0] / f, f"given {img_per_s:g} img/s at stage 1, FLOPs-scaled")
             for f in flops
@@ -123,13 +127,20 @@ def make_plan(
         wall_h = samples / global_rate / 3600 + eval_h
         stages.append(
             StagePlan(
-                resolution=s.resolution, steps=s.max_steps, samples=samples,
-                img_per_s_per_device=round(rate, 3), img_per_s=round(global_rate, 3),
-                wall_hours=wall_h, gpu_hours=wall_h * procs,
-                cost_usd=wall_h * procs * gpu_hour_usd, rate_source=source, processes=procs,
-                eval_hours=eval_h, val_forward_s=val_forward_s[i],
+                resolution=s.resolution,
+                steps=s.max_steps,
+                samples=samples,
+                img_per_s_per_device=round(rate, 3),
+                img_per_s=round(global_rate, 3),
+                wall_hours=wall_h,
+                gpu_hours=wall_h * procs,
+                cost_usd=wall_h * procs * gpu_hour_usd,
+                rate_source=source,
+                processes=procs,
+                eval_hours=eval_h,
+                val_forward_s=val_forward_s[i],
             )
-        )  # fmt: skip
+        )
     total = {
         k: sum(getattr(p, k) for p in stages)
         for k in ("steps", "samples", "wall_hours", "gpu_hours", "cost_usd")
@@ -188,18 +199,23 @@ def memory_and_scale(plan: dict, train: TrainConfig, launch, precomputed: bool) 
     from tasks.planning.scale_model import stage_scaling
 
     worlds = [p["processes"] for p in plan["stages"]]
-    memory = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb,
-                         precomputed)  # fmt: skip
+    memory = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb, precomputed)
     strategy, precision = topology_setup(launch.accelerate_config)
     n_params = _unet_params(train)
     per_node = processes_per_machine(launch)
     for p, mem, s in zip(plan["stages"], memory, train.stages, strict=True):
         p["memory"] = mem
         p["scaling"] = stage_scaling(
-            n_params, p["img_per_s_per_device"], s.batch_size, s.gradient_accumulation_steps,
-            sorted({*SCALE_NODES, s.num_machines}), per_node, strategy=strategy,
-            half=precision in ("bf16", "fp16"), inter_node_gbps=launch.inter_node_gbps,
-        )  # fmt: skip
+            n_params,
+            p["img_per_s_per_device"],
+            s.batch_size,
+            s.gradient_accumulation_steps,
+            sorted({*SCALE_NODES, s.num_machines}),
+            per_node,
+            strategy=strategy,
+            half=precision in ("bf16", "fp16"),
+            inter_node_gbps=launch.inter_node_gbps,
+        )
     plan["gpu_memory_gb"] = launch.gpu_memory_gb
     plan["inter_node_gbps"] = launch.inter_node_gbps
     plan["gpus_per_node"] = per_node
@@ -216,17 +232,27 @@ def format_memory(plan: dict) -> str:
     """Per stage: GB per GPU by component, whether it fits, the other setups' totals, what to
     change; then the scaling table."""
     gb = 1e9
-    cols = ("parameters", "gradients", "optimizer", "ema", "comm_buffers", "frozen_encoders",
-            "activations", "total")  # fmt: skip
+    cols = (
+        "parameters",
+        "gradients",
+        "optimizer",
+        "ema",
+        "comm_buffers",
+        "frozen_encoders",
+        "activations",
+        "total",
+    )
     names = ("params", "grads", "adamw", "ema", "buckets", "encoders", "activ", "total")
     head = f"{'stage':>6} {'setup':>6} {'batch':>5} " + " ".join(f"{n:>8}" for n in names)
     rows = [f"memory per GPU (GB; {plan['gpu_memory_gb']:g} GB per GPU)", head, "-" * len(head)]
     notes = []
     for p in plan["stages"]:
         m = p["memory"]["configured"]
-        rows.append(f"{p['resolution']:>5}px {m['setup']:>6} {m['batch_size']:>5} "
-                    + " ".join(f"{m[c] / gb:>8.1f}" for c in cols)
-                    + ("  fits" if m["fits"] else "  DOES NOT FIT"))  # fmt: skip
+        rows.append(
+            f"{p['resolution']:>5}px {m['setup']:>6} {m['batch_size']:>5} "
+            + " ".join(f"{m[c] / gb:>8.1f}" for c in cols)
+            + ("  fits" if m["fits"] else "  DOES NOT FIT")
+        )
         others = ", ".join(f"{k} {v / gb:.1f}" for k, v in p["memory"]["setups_total"].items())
         rows.append(f"{'':>6} totals: {others}")
         rec = p["memory"]["recommendation"]
@@ -237,14 +263,20 @@ def format_memory(plan: dict) -> str:
     if notes:
         rows.append(f"not counted: {notes[0]} (a hub id; point `pretrained` at a local folder)")
     rows.append("")
-    rows.append(f"scaling ({plan['gpus_per_node']} GPUs per node, {plan['inter_node_gbps']:g} "
-                "Gbit/s per node, traffic overlapped with the backward pass)")  # fmt: skip
-    head = (f"{'stage':>6} {'nodes':>5} {'GPUs':>5} {'traffic GB':>10} {'compute s':>10} "
-            f"{'comm s':>8} {'step s':>8} {'efficiency':>10}")  # fmt: skip
+    rows.append(
+        f"scaling ({plan['gpus_per_node']} GPUs per node, {plan['inter_node_gbps']:g} "
+        "Gbit/s per node, traffic overlapped with the backward pass)"
+    )
+    head = (
+        f"{'stage':>6} {'nodes':>5} {'GPUs':>5} {'traffic GB':>10} {'compute s':>10} "
+        f"{'comm s':>8} {'step s':>8} {'efficiency':>10}"
+    )
     rows += [head, "-" * len(head)]
     for p in plan["stages"]:
         for s in p["scaling"]:
-            rows.append(f"{p['resolution']:>5}px {s['nodes']:>5} {s['processes']:>5} "
-                        f"{s['traffic_gb']:>10.2f} {s['compute_s']:>10.3f} {s['comm_s']:>8.3f} "
-                        f"{s['step_s']:>8.3f} {s['efficiency']:>10.2%}")  # fmt: skip
+            rows.append(
+                f"{p['resolution']:>5}px {s['nodes']:>5} {s['processes']:>5} "
+                f"{s['traffic_gb']:>10.2f} {s['compute_s']:>10.3f} {s['comm_s']:>8.3f} "
+                f"{s['step_s']:>8.3f} {s['efficiency']:>10.2%}"
+            )
     return "\n".join(rows)

@@ -78,10 +78,18 @@ def stage_scaling(
         last = comm * min(1.0, BUCKET_BYTES / (n_params * 4)) if n > 1 else 0.0
         exposed = max(0.0, comm - window - last) + last + collectives * collective_latency_s
         step = compute + exposed
-        out.append({"nodes": n, "processes": world, "traffic_gb": round(traffic / 1e9, 3),
-                    "compute_s": round(compute, 4), "comm_s": round(comm, 4),
-                    "exposed_s": round(exposed, 4), "step_s": round(step, 4),
-                    "efficiency": round(compute / step, 4)})  # fmt: skip
+        out.append(
+            {
+                "nodes": n,
+                "processes": world,
+                "traffic_gb": round(traffic / 1e9, 3),
+                "compute_s": round(compute, 4),
+                "comm_s": round(comm, 4),
+                "exposed_s": round(exposed, 4),
+                "step_s": round(step, 4),
+                "efficiency": round(compute / step, 4),
+            }
+        )
     return out
 
 
@@ -113,4 +121,4 @@ def fit_loopback(measured: dict, n_params: int, logged_reductions: int = 1) -> d
         "step_overhead_s": 0.0,
         "predicted_step_s": {"local_1x2": local, "slurm_2x1": predicted},
         "measured_step_s": {"local_1x2": local, "slurm_2x1": slurm},
-    }  # fmt: skip
+    }

@@ -59,8 +59,9 @@ def dup_partitions_for(rows: int, new_rows: int, partition_rows: int) -> int:
 
 
 @task(name="hash-rows", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def hash_rows(part: ViewPart, row_groups: list[int], path: str, parts: int,
-              cache: str | None = None) -> int:  # fmt: skip
+def hash_rows(
+    part: ViewPart, row_groups: list[int], path: str, parts: int, cache: str | None = None
+) -> int:
     """Write the hashes of some row groups of one part (rows checked by an earlier verdict)
     to a hash file, from the hash `cache` when it has every group; return their count.
     Idempotent: a retry rewrites the file."""
@@ -79,8 +80,9 @@ def _refill(cache: str, path, row_groups: list[int], hashes: tuple) -> None:
 
     meta = pq.ParquetFile(path).metadata
     try:
-        hash_cache.save(Path(cache), path, row_groups,
-                        [meta.row_group(g).num_rows for g in row_groups], hashes)  # fmt: skip
+        hash_cache.save(
+            Path(cache), path, row_groups, [meta.row_group(g).num_rows for g in row_groups], hashes
+        )
     except OSError as e:
         task_logger(__name__).warning("hash cache not written (%s): %s", cache, e)
 
@@ -93,8 +95,9 @@ def _cached(cache: str, path, row_groups: list[int]) -> tuple | None:
     got = [hash_cache.load(Path(cache), path, g, meta.row_group(g).num_rows) for g in row_groups]
     if any(g is None for g in got):
         return None
-    return tuple(np.concatenate([g[i] for g in got]) if got else np.zeros(0, np.uint64)
-                 for i in range(3))  # fmt: skip
+    return tuple(
+        np.concatenate([g[i] for g in got]) if got else np.zeros(0, np.uint64) for i in range(3)
+    )
 
 
 @task(name="exact-duplicates", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -142,9 +145,18 @@ def old_hash_batches(old: list[ViewPart], new: list[ViewPart], cache: str | None
     out = []
     for p in old:
         meta = pq.ParquetFile(p.path).metadata if cache else None
-        out += [partial(_old_group, p.path, g, new_sha, label, cache,
-                        meta.row_group(g).num_rows if meta else 0)
-                for g in range(p.row_groups)]  # fmt: skip
+        out += [
+            partial(
+                _old_group,
+                p.path,
+                g,
+                new_sha,
+                label,
+                cache,
+                meta.row_group(g).num_rows if meta else 0,
+            )
+            for g in range(p.row_groups)
+        ]
     return out
 
 
@@ -218,24 +230,52 @@ def partitioned_cross(
     """
     log = task_logger(__name__)
     try:
-        calls = [{"part": p, "row_groups": g, "path": str(hash_dir / f"old-{i:06d}.parquet"),
-                  "parts": parts, "cache": cache} for i, (p, g) in enumerate(old)]  # fmt: skip
+        calls = [
+            {
+                "part": p,
+                "row_groups": g,
+                "path": str(hash_dir / f"old-{i:06d}.parquet"),
+                "parts": parts,
+                "cache": cache,
+            }
+            for i, (p, g) in enumerate(old)
+        ]
         counts = _map(hash_rows, calls, workers, dask_address)
         files, start = [], 0
         for path, n in [(c["path"], k) for c, k in zip(calls, counts, strict=True)] + new_files:
             files.append((path, start))
             start += n
         first = sum(counts)
-        exact = _map(exact_partition, [{"files": files, "part": k, "first": first}
-                                       for k in range(parts)], workers, dask_address)  # fmt: skip
+        exact = _map(
+            exact_partition,
+            [{"files": files, "part": k, "first": first} for k in range(parts)],
+            workers,
+            dask_address,
+        )
         design = near_tables(max_distance, sum(e[2] for e in exact))
         groups = [files[i::parts] for i in range(min(parts, len(files)))]
-        _map(split_files, [{"files": g, "keys": design[2], "parts": parts} for g in groups],
-             workers, dask_address)  # fmt: skip
+        _map(
+            split_files,
+            [{"files": g, "keys": design[2], "parts": parts} for g in groups],
+            workers,
+            dask_address,
+        )
         table_files = [[(f"{p}.table{i}", o) for p, o in files] for i in range(len(design[2]))]
-        near = _map(near_partition, [{"table_files": table_files, "part": k, "d": max_distance,
-                                      "design": design, "first": first}
-                                     for k in range(parts)], workers, dask_address)  # fmt: skip
+        near = _map(
+            near_partition,
+            [
+                {
+                    "table_files": table_files,
+                    "part": k,
+                    "d": max_distance,
+                    "design": design,
+                    "first": first,
+                }
+                for k in range(parts)
+            ],
+            workers,
+            dask_address,
+        )
     finally:
         shutil.rmtree(hash_dir, ignore_errors=True)
     dup_pos, dup_of = merge_hits([e[0] for e in exact], [e[1] for e in exact])
@@ -245,7 +285,15 @@ def partitioned_cross(
     dup[np.searchsorted(pos, dup_pos)] = dup_of
     nd = np.full(len(pos), -1, np.int64)
     nd[np.searchsorted(pos, near_pos)] = near_of
-    log.info("duplicate search: %d rows in %d hash partitions (%d blocks, keys of %d, %d "
-             "tables): %d exact, %d near", start, parts, design[0], design[1],
-             len(design[2]), len(dup_pos), len(near_pos))  # fmt: skip
+    log.info(
+        "duplicate search: %d rows in %d hash partitions (%d blocks, keys of %d, %d "
+        "tables): %d exact, %d near",
+        start,
+        parts,
+        design[0],
+        design[1],
+        len(design[2]),
+        len(dup_pos),
+        len(near_pos),
+    )
     return CrossCheck(duplicate_of=dup, near_duplicate_of=nd, positions=pos)

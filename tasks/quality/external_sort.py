@@ -105,8 +105,9 @@ def _merge(streams: list[Iterator[pa.Table]], keys: list[str]) -> Iterator[pa.Ta
         yield pa.concat_tables(taken).sort_by(order).drop_columns(keys)
 
 
-def merged_tables(streams: list[Iterable[pa.Table]], by: list[str],
-                  rank: str) -> Iterator[pa.Table]:  # fmt: skip
+def merged_tables(
+    streams: list[Iterable[pa.Table]], by: list[str], rank: str
+) -> Iterator[pa.Table]:
     """Streams of tables (one schema), each already sorted stably by the columns `by`, as one
     sorted stream: rows equal on `by` come by the int column `rank` (dropped; within a
     stream, it must not decrease among such rows), then by stream, then as they came. Nulls

@@ -83,10 +83,19 @@ from tasks.storage.layout import Layout
 from tasks.storage.lock import catalog_writer
 
 __all__ = [
-    "PARTITION_ROWS", "REJECTS_FILE", "VERDICT_FILE", "QualityGateError", "ValidateResult",
-    "check_partition", "gate_for_sharding", "read_clean", "read_verdict", "reasons_table",
-    "scan_clean", "validate_catalog",
-]  # fmt: skip
+    "PARTITION_ROWS",
+    "REJECTS_FILE",
+    "VERDICT_FILE",
+    "QualityGateError",
+    "ValidateResult",
+    "check_partition",
+    "gate_for_sharding",
+    "read_clean",
+    "read_verdict",
+    "reasons_table",
+    "scan_clean",
+    "validate_catalog",
+]
 
 VERDICT_FILE = "verdict.json"  # in catalog/<ingest_id>/, beside the two files below
 REJECTS_FILE = "rejects.parquet"  # the view's rows the validate step quarantined
@@ -233,9 +242,13 @@ def check_partition(
     if cache:
         meta = pq.ParquetFile(part.path).metadata
         try:
-            hash_cache.save(Path(cache), part.path, row_groups,
-                            [meta.row_group(g).num_rows for g in row_groups],
-                            check.hashes)  # fmt: skip
+            hash_cache.save(
+                Path(cache),
+                part.path,
+                row_groups,
+                [meta.row_group(g).num_rows for g in row_groups],
+                check.hashes,
+            )
         except OSError as e:  # the cache only saves time: a validate without it is the same
             task_logger(__name__).warning("hash cache not written (%s): %s", cache, e)
     if hash_path:
@@ -248,8 +261,11 @@ def check_partition(
 
 def _partitions(parts: list[ViewPart], rows: int) -> list[tuple[ViewPart, list[int]]]:
     per = max(1, rows // ROW_GROUP)
-    return [(p, list(range(g, min(g + per, p.row_groups))))
-            for p in parts for g in range(0, p.row_groups, per)]  # fmt: skip
+    return [
+        (p, list(range(g, min(g + per, p.row_groups))))
+        for p in parts
+        for g in range(0, p.row_groups, per)
+    ]
 
 
 def _base(layout: Layout, links: list[dict], key: str) -> dict | None:
@@ -257,28 +273,45 @@ def _base(layout: Layout, links: list[dict], key: str) -> dict | None:
     left the view after it: its rows need no second check."""
     for s in reversed(links):
         folder = layout.catalog(s["id"])
-        v = json.loads((folder / VERDICT_FILE).read_text()) if (
-            folder / VERDICT_FILE).is_file() else None  # fmt: skip
+        v = (
+            json.loads((folder / VERDICT_FILE).read_text())
+            if (folder / VERDICT_FILE).is_file()
+            else None
+        )
         if v and v.get("suite") == key and (folder / REJECTS_FILE).is_file():
-            return {**v, "id": s["id"], "seq": int(s["ingest_seq"]),
-                    "rejects": folder / REJECTS_FILE, "flags": folder / FLAGS_FILE,
-                    "sample": pd.read_parquet(folder / SAMPLE_FILE)}  # fmt: skip
+            return {
+                **v,
+                "id": s["id"],
+                "seq": int(s["ingest_seq"]),
+                "rejects": folder / REJECTS_FILE,
+                "flags": folder / FLAGS_FILE,
+                "sample": pd.read_parquet(folder / SAMPLE_FILE),
+            }
         if s.get("superseded_accepted", 1):  # older catalogs do not say: assume some left
             return None
     return None
 
 
-def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | None,
-                stage: Path, hash_dir: Path | None = None, hash_parts: int = 0,
-                cache: Path | None = None) -> tuple[list, pd.DataFrame]:  # fmt: skip
+def _run_checks(
+    tasks: list,
+    rules,
+    columns,
+    workers: int,
+    dask_address: str | None,
+    stage: Path,
+    hash_dir: Path | None = None,
+    hash_parts: int = 0,
+    cache: Path | None = None,
+) -> tuple[list, pd.DataFrame]:
     """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
     so that memory stays a few partitions whatever the catalog's size. Each writes its
     rejects to `stage/rows-<n>.parquet`; with `hash_dir`, its hashes there (`<n>.parquet`) for
     `hash_parts` duplicate partitions; with `cache`, to the hash cache. Returns the results
     and their bounded sample."""
     out, window, sample = [], [], pd.DataFrame()
-    progress = Progress("validate", sum(p.rows for p in {p.path: p for p, _ in tasks}.values()),
-                        "rows")  # fmt: skip
+    progress = Progress(
+        "validate", sum(p.rows for p in {p.path: p for p, _ in tasks}.values()), "rows"
+    )
 
     def done(future) -> None:
         nonlocal sample
@@ -289,9 +322,14 @@ def _run_checks(tasks: list, rules, columns, workers: int, dask_address: str | N
     with partition_runner(workers, dask_address) as runner:
         limit = len(tasks) if dask_address else workers
         for i, (part, groups) in enumerate(tasks):
-            args = {"part": part, "row_groups": groups, "columns": columns, "rules": rules,
-                    "stage_path": str(stage / f"rows-{i:06d}.parquet"),
-                    "cache": str(cache) if cache else None}  # fmt: skip
+            args = {
+                "part": part,
+                "row_groups": groups,
+                "columns": columns,
+                "rules": rules,
+                "stage_path": str(stage / f"rows-{i:06d}.parquet"),
+                "cache": str(cache) if cache else None,
+            }
             if hash_dir is not None:
                 args.update(hash_path=str(hash_dir / f"{i:06d}.parquet"), hash_parts=hash_parts)
             window.append(runner.submit(check_partition, args))
@@ -312,12 +350,18 @@ def _merge(checks: list[RowCheck], offset: int, sample: pd.DataFrame) -> RowChec
         for r, n in c.counts.items():
             counts[r] = counts.get(r, 0) + n
         start += c.rows
-    hashes = None if any(c.hashes is None for c in checks) else tuple(
-        np.concatenate([c.hashes[i] for c in checks]) if checks else np.zeros(0, np.uint64)
-        for i in range(3))  # fmt: skip
+    hashes = (
+        None
+        if any(c.hashes is None for c in checks)
+        else tuple(
+            np.concatenate([c.hashes[i] for c in checks]) if checks else np.zeros(0, np.uint64)
+            for i in range(3)
+        )
+    )
     rejected = pd.DataFrame({"pos": np.concatenate(pos) if pos else np.zeros(0, np.int64)})
-    return RowCheck(rows=start - offset, rejected=rejected, counts=counts, sample=sample,
-                    hashes=hashes)  # fmt: skip
+    return RowCheck(
+        rows=start - offset, rejected=rejected, counts=counts, sample=sample, hashes=hashes
+    )
 
 
 def _bounded_sample(frames: list[pd.DataFrame]) -> pd.DataFrame:
@@ -330,18 +374,27 @@ def _bounded_sample(frames: list[pd.DataFrame]) -> pd.DataFrame:
     )
 
 
-def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityConfig,
-           out: Path) -> pa.Array:  # fmt: skip
+def _terms(
+    root: str, parts: list[ViewPart], columns: list[str], rules: QualityConfig, out: Path
+) -> pa.Array:
     """The licensing terms (data_quality/terms.py) on every row of the view, a row group at a
     time: the takedown list and the date change between runs, so no verdict is reused. The
     rows they quarantine go to `out`; returns their source and key joined by a NUL."""
-    want = ["source", "key"] + [c for c in (rules.contributor_column, rules.license_end_column)
-                                if c in columns]  # fmt: skip
+    want = ["source", "key"] + [
+        c for c in (rules.contributor_column, rules.license_end_column) if c in columns
+    ]
     takedowns, today = takedown_set(root), datetime.now(UTC).date()
     if not takedowns and rules.license_end_column not in columns:
         parts = []  # no takedown list and no license end: no row can fail the terms
-    write_rows(out, (check_terms(read_part(p, want, [g]), rules, takedowns, today)
-                     for p in parts for g in range(p.row_groups)), REJECT_SCHEMA)  # fmt: skip
+    write_rows(
+        out,
+        (
+            check_terms(read_part(p, want, [g]), rules, takedowns, today)
+            for p in parts
+            for g in range(p.row_groups)
+        ),
+        REJECT_SCHEMA,
+    )
     t = pq.read_table(out, columns=["source", "key"])
     return pc.binary_join_element_wise(t["source"], t["key"], "\0").combine_chunks()
 
@@ -349,8 +402,11 @@ def _terms(root: str, parts: list[ViewPart], columns: list[str], rules: QualityC
 def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
     """(hash partitions, their scratch folder, created empty) for the duplicate checks; (0,
     None) when the driver runs them (see `validate_catalog`)."""
-    if dup_partitions is not None and (isinstance(dup_partitions, bool) or not isinstance(
-            dup_partitions, int) or dup_partitions < 0):  # fmt: skip
+    if dup_partitions is not None and (
+        isinstance(dup_partitions, bool)
+        or not isinstance(dup_partitions, int)
+        or dup_partitions < 0
+    ):
         raise ValueError(f"dup_partitions: expected None or an int >= 0, got {dup_partitions!r}")
     if dup_partitions is None:
         new_rows = sum(p.rows for p in new_parts)
@@ -363,9 +419,22 @@ def _dup_plan(cat: Path, dup_partitions, parts, new_parts, partition_rows: int):
     return dup_partitions, hash_dir
 
 
-def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, columns, stage: Path,
-          hash_dir: Path | None, dup_partitions: int, *, workers: int, dask_address: str | None,
-          partition_rows: int, cache: Path | None = None) -> tuple[RowCheck, dict]:  # fmt: skip
+def _find(
+    parts,
+    old_parts,
+    new_parts,
+    old_rows: int,
+    rules: QualityConfig,
+    columns,
+    stage: Path,
+    hash_dir: Path | None,
+    dup_partitions: int,
+    *,
+    workers: int,
+    dask_address: str | None,
+    partition_rows: int,
+    cache: Path | None = None,
+) -> tuple[RowCheck, dict]:
     """The row-local rules on the new rows (their rejects staged; their hashes kept in the hash
     `cache`) and the duplicate checks against the whole view, reading the old rows' hashes
     from the cache where it has them: (the merged RowCheck, `cross_hits` of the new rows).
@@ -378,14 +447,22 @@ def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, colu
     with ThreadPoolExecutor(1, thread_name_prefix="kiln-search") as pool:
         search = None
         if hash_dir is None and any(p.rows for p in new_parts):
-            hashes = hash_columns(pd.concat([read_part(p, ["sha256", "phash"])
-                                             for p in new_parts], ignore_index=True))  # fmt: skip
+            hashes = hash_columns(
+                pd.concat([read_part(p, ["sha256", "phash"]) for p in new_parts], ignore_index=True)
+            )
             batches = old_hash_batches(old_parts, new_parts, str(cache) if cache else None)
-            search = pool.submit(cross_catalog, hashes, rules, batches, old_rows,
-                                 workers=workers)  # fmt: skip
-        checks, sample = _run_checks(_partitions(new_parts, partition_rows), rules, columns,
-                                     workers, dask_address, stage, hash_dir, dup_partitions,
-                                     cache)  # fmt: skip
+            search = pool.submit(cross_catalog, hashes, rules, batches, old_rows, workers=workers)
+        checks, sample = _run_checks(
+            _partitions(new_parts, partition_rows),
+            rules,
+            columns,
+            workers,
+            dask_address,
+            stage,
+            hash_dir,
+            dup_partitions,
+            cache,
+        )
         new = _merge(checks, old_rows, sample)
         new.hashes = None
         release_freed_memory()
@@ -393,10 +470,16 @@ def _find(parts, old_parts, new_parts, old_rows: int, rules: QualityConfig, colu
             cross = search.result()
         elif hash_dir is not None:
             files = [(str(hash_dir / f"{i:06d}.parquet"), c.rows) for i, c in enumerate(checks)]
-            cross = partitioned_cross(hash_dir, files, _partitions(old_parts, partition_rows),
-                                      rules.near_duplicate_distance, dup_partitions,
-                                      workers=workers, dask_address=dask_address,
-                                      cache=str(cache) if cache else None)  # fmt: skip
+            cross = partitioned_cross(
+                hash_dir,
+                files,
+                _partitions(old_parts, partition_rows),
+                rules.near_duplicate_distance,
+                dup_partitions,
+                workers=workers,
+                dask_address=dask_address,
+                cache=str(cache) if cache else None,
+            )
         else:
             cross = CrossCheck(np.zeros(0, np.int64), np.zeros(0, np.int64))
     release_freed_memory()
@@ -407,12 +490,12 @@ def _quarantine_record(layout: Layout, parts: list[ViewPart], rows: int) -> dict
     """What a verdict's quarantine file was built from: the view's quarantine data files
     (Delta never rewrites one in place) and its row count."""
     table = table_path(layout, "quarantine")
-    return {"parts": [[p.seq, p.path.relative_to(table).as_posix()] for p in parts],
-            "rows": rows}  # fmt: skip
+    return {"parts": [[p.seq, p.path.relative_to(table).as_posix()] for p in parts], "rows": rows}
 
 
-def _mergeable(layout: Layout, base: dict | None, parts: list[ViewPart],
-               terms: Path) -> Path | None:  # fmt: skip
+def _mergeable(
+    layout: Layout, base: dict | None, parts: list[ViewPart], terms: Path
+) -> Path | None:
     """The earlier verdict's quarantine file, when this run's can be merged from it and the
     rows after it (`write_quarantine`): the view's quarantine rows up to that verdict are the
     ones it was built from, and the licensing terms quarantine the same rows as then (else
@@ -427,8 +510,9 @@ def _mergeable(layout: Layout, base: dict | None, parts: list[ViewPart],
     if pq.ParquetFile(path).metadata.num_rows != record["rows"]:
         return None
     cols = REJECT_SCHEMA.names
-    then = pq.read_table(base["rejects"], columns=cols,
-                         filters=[("reason", "in", sorted(TERMS_REASONS))])  # fmt: skip
+    then = pq.read_table(
+        base["rejects"], columns=cols, filters=[("reason", "in", sorted(TERMS_REASONS))]
+    )
     now = pq.read_table(terms, columns=cols)
     order = [(c, "ascending") for c in cols]
     if not then.cast(REJECT_SCHEMA).sort_by(order).equals(now.cast(REJECT_SCHEMA).sort_by(order)):
@@ -436,9 +520,15 @@ def _mergeable(layout: Layout, base: dict | None, parts: list[ViewPart],
     return path
 
 
-def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
-                cross: tuple[Path, Path], terms: tuple[Path, pa.Array],
-                sample: pd.DataFrame) -> tuple[int, pd.DataFrame, dict, dict]:  # fmt: skip
+def _write_rows(
+    layout: Layout,
+    ingest_id: str,
+    stage: Path,
+    base: dict | None,
+    cross: tuple[Path, Path],
+    terms: tuple[Path, pa.Array],
+    sample: pd.DataFrame,
+) -> tuple[int, pd.DataFrame, dict, dict]:
     """The verdict's rows streamed into place: `rejects.parquet` (the earlier verdict's, the
     staged partitions', the duplicates', less any row the licensing terms quarantine, then
     the terms' own), `near_duplicates.parquet`, `docs_sample.parquet`, the quarantine (merged
@@ -448,37 +538,59 @@ def _write_rows(layout: Layout, ingest_id: str, stage: Path, base: dict | None,
     cat = layout.catalog(ingest_id)
     rows_files = sorted(stage.glob("rows-*.parquet"))
     rejects, flags = stage / REJECTS_FILE, stage / FLAGS_FILE
-    n = write_rows(rejects, [*([base["rejects"]] if base else []), *rows_files, cross[0]],
-                   REJECT_SCHEMA, gone=terms[1], drop_reasons=TERMS_REASONS,
-                   then=[terms[0]])  # fmt: skip
+    n = write_rows(
+        rejects,
+        [*([base["rejects"]] if base else []), *rows_files, cross[0]],
+        REJECT_SCHEMA,
+        gone=terms[1],
+        drop_reasons=TERMS_REASONS,
+        then=[terms[0]],
+    )
     write_rows(flags, [*([base["flags"]] if base else []), cross[1]], FLAG_SCHEMA)
     qparts = view_parts(layout, ingest_id, "quarantine")
     merge_from = _mergeable(layout, base, qparts, terms[0])
     if merge_from is not None and not merge_base(merge_from, quarantine_schema(qparts)):
         merge_from = None
     if merge_from is None:
-        quarantine = write_quarantine(layout, ingest_id, rejects, layout.quality(ingest_id),
-                                      parts=qparts)  # fmt: skip
+        quarantine = write_quarantine(
+            layout, ingest_id, rejects, layout.quality(ingest_id), parts=qparts
+        )
     else:  # the rows this run adds: its new rows' rejects (no terms row: those are as before)
         task_logger(__name__).info("quarantine: %s's merged with the rows after it", base["id"])
         added = stage / "added-rejects.parquet"
         write_rows(added, [*rows_files, cross[0]], REJECT_SCHEMA, gone=terms[1])
-        quarantine = write_quarantine(layout, ingest_id, added, layout.quality(ingest_id),
-                                      base=merge_from, after_seq=base["seq"],
-                                      parts=qparts)  # fmt: skip
+        quarantine = write_quarantine(
+            layout,
+            ingest_id,
+            added,
+            layout.quality(ingest_id),
+            base=merge_from,
+            after_seq=base["seq"],
+            parts=qparts,
+        )
     release_freed_memory()
     rejects.replace(cat / REJECTS_FILE)
     flags.replace(cat / FLAGS_FILE)
-    _write_parquet(sample.astype({c: object for c in sample.columns
-                                  if sample[c].dtype == object}), cat / SAMPLE_FILE)  # fmt: skip
+    _write_parquet(
+        sample.astype({c: object for c in sample.columns if sample[c].dtype == object}),
+        cat / SAMPLE_FILE,
+    )
     # The same rows as Delta tables (`verdict` = this ingest id), for other engines and SQL.
-    tables = {t: write_verdict_table(layout, t, cat / f, ingest_id)
-              for t, f in (("rejects", REJECTS_FILE), ("flags", FLAGS_FILE))}  # fmt: skip
+    tables = {
+        t: write_verdict_table(layout, t, cat / f, ingest_id)
+        for t, f in (("rejects", REJECTS_FILE), ("flags", FLAGS_FILE))
+    }
     return n, quarantine, tables, _quarantine_record(layout, qparts, int(quarantine["n"].sum()))
 
 
-def _result(ingest_id: str, rows: int, rejected: int, quarantine: pd.DataFrame,
-            rules: QualityConfig, **extra) -> ValidateResult:  # fmt: skip
+def _result(
+    ingest_id: str,
+    rows: int,
+    rejected: int,
+    quarantine: pd.DataFrame,
+    rules: QualityConfig,
+    **extra,
+) -> ValidateResult:
     """The gate's result from the quarantine's counts (`step`, `reason`, `n`)."""
     step = quarantine["step"]
     files_q = quarantine[~step.eq("ingest-manifest")]
@@ -503,7 +615,7 @@ def _result(ingest_id: str, rows: int, rejected: int, quarantine: pd.DataFrame,
         takedowns=int(files_q.loc[why.eq("takedown"), "n"].sum()),
         license_expired=int(
             files_q.loc[why.isin(["license_expired", "license_end_invalid"]), "n"].sum()
-        ),  # fmt: skip
+        ),
         **extra,
     )
     assert result.clean + quarantined == listed, "clean + quarantined must equal files listed"
@@ -554,9 +666,16 @@ def validate_catalog(
     files, so it waits for a running ingest, compaction or other validate of the root.
     """
     with catalog_writer(Path(root), f"kiln validate of {ingest_id}"):
-        return _validate(root, ingest_id, rules, allow_failed_gate=allow_failed_gate,
-                         dask_address=dask_address, workers=workers,
-                         partition_rows=partition_rows, dup_partitions=dup_partitions)  # fmt: skip
+        return _validate(
+            root,
+            ingest_id,
+            rules,
+            allow_failed_gate=allow_failed_gate,
+            dask_address=dask_address,
+            workers=workers,
+            partition_rows=partition_rows,
+            dup_partitions=dup_partitions,
+        )
 
 
 def _validate(
@@ -588,8 +707,9 @@ def _validate(
     if sum(p.rows for p in parts):
         check_columns(columns, rules)
     if rules.min_aesthetic is not None and rules.aesthetic_column not in columns:
-        log.warning("quality.min_aesthetic set, but no %r column: check skipped",
-                    rules.aesthetic_column)  # fmt: skip
+        log.warning(
+            "quality.min_aesthetic set, but no %r column: check skipped", rules.aesthetic_column
+        )
     after = base["seq"] if base else 0
     old_parts = [p for p in parts if p.seq <= after]
     new_parts = [p for p in parts if p.seq > after]
@@ -601,17 +721,30 @@ def _validate(
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
     try:
-        new, hits = _find(parts, old_parts, new_parts, old_rows, rules, columns, stage,
-                          hash_dir, dup_partitions, workers=workers, dask_address=dask_address,
-                          partition_rows=partition_rows, cache=cache)  # fmt: skip
+        new, hits = _find(
+            parts,
+            old_parts,
+            new_parts,
+            old_rows,
+            rules,
+            columns,
+            stage,
+            hash_dir,
+            dup_partitions,
+            workers=workers,
+            dask_address=dask_address,
+            partition_rows=partition_rows,
+            cache=cache,
+        )
         counts = dict(base["counts"]) if base else {}
         for r, n in {**new.counts, **hits["counts"]}.items():
             counts[r] = counts.get(r, 0) + n
         rows = old_rows + new.rows
         sample = _bounded_sample([base["sample"] if base else None, new.sample])
         if not len(sample) and rows:
-            sample = check_rows(read_part(parts[0], columns, [0]).head(3), rules,
-                                gx_check=False, hashes=False).sample  # fmt: skip
+            sample = check_rows(
+                read_part(parts[0], columns, [0]).head(3), rules, gx_check=False, hashes=False
+            ).sample
         near = int(base.get("near_duplicates", 0) if base else 0) + hits["near_duplicates"]
         qdir = layout.quality(ingest_id)
         shutil.rmtree(qdir, ignore_errors=True)  # a re-run rebuilds the docs, never appends
@@ -621,20 +754,36 @@ def _validate(
         gone = _terms(root, parts, columns, rules, terms)
         cross = resolve_hits(parts, hits, rules.drop_near_duplicates, stage)
         release_freed_memory()
-        rejected, quarantine, tables, qrecord = _write_rows(layout, ingest_id, stage, base,
-                                                            cross, (terms, gone),
-                                                            sample)  # fmt: skip
+        rejected, quarantine, tables, qrecord = _write_rows(
+            layout, ingest_id, stage, base, cross, (terms, gone), sample
+        )
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-    result = _result(ingest_id, rows, rejected, quarantine, rules,
-                     near_duplicates=near, expectations=expectation_summaries(rules, counts),
-                     data_docs=docs, checked_rows=new.rows,
-                     incremental_from=base["id"] if base else None)  # fmt: skip
+    result = _result(
+        ingest_id,
+        rows,
+        rejected,
+        quarantine,
+        rules,
+        near_duplicates=near,
+        expectations=expectation_summaries(rules, counts),
+        data_docs=docs,
+        checked_rows=new.rows,
+        incremental_from=base["id"] if base else None,
+    )
     files_q = result.listed - result.clean
     (qdir / "summary.json").write_text(json.dumps(result.to_dict(), indent=2))
-    _write_verdict(cat / VERDICT_FILE, result, suite=key, rows=rows, counts=counts,
-                   near_duplicates=near, table_versions=view_versions(layout, ingest_id),
-                   verdict_table_versions=tables, quarantine=qrecord)  # fmt: skip
+    _write_verdict(
+        cat / VERDICT_FILE,
+        result,
+        suite=key,
+        rows=rows,
+        counts=counts,
+        near_duplicates=near,
+        table_versions=view_versions(layout, ingest_id),
+        verdict_table_versions=tables,
+        quarantine=qrecord,
+    )
     if not result.passed:
         msg = (
             f"quality gate failed for {ingest_id}: rejected {files_q}/{result.listed} files "
@@ -646,16 +795,24 @@ def _validate(
             raise QualityGateError(msg)
         log.warning("%s\ncontinuing: %s was given", msg, OVERRIDE_FLAG)
         return result
-    log.info("validated %s: %d clean, %d quarantined; checked %d rows%s", ingest_id,
-             result.clean, files_q, new.rows,
-             f" (the rest were checked for {base['id']})" if base else "")  # fmt: skip
+    log.info(
+        "validated %s: %d clean, %d quarantined; checked %d rows%s",
+        ingest_id,
+        result.clean,
+        files_q,
+        new.rows,
+        f" (the rest were checked for {base['id']})" if base else "",
+    )
     return result
 
 
 def _pair_strings(source, key) -> np.ndarray:
     """`source` and `key` (columns, arrays or lists) joined per row, as Python strings."""
-    return (pd.Series(source, dtype=object).astype(str).to_numpy(object) + "\0"
-            + pd.Series(key, dtype=object).astype(str).to_numpy(object))  # fmt: skip
+    return (
+        pd.Series(source, dtype=object).astype(str).to_numpy(object)
+        + "\0"
+        + pd.Series(key, dtype=object).astype(str).to_numpy(object)
+    )
 
 
 def _pair_hashes(pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -672,8 +829,9 @@ class _Pairs:
         hi, lo, vals = [], [], []
         f = pq.ParquetFile(path)
         for b in f.iter_batches(columns=["source", "key", *([value] if value else [])]):
-            h, g = _pair_hashes(_pair_strings(b.column("source").to_pylist(),
-                                              b.column("key").to_pylist()))  # fmt: skip
+            h, g = _pair_hashes(
+                _pair_strings(b.column("source").to_pylist(), b.column("key").to_pylist())
+            )
             hi.append(h)
             lo.append(g)
             if value:

@@ -60,8 +60,9 @@ def load(cache: Path, data_file: Path, group: int, rows: int) -> tuple | None:
     return got[0], got[1], got[2]
 
 
-def save(cache: Path, data_file: Path, groups: list[int], group_rows: list[int],
-         hashes: tuple) -> None:  # fmt: skip
+def save(
+    cache: Path, data_file: Path, groups: list[int], group_rows: list[int], hashes: tuple
+) -> None:
     """Keep the hashes of row groups `groups` of `data_file` (`group_rows` rows each; `hashes`
     in their order). Each entry is written whole (a temporary file renamed) and an existing
     one is kept, so concurrent writers and retries are safe."""

@@ -71,8 +71,10 @@ def _atomic_writer(path: Path, schema: pa.Schema) -> tuple[pq.ParquetWriter, Pat
 def stage_rejects(path: str | Path, rejected: pd.DataFrame) -> pd.DataFrame:
     """Write a partition's rejects (source, key, reason, detail) to `path`; return their
     positions alone (`pos`), which is what the driver keeps. A retry rewrites the file."""
-    table = pa.table({c: _strings(rejected[c].to_numpy(object)) for c in REJECT_SCHEMA.names},
-                     schema=REJECT_SCHEMA)  # fmt: skip
+    table = pa.table(
+        {c: _strings(rejected[c].to_numpy(object)) for c in REJECT_SCHEMA.names},
+        schema=REJECT_SCHEMA,
+    )
     writer, tmp = _atomic_writer(Path(path), REJECT_SCHEMA)
     with writer:
         writer.write_table(table)
@@ -112,18 +114,24 @@ def _hit_keys(parts: list[ViewPart], need: np.ndarray, path: Path) -> None:
                 if hi > lo:
                     at = need[lo:hi]
                     df = read_part(p, ["source", "key"], [g])
-                    writer.write_table(pa.table({
-                        "pos": pa.array(at, pa.int64()),
-                        "source": _strings(df["source"].to_numpy(object)[at - start]),
-                        "key": _strings(df["key"].to_numpy(object)[at - start]),
-                    }, schema=_KEYS))  # fmt: skip
+                    writer.write_table(
+                        pa.table(
+                            {
+                                "pos": pa.array(at, pa.int64()),
+                                "source": _strings(df["source"].to_numpy(object)[at - start]),
+                                "key": _strings(df["key"].to_numpy(object)[at - start]),
+                            },
+                            schema=_KEYS,
+                        )
+                    )
                 start += n
                 if hi >= len(need):
                     return
 
 
-def resolve_hits(parts: list[ViewPart], hits: dict, drop_near: bool,
-                 stage: Path) -> tuple[Path, Path]:  # fmt: skip
+def resolve_hits(
+    parts: list[ViewPart], hits: dict, drop_near: bool, stage: Path
+) -> tuple[Path, Path]:
     """The duplicate hits (`data_quality.suite.cross_hits`) as rows: the exact copies, then
     the near-duplicates when `drop_near`, to `stage/cross-rejects.parquet` (source, key,
     reason, detail), else the near-duplicates to `stage/cross-flags.parquet` (source, key,
@@ -136,29 +144,36 @@ def resolve_hits(parts: list[ViewPart], hits: dict, drop_near: bool,
     _hit_keys(parts, np.unique(np.concatenate([dup_pos, dup_of, near_pos, near_of])), keys)
     con = _duckdb(stage)
     try:
-        hit_table = pa.table({
-            "ord": np.arange(len(dup_pos) + len(near_pos), dtype=np.int64),
-            "pos": np.concatenate([dup_pos, near_pos]).astype(np.int64),
-            "of": np.concatenate([dup_of, near_of]).astype(np.int64),
-            "near": np.r_[np.zeros(len(dup_pos), bool), np.ones(len(near_pos), bool)],
-        })  # fmt: skip
+        hit_table = pa.table(
+            {
+                "ord": np.arange(len(dup_pos) + len(near_pos), dtype=np.int64),
+                "pos": np.concatenate([dup_pos, near_pos]).astype(np.int64),
+                "of": np.concatenate([dup_of, near_of]).astype(np.int64),
+                "near": np.r_[np.zeros(len(dup_pos), bool), np.ones(len(near_pos), bool)],
+            }
+        )
         con.register("hits", hit_table)
         con.execute(f"CREATE VIEW keys AS SELECT * FROM read_parquet({sql_str(str(keys))})")
-        joined = ("FROM hits h JOIN keys k ON k.pos = h.pos JOIN keys o ON o.pos = h.of"
-                  " {} ORDER BY h.ord")  # fmt: skip
+        joined = (
+            "FROM hits h JOIN keys k ON k.pos = h.pos JOIN keys o ON o.pos = h.of {} ORDER BY h.ord"
+        )
         uid = "rtrim(o.source, '/') || '/' || o.key"
         detail = f"CASE WHEN h.near THEN 'pHash near ' ELSE 'same sha256 as ' END || {uid}"
         reason = "CASE WHEN h.near THEN 'near_duplicate' ELSE 'duplicate_sha256' END"
         where = "" if drop_near else "WHERE NOT h.near"
-        con.execute(f"COPY (SELECT k.source, k.key, {reason} AS reason, {detail} AS detail "
-                    f"{joined.format(where)}) TO {sql_str(str(rejects))} "
-                    "(FORMAT parquet)")  # fmt: skip
+        con.execute(
+            f"COPY (SELECT k.source, k.key, {reason} AS reason, {detail} AS detail "
+            f"{joined.format(where)}) TO {sql_str(str(rejects))} "
+            "(FORMAT parquet)"
+        )
         if drop_near:
             _empty(flags, FLAG_SCHEMA)
         else:
-            con.execute(f"COPY (SELECT k.source, k.key, {uid} AS near_duplicate_of "
-                        f"{joined.format('WHERE h.near')}) TO {sql_str(str(flags))} "
-                        "(FORMAT parquet)")  # fmt: skip
+            con.execute(
+                f"COPY (SELECT k.source, k.key, {uid} AS near_duplicate_of "
+                f"{joined.format('WHERE h.near')}) TO {sql_str(str(flags))} "
+                "(FORMAT parquet)"
+            )
     finally:
         con.close()
     return rejects, flags
@@ -169,16 +184,24 @@ def _batches(pieces: Iterable, schema: pa.Schema) -> Iterator[pa.Table]:
     for piece in pieces:
         if isinstance(piece, pd.DataFrame):
             if len(piece):
-                yield pa.table({c: _strings(piece[c].to_numpy(object)) for c in schema.names},
-                               schema=schema)  # fmt: skip
+                yield pa.table(
+                    {c: _strings(piece[c].to_numpy(object)) for c in schema.names}, schema=schema
+                )
             continue
         f = pq.ParquetFile(piece)
         for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=schema.names):
             yield pa.Table.from_batches([batch]).cast(schema)
 
 
-def write_rows(path: Path, pieces: Iterable, schema: pa.Schema, *, gone: pa.Array | None = None,
-               drop_reasons: Iterable[str] = (), then: Iterable = ()) -> int:  # fmt: skip
+def write_rows(
+    path: Path,
+    pieces: Iterable,
+    schema: pa.Schema,
+    *,
+    gone: pa.Array | None = None,
+    drop_reasons: Iterable[str] = (),
+    then: Iterable = (),
+) -> int:
     """Stream `pieces` (Parquet paths and frames, in order) into the Parquet file `path`,
     leaving out rows whose `reason` is in `drop_reasons` and rows whose source and key
     (joined by a NUL) are in `gone`, then the pieces of `then` whole; written atomically.
@@ -220,19 +243,23 @@ def quarantine_schema(parts: list[ViewPart]) -> pa.Schema:
 
 
 def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
-    cols = [t[f.name].cast(f.type) if f.name in t.column_names else pa.nulls(len(t), f.type)
-            for f in schema]  # fmt: skip
+    cols = [
+        t[f.name].cast(f.type) if f.name in t.column_names else pa.nulls(len(t), f.type)
+        for f in schema
+    ]
     return pa.Table.from_arrays(cols, schema=schema)
 
 
-def _quarantine_rows(parts: list[ViewPart], rejects: Path, ingest_id: str,
-                     schema: pa.Schema) -> Iterator[pa.Table]:  # fmt: skip
+def _quarantine_rows(
+    parts: list[ViewPart], rejects: Path, ingest_id: str, schema: pa.Schema
+) -> Iterator[pa.Table]:
     for p in parts:
         for b in pq.ParquetFile(p.path).iter_batches(batch_size=BATCH_ROWS):
             t = pa.Table.from_batches([b])
             t = t.drop_columns([c for c in ("ingest_seq",) if c in t.column_names])
-            yield _conform(t.append_column("ingest_seq", pa.array([p.seq] * len(t), pa.int64())),
-                           schema)  # fmt: skip
+            yield _conform(
+                t.append_column("ingest_seq", pa.array([p.seq] * len(t), pa.int64())), schema
+            )
     for b in pq.ParquetFile(rejects).iter_batches(batch_size=BATCH_ROWS):
         n = b.num_rows
         t = pa.Table.from_batches([b]).append_column("step", pa.array(["validate"] * n))
@@ -272,9 +299,16 @@ def merge_base(base: Path, schema: pa.Schema) -> bool:
     return all(f.name in schema.names and schema.field(f.name).type == f.type for f in have)
 
 
-def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path, *,
-                     base: Path | None = None, after_seq: int = 0,
-                     parts: list[ViewPart] | None = None) -> pd.DataFrame:  # fmt: skip
+def write_quarantine(
+    layout: Layout,
+    ingest_id: str,
+    rejects: Path,
+    qdir: Path,
+    *,
+    base: Path | None = None,
+    after_seq: int = 0,
+    parts: list[ViewPart] | None = None,
+) -> pd.DataFrame:
     """Every quarantined row of the view, the ingest's (`ingest_seq` from its partition) and
     this step's rejects (`step` "validate"), sorted by source and key (ties in that order; a
     sort on disk, tasks/quality/external_sort.py), to `qdir/quarantine.parquet`; up to SAMPLE
@@ -298,17 +332,21 @@ def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path, 
     try:
         with writer:
             if base is None:
-                rows = sorted_tables(_quarantine_rows(parts, rejects, ingest_id, schema),
-                                     ["source", "key"], runs)  # fmt: skip
+                rows = sorted_tables(
+                    _quarantine_rows(parts, rejects, ingest_id, schema), ["source", "key"], runs
+                )
             else:
                 new = [p for p in parts if p.seq > after_seq]
-                added = sorted_tables(_quarantine_rows(new, rejects, ingest_id, schema),
-                                      ["source", "key"], runs)  # fmt: skip
+                added = sorted_tables(
+                    _quarantine_rows(new, rejects, ingest_id, schema), ["source", "key"], runs
+                )
                 # Ties keep a rebuild's order: ingest rows (older ingests first), then
                 # the validate step's (the earlier verdict's first).
-                rows = merged_tables([_base_rows(base, ingest_id, schema),
-                                      _ranked(added, _new_rank)], ["source", "key"],
-                                     _RANK)  # fmt: skip
+                rows = merged_tables(
+                    [_base_rows(base, ingest_id, schema), _ranked(added, _new_rank)],
+                    ["source", "key"],
+                    _RANK,
+                )
             for t in rows:
                 writer.write_table(t)
                 df = t.select(["step", "reason"]).to_pandas().astype(object)
@@ -326,8 +364,9 @@ def write_quarantine(layout: Layout, ingest_id: str, rejects: Path, qdir: Path, 
     finally:
         shutil.rmtree(runs, ignore_errors=True)
     pq.write_table(pa.concat_tables(picked) if picked else schema.empty_table(), sample)
-    return pd.DataFrame([(s, r, n) for (s, r), n in counts.items()],
-                        columns=["step", "reason", "n"])  # fmt: skip
+    return pd.DataFrame(
+        [(s, r, n) for (s, r), n in counts.items()], columns=["step", "reason", "n"]
+    )
 
 
 def write_verdict_table(layout: Layout, table: str, path: Path, ingest_id: str) -> int:
@@ -350,9 +389,14 @@ def write_verdict_table(layout: Layout, table: str, path: Path, ingest_id: str) 
 
     data = pa.RecordBatchReader.from_batches(schema, batches())
     if dt is None:
-        write_deltalake(str(table_path(layout, table)), data,
-                        writer_properties=writer_properties())  # fmt: skip
+        write_deltalake(str(table_path(layout, table)), data, writer_properties=writer_properties())
     else:
-        write_deltalake(dt, data, mode="overwrite", predicate=f"verdict = {sql_str(ingest_id)}",
-                        schema_mode="merge", writer_properties=writer_properties())  # fmt: skip
+        write_deltalake(
+            dt,
+            data,
+            mode="overwrite",
+            predicate=f"verdict = {sql_str(ingest_id)}",
+            schema_mode="merge",
+            writer_properties=writer_properties(),
+        )
     return open_table(layout, table).version()

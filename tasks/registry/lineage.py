@@ -53,8 +53,9 @@ def _client(tracking_uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri, registry_uri=tracking_uri)
 
 
-def model_lineage(root: str | Path, tracking_uri: str, ref: str,
-                  rules: QualityConfig | None = None) -> dict:  # fmt: skip
+def model_lineage(
+    root: str | Path, tracking_uri: str, ref: str, rules: QualityConfig | None = None
+) -> dict:
     """What registered version `ref` (models:/NAME/N or models:/NAME@ALIAS) trained on.
 
     Returns:
@@ -71,21 +72,30 @@ def model_lineage(root: str | Path, tracking_uri: str, ref: str,
     if not version:
         raise InputError(f"{ref}: the version has no dataset_version tag (not registered by Kiln)")
     rows = dataset_rows(root, version, rules)
-    by = (rows.assign(**{c: rows[c].fillna("(none)") for c in ("license", "contributor")})
-          .groupby(["source", "license", "contributor"], sort=True).size()
-          .reset_index(name="images"))  # fmt: skip
+    by = (
+        rows.assign(**{c: rows[c].fillna("(none)") for c in ("license", "contributor")})
+        .groupby(["source", "license", "contributor"], sort=True)
+        .size()
+        .reset_index(name="images")
+    )
     draws = run_draws(root, run_id) if run_id else {}
     return {
-        "name": mv.name, "version": str(mv.version), "aliases": list(mv.aliases or []),
-        "dataset_version": version, "run_id": run_id, "rows": by,
-        "report": contributors_report(rows, draws), "images": len(rows),
+        "name": mv.name,
+        "version": str(mv.version),
+        "aliases": list(mv.aliases or []),
+        "dataset_version": version,
+        "run_id": run_id,
+        "rows": by,
+        "report": contributors_report(rows, draws),
+        "images": len(rows),
         "earliest_license_end": earliest_license_end(rows),
         "exposure_recorded": bool(draws),
-    }  # fmt: skip
+    }
 
 
-def register_lineage(root: str | Path, tracking_uri: str, name: str, version: str,
-                     rules: QualityConfig | None = None) -> dict:  # fmt: skip
+def register_lineage(
+    root: str | Path, tracking_uri: str, name: str, version: str, rules: QualityConfig | None = None
+) -> dict:
     """At registration: log the contributors' report on the version's run, tag the earliest
     license end (and any takedowns), and name the report in the version's description.
 
@@ -96,8 +106,9 @@ def register_lineage(root: str | Path, tracking_uri: str, name: str, version: st
     try:
         info = model_lineage(root, tracking_uri, f"models:/{name}/{version}", rules)
     except FileNotFoundError as e:  # its dataset is not under this root: nothing to report
-        logging.getLogger(__name__).warning("no contributors' report for %s v%s: %s", name,
-                                            version, e)  # fmt: skip
+        logging.getLogger(__name__).warning(
+            "no contributors' report for %s v%s: %s", name, version, e
+        )
         client.set_model_version_tag(name, version, LICENSE_END_TAG, "unknown")
         return {"report": None, "earliest_license_end": None, "takedown_images": 0}
     mv = client.get_model_version(name, version)
@@ -109,23 +120,31 @@ def register_lineage(root: str | Path, tracking_uri: str, name: str, version: st
     end = info["earliest_license_end"] or "none"
     client.set_model_version_tag(name, version, LICENSE_END_TAG, end)
     top = info["report"].sort_values("draws_total", ascending=False).head(5)
-    names = ", ".join(f"{c} ({s:.1%})" for c, s in zip(top["contributor"], top["share"],
-                                                       strict=True))  # fmt: skip
+    names = ", ".join(
+        f"{c} ({s:.1%})" for c, s in zip(top["contributor"], top["share"], strict=True)
+    )
     note = (
         f"\n\n**Contributors' report** (revenue share): artifact `{REPORT_ARTIFACT}` of run "
         f"`{run}`, {len(info['report'])} contributors over {info['images']} images"
-        + (f"; most drawn: {names}" if info["exposure_recorded"] else
-           "; draws not recorded (train.log_sample_keys was off)")
+        + (
+            f"; most drawn: {names}"
+            if info["exposure_recorded"]
+            else "; draws not recorded (train.log_sample_keys was off)"
+        )
         + f". Earliest license end: {end}; `kiln lineage model models:/{name}/{version}`."
-    )  # fmt: skip
+    )
     client.update_model_version(name, version, description=(mv.description or "") + note)
     down = tag_takedowns(root, tracking_uri, name, rules).get(str(version), 0)
-    return {"report": REPORT_ARTIFACT, "earliest_license_end": info["earliest_license_end"],
-            "takedown_images": down}  # fmt: skip
+    return {
+        "report": REPORT_ARTIFACT,
+        "earliest_license_end": info["earliest_license_end"],
+        "takedown_images": down,
+    }
 
 
-def tag_takedowns(root: str | Path, tracking_uri: str, name: str,
-                  rules: QualityConfig | None = None) -> dict[str, int]:  # fmt: skip
+def tag_takedowns(
+    root: str | Path, tracking_uri: str, name: str, rules: QualityConfig | None = None
+) -> dict[str, int]:
     """Tag every version of `name` whose dataset holds a taken-down image with the count
     (`kiln.takedown.images`, and `kiln.takedown.checked_at`). Returns {version: count} of the
     versions tagged."""
@@ -148,8 +167,13 @@ def tag_takedowns(root: str | Path, tracking_uri: str, name: str,
     return out
 
 
-def image_lineage(root: str | Path, tracking_uri: str, name: str, key_or_path: str,
-                  rules: QualityConfig | None = None) -> pd.DataFrame:  # fmt: skip
+def image_lineage(
+    root: str | Path,
+    tracking_uri: str,
+    name: str,
+    key_or_path: str,
+    rules: QualityConfig | None = None,
+) -> pd.DataFrame:
     """Every dataset version, training run and registered version of `name` that included
     the image `key_or_path` (a catalog key or `<source>/<key>`): one row per dataset version
     holding it, with `stages`, the `runs` that trained on it, their `draws`, and the
@@ -174,10 +198,19 @@ def image_lineage(root: str | Path, tracking_uri: str, name: str, key_or_path: s
         hit = rows[[(s, k) in images for s, k in zip(rows["source"], rows["key"], strict=True)]]
         for _, r in hit.iterrows():
             trained = runs.get(version, [])
-            drawn = sum(sum(c.get(r["key"], 0) for c in run_draws(root, run).values())
-                        for run in trained)  # fmt: skip
-            out.append({"source": r["source"], "key": r["key"], "dataset_version": version,
-                        "stages": r["stages"], "runs": ",".join(trained), "draws": drawn,
-                        "versions": ",".join(versions.get(version, []))})  # fmt: skip
+            drawn = sum(
+                sum(c.get(r["key"], 0) for c in run_draws(root, run).values()) for run in trained
+            )
+            out.append(
+                {
+                    "source": r["source"],
+                    "key": r["key"],
+                    "dataset_version": version,
+                    "stages": r["stages"],
+                    "runs": ",".join(trained),
+                    "draws": drawn,
+                    "versions": ",".join(versions.get(version, [])),
+                }
+            )
     cols = ["source", "key", "dataset_version", "stages", "runs", "draws", "versions"]
     return pd.DataFrame(out, columns=cols)

@@ -41,9 +41,15 @@ from tasks.storage.layout import Layout
 from tasks.storage.lock import root_busy
 
 __all__ = [
-    "INGEST_COMPLETED", "TAKEDOWN_ADDED", "NewData", "emit_ingest_completed", "emit_takedown_added",
-    "new_data", "root_resource_id", "taken_down_since_training",
-]  # fmt: skip
+    "INGEST_COMPLETED",
+    "TAKEDOWN_ADDED",
+    "NewData",
+    "emit_ingest_completed",
+    "emit_takedown_added",
+    "new_data",
+    "root_resource_id",
+    "taken_down_since_training",
+]
 
 INGEST_COMPLETED = "kiln.ingest.completed"
 TAKEDOWN_ADDED = "kiln.takedown.added"
@@ -157,9 +163,10 @@ def new_data(
     else:
         if run_id is not None:
             task_logger(__name__).warning(
-                "training run %s's catalog is not under %s: counting every accepted image as "
-                "new", run_id, layout.root,
-            )  # fmt: skip
+                "training run %s's catalog is not under %s: counting every accepted image as new",
+                run_id,
+                layout.root,
+            )
         since = accepted
     busy = root_busy(layout.root)
     down = taken_down_since_training(root)
@@ -175,11 +182,12 @@ def new_data(
         min_new_images=min_new_images,
         standalone=standalone,
         root_busy=busy,
-        retrain_due=(standalone and not busy and run_id is not None
-                     and (since >= min_new_images or down > 0)),
+        retrain_due=(
+            standalone and not busy and run_id is not None and (since >= min_new_images or down > 0)
+        ),
         server=bool(PREFECT_API_URL.value()),
         taken_down_since_training=down,
-    )  # fmt: skip
+    )
 
 
 def root_resource_id(root: Path | str) -> str:
@@ -202,9 +210,12 @@ def emit_ingest_completed(root: Path | str, data: NewData) -> None:
     )
     task_logger(__name__).info(
         "%s: %d new accepted images, %d since the newest training (retrain at %d): retrain %s",
-        INGEST_COMPLETED, data.new_accepted, data.new_since_training, data.min_new_images,
+        INGEST_COMPLETED,
+        data.new_accepted,
+        data.new_since_training,
+        data.min_new_images,
         "due" if data.retrain_due else "not due",
-    )  # fmt: skip
+    )
 
 
 def emit_takedown_added(root: Path | str, added: int, taken_down: int) -> bool:
@@ -225,10 +236,13 @@ def emit_takedown_added(root: Path | str, added: int, taken_down: int) -> bool:
             "added": int(added),
             "taken_down_since_training": int(taken_down),
             "retrain_due": due,
-        },  # fmt: skip
+        },
     )
     task_logger(__name__).info(
-        "%s: %d rows added; %d images of the newest training's dataset are taken down: "
-        "retrain %s", TAKEDOWN_ADDED, added, taken_down, "due" if due else "not due",
-    )  # fmt: skip
+        "%s: %d rows added; %d images of the newest training's dataset are taken down: retrain %s",
+        TAKEDOWN_ADDED,
+        added,
+        taken_down,
+        "due" if due else "not due",
+    )
     return due

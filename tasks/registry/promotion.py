@@ -84,27 +84,45 @@ def gate(
     """
     d = Decision(passed=True)
     cid, against = tags.get("human_eval.comparison"), tags.get("human_eval.against")
-    d.add("comparison", bool(cid) and against in champion_ids,
-          f"{cid or 'none'} against {against or 'nothing'} (champion is "
-          f"{' or '.join(sorted(champion_ids))})")  # fmt: skip
+    d.add(
+        "comparison",
+        bool(cid) and against in champion_ids,
+        f"{cid or 'none'} against {against or 'nothing'} (champion is "
+        f"{' or '.join(sorted(champion_ids))})",
+    )
     for q in QUESTIONS:
         votes = metrics.get(f"human_eval/{q}_min_votes_per_pair")
-        d.add(f"{q} votes", votes is not None and votes >= cfg.min_votes_per_pair,
-              f"fewest votes on a pair {_fmt(votes)}, need {cfg.min_votes_per_pair}")  # fmt: skip
+        d.add(
+            f"{q} votes",
+            votes is not None and votes >= cfg.min_votes_per_pair,
+            f"fewest votes on a pair {_fmt(votes)}, need {cfg.min_votes_per_pair}",
+        )
         low = metrics.get(f"human_eval/{q}_pref_ci_low")
-        d.add(f"{q} preference", low is not None and low >= cfg.min_pref_ci_low,
-              f"95% CI low {_fmt(low)}, need >= {cfg.min_pref_ci_low}")  # fmt: skip
-        cats = {k.split("/", 2)[-1]: v for k, v in metrics.items()
-                if k.startswith(f"human_eval/{q}_pref/")}  # fmt: skip
+        d.add(
+            f"{q} preference",
+            low is not None and low >= cfg.min_pref_ci_low,
+            f"95% CI low {_fmt(low)}, need >= {cfg.min_pref_ci_low}",
+        )
+        cats = {
+            k.split("/", 2)[-1]: v
+            for k, v in metrics.items()
+            if k.startswith(f"human_eval/{q}_pref/")
+        }
         worst = min(cats.items(), key=lambda kv: kv[1]) if cats else None
-        d.add(f"{q} categories", worst is not None and worst[1] >= cfg.min_category_pref,
-              (f"lowest {worst[0]} {_fmt(worst[1])}" if worst else "no per-category numbers")
-              + f", need >= {cfg.min_category_pref}")  # fmt: skip
+        d.add(
+            f"{q} categories",
+            worst is not None and worst[1] >= cfg.min_category_pref,
+            (f"lowest {worst[0]} {_fmt(worst[1])}" if worst else "no per-category numbers")
+            + f", need >= {cfg.min_category_pref}",
+        )
     mine, theirs = metrics.get(VAL_LOSS), (champion_metrics or {}).get(VAL_LOSS)
     if mine is not None and theirs is not None:
         limit = theirs * (1 + cfg.max_val_loss_increase)
-        d.add("validation loss", mine <= limit,
-              f"{mine:.5g} vs champion {theirs:.5g} (limit {limit:.5g})")  # fmt: skip
+        d.add(
+            "validation loss",
+            mine <= limit,
+            f"{mine:.5g} vs champion {theirs:.5g} (limit {limit:.5g})",
+        )
     return d
 
 
@@ -207,8 +225,9 @@ def promote(
     if champ is None:
         outcome = "first"
     else:
-        decision = gate(_run_metrics(client, mv), mv.tags, _ids(champ), cfg,
-                        _run_metrics(client, champ))  # fmt: skip
+        decision = gate(
+            _run_metrics(client, mv), mv.tags, _ids(champ), cfg, _run_metrics(client, champ)
+        )
         outcome = "promoted" if decision.passed else ("forced" if force else "refused")
     previous = champ.version if champ is not None else None
     if outcome == "refused":
@@ -222,11 +241,22 @@ def promote(
         client.set_registered_model_alias(name, PREVIOUS, champ.version)
     client.set_registered_model_alias(name, CHAMPION, mv.version)
     down = int(mv.tags.get(TAKEDOWN_TAG) or 0)
-    record = _record(client, mv, outcome, decision, previous_champion=previous,
-                     reason=reason if force or first or down else None,
-                     takedown_override=reason if down else None)  # fmt: skip
-    return {"name": name, "version": mv.version, "previous_champion": previous, **record,
-            "passed": decision.passed if decision else None}  # fmt: skip
+    record = _record(
+        client,
+        mv,
+        outcome,
+        decision,
+        previous_champion=previous,
+        reason=reason if force or first or down else None,
+        takedown_override=reason if down else None,
+    )
+    return {
+        "name": name,
+        "version": mv.version,
+        "previous_champion": previous,
+        **record,
+        "passed": decision.passed if decision else None,
+    }
 
 
 def _check_takedowns(client: MlflowClient, mv, allow: bool, reason: str | None) -> None:

@@ -66,9 +66,15 @@ EXPERIMENT_DESCRIPTION = (
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
 # The quality summary's counts, logged as metrics of the quality run.
 QUALITY_METRICS = (
-    "listed", "clean", "rejected_ingest", "rejected_validate", "reject_fraction",
-    "max_reject_fraction", "near_duplicates", "manifest_problems",
-)  # fmt: skip
+    "listed",
+    "clean",
+    "rejected_ingest",
+    "rejected_validate",
+    "reject_fraction",
+    "max_reject_fraction",
+    "near_duplicates",
+    "manifest_problems",
+)
 
 # What a serving environment needs to load the pyfunc model (pinned to what trained it).
 SERVING_PACKAGES = [
@@ -220,8 +226,11 @@ def log_run_artifact(tracking_uri: str, run_id: str, path: str, artifact_path: s
     except Exception as e:  # noqa: BLE001 - the artifact is a convenience, never a failure
         task_logger(__name__).warning(
             "%s not logged to MLflow run %s (%s: %s); it stays on disk.",
-            path, run_id, type(e).__name__, e,
-        )  # fmt: skip
+            path,
+            run_id,
+            type(e).__name__,
+            e,
+        )
         return False
 
 
@@ -244,14 +253,18 @@ def log_data_docs(
         disk, and the gate's verdict stands either way.
     """
     try:
-        return _log_quality_run(tracking_uri, experiment, ingest_id, Path(docs_dir), summary,
-                                artifact_root)  # fmt: skip
+        return _log_quality_run(
+            tracking_uri, experiment, ingest_id, Path(docs_dir), summary, artifact_root
+        )
     except Exception as e:  # noqa: BLE001 - the gate's verdict never depends on MLflow
         task_logger(__name__).warning(
             "Data Docs of %s not logged to MLflow (%s: %s); they stay at %s. Check "
             "registry.tracking_uri and that its server is reachable.",
-            ingest_id, type(e).__name__, e, docs_dir,
-        )  # fmt: skip
+            ingest_id,
+            type(e).__name__,
+            e,
+            docs_dir,
+        )
         return None
 
 
@@ -333,8 +346,11 @@ def model_description(model_name: str) -> str:
 def version_description(model_name: str, version: str, lineage: dict[str, str]) -> str:
     """One version's description (markdown): its data, its run, how to load exactly it."""
     get = lineage.get
-    scores = ", ".join(f"{k.removeprefix('eval.')} {lineage[k]}"
-                       for k in ("eval.clip_score", "eval.fid") if k in lineage)  # fmt: skip
+    scores = ", ".join(
+        f"{k.removeprefix('eval.')} {lineage[k]}"
+        for k in ("eval.clip_score", "eval.fid")
+        if k in lineage
+    )
     study = ""
     if get("study_id"):
         study = f" Evaluated in study `{get('study_id')}`" + (f" ({scores})." if scores else ".")
@@ -452,8 +468,11 @@ def model_version(client: MlflowClient, ref: str):
         raise InputError(f"{ref!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
     name, alias, number = m.groups()
     try:
-        return (client.get_model_version_by_alias(name, alias) if alias
-                else client.get_model_version(name, number))  # fmt: skip
+        return (
+            client.get_model_version_by_alias(name, alias)
+            if alias
+            else client.get_model_version(name, number)
+        )
     except MlflowException as e:
         raise ModelVersionNotFound(f"{ref} does not exist in the registry ({e.message})") from e
 
@@ -490,9 +509,11 @@ def registered_pipeline(tracking_uri: str, root: Path, uri: str):
         # registry_uri says (MLflow 3.17): set it for the call, and put it back.
         with mlflow_uris(tracking_uri):
             got = mlflow.artifacts.download_artifacts(
-                artifact_uri=f"models:/{name}/{mv.version}", dst_path=str(dst),
-                tracking_uri=tracking_uri, registry_uri=tracking_uri,
-            )  # fmt: skip
+                artifact_uri=f"models:/{name}/{mv.version}",
+                dst_path=str(dst),
+                tracking_uri=tracking_uri,
+                registry_uri=tracking_uri,
+            )
         return _pipeline_in(Path(got))
 
     return f"{name}-v{mv.version}", download

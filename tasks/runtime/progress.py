@@ -32,8 +32,15 @@ class Progress:
     """Counts `total` items of `step` as they finish; logs and updates the artifact at most
     every `interval_s` seconds (`clock`: seconds, monotonic)."""
 
-    def __init__(self, step: str, total: int, unit: str = "items", *, interval_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        step: str,
+        total: int,
+        unit: str = "items",
+        *,
+        interval_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if total < 0:
             raise ValueError(f"progress total must be >= 0, got {total}")
         self.step, self.total, self.unit = step, total, unit
@@ -43,9 +50,10 @@ class Progress:
         self._artifact = None
         if total and (FlowRunContext.get() or TaskRunContext.get()):
             self._artifact = create_progress_artifact(
-                progress=0.0, key=f"{step}-progress",
+                progress=0.0,
+                key=f"{step}-progress",
                 description=f"{step}: {unit} done out of {total}",
-            )  # fmt: skip
+            )
 
     def line(self) -> str:
         """Done out of total, the rate and the time left, as one line."""
@@ -54,8 +62,10 @@ class Progress:
         left = (self.total - self.done) / rate if rate else float("inf")
         pct = 100.0 * self.done / self.total if self.total else 100.0
         tail = f"about {eta(left)} left" if left != float("inf") else "time left unknown"
-        return (f"{self.step}: {self.done}/{self.total} {self.unit} ({pct:.1f}%), "
-                f"{rate:.0f} {self.unit}/s, {tail}")  # fmt: skip
+        return (
+            f"{self.step}: {self.done}/{self.total} {self.unit} ({pct:.1f}%), "
+            f"{rate:.0f} {self.unit}/s, {tail}"
+        )
 
     def advance(self, n: int) -> None:
         """`n` more items done; log and update the artifact when `interval_s` has passed."""

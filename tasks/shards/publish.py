@@ -80,24 +80,33 @@ def publish_dataset(base: str | Path, dest: Storage, workers: int = 8) -> Publis
         # Dot-files are temporaries of an interrupted local write; they are not data.
         files = [p for p in sorted(ds.rglob("*")) if p.is_file() and not p.name.startswith(".")]
         todo = [(p, f"{prefix}/{p.relative_to(ds).as_posix()}") for p in files]
-        todo = [(p, k) for p, k in todo if there.get(k) != p.stat().st_size
-                or p.name in INDEX_FILES]  # fmt: skip
+        todo = [
+            (p, k) for p, k in todo if there.get(k) != p.stat().st_size or p.name in INDEX_FILES
+        ]
         result.already_there += len(files) - len(todo)
         data = [(p, k) for p, k in todo if p.name not in INDEX_FILES]
         with ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(lambda pk: dest.upload_file(pk[1], pk[0]), data))
         # Index files after every data file, deepest first: the dataset's top file last.
-        indexes = sorted((pk for pk in todo if pk[0].name in INDEX_FILES),
-                         key=lambda pk: -len(pk[0].relative_to(ds).parts))  # fmt: skip
+        indexes = sorted(
+            (pk for pk in todo if pk[0].name in INDEX_FILES),
+            key=lambda pk: -len(pk[0].relative_to(ds).parts),
+        )
         for p, key in indexes:
             dest.upload_file(key, p)
         result.uploaded += len(todo)
         result.bytes += sum(p.stat().st_size for p, _ in todo)
         result.published.append(ds.name)
     dest.upload_file(f"{version}/shards.json", base / "shards.json")
-    log.info("published %s to %s: %d objects (%.1f MB) sent, %d already there; %s complete "
-             "before", version, result.remote, result.uploaded, result.bytes / 1e6,
-             result.already_there, result.reused or "none")  # fmt: skip
+    log.info(
+        "published %s to %s: %d objects (%.1f MB) sent, %d already there; %s complete before",
+        version,
+        result.remote,
+        result.uploaded,
+        result.bytes / 1e6,
+        result.already_there,
+        result.reused or "none",
+    )
     return result
 
 

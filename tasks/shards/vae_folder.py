@@ -58,8 +58,12 @@ def fit_vae(vae: VaeComponent, root: str, version: str, resolutions: list[int]) 
     record = json.loads((out / "fit.json").read_text())
     task_logger(__name__).info(
         "fitted VAE %s (%d images, %.1f s when fitted, train MSE %.4f, scaling factor %.4f)",
-        out, record["images"], record["wall_s"], record["train_mse"], record["scaling_factor"],
-    )  # fmt: skip
+        out,
+        record["images"],
+        record["wall_s"],
+        record["train_mse"],
+        record["scaling_factor"],
+    )
     return str(out)
 
 

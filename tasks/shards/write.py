@@ -142,8 +142,9 @@ def _meta_columns(clean: pd.DataFrame) -> list[str]:
 
 def _row_meta(rec: dict, meta_cols: list[str]) -> dict:
     """A row's `meta` as stored: plain Python values, absent (null) values left out."""
-    return {c: getattr(rec[c], "item", lambda v=rec[c]: v)() for c in meta_cols
-            if not _isnull(rec[c])}  # fmt: skip
+    return {
+        c: getattr(rec[c], "item", lambda v=rec[c]: v)() for c in meta_cols if not _isnull(rec[c])
+    }
 
 
 def dataset_version(clean: pd.DataFrame, settings: dict) -> str:
@@ -164,13 +165,18 @@ def rows_digest(frame: pd.DataFrame) -> np.ndarray:
     """Two 64-bit sums, over rows, of two keyed hashes of each row's source, key, sha256,
     caption and stored metadata: independent of row order, and additive over partitions."""
     cols = ["source", "key", "sha256", "caption", *_meta_columns(frame)]
-    text = pd.DataFrame({c: frame[c].astype(object).where(frame[c].notna(), "").astype(str)
-                         for c in cols})  # fmt: skip
-    return np.array([
-        pd.util.hash_pandas_object(text, index=False, hash_key=k).to_numpy(np.uint64).sum(
-            dtype=np.uint64)
-        for k in ("kiln-dataset-v-0", "kiln-dataset-v-1")
-    ], dtype=np.uint64)  # fmt: skip
+    text = pd.DataFrame(
+        {c: frame[c].astype(object).where(frame[c].notna(), "").astype(str) for c in cols}
+    )
+    return np.array(
+        [
+            pd.util.hash_pandas_object(text, index=False, hash_key=k)
+            .to_numpy(np.uint64)
+            .sum(dtype=np.uint64)
+            for k in ("kiln-dataset-v-0", "kiln-dataset-v-1")
+        ],
+        dtype=np.uint64,
+    )
 
 
 def key_units(keys) -> np.ndarray:
@@ -268,8 +274,15 @@ def _stage_of(target) -> int:
     return target if isinstance(target, int) else int(target[0])
 
 
-def _write_part(out: Path, uids: list, rendered: dict, rows: dict, r: int, size_limit: int,
-                tokenizer: str | None = None):  # fmt: skip
+def _write_part(
+    out: Path,
+    uids: list,
+    rendered: dict,
+    rows: dict,
+    r: int,
+    size_limit: int,
+    tokenizer: str | None = None,
+):
     shutil.rmtree(out, ignore_errors=True)  # a part left half-written by a crash
     columns, ids = dict(MDS_COLUMNS), None
     if tokenizer is not None and uids:
@@ -282,9 +295,16 @@ def _write_part(out: Path, uids: list, rendered: dict, rows: dict, r: int, size_
         for i, uid in enumerate(uids):
             img, top, left = rendered[uid][r]
             row = rows[uid]
-            sample = {"image": img, "caption": row["caption"], "key": uid[1],
-                      "orig_width": int(row["width"]), "orig_height": int(row["height"]),
-                      "crop_top": top, "crop_left": left, "meta": row["meta"]}  # fmt: skip
+            sample = {
+                "image": img,
+                "caption": row["caption"],
+                "key": uid[1],
+                "orig_width": int(row["width"]),
+                "orig_height": int(row["height"]),
+                "crop_top": top,
+                "crop_left": left,
+                "meta": row["meta"],
+            }
             if ids is not None:
                 sample["input_ids"] = ids[i]
             w.write(sample)
@@ -314,23 +334,31 @@ def write_partition(
     stages = sorted({_stage_of(t) for job in jobs for t in job[6]})
     bucketed = {int(t[0]) for job in jobs for t in job[6] if not isinstance(t, int)}
     name = f"part-{index:05d}"
-    done = {r: base / str(r) / (f"{name}.done" if r in bucketed else f"{name}/index.json")
-            for r in stages}  # fmt: skip
+    done = {
+        r: base / str(r) / (f"{name}.done" if r in bucketed else f"{name}/index.json")
+        for r in stages
+    }
     todo = [r for r in stages if not done[r].is_file()]
     if not todo:
         return {"index": index, "skipped": True}
     jobs = [(*j[:6], [t for t in j[6] if _stage_of(t) in todo], *j[7:]) for j in jobs]
     jobs = [j for j in jobs if j[6]]
-    bucket_of = {((j[0], j[2]), int(t[0])): (int(t[1]), int(t[2]))
-                 for j in jobs for t in j[6] if not isinstance(t, int)}  # fmt: skip
-    done_map = pool.map(render_for_stages, jobs, chunksize=8) if pool else map(
-        render_for_stages, jobs)  # fmt: skip
+    bucket_of = {
+        ((j[0], j[2]), int(t[0])): (int(t[1]), int(t[2]))
+        for j in jobs
+        for t in j[6]
+        if not isinstance(t, int)
+    }
+    done_map = (
+        pool.map(render_for_stages, jobs, chunksize=8) if pool else map(render_for_stages, jobs)
+    )
     rendered = {}
     for job, d in zip(jobs, done_map, strict=True):
         if "error" in d:
             # Ingest decoded these already: a failure means the source changed under us.
-            raise RuntimeError(f"{job[0]}/{d['key']}: failed to re-read during sharding: "
-                               f"{d['error']}")  # fmt: skip
+            raise RuntimeError(
+                f"{job[0]}/{d['key']}: failed to re-read during sharding: {d['error']}"
+            )
         rendered[(job[0], d["key"])] = d["images"]
     held = {tuple(u) for u in held or []}
     for r in todo:
@@ -340,8 +368,9 @@ def write_partition(
 
         def write(folder: Path, members: list, r: int = r) -> dict:
             buckets = {u: bucket_of[(u, r)] for u in members} if r in bucketed else None
-            return _write_split(folder, members, buckets, name, rendered, rows, r, size_limit,
-                                tokenizer)  # fmt: skip
+            return _write_split(
+                folder, members, buckets, name, rendered, rows, r, size_limit, tokenizer
+            )
 
         if val:  # first: the stage's own part (or marker) below marks both as done
             write(base / f"{r}-val", val)
@@ -353,8 +382,17 @@ def write_partition(
     return {"index": index, "skipped": False}
 
 
-def _write_split(folder: Path, uids: list, buckets: dict | None, name: str, rendered: dict,
-                 rows: dict, r: int, size_limit: int, tokenizer: str | None) -> dict:  # fmt: skip
+def _write_split(
+    folder: Path,
+    uids: list,
+    buckets: dict | None,
+    name: str,
+    rendered: dict,
+    rows: dict,
+    r: int,
+    size_limit: int,
+    tokenizer: str | None,
+) -> dict:
     """Write one partition's part of a split (a stage or its validation split): one MDS part,
     or one per aspect bucket when `buckets` maps each uid to its (width, height).
 
@@ -368,13 +406,13 @@ def _write_split(folder: Path, uids: list, buckets: dict | None, name: str, rend
     for uid in uids:
         groups.setdefault(buckets[uid], []).append(uid)
     for (bw, bh), members in sorted(groups.items()):
-        _write_part(folder / f"{bw}x{bh}" / name, members, rendered, rows, r, size_limit,
-                    tokenizer)  # fmt: skip
+        _write_part(folder / f"{bw}x{bh}" / name, members, rendered, rows, r, size_limit, tokenizer)
     return {f"{w}x{h}": len(v) for (w, h), v in groups.items()}
 
 
-def _check_readback(path: Path, size: tuple[int, int], expected: int, ids_len: int | None = None,
-                    sample: int = 32) -> None:  # fmt: skip
+def _check_readback(
+    path: Path, size: tuple[int, int], expected: int, ids_len: int | None = None, sample: int = 32
+) -> None:
     """Open the merged index with streaming's shard readers (what StreamingDataset reads a
     local dataset with) and check count, decode, size and caption of a spread of samples,
     and their token ids when `ids_len` is given.
@@ -398,13 +436,17 @@ def _check_readback(path: Path, size: tuple[int, int], expected: int, ids_len: i
         s = sh.get_item(j)
         got = Image.open(io.BytesIO(s["image"])).size
         if got != tuple(size) or not s["caption"].strip():
-            raise RuntimeError(f"{path}: sample {i} ({s['key']}) read back as {got}, expected "
-                               f"{size}, caption {s['caption']!r}")  # fmt: skip
+            raise RuntimeError(
+                f"{path}: sample {i} ({s['key']}) read back as {got}, expected "
+                f"{size}, caption {s['caption']!r}"
+            )
         ids = s.get("input_ids")
         shape = None if ids is None else ids.shape
         if ids_len is not None and shape != (ids_len,):
-            raise RuntimeError(f"{path}: sample {i} ({s['key']}) has token ids of shape "
-                               f"{shape}, expected ({ids_len},)")  # fmt: skip
+            raise RuntimeError(
+                f"{path}: sample {i} ({s['key']}) has token ids of shape "
+                f"{shape}, expected ({ids_len},)"
+            )
 
 
 @task(name="write-shards", cache_policy=NO_CACHE)
@@ -473,8 +515,9 @@ def write_shards(
     unknown = sorted(set(bucket_stages or []) - set(resolutions))
     if unknown:
         raise InputError(f"bucket stages {unknown} are not stage resolutions {sorted(resolutions)}")
-    buckets = {r: aspect_buckets(r, cfg.bucket_step, cfg.bucket_max_aspect)
-               for r in bucket_stages or []}  # fmt: skip
+    buckets = {
+        r: aspect_buckets(r, cfg.bucket_step, cfg.bucket_max_aspect) for r in bucket_stages or []
+    }
     if buckets:  # only then: versions written without buckets keep their hash
         settings["buckets"] = {str(r): b for r, b in sorted(buckets.items())}
     if tokenizer is not None:
@@ -484,13 +527,21 @@ def write_shards(
     if dry_run:
         result = _plan(root, ingest_id, layout, settings, buckets, cfg)
         result.quality_gate = gate
-        log.info("dataset %s for %s px (dry run): %s", result.dataset_version,
-                 sorted(resolutions), result.stages)  # fmt: skip
+        log.info(
+            "dataset %s for %s px (dry run): %s",
+            result.dataset_version,
+            sorted(resolutions),
+            result.stages,
+        )
         return result
     clean = read_clean(root, ingest_id)
     version = dataset_version(clean, settings)
-    result = ShardResult(dataset_version=version, ingest_id=ingest_id, quality_gate=gate,
-                         catalog_versions=view_versions(layout, ingest_id))  # fmt: skip
+    result = ShardResult(
+        dataset_version=version,
+        ingest_id=ingest_id,
+        quality_gate=gate,
+        catalog_versions=view_versions(layout, ingest_id),
+    )
     base = layout.shards(version)
     todo = [r for r in sorted(resolutions) if not is_published(base / str(r))]
     eligible = {}
@@ -498,8 +549,10 @@ def write_shards(
         ok, target = _eligible(clean, r, buckets.get(r), min_side_factor)
         eligible[r] = clean[ok] if target is None else clean.assign(bucket=target)[ok]
         _check_stage(r, int(ok.sum()), len(clean), r in buckets, min_side_factor)
-    held = pd.Series(held_out_mask(clean["source"], clean["key"], cfg.val_fraction, cfg.val_max),
-                     index=clean.index)  # fmt: skip
+    held = pd.Series(
+        held_out_mask(clean["source"], clean["key"], cfg.val_fraction, cfg.val_max),
+        index=clean.index,
+    )
     val = {}
     for r in sorted(resolutions):
         is_val = held.loc[eligible[r].index].to_numpy()
@@ -509,8 +562,9 @@ def write_shards(
         result.reused = True
         log.info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
     else:
-        _convert(base, todo, eligible, val, clean, settings, cfg.workers, endpoint_url,
-                 dask_address)  # fmt: skip
+        _convert(
+            base, todo, eligible, val, clean, settings, cfg.workers, endpoint_url, dask_address
+        )
     for r in sorted(resolutions):
         result.stages[r] = _stage_stats(base / str(r))
         result.stages[r]["val_samples"] = _split_stats(layout.val_shards(version, r))["samples"]
@@ -533,8 +587,11 @@ def _eligible(frame: pd.DataFrame, r: int, buckets: list | None, factor: float):
 
 def _check_stage(r: int, n: int, total: int, bucketed: bool, factor: float) -> None:
     if not n:
-        need = (f"covers its aspect bucket of {r}px with an upscale <= {1 / factor:g}"
-                if bucketed else f"has a short side >= {r * factor:g}px")  # fmt: skip
+        need = (
+            f"covers its aspect bucket of {r}px with an upscale <= {1 / factor:g}"
+            if bucketed
+            else f"has a short side >= {r * factor:g}px"
+        )
         raise InputError(
             f"stage {r}px has no images: none of {total} clean images {need} "
             f"(resolution and shards.min_side_factor {factor})"
@@ -550,8 +607,9 @@ def _check_split(r: int, train: int, val: int, cfg: ShardsConfig) -> None:
         )
 
 
-def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: dict,
-          cfg: ShardsConfig) -> ShardResult:  # fmt: skip
+def _plan(
+    root: str, ingest_id: str, layout: Layout, settings: dict, buckets: dict, cfg: ShardsConfig
+) -> ShardResult:
     """The dataset version and each stage's counts, a row group of the clean rows at a time:
     memory holds a row group and the `val_max` held-out candidates that come first so far
     (`held_out_mask`'s order), never every key hashing below `val_fraction`."""
@@ -568,18 +626,28 @@ def _plan(root: str, ingest_id: str, layout: Layout, settings: dict, buckets: di
         if cfg.val_fraction > 0 and cfg.val_max > 0:
             u = key_units(batch["key"])
             near = u < cfg.val_fraction
-            got = pd.DataFrame({"u": u[near], "source": batch["source"].to_numpy(object)[near],
-                                "key": batch["key"].to_numpy(object)[near],
-                                **{str(r): ok[r][near] for r in stages}})  # fmt: skip
+            got = pd.DataFrame(
+                {
+                    "u": u[near],
+                    "source": batch["source"].to_numpy(object)[near],
+                    "key": batch["key"].to_numpy(object)[near],
+                    **{str(r): ok[r][near] for r in stages},
+                }
+            )
             both = pd.concat([candidates, got], ignore_index=True) if len(candidates) else got
-            order = np.lexsort((both["source"].astype(str).to_numpy(),
-                                both["key"].astype(str).to_numpy(),
-                                both["u"].to_numpy()))  # fmt: skip
+            order = np.lexsort(
+                (
+                    both["source"].astype(str).to_numpy(),
+                    both["key"].astype(str).to_numpy(),
+                    both["u"].to_numpy(),
+                )
+            )
             candidates = both.iloc[order[: cfg.val_max]].reset_index(drop=True)
     for r in stages:
         _check_stage(r, eligible[r], total, r in buckets, cfg.min_side_factor)
-    result = ShardResult(dataset_version=_version(settings, digest), ingest_id=ingest_id,
-                         dry_run=True)  # fmt: skip
+    result = ShardResult(
+        dataset_version=_version(settings, digest), ingest_id=ingest_id, dry_run=True
+    )
     # The kept candidates are the validation split: at most `val_max`, in its order.
     for r in stages:
         val = int(candidates[str(r)].sum()) if len(candidates) else 0
@@ -614,31 +682,51 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
     rows = {}
     for rec in clean.to_dict("records"):
         uid = (rec["source"], rec["key"])
-        rows[uid] = {"caption": rec["caption"], "width": rec["width"], "height": rec["height"],
-                     "meta": _row_meta(rec, meta_cols), "object": rec["object"],
-                     "offset": rec["offset"], "length": rec["length"]}  # fmt: skip
+        rows[uid] = {
+            "caption": rec["caption"],
+            "width": rec["width"],
+            "height": rec["height"],
+            "meta": _row_meta(rec, meta_cols),
+            "object": rec["object"],
+            "offset": rec["offset"],
+            "length": rec["length"],
+        }
     bucket_of = {
         r: dict(zip(_uids(frame), frame["bucket"], strict=True))
-        for r in todo if "bucket" in eligible[r]
+        for r in todo
+        if "bucket" in eligible[r]
         for frame in [pd.concat([eligible[r], val[r]])]
-    }  # fmt: skip
+    }
 
     def target(r: int, uid: tuple):
         return (r, *bucket_of[r][uid]) if r in bucket_of else r
 
     jobs = [
-        (src, endpoint_url, key, rows[(src, key)]["object"], int(rows[(src, key)]["offset"]),
-         int(rows[(src, key)]["length"]),
-         [target(r, (src, key)) for r in todo if (src, key) in stage_keys[r]],
-         settings["jpeg_quality"], settings["image_format"])
+        (
+            src,
+            endpoint_url,
+            key,
+            rows[(src, key)]["object"],
+            int(rows[(src, key)]["offset"]),
+            int(rows[(src, key)]["length"]),
+            [target(r, (src, key)) for r in todo if (src, key) in stage_keys[r]],
+            settings["jpeg_quality"],
+            settings["image_format"],
+        )
         for src, key in keys
-    ]  # fmt: skip
+    ]
     size = settings["partition_size"]
     parts = [jobs[i : i + size] for i in range(0, len(jobs), size)]
     partial = base / ".partial"
     n_workers = workers or os.cpu_count() or 1
-    log.info("sharding %d images into %s for %s px: %d partitions on %s", len(keys), base.name,
-             todo, len(parts), "Dask" if dask_address else f"{n_workers} processes")  # fmt: skip
+    log.info(
+        "sharding %d images into %s for %s px: %d partitions on %s",
+        len(keys),
+        base.name,
+        todo,
+        len(parts),
+        "Dask" if dask_address else f"{n_workers} processes",
+    )
     with ExitStack() as stack:
         runner = stack.enter_context(partition_runner(n_workers, dask_address))
         pool = None
@@ -649,11 +737,21 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
         futures = []
         for i, p in enumerate(parts):
             part_rows = {(j[0], j[2]): rows[(j[0], j[2])] for j in p}
-            futures.append(runner.submit(write_partition, {
-                "partial": str(partial), "index": i, "jobs": p, "rows": part_rows,
-                "size_limit": settings["size_limit"], "pool": pool,
-                "tokenizer": _spec(settings.get("tokenizer")),
-                "held": sorted(u for u in part_rows if u in held)}))  # fmt: skip
+            futures.append(
+                runner.submit(
+                    write_partition,
+                    {
+                        "partial": str(partial),
+                        "index": i,
+                        "jobs": p,
+                        "rows": part_rows,
+                        "size_limit": settings["size_limit"],
+                        "pool": pool,
+                        "tokenizer": _spec(settings.get("tokenizer")),
+                        "held": sorted(u for u in part_rows if u in held),
+                    },
+                )
+            )
         errors, skipped = [], 0
         progress = Progress("shard", len(jobs), "images")
         for f, p in zip(futures, parts, strict=True):
@@ -664,11 +762,14 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
             progress.advance(len(p))
         progress.finish()
         if errors:
-            raise RuntimeError(f"{len(errors)} of {len(parts)} shard partitions failed (finished "
-                               f"ones are kept for the next run): {errors[:3]}")  # fmt: skip
+            raise RuntimeError(
+                f"{len(errors)} of {len(parts)} shard partitions failed (finished "
+                f"ones are kept for the next run): {errors[:3]}"
+            )
         if skipped:
-            log.info("%d of %d partitions were already finished by an earlier run", skipped,
-                     len(parts))  # fmt: skip
+            log.info(
+                "%d of %d partitions were already finished by an earlier run", skipped, len(parts)
+            )
     spec = _spec(settings.get("tokenizer"))
     ids_len = _caption_tokenizer(spec).max_length if spec else None
     for r in todo:
@@ -676,8 +777,11 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
             # The split first: a published stage always has its split (a crash in between
             # leaves the stage to do again, and its split already in place).
             if split and not is_published(base / name):
-                buckets = ({u: b for u, b in bucket_of[r].items() if u in split}
-                           if r in bucket_of else None)  # fmt: skip
+                buckets = (
+                    {u: b for u, b in bucket_of[r].items() if u in split}
+                    if r in bucket_of
+                    else None
+                )
                 _publish_stage(base, partial / name, r, buckets, len(split), ids_len, name)
     shutil.rmtree(partial, ignore_errors=True)
 
@@ -686,8 +790,15 @@ def _spec(tokenizer: dict | None) -> str | None:
     return None if tokenizer is None else json.dumps(tokenizer, sort_keys=True)
 
 
-def _publish_stage(base: Path, stage_dir: Path, r: int, buckets: dict | None, expected: int,
-                   ids_len: int | None, name: str):  # fmt: skip
+def _publish_stage(
+    base: Path,
+    stage_dir: Path,
+    r: int,
+    buckets: dict | None,
+    expected: int,
+    ids_len: int | None,
+    name: str,
+):
     """Merge a stage's (or its split's) parts, per bucket, check them read back, and rename
     the folder into place as `base / name`."""
     if buckets is None:
@@ -710,11 +821,13 @@ def _publish_stage(base: Path, stage_dir: Path, r: int, buckets: dict | None, ex
     stage_dir.rename(dest)  # publish: the folder appears complete, its index included
 
 
-def _merge_and_check(folder: Path, size: tuple[int, int], expected: int,
-                     ids_len: int | None) -> None:  # fmt: skip
+def _merge_and_check(
+    folder: Path, size: tuple[int, int], expected: int, ids_len: int | None
+) -> None:
     """Merge a folder's finished parts into one index.json, then read it back and check it."""
-    indexes = sorted(str(p / "index.json") for p in folder.glob("part-*")
-                     if (p / "index.json").is_file())  # fmt: skip
+    indexes = sorted(
+        str(p / "index.json") for p in folder.glob("part-*") if (p / "index.json").is_file()
+    )
     from streaming.base.util import merge_index
 
     with _quiet_streaming():

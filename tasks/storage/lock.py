@@ -118,8 +118,12 @@ def _holding(path: Path, key: str, what: str, take: Callable[[int], None]) -> It
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         take(fd)
-        info = {"what": what, "pid": os.getpid(), "host": socket.gethostname(),
-                "since": datetime.now(UTC).isoformat(timespec="seconds")}  # fmt: skip
+        info = {
+            "what": what,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(info).encode(), 0)
         with _guard:
@@ -140,12 +144,13 @@ def _busy_message(root: Path, fd: int) -> str:
     holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "{}"
     try:
         h = json.loads(holder)
-        who = (f"{h.get('what')} (pid {h.get('pid')} on {h.get('host')}, "
-               f"since {h.get('since')})")  # fmt: skip
+        who = f"{h.get('what')} (pid {h.get('pid')} on {h.get('host')}, since {h.get('since')})"
     except ValueError:
         who = "another process"
-    return (f"{root} is in use by {who}: wait for it to finish, or give this run another "
-            "storage.root (--root)")  # fmt: skip
+    return (
+        f"{root} is in use by {who}: wait for it to finish, or give this run another "
+        "storage.root (--root)"
+    )
 
 
 def busy_reason(root: Path) -> str | None:

@@ -72,8 +72,9 @@ def partitioned(tmp_path, hashes, d: int, parts: int, cuts: list[int], first: in
     return dup, near
 
 
-@pytest.mark.parametrize(("d", "parts", "hot"), [(4, 1, False), (4, 3, True), (2, 8, True),
-                                                 (0, 5, False), (6, 4, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("d", "parts", "hot"), [(4, 1, False), (4, 3, True), (2, 8, True), (0, 5, False), (6, 4, False)]
+)
 def test_partitions_give_the_single_process_answer(tmp_path, d, parts, hot):
     rng = np.random.default_rng(d * 10 + parts)
     hashes = corpus(rng, 6000, d, hot)
@@ -90,8 +91,12 @@ def test_new_rows_against_old_ones_match_brute_force(tmp_path):
     first = 2400
     dup, near = partitioned(tmp_path, (hi, lo, ph), 4, 4, cuts=[800, first], first=first)
     old = (h[:first] for h in (hi, lo, ph))
-    want = cross_catalog(tuple(h[first:] for h in (hi, lo, ph)),
-                         QualityConfig(near_duplicate_distance=4), [tuple(old)], first)  # fmt: skip
+    want = cross_catalog(
+        tuple(h[first:] for h in (hi, lo, ph)),
+        QualityConfig(near_duplicate_distance=4),
+        [tuple(old)],
+        first,
+    )
     assert dup.tolist() == want.duplicate_of.tolist()
     assert near.tolist() == want.near_duplicate_of.tolist()
     # Brute force: the first earlier row within 4 bits whose sha256 differs.
@@ -124,8 +129,12 @@ def test_old_rows_read_in_batches_on_threads_give_the_same_answer(hot):
     new = tuple(h[first:] for h in (hi, lo, ph))
     cuts = [0, 700, 701, 1200, 2500, 3100, 4000, 4700, 5000, first]
     spans = list(zip(cuts, cuts[1:], strict=False))
-    batches = [(lambda a=a, b=b: tuple(h[a:b] for h in (hi, lo, ph))) if i % 3 else
-               tuple(h[a:b] for h in (hi, lo, ph)) for i, (a, b) in enumerate(spans)]  # fmt: skip
+    batches = [
+        (lambda a=a, b=b: tuple(h[a:b] for h in (hi, lo, ph)))
+        if i % 3
+        else tuple(h[a:b] for h in (hi, lo, ph))
+        for i, (a, b) in enumerate(spans)
+    ]
     one, two = (cross_catalog(new, rules, batches, first, workers=w) for w in (1, 2))
     assert (one.near_duplicate_of >= 0).sum() > 20 and (one.duplicate_of >= 0).sum() > 5
     assert two.duplicate_of.tolist() == one.duplicate_of.tolist()

@@ -23,14 +23,25 @@ def _catalog(**cols) -> pd.DataFrame:
 def test_suite_flags_each_failure_with_a_reason(tmp_path):
     df = _catalog(
         key=["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k"],
-        caption=["ok", "  ", None, "small", "dup", "dup", "x" * 50, "日本語の説明文", "wide",
-                 "unlicensed", "ugly"],
+        caption=[
+            "ok",
+            "  ",
+            None,
+            "small",
+            "dup",
+            "dup",
+            "x" * 50,
+            "日本語の説明文",
+            "wide",
+            "unlicensed",
+            "ugly",
+        ],
         width=[64, 64, 64, 20, 64, 64, 64, 64, 400, 64, 64],
         sha256=["1", "2", "3", "4", "5", "5", "7", "8", "9", "10", "11"],
         license=["cc0", "cc0", "cc0", "cc0", "cc0", "cc0", "cc0", "cc0", "cc0", None, "cc0"],
         aesthetic=[6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 6.0, 3.2],
         ingest_seq=[1, 1, 1, 1, 2, 1, 1, 1, 1, 1, 1],
-    )  # fmt: skip
+    )
     rules = QualityConfig(
         min_side=32, max_caption_chars=40, allowed_licenses=["cc0"], min_aesthetic=4.5
     )

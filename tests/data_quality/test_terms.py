@@ -9,13 +9,23 @@ from kiln_config import QualityConfig
 
 
 def test_takedown_wins_then_an_unreadable_end_then_an_ended_license():
-    df = pd.DataFrame({
-        "source": ["s", "s", "s", "s", "s", "s", "t", "s"],
-        "key": ["a", "b", "c", "d", "e", "f", "b", "g"],
-        "contributor": ["x", "y", "z", None, "y", "q", "y", "q"],
-        "license_end": ["2020-01-01", "2030-01-01", "2010-01-01", "junk", "2026-11-26",
-                        "2026-11-25T23:00:00", None, "2026-13-45"],
-    })  # fmt: skip
+    df = pd.DataFrame(
+        {
+            "source": ["s", "s", "s", "s", "s", "s", "t", "s"],
+            "key": ["a", "b", "c", "d", "e", "f", "b", "g"],
+            "contributor": ["x", "y", "z", None, "y", "q", "y", "q"],
+            "license_end": [
+                "2020-01-01",
+                "2030-01-01",
+                "2010-01-01",
+                "junk",
+                "2026-11-26",
+                "2026-11-25T23:00:00",
+                None,
+                "2026-13-45",
+            ],
+        }
+    )
     down = Takedowns(images=frozenset({("s", "b")}), contributors=frozenset({"z"}))
     got = check_terms(df, QualityConfig(), down, date(2026, 11, 26)).set_index("key")
     assert got["reason"].to_dict() == {

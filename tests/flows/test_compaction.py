@@ -34,8 +34,12 @@ def sources(tmp_path_factory):
 def _ingest_and_validate(tmp_path, make_config, root, src, validate=True, **settings):
     """One ingest flow run of `src` into `root` (then validate it); the flow's result, with
     its `ingest-summary` artifact as `artifact`."""
-    path = make_config(tmp_path / f"{root.name}.yaml", root, src,
-                       **{"quality.max_reject_fraction": 0.9, **settings})  # fmt: skip
+    path = make_config(
+        tmp_path / f"{root.name}.yaml",
+        root,
+        src,
+        **{"quality.max_reject_fraction": 0.9, **settings},
+    )
     cfg = load_config(path)
     state = ingest_flow(cfg, return_state=True)
     got = {**state.result(), "artifact": run_artifacts("ingest-summary", state)[0].data}
@@ -46,8 +50,11 @@ def _ingest_and_validate(tmp_path, make_config, root, src, validate=True, **sett
 
 def _operations(root, table: str) -> list[str]:
     path = table_path(Layout(root), table)
-    return [h["operation"] for h in DeltaTable(str(path)).history()][::-1] if (
-        path / "_delta_log").is_dir() else []  # fmt: skip
+    return (
+        [h["operation"] for h in DeltaTable(str(path)).history()][::-1]
+        if (path / "_delta_log").is_dir()
+        else []
+    )
 
 
 def _files(root, table: str) -> int:
@@ -68,8 +75,7 @@ def test_every_third_ingest_compacts_and_the_view_reads_the_same_rows(
     runs = {on: [], off: []}
     for src in sources:
         for root, settings in ((on, every), (off, {"ingest.compact_every": 0})):
-            runs[root].append(_ingest_and_validate(tmp_path, make_config, root, src,
-                                                   **settings))  # fmt: skip
+            runs[root].append(_ingest_and_validate(tmp_path, make_config, root, src, **settings))
         if src != sources[-1]:
             assert runs[on][-1]["compaction"] is None  # ingest_seq 1 and 2: not due
     # Each validate added a file to the unpartitioned verdict tables: two before the third
@@ -89,8 +95,9 @@ def test_every_third_ingest_compacts_and_the_view_reads_the_same_rows(
 
     ids = [r["ingest_id"] for r in runs[on]]
     assert ids == [r["ingest_id"] for r in runs[off]]
-    for a, b in zip(read_view(Layout(on), ids[-1])[:2], read_view(Layout(off), ids[-1])[:2],
-                    strict=True):  # fmt: skip
+    for a, b in zip(
+        read_view(Layout(on), ids[-1])[:2], read_view(Layout(off), ids[-1])[:2], strict=True
+    ):
         pd.testing.assert_frame_equal(_sorted(a), _sorted(b))
     assert len(read_view(Layout(on), ids[-1])[0]) == 15  # 5 good files a source
 
@@ -121,16 +128,19 @@ def test_a_failed_compaction_keeps_the_ingest(tmp_path, make_config, sources, ca
     state = ingest_flow(load_config(path), return_state=True)
     assert state.is_completed()
     assert "Failed, the ingest is committed: `RuntimeError: compacting catalog table rejects" in (
-        run_artifacts("ingest-summary", state)[0].data)  # fmt: skip
+        run_artifacts("ingest-summary", state)[0].data
+    )
     second = state.result()
     assert second["compaction"]["ingest_seq"] == 2 and not second["reused"]
     error = second["compaction"]["error"]
     assert "tables" not in second["compaction"], error
     assert error.startswith("RuntimeError: compacting catalog table rejects at ") and (
-        "Json error" in error and "\n" not in error)  # fmt: skip
+        "Json error" in error and "\n" not in error
+    )
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert any("compaction after ingest" in m and "the ingest is committed" in m
-               for m in warned), warned  # fmt: skip
+    assert any("compaction after ingest" in m and "the ingest is committed" in m for m in warned), (
+        warned
+    )
     acc = read_view(Layout(root), second["ingest_id"])[0]
     assert sorted(set(acc["source"])) == sorted(str(s) for s in sources[:2])
     assert len(acc) == 10
@@ -147,9 +157,21 @@ def test_kiln_catalog_compact_defaults_to_the_configs_horizon(tmp_path, make_con
     cfg = tmp_path / f"{root.name}.yaml"
 
     def kiln(*args):
-        got = subprocess.run([sys.executable, "-m", "kiln_cli.main", "catalog", "compact",
-                              "--config", str(cfg), *args], capture_output=True, text=True,
-                             timeout=300)  # fmt: skip
+        got = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kiln_cli.main",
+                "catalog",
+                "compact",
+                "--config",
+                str(cfg),
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert got.returncode == 0, got.stderr
         return json.loads(got.stdout)
 

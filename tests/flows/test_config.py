@@ -239,8 +239,9 @@ def test_s3_source_is_probed_through_moto(tmp_path, make_config, demo_src, s3_bu
 
 def test_missing_topology_names_the_field(tmp_path, make_config, demo_src):
     missing = tmp_path / "no-topology.yaml"
-    (line,) = _checked(tmp_path, make_config, demo_src, ("train",),
-                       **{"launch.accelerate_config": str(missing)})  # fmt: skip
+    (line,) = _checked(
+        tmp_path, make_config, demo_src, ("train",), **{"launch.accelerate_config": str(missing)}
+    )
     assert line.startswith(f"launch.accelerate_config: file not found (received '{missing}')")
 
 
@@ -260,8 +261,9 @@ def test_tracking_folder_must_be_writable(tmp_path, make_config, demo_src):
     (tmp_path / "afile").write_text("not a folder")
 
     def check(uri):
-        return _checked(tmp_path, make_config, demo_src, ("register",),
-                        **{"registry.tracking_uri": uri})  # fmt: skip
+        return _checked(
+            tmp_path, make_config, demo_src, ("register",), **{"registry.tracking_uri": uri}
+        )
 
     assert check(f"sqlite:///{tmp_path}/new/deeper/mlflow.db") == [], "can be created"
     assert not (tmp_path / "new").exists(), "nothing is created by the check"
@@ -280,30 +282,44 @@ def test_tracking_server_must_answer(tmp_path, make_config, demo_src):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:  # any HTTP answer, even 501, means the server is there
         uri = f"http://127.0.0.1:{server.server_address[1]}"
-        assert _checked(tmp_path, make_config, demo_src, ("train",),
-                        **{"registry.tracking_uri": uri}) == []  # fmt: skip
+        assert (
+            _checked(tmp_path, make_config, demo_src, ("train",), **{"registry.tracking_uri": uri})
+            == []
+        )
     finally:
         server.shutdown()
         server.server_close()
-    (line,) = _checked(tmp_path, make_config, demo_src, ("train",),
-                       **{"registry.tracking_uri": uri})  # fmt: skip
+    (line,) = _checked(
+        tmp_path, make_config, demo_src, ("train",), **{"registry.tracking_uri": uri}
+    )
     assert line.startswith(f"registry.tracking_uri: the MLflow server at {uri} does not answer")
 
 
 def test_every_local_failure_is_reported_at_once(tmp_path, make_config, demo_src):
     lines = _checked(
-        tmp_path, make_config, demo_src, ("ingest", "train", "evaluate"), source=tmp_path / "x",
-        **{"launch.accelerate_config": str(tmp_path / "t.yaml"),
-           "registry.tracking_uri": "sqlite:////sys/kiln/mlflow.db",
-           "evaluate.prompts_csv": str(tmp_path / "p.csv")},
-    )  # fmt: skip
+        tmp_path,
+        make_config,
+        demo_src,
+        ("ingest", "train", "evaluate"),
+        source=tmp_path / "x",
+        **{
+            "launch.accelerate_config": str(tmp_path / "t.yaml"),
+            "registry.tracking_uri": "sqlite:////sys/kiln/mlflow.db",
+            "evaluate.prompts_csv": str(tmp_path / "p.csv"),
+        },
+    )
     fields = [ln.split(":")[0] for ln in lines]
     assert fields == ["ingest.source", "launch.accelerate_config", "registry.tracking_uri"]
 
 
 def test_missing_prompts_file_is_a_config_error(tmp_path, make_config, demo_src):
-    (line,) = _checked(tmp_path, make_config, demo_src, ("evaluate",),
-                       **{"evaluate.prompts_csv": str(tmp_path / "p.csv")})  # fmt: skip
+    (line,) = _checked(
+        tmp_path,
+        make_config,
+        demo_src,
+        ("evaluate",),
+        **{"evaluate.prompts_csv": str(tmp_path / "p.csv")},
+    )
     assert line == f"evaluate.prompts_csv: file not found: {tmp_path / 'p.csv'}"
 
 
@@ -341,16 +357,18 @@ def test_load_checked_applies_overrides_and_checks_the_steps(tmp_path, make_conf
         load_checked(str(path), ("ingest",), source=str(tmp_path / "no-such-folder"))
 
 
-def test_checking_the_prompts_leaves_the_config_as_given(tmp_path, make_config, demo_src,
-                                                         monkeypatch):  # fmt: skip
+def test_checking_the_prompts_leaves_the_config_as_given(
+    tmp_path, make_config, demo_src, monkeypatch
+):
     """The probe reads; the resolved file is returned, and set by the caller on a copy."""
     from tasks.inputs import check_inputs, prompts_file, with_prompts
 
     drawbench = tmp_path / "drawbench.csv"
     drawbench.write_text("Prompts,Category\na red circle,Colors\n")
     monkeypatch.setenv("KILN_DRAWBENCH_CSV", str(drawbench))
-    path = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src,
-                       **{"evaluate.prompts_csv": None})  # fmt: skip
+    path = make_config(
+        tmp_path / "c.yaml", tmp_path / "root", demo_src, **{"evaluate.prompts_csv": None}
+    )
     cfg = load_config(path)
     before = cfg.model_dump()
     check_inputs(cfg, ("evaluate",))
@@ -364,15 +382,22 @@ def test_checking_the_prompts_leaves_the_config_as_given(tmp_path, make_config, 
 @pytest.mark.parametrize(
     ("launch", "canonical", "expect"),
     [
-        ({}, None, "train.stages.1.num_machines: 2 nodes need a cluster backend; set "
-                   "launch.backend: slurm or kubernetes (received local)"),
-        ({"backend": "slurm"}, 3, "train.stages.1.num_machines: 2 nodes neither divide nor are "
-                                  "a multiple of train.num_canonical_nodes (3)"),
+        (
+            {},
+            None,
+            "train.stages.1.num_machines: 2 nodes need a cluster backend; set "
+            "launch.backend: slurm or kubernetes (received local)",
+        ),
+        (
+            {"backend": "slurm"},
+            3,
+            "train.stages.1.num_machines: 2 nodes neither divide nor are "
+            "a multiple of train.num_canonical_nodes (3)",
+        ),
         ({"backend": "kubernetes"}, None, "launch.kubernetes.image: the kubernetes backend"),
     ],
-)  # fmt: skip
-def test_node_counts_need_a_cluster_and_a_fitting_sample_order(tmp_path, launch, canonical,
-                                                               expect):  # fmt: skip
+)
+def test_node_counts_need_a_cluster_and_a_fitting_sample_order(tmp_path, launch, canonical, expect):
     """Each message names its field once, without the whole section as 'received'."""
     cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     cfg["train"]["stages"][1]["num_machines"] = 2

@@ -37,11 +37,25 @@ def _tiny_clip(folder: Path) -> Path:
 
     from models.factory import build_tokenizer
 
-    text = dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=77, bos_token_id=512,
-                eos_token_id=513, pad_token_id=513)  # fmt: skip
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=32, patch_size=8)  # fmt: skip
+    text = dict(
+        vocab_size=514,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        bos_token_id=512,
+        eos_token_id=513,
+        pad_token_id=513,
+    )
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+    )
     torch.manual_seed(0)
     CLIPModel(
         CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
@@ -144,8 +158,15 @@ def test_missing_weights_skip_each_metric_with_the_fix_named(tmp_path):
     study = tmp_path / "study"
     (study / "images").mkdir(parents=True)
     _random_images(1, (16, 16), seed=0)[0].save(study / "images" / "0000-s0.png")
-    items = [{"index": 0, "prompt": "a red circle", "category": "Colors", "seed": 0,
-              "path": "images/0000-s0.png"}]  # fmt: skip
+    items = [
+        {
+            "index": 0,
+            "prompt": "a red circle",
+            "category": "Colors",
+            "seed": 0,
+            "path": "images/0000-s0.png",
+        }
+    ]
     cfg = EvalMetricsConfig(
         clip_model=str(tmp_path / "no-clip"), inception_weights=str(tmp_path / "no.pth")
     )
@@ -170,8 +191,9 @@ def test_contact_sheet_per_category_with_every_seed(tmp_path):
         for seed in (0, 1):
             path = f"images/{i:04d}-s{seed}.png"
             Image.new("RGB", (64, 64), (250, 10 + 100 * seed, 10)).save(study / path)
-            items.append({"index": i, "prompt": prompt, "category": cat, "seed": seed,
-                          "path": path})  # fmt: skip
+            items.append(
+                {"index": i, "prompt": prompt, "category": cat, "seed": seed, "path": path}
+            )
     sheets = write_contact_sheets(study, items)
     assert {c: p.name for c, p in sheets.items()} == {
         "Colors": "colors.png",
@@ -240,9 +262,13 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     root, version = _root_with_val_split(tmp_path, tiny_shards)
     clip = _tiny_clip(tmp_path / "clip")
     missing = tmp_path / "no-inception.pth"
-    cfg = make_config(tmp_path / "c.yaml", root, demo_src, **ONE_STAGE,
-                      **{"evaluate.metrics": {"clip_model": str(clip),
-                                              "inception_weights": str(missing)}})  # fmt: skip
+    cfg = make_config(
+        tmp_path / "c.yaml",
+        root,
+        demo_src,
+        **ONE_STAGE,
+        **{"evaluate.metrics": {"clip_model": str(clip), "inception_weights": str(missing)}},
+    )
     record = train_flow(load_config(cfg, root=str(root)), dataset_version=version)
     out = evaluate_flow(load_config(cfg, root=str(root)), run_id=record["run_id"])
 
@@ -250,8 +276,10 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     items = json.loads((study / "study.json").read_text())["items"]
     cats = {it["category"] for it in items}
     assert set(out["contact_sheets"]) == cats and len(cats) >= 2
-    assert all(Path(p).is_file() and Path(p).parent == study / "contact"
-               for p in out["contact_sheets"].values())  # fmt: skip
+    assert all(
+        Path(p).is_file() and Path(p).parent == study / "contact"
+        for p in out["contact_sheets"].values()
+    )
 
     images = [Image.open(study / it["path"]).convert("RGB") for it in items]
     direct = _direct_clip(clip, images, [it["prompt"] for it in items])
@@ -268,8 +296,9 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     assert run.data.tags["kiln.eval.clip_score_sha256"] == cs["sha256"]
     assert "no file at" in run.data.tags["kiln.eval.fid_skipped"]
     logged = {a.path for a in client.list_artifacts(run.info.run_id, f"eval/{study.name}/contact")}
-    assert logged == {f"eval/{study.name}/contact/{Path(p).name}"
-                      for p in out["contact_sheets"].values()}  # fmt: skip
+    assert logged == {
+        f"eval/{study.name}/contact/{Path(p).name}" for p in out["contact_sheets"].values()
+    }
 
     # FID through the same task, with a tiny feature extractor in place of InceptionV3: the
     # validation split against images generated from its captions by the run's export.
@@ -282,23 +311,36 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     val_dir = root / "shards" / version / "32-val"
     feature = TinyFeatures()
     metrics = compute_study_metrics.fn(
-        str(study), items, EvalMetricsConfig(clip_model=str(clip), fid_max_images=6), str(val_dir),
-        {"pipeline": record["export"], "settings": settings}, fid_feature=feature,
-    )  # fmt: skip
+        str(study),
+        items,
+        EvalMetricsConfig(clip_model=str(clip), fid_max_images=6),
+        str(val_dir),
+        {"pipeline": record["export"], "settings": settings},
+        fid_feature=feature,
+    )
     from streaming import StreamingDataset
 
     ds = StreamingDataset(local=str(val_dir), batch_size=1, shuffle=False)
-    real = [torch.from_numpy(np.asarray(Image.open(io.BytesIO(ds[i]["image"])).convert("RGB"))
-            .copy()).permute(2, 0, 1) for i in range(6)]  # fmt: skip
+    real = [
+        torch.from_numpy(
+            np.asarray(Image.open(io.BytesIO(ds[i]["image"])).convert("RGB")).copy()
+        ).permute(2, 0, 1)
+        for i in range(6)
+    ]
     gen = json.loads((study / "fid" / "study.json").read_text())["items"]
     assert [it["prompt"] for it in gen] == [ds[i]["caption"] for i in range(6)]
-    fake = [torch.from_numpy(np.asarray(Image.open(study / "fid" / it["path"]).convert("RGB"))
-            .copy()).permute(2, 0, 1) for it in gen]  # fmt: skip
+    fake = [
+        torch.from_numpy(
+            np.asarray(Image.open(study / "fid" / it["path"]).convert("RGB")).copy()
+        ).permute(2, 0, 1)
+        for it in gen
+    ]
     assert metrics["fid"]["images"] == 6
     assert metrics["fid"]["value"] == pytest.approx(_direct_fid(feature, real, fake), rel=1e-4)
 
-    info = register_flow(load_config(cfg, root=str(root)), run_id=record["run_id"],
-                         study_id=study.name)  # fmt: skip
+    info = register_flow(
+        load_config(cfg, root=str(root)), run_id=record["run_id"], study_id=study.name
+    )
     version_tags = client.get_model_version(info["name"], info["version"]).tags
     assert version_tags["study_id"] == study.name
     for name in ("clip_score", "fid"):  # 6 significant digits in a tag

@@ -23,8 +23,11 @@ pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
 def _data_docs_run(root: Path, markdown: str, ingest_id: str):
     """The MLflow run that the quality-gate artifact's http link points at; asserts the link
     is one, and that the run holds the Data Docs site."""
-    m = re.search(r"\(http://127\.0\.0\.1:5000/#/experiments/(\w+)/runs/(\w+)/artifacts/"
-                  r"(validations/\S+\.html)\)", markdown)  # fmt: skip
+    m = re.search(
+        r"\(http://127\.0\.0\.1:5000/#/experiments/(\w+)/runs/(\w+)/artifacts/"
+        r"(validations/\S+\.html)\)",
+        markdown,
+    )
     assert m, f"no http link to the Data Docs' validation results in:\n{markdown}"
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     run = client.get_run(m.group(2))
@@ -101,9 +104,11 @@ def test_a_flow_run_records_its_config_without_credentials(tmp_path, demo_src, m
 
 def test_quality_gate_fails_the_flow_and_publishes_the_reasons(tmp_path, demo_src, make_config):
     cfg = make_config(
-        tmp_path / "c.yaml", tmp_path / "root", demo_src,
+        tmp_path / "c.yaml",
+        tmp_path / "root",
+        demo_src,
         **{"quality.min_side": 90, "quality.max_reject_fraction": 0.05},
-    )  # fmt: skip
+    )
     ingest_flow(load_config(cfg))
     state = validate_flow(load_config(cfg), return_state=True)
     with pytest.raises(QualityGateError, match="quality gate failed"):
@@ -137,14 +142,29 @@ def test_precompute_in_the_shard_flow_and_training_on_latents(
     from tasks.storage.objects import Storage
 
     bucket, _ = s3_bucket
-    stages = [{"resolution": 64, "batch_size": 4, "learning_rate": 2.0e-4, "max_steps": 4,
-               "gradient_accumulation_steps": 2}]  # fmt: skip
+    stages = [
+        {
+            "resolution": 64,
+            "batch_size": 4,
+            "learning_rate": 2.0e-4,
+            "max_steps": 4,
+            "gradient_accumulation_steps": 2,
+        }
+    ]
     cfg = make_config(
-        tmp_path / "c.yaml", tmp_path / "root", demo_src,
-        **{"shards.precompute": True, "train.checkpoint_every": 100, "train.stages": stages,
-           "shards.aspect_buckets": True, "shards.bucket_step": 8,
-           "shards.remote": f"s3://{bucket}/datasets", "storage.endpoint_url": s3_endpoint},
-    )  # fmt: skip
+        tmp_path / "c.yaml",
+        tmp_path / "root",
+        demo_src,
+        **{
+            "shards.precompute": True,
+            "train.checkpoint_every": 100,
+            "train.stages": stages,
+            "shards.aspect_buckets": True,
+            "shards.bucket_step": 8,
+            "shards.remote": f"s3://{bucket}/datasets",
+            "storage.endpoint_url": s3_endpoint,
+        },
+    )
     ingest_flow(load_config(cfg))
     validate_flow(load_config(cfg))
     shards = shard_flow(load_config(cfg))

@@ -66,14 +66,26 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     assert v1["licensing"]["report"] == REPORT_ARTIFACT
 
     # The model's lineage: its rows, and each contributor's draws equal to what was drawn.
-    out = _kiln("lineage", "model", f"models:/kiln-t2i/{v1['version']}", "--config", cfg,
-                "--csv", str(tmp_path / "share.csv"))  # fmt: skip
+    out = _kiln(
+        "lineage",
+        "model",
+        f"models:/kiln-t2i/{v1['version']}",
+        "--config",
+        cfg,
+        "--csv",
+        str(tmp_path / "share.csv"),
+    )
     assert f"dataset version {version}" in out and "(candidate)" in out
     rows = dataset_rows(root, version)
     assert set(rows["key"]) == set(read_clean(str(root), ingest_id)["key"])
     assert "ada-studio" in out and "licensed" in out
-    drawn = [k for line in (root / "runs" / run["run_id"] / "stage-32" / "samples-rank0.jsonl")
-             .read_text().splitlines() for k in json.loads(line)["keys"]]  # fmt: skip
+    drawn = [
+        k
+        for line in (root / "runs" / run["run_id"] / "stage-32" / "samples-rank0.jsonl")
+        .read_text()
+        .splitlines()
+        for k in json.loads(line)["keys"]
+    ]
     assert len(drawn) == 2 * 4, "2 steps of 4 images on one process"
     expected = Counter(_contributor(k) for k in drawn)
     share = pd.read_csv(tmp_path / "share.csv").set_index("contributor")
@@ -96,8 +108,18 @@ def test_lineage_takedown_and_promotion_through_the_commands(
         _kiln("lineage", "image", "no-such-image.jpg", "--config", cfg)
 
     # A takedown: appended with who, when and why; the version is tagged; a retrain is due.
-    out = _kiln("takedown", "add", "--key", key, "--reason", "contract ended", "--by", "legal",
-                "--config", cfg)  # fmt: skip
+    out = _kiln(
+        "takedown",
+        "add",
+        "--key",
+        key,
+        "--reason",
+        "contract ended",
+        "--by",
+        "legal",
+        "--config",
+        cfg,
+    )
     added = json.loads(out)
     assert added["images"] == 1 and added["tagged_versions"] == {v1["version"]: 1}
     assert added["retrain_due"] and added["taken_down_since_training"] == 1
@@ -114,13 +136,14 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     assert result["takedowns"] == 1 and result["reasons"]["takedown"] == 1
     q = _quarantine(root, result["ingest_id"])
     assert q[q["reason"] == "takedown"]["key"].tolist() == [key]
-    _kiln("takedown", "add", "--contributor", "cy-shoots", "--reason", "withdrawn", "--config",
-          cfg)  # fmt: skip
+    _kiln("takedown", "add", "--contributor", "cy-shoots", "--reason", "withdrawn", "--config", cfg)
     result = validate_flow(loaded)
     q = _quarantine(root, result["ingest_id"])
     gone = set(q[q["reason"] == "takedown"]["key"])
-    meta = {r["file_name"]: r["contributor"] for r in
-            map(json.loads, (demo_src / "metadata.jsonl").read_text().splitlines())}  # fmt: skip
+    meta = {
+        r["file_name"]: r["contributor"]
+        for r in map(json.loads, (demo_src / "metadata.jsonl").read_text().splitlines())
+    }
     cy = {k for k in rows["key"] if _contributor(k) == "cy-shoots"}
     # Every accepted row of the contributor, the suite's rejects too (now under `takedown`).
     assert cy | {key} <= gone and {meta[k] for k in gone - {key}} == {"cy-shoots"}
@@ -130,8 +153,18 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     # A file of keys, by key or by <source>/<key> path.
     more = sorted(k for k in rows["key"] if _contributor(k) == "ada-studio" and k != key)[:2]
     (tmp_path / "keys.csv").write_text(f"key\n{more[0]}\n{demo_src}/{more[1]}\n")
-    added = json.loads(_kiln("takedown", "add", "--file", str(tmp_path / "keys.csv"),
-                             "--reason", "court order", "--config", cfg))  # fmt: skip
+    added = json.loads(
+        _kiln(
+            "takedown",
+            "add",
+            "--file",
+            str(tmp_path / "keys.csv"),
+            "--reason",
+            "court order",
+            "--config",
+            cfg,
+        )
+    )
     assert added["images"] == 2 and added["tagged_versions"] == {v1["version"]: len(cy | {key}) + 2}
     assert _kiln("takedown", "list", "--config", cfg).count("court order") == 2
 
@@ -139,8 +172,13 @@ def test_lineage_takedown_and_promotion_through_the_commands(
     ref = f"models:/kiln-t2i/{v1['version']}"
     with pytest.raises(PromotionRefused, match="taken-down"):
         promote_flow(loaded, candidate=ref, first=True)
-    done = promote_flow(loaded, candidate=ref, first=True, allow_takedown=True,
-                        reason="interim release approved by legal")  # fmt: skip
+    done = promote_flow(
+        loaded,
+        candidate=ref,
+        first=True,
+        allow_takedown=True,
+        reason="interim release approved by legal",
+    )
     assert done["outcome"] == "first"
     tags = client.get_model_version("kiln-t2i", v1["version"]).tags
     assert tags["kiln.promotion.takedown_override"] == "interim release approved by legal"
@@ -185,6 +223,7 @@ def test_an_ended_license_is_quarantined(tmp_path, demo_src, make_config):
     assert "license_end='2021-01-31'" in detail
     from tasks.reports import quality_report
 
-    summary = json.loads((tmp_path / "root" / "quality" / result["ingest_id"] / "summary.json")
-                         .read_text())  # fmt: skip
+    summary = json.loads(
+        (tmp_path / "root" / "quality" / result["ingest_id"] / "summary.json").read_text()
+    )
     assert "0 rows on the takedown list, 4 with an ended" in quality_report(summary)

@@ -28,8 +28,13 @@ def _train_on(cfg_path, ingest_id: str, run_id: str, finished: bool = True) -> s
     cfg = load_config(cfg_path)
     root = cfg.storage.root
     validate_catalog.fn(root, ingest_id, cfg.quality)
-    res = write_shards.fn(cfg.shards, root, ingest_id, [cfg.train.stages[0].resolution],
-                          tokenizer=cfg.train.model.tokenizer.model_dump())  # fmt: skip
+    res = write_shards.fn(
+        cfg.shards,
+        root,
+        ingest_id,
+        [cfg.train.stages[0].resolution],
+        tokenizer=cfg.train.model.tokenizer.model_dump(),
+    )
     layout = Layout(Path(root))
     layout.run(run_id).mkdir(parents=True)
     record = {"dataset_version": res.dataset_version}
@@ -42,8 +47,9 @@ def _train_on(cfg_path, ingest_id: str, run_id: str, finished: bool = True) -> s
 
 def test_new_images_since_the_last_training_make_a_retrain_due(tmp_path, landing_src, make_config):
     src, land = landing_src
-    cfg = make_config(tmp_path / "tiny.yaml", tmp_path / "root", src,
-                      **{"retrain.min_new_images": 10})  # fmt: skip
+    cfg = make_config(
+        tmp_path / "tiny.yaml", tmp_path / "root", src, **{"retrain.min_new_images": 10}
+    )
     first = ingest_flow(load_config(cfg))["new_data"]
     accepted = first["view_accepted"]
     assert first["new_since_training"] == accepted == first["new_accepted"] > 10
@@ -56,8 +62,9 @@ def test_new_images_since_the_last_training_make_a_retrain_due(tmp_path, landing
     again = ingest_flow(load_config(cfg))["new_data"]
     assert (again["new_accepted"], again["new_since_training"]) == (0, 0)
     assert again["trained_run_id"] == done and not again["retrain_due"]
-    assert "not due (0 < 10)" in new_data_report(new_data(tmp_path / "root", again["ingest_id"],
-                                                          0, 10, True))  # fmt: skip
+    assert "not due (0 < 10)" in new_data_report(
+        new_data(tmp_path / "root", again["ingest_id"], 0, 10, True)
+    )
 
     landed = land()
     after = ingest_flow(load_config(cfg))["new_data"]
@@ -85,12 +92,16 @@ def test_a_training_in_progress_holds_the_retrain_back(tmp_path, landing_src, ma
     _train_on(cfg, ingest_flow(load_config(cfg))["ingest_id"], "run-20260101-000000")
     land()
     holder = subprocess.Popen(
-        [sys.executable, "-c",
-         "import sys, time; from tasks.storage.lock import root_lock\n"
-         f"with root_lock({str(root)!r}, 'kiln train'):\n"
-         "    print('held', flush=True); time.sleep(120)"],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from tasks.storage.lock import root_lock\n"
+            f"with root_lock({str(root)!r}, 'kiln train'):\n"
+            "    print('held', flush=True); time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         busy = ingest_flow(load_config(cfg))["new_data"]

@@ -45,13 +45,19 @@ def test_a_retrain_starts_from_the_champions_weights_and_names_its_parent(
     assert init(second)["unet_sha256"] == weights_sha256(champion)
     assert init(first)["unet_sha256"] != init(second)["unet_sha256"], "scratch starts elsewhere"
     # The tiny preset fits its VAE on the data; a warm start keeps the champion's instead.
-    vae = [yaml.safe_load((root / "runs" / r["run_id"] / "config.yaml").read_text())["train"]
-           ["model"]["vae"]["pretrained"] for r in (first, second)]  # fmt: skip
+    vae = [
+        yaml.safe_load((root / "runs" / r["run_id"] / "config.yaml").read_text())["train"]["model"][
+            "vae"
+        ]["pretrained"]
+        for r in (first, second)
+    ]
     assert vae == [vae[0], second["init_from_model"]["folder"]] and "/vae/" in vae[0]
     # ...and trained from there: the new export differs, a little.
     after = UNet2DConditionModel.from_pretrained(second["export"], subfolder="unet")
-    deltas = [(a - b).abs().max().item() for a, b in
-              zip(after.parameters(), champion.parameters(), strict=True)]  # fmt: skip
+    deltas = [
+        (a - b).abs().max().item()
+        for a, b in zip(after.parameters(), champion.parameters(), strict=True)
+    ]
     assert 0 < max(deltas) < 0.1
 
     v2 = register_flow(load_config(tmp_path / "retrain.yaml"), run_id=second["run_id"])

@@ -73,8 +73,14 @@ def test_editing_the_file_after_training_changes_neither_evaluate_nor_register(
     exp = client.get_experiment(trained.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development", "UI opens on runs"
 
-    _edit(user, **{"evaluate.seeds": [7, 8], "registry.alias": "edited",
-                   "registry.model_name": "edited-name"})  # fmt: skip
+    _edit(
+        user,
+        **{
+            "evaluate.seeds": [7, 8],
+            "registry.alias": "edited",
+            "registry.model_name": "edited-name",
+        },
+    )
     study = evaluate_flow(load_config(user, root=str(root)), run_id=record["run_id"])
     items = json.loads((Path(study["path"]) / "study.json").read_text())["items"]
     assert {it["seed"] for it in items} == {0} and len(items) == 2, "the snapshot's settings"
@@ -90,11 +96,19 @@ def test_editing_the_file_after_training_changes_neither_evaluate_nor_register(
     assert run.data.tags["kiln.config_sha256"] == stable_hash(snap, 16)
     version = client.get_model_version(info["name"], info["version"])
     assert version.run_id == record["mlflow_run_id"], "the model was logged into the run"
-    leaked = {k: os.environ[k] for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
-              if os.environ.get(k) == uri}  # fmt: skip
+    leaked = {
+        k: os.environ[k]
+        for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")
+        if os.environ.get(k) == uri
+    }
     assert not leaked, "registering must not point this process's later subprocesses at it"
-    for part in (record["run_id"], record["mlflow_run_id"], dataset_version, study["study_id"],
-                 f"models:/kiln-t2i/{info['version']}"):  # fmt: skip
+    for part in (
+        record["run_id"],
+        record["mlflow_run_id"],
+        dataset_version,
+        study["study_id"],
+        f"models:/kiln-t2i/{info['version']}",
+    ):
         assert part in version.description, part
     described = client.get_registered_model("kiln-t2i").description
     assert 'mlflow.pyfunc.load_model("models:/kiln-t2i@candidate")' in described
@@ -104,8 +118,12 @@ def test_a_failed_stage_ends_the_mlflow_run_failed(tmp_path, tiny_shards, demo_s
     root, version = _root_with_shards(tmp_path, tiny_shards)
     broken = tmp_path / "broken-topology.yaml"
     broken.write_text("distributed_type: NOT_A_TYPE\nnum_processes: 1\n")
-    user = make_config(tmp_path / "user.yaml", root, demo_src,
-                       **{**ONE_STAGE, "launch.accelerate_config": str(broken)})  # fmt: skip
+    user = make_config(
+        tmp_path / "user.yaml",
+        root,
+        demo_src,
+        **{**ONE_STAGE, "launch.accelerate_config": str(broken)},
+    )
     with pytest.raises(LaunchError):
         train_flow(load_config(user), dataset_version=version, run_id="run-broken")
     record = json.loads((root / "runs" / "run-broken" / "run.json").read_text())

@@ -45,8 +45,10 @@ def test_a_dataset_smaller_than_one_batch_fails_before_any_launch(tiny_shards, t
 
 def _listing(root):
     """The run and fitted-VAE folders under `root` (the session's shards may come with some)."""
-    return {k: sorted(p.name for p in (root / k).iterdir()) if (root / k).is_dir() else []
-            for k in ("runs", "vae")}  # fmt: skip
+    return {
+        k: sorted(p.name for p in (root / k).iterdir()) if (root / k).is_dir() else []
+        for k in ("runs", "vae")
+    }
 
 
 def _task_runs(flow_run_id):

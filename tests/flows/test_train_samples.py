@@ -23,11 +23,18 @@ def test_each_stage_publishes_its_newest_grid(tmp_path, tiny_shards, demo_src, m
     for kind in ("catalog", "shards", "vae"):  # the session's shards and fitted VAE
         (root / kind).symlink_to(shared / kind)
     cfg = make_config(
-        tmp_path / "c.yaml", root, demo_src,
-        **{"train.stages": [{"resolution": 32, "batch_size": 4, "learning_rate": 1e-3,
-                             "max_steps": 2}],
-           "train.sample_every": 1, "launch.health_check": False, "launch.max_restarts": 0},
-    )  # fmt: skip
+        tmp_path / "c.yaml",
+        root,
+        demo_src,
+        **{
+            "train.stages": [
+                {"resolution": 32, "batch_size": 4, "learning_rate": 1e-3, "max_steps": 2}
+            ],
+            "train.sample_every": 1,
+            "launch.health_check": False,
+            "launch.max_restarts": 0,
+        },
+    )
     state = train_flow(load_config(cfg), dataset_version=version, return_state=True)
     record = state.result()
     stage = root / "runs" / record["run_id"] / "stage-32"

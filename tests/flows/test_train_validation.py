@@ -26,10 +26,18 @@ def test_train_and_register_flows_show_the_validation_loss(
     assert (root / "shards" / version / "32-val" / "index.json").is_file(), "no held-out split"
     stage = {"resolution": 32, "batch_size": 4, "learning_rate": 5e-4, "max_steps": 2}
     cfg = make_config(
-        tmp_path / "c.yaml", root, demo_src,
-        **{"train.stages": [stage], "train.eval_every": 1, "train.val_max_samples": 4,
-           "train.val_timesteps": 2, "train.log_every": 1, "launch.health_check": False},
-    )  # fmt: skip
+        tmp_path / "c.yaml",
+        root,
+        demo_src,
+        **{
+            "train.stages": [stage],
+            "train.eval_every": 1,
+            "train.val_max_samples": 4,
+            "train.val_timesteps": 2,
+            "train.log_every": 1,
+            "launch.health_check": False,
+        },
+    )
     state = train_flow(load_config(cfg), dataset_version=version, return_state=True)
     record = state.result()
     stage_dir = root / "runs" / record["run_id"] / "stage-32"

@@ -34,8 +34,9 @@ def write_study(
             rel = f"images/{i:04d}-s{seed}.png"
             shade = tuple((c + 13 * i + seed) % 256 for c in colour)
             Image.new("RGB", (size, size), shade).save(folder / rel)
-            items.append({"index": i, "prompt": prompt, "category": category, "seed": seed,
-                          "path": rel})  # fmt: skip
+            items.append(
+                {"index": i, "prompt": prompt, "category": category, "seed": seed, "path": rel}
+            )
     study = {
         "study_id": study_id,
         "model": {"pipeline": f"/models/{model}/final", "ref": model},
@@ -45,7 +46,7 @@ def write_study(
             "num_inference_steps": 2,
             "guidance_scale": 7.5,
             "resolution": size,
-        },  # fmt: skip
+        },
         "items": items,
     }
     (folder / "study.json").write_text(json.dumps(study))
@@ -101,8 +102,17 @@ def wait_until_up(url: str, proc, timeout: float = 60.0) -> None:
 def serve_argv(root: Path, port: int) -> list[str]:
     """`kiln rate serve` over the root's default ratings store, on 127.0.0.1:port."""
     config = str(REPO / "configs" / "tiny.yaml")
-    return ["kiln_cli.main", "rate", "serve", "--config", config, "--root", str(root),
-            "--port", str(port)]  # fmt: skip
+    return [
+        "kiln_cli.main",
+        "rate",
+        "serve",
+        "--config",
+        config,
+        "--root",
+        str(root),
+        "--port",
+        str(port),
+    ]
 
 
 def start_server(argv: list[str], port: int):
@@ -117,9 +127,13 @@ def start_server(argv: list[str], port: int):
     # pipe would block the server.
     log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop)
     proc = subprocess.Popen(
-        [sys.executable, "-m", *argv], cwd=REPO, env=env,
-        stdout=log, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [sys.executable, "-m", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     proc.log = log
     url = f"http://127.0.0.1:{port}"
     wait_until_up(url, proc)

@@ -38,8 +38,9 @@ def served(tmp_path, make_config):
     cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=3, gold=2)
     tokens = [t for _, t in store.add_raters(cid, 3)]
     common = ["--config", str(cfg), "--root", str(root)]
-    proc, base = start_server(["kiln_cli.main", "rate", "serve", *common],
-                              data["human_eval"]["port"])  # fmt: skip
+    proc, base = start_server(
+        ["kiln_cli.main", "rate", "serve", *common], data["human_eval"]["port"]
+    )
     yield {"base": base, "store": store, "cid": cid, "tokens": tokens, "root": root}
     stop(proc)
     store.close()
@@ -53,8 +54,9 @@ def _vote(client, base, token, store, rng, careful: bool) -> bool:
     m = re.search(r'name="task_id" value="(\d+)"', page.text)
     if m is None:
         return False
-    answers = {q: rng.choice(["left", "right", "tie"], p=[0.6, 0.3, 0.1])
-               for q in ("quality", "alignment")}  # fmt: skip
+    answers = {
+        q: rng.choice(["left", "right", "tie"], p=[0.6, 0.3, 0.1]) for q in ("quality", "alignment")
+    }
     with store.session() as s:
         task = s.get(Task, int(m.group(1)))
         gold, left = s.get(Pair, task.pair_id).gold, task.left
@@ -71,8 +73,9 @@ def _page_result(text: str) -> dict:
     """{question: {group: {pref, ci, ties, votes, prompts} or {note, votes, prompts}}} and
     each question's alpha, read from the admin page's result tables."""
     out = {}
-    for q, body in re.findall(r'<table class="result" data-question="(\w+)">(.*?)</table>', text,
-                              re.S):  # fmt: skip
+    for q, body in re.findall(
+        r'<table class="result" data-question="(\w+)">(.*?)</table>', text, re.S
+    ):
         rows = {}
         for group, row in re.findall(r'<tr data-group="([^"]*)">(.*?)</tr>', body, re.S):
             cells = dict(re.findall(r'<td class="(\w+)"[^>]*>([^<]*)</td>', row))
@@ -111,8 +114,9 @@ def test_admin_page_shows_the_reports_numbers_as_votes_come_in(served, tmp_path)
     def check() -> dict:
         page = httpx.get(admin)
         assert page.status_code == 200
-        report = build_report(store, cid, tmp_path / "report", min_gold_accuracy=0.5,
-                              n_resamples=300, seed=7)  # fmt: skip
+        report = build_report(
+            store, cid, tmp_path / "report", min_gold_accuracy=0.5, n_resamples=300, seed=7
+        )
         shown = _page_result(page.text)
         _assert_page_is_report(shown, report)
         return report

@@ -56,8 +56,15 @@ def _task(client, base, token):
 
 def test_unknown_or_missing_token_is_403(app_server):
     base = app_server["base"]
-    for path in ["/rate/nope", "/rate/", "/rate", "/rate/nope/image/abc", "/admin/nope",
-                 "/admin/", "/admin"]:  # fmt: skip
+    for path in [
+        "/rate/nope",
+        "/rate/",
+        "/rate",
+        "/rate/nope/image/abc",
+        "/admin/nope",
+        "/admin/",
+        "/admin",
+    ]:
         assert httpx.get(base + path).status_code == 403, path
     r = httpx.post(f"{base}/rate/nope/vote", data={"task_id": "1", "quality": "left"})
     assert r.status_code == 403
@@ -104,15 +111,23 @@ def test_images_by_id_only(app_server):
     assert len(ids) == 2
     img = httpx.get(f"{base}/rate/{token}/image/{ids[0]}")
     assert img.status_code == 200 and img.content[:4] == b"\x89PNG"
-    probes = ["..%2F..%2F..%2Fetc%2Fpasswd", "%2Fetc%2Fpasswd", "%2E%2E", "%2E%2E%2Fstudy.json",
-              "images%2F0000-s0.png", str(app_server["root"] / "eval")]  # fmt: skip
+    probes = [
+        "..%2F..%2F..%2Fetc%2Fpasswd",
+        "%2Fetc%2Fpasswd",
+        "%2E%2E",
+        "%2E%2E%2Fstudy.json",
+        "images%2F0000-s0.png",
+        str(app_server["root"] / "eval"),
+    ]
     for probe in probes:
         r = httpx.get(f"{base}/rate/{token}/image/{probe}")
         assert r.status_code == 404, (probe, r.status_code)
         assert b"root:" not in r.content
     # Raw dot segments on the wire (an HTTP client would normalise them away).
-    for target in [f"/rate/{token}/image/../../../../etc/passwd",
-                   f"/rate/{token}/image/..%2f..%2f..%2f..%2fetc%2fpasswd"]:  # fmt: skip
+    for target in [
+        f"/rate/{token}/image/../../../../etc/passwd",
+        f"/rate/{token}/image/..%2f..%2f..%2f..%2fetc%2fpasswd",
+    ]:
         status, body = _raw_get(base, target)
         assert status == 404, (target, status)
         assert b"root:" not in body

@@ -61,8 +61,13 @@ def _tag(folder, model: str, when: float, compress_level: int) -> None:
             exif[0x0131] = model  # Software
             exif[0x0132] = time.strftime("%Y:%m:%d %H:%M:%S", time.gmtime(when))  # DateTime
             im.save(png, pnginfo=info, exif=exif, compress_level=compress_level)
-        assert {k for k, _ in png_chunks(png.read_bytes())} >= {b"tEXt", b"zTXt", b"iTXt",
-                                                                 b"tIME", b"eXIf"}  # fmt: skip
+        assert {k for k, _ in png_chunks(png.read_bytes())} >= {
+            b"tEXt",
+            b"zTXt",
+            b"iTXt",
+            b"tIME",
+            b"eXIf",
+        }
     for path in folder.rglob("*"):
         os.utime(path, (when, when))
 
@@ -81,8 +86,7 @@ def two_days(tmp_path):
     ).stat().st_size
     url = sqlite_url(Layout(root).ratings_db())
     store = RatingStore(url)
-    cid, _ = create_comparison(store, load_study(old), load_study(new), raters_per_pair=1,
-                               gold=0)  # fmt: skip
+    cid, _ = create_comparison(store, load_study(old), load_study(new), raters_per_pair=1, gold=0)
     [(_, token)] = store.add_raters(cid, 1)
     port = free_port()
     proc, base = start_server(serve_argv(root, port), port)
@@ -126,6 +130,8 @@ def test_both_images_of_a_task_look_the_same_to_the_browser(two_days):
 
     # And the pixels are the study's own: the re-encoding is lossless.
     served = np.asarray(Image.open(io.BytesIO(left.content)))
-    sources = [np.asarray(Image.open(p).convert("RGB"))
-               for p in sorted((two_days["old"] / "images").glob("*.png"))]  # fmt: skip
+    sources = [
+        np.asarray(Image.open(p).convert("RGB"))
+        for p in sorted((two_days["old"] / "images").glob("*.png"))
+    ]
     assert any(np.array_equal(served, src) for src in sources)

@@ -34,11 +34,15 @@ def served(tmp_path, make_config):
     """A comparison of 8 pairs + 2 gold (one prompt is an XSS probe), a rater link, and a
     `kiln rate serve` process."""
     root = tmp_path / "root"
-    prompts = [(XSS, "Misspellings"), *PROMPTS, *[(f"A cube number {i}.", "Counting")
-                                                  for i in range(3)]]  # fmt: skip
+    prompts = [
+        (XSS, "Misspellings"),
+        *PROMPTS,
+        *[(f"A cube number {i}.", "Counting") for i in range(3)],
+    ]
     write_study(root, "study-alpha", prompts=prompts, size=512, model="run-alpha")
-    write_study(root, "study-beta", prompts=prompts, size=512, colour=(0, 90, 200),
-                model="run-beta")  # fmt: skip
+    write_study(
+        root, "study-beta", prompts=prompts, size=512, colour=(0, 90, 200), model="run-beta"
+    )
     cfg = make_config(tmp_path / "tiny.yaml", root, tmp_path)
     data = yaml.safe_load(cfg.read_text())
     data["human_eval"] = {"port": free_port(), "gold_per_rater": 2}
@@ -54,8 +58,14 @@ def served(tmp_path, make_config):
     admin = (
         f"http://127.0.0.1:{port}/admin/{RatingStore.open(Layout(root).ratings_db()).admin_token()}"
     )
-    yield {"link": link, "root": root, "cid": cid, "token": link.rsplit("/", 1)[1],
-           "admin": admin, "config": cfg}  # fmt: skip
+    yield {
+        "link": link,
+        "root": root,
+        "cid": cid,
+        "token": link.rsplit("/", 1)[1],
+        "admin": admin,
+        "config": cfg,
+    }
     stop(proc)
 
 
@@ -69,8 +79,10 @@ def _check_page(page, dialogs):
         assert secret not in html, secret
     assert page.locator("img").count() == 2  # nothing injected
     # Both images decode in the browser (served re-encoded, without metadata).
-    page.wait_for_function("Array.from(document.images).every(i => i.complete && "
-                           "i.naturalWidth === 512 && i.naturalHeight === 512)")  # fmt: skip
+    page.wait_for_function(
+        "Array.from(document.images).every(i => i.complete && "
+        "i.naturalWidth === 512 && i.naturalHeight === 512)"
+    )
     assert not dialogs
     # A laptop screen (1366 x 768) shows the whole task with 512 px images: no scrolling.
     assert page.evaluate("document.documentElement.scrollHeight <= window.innerHeight")
@@ -109,8 +121,13 @@ def test_rate_with_keyboard_and_clicks_in_chromium(served, tmp_path):
         task, src = _task_id(page), page.locator("img").first.get_attribute("src")
         page.reload()
         assert (_task_id(page), page.locator("img").first.get_attribute("src")) == (task, src)
-        clicks = [("right", "left"), ("tie", "tie"), ("left", "right"), ("right", "right"),
-                  ("left", "tie")]  # fmt: skip
+        clicks = [
+            ("right", "left"),
+            ("tie", "tie"),
+            ("left", "right"),
+            ("right", "right"),
+            ("left", "tie"),
+        ]
         label = {"left": "1: A", "right": "2: B", "tie": "3: Indifferent"}
         for i, (q, a) in enumerate(clicks):
             _check_page(page, dialogs)
@@ -148,9 +165,16 @@ def test_rate_with_keyboard_and_clicks_in_chromium(served, tmp_path):
 
     # The admin page showed what `kiln rate report` writes (the config's settings).
     he = load_config(str(served["config"])).human_eval
-    report = build_report(store, served["cid"], tmp_path / "report",
-                          min_gold_accuracy=he.min_gold_accuracy,
-                          n_resamples=he.bootstrap_resamples, seed=he.seed)  # fmt: skip
+    report = build_report(
+        store,
+        served["cid"],
+        tmp_path / "report",
+        min_gold_accuracy=he.min_gold_accuracy,
+        n_resamples=he.bootstrap_resamples,
+        seed=he.seed,
+    )
     overall = report["questions"]["quality"]["overall"]
-    assert on_admin == {"pref": overall.get("note") or f"{overall['pref']:.3f}",
-                     "votes": str(overall["votes"])}  # fmt: skip
+    assert on_admin == {
+        "pref": overall.get("note") or f"{overall['pref']:.3f}",
+        "votes": str(overall["votes"]),
+    }

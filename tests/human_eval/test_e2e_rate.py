@@ -46,8 +46,9 @@ def _rater_answers(base, token, store, seed_key):
             with store.engine.connect() as con:
                 left, gold, prompt = con.exec_driver_sql(
                     "SELECT t.left, p.gold, p.prompt_index FROM tasks_served t "
-                    "JOIN pairs p ON p.id = t.pair_id WHERE t.id = ?", (task,)
-                ).one()  # fmt: skip
+                    "JOIN pairs p ON p.id = t.pair_id WHERE t.id = ?",
+                    (task,),
+                ).one()
             a_side = "left" if left == "a" else "right"
             b_side = "right" if a_side == "left" else "left"
             seed = int(hashlib.sha256(f"{seed_key}-{prompt}".encode()).hexdigest()[:8], 16)
@@ -72,12 +73,20 @@ def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_sr
     studies = {}
     configs, runs = {}, {}
     for side, seed, alias in (("b", 2, "champion"), ("a", 1, "candidate")):
-        cfg = make_config(tmp_path / f"{side}.yaml", root, demo_src, **{
-            "train.seed": seed, "evaluate.limit": 10, "registry.alias": alias})  # fmt: skip
+        cfg = make_config(
+            tmp_path / f"{side}.yaml",
+            root,
+            demo_src,
+            **{"train.seed": seed, "evaluate.limit": 10, "registry.alias": alias},
+        )
         data = yaml.safe_load(cfg.read_text())
         data["train"]["stages"] = data["train"]["stages"][:1]  # one 32 px stage: fast
-        data["human_eval"] = {"raters_per_pair": RATERS, "gold_per_rater": 2,
-                              "port": free_port(), "bootstrap_resamples": 2000}  # fmt: skip
+        data["human_eval"] = {
+            "raters_per_pair": RATERS,
+            "gold_per_rater": 2,
+            "port": free_port(),
+            "bootstrap_resamples": 2000,
+        }
         cfg.write_text(yaml.safe_dump(data))
         runs[side] = train_flow(load_config(cfg), dataset_version=version, run_id=f"run-e2e-{side}")
         if side == "a":  # B's study is left to `kiln compare` to generate
@@ -91,8 +100,17 @@ def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_sr
     runner = CliRunner()
     # Registered models by alias: A's study exists and is reused (the id `kiln evaluate`
     # gave it); B's is generated first, with the same prompts, seeds and settings.
-    made = runner.invoke(cli, ["compare", *common, "--a", "models:/kiln-t2i@candidate",
-                               "--b", "models:/kiln-t2i@champion"])  # fmt: skip
+    made = runner.invoke(
+        cli,
+        [
+            "compare",
+            *common,
+            "--a",
+            "models:/kiln-t2i@candidate",
+            "--b",
+            "models:/kiln-t2i@champion",
+        ],
+    )
     assert made.exit_code == 0, made.output
     cid = made.stdout.strip().splitlines()[-1]
     studies["b"] = re.search(r"vs (run-e2e-b-\w+) \(B\)", made.stderr).group(1)
@@ -100,8 +118,9 @@ def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_sr
     assert (root / "eval" / studies["b"] / "study.json").is_file()
     again = runner.invoke(cli, ["compare", *common, "--a", studies["a"], "--b", studies["b"]])
     assert again.stdout.strip().splitlines()[-1] == cid  # the same comparison
-    links = runner.invoke(cli, ["rate", "invite", *common, "--comparison", cid,
-                                "--raters", str(RATERS)]).stdout  # fmt: skip
+    links = runner.invoke(
+        cli, ["rate", "invite", *common, "--comparison", cid, "--raters", str(RATERS)]
+    ).stdout
     tokens = re.findall(r"/rate/(\S+)$", links, re.M)
     port = yaml.safe_load(config_a.read_text())["human_eval"]["port"]
     proc, base = start_server(["kiln_cli.main", "rate", "serve", *common], port)

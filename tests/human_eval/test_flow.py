@@ -49,15 +49,18 @@ def test_flow_reports_and_logs_metrics_and_tags(tmp_path, make_config):
 
     prompts = many_prompts(20)
     a = write_study(root, "cand-study", prompts=prompts, size=8, model="run-cand")
-    b = write_study(root, "champ-study", prompts=prompts, size=8, colour=(9, 9, 250),
-                    model="run-champ")  # fmt: skip
+    b = write_study(
+        root, "champ-study", prompts=prompts, size=8, colour=(9, 9, 250), model="run-champ"
+    )
     store = RatingStore.open(Layout(root).ratings_db())
-    cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=3, gold=2,
-                               name="cand-vs-champ")  # fmt: skip
+    cid, _ = create_comparison(
+        store, load_study(a), load_study(b), raters_per_pair=3, gold=2, name="cand-vs-champ"
+    )
     _simulate(store, cid, 3, p_a=0.8, rng=np.random.default_rng(5))
 
-    result = human_eval_flow(load_config(cfg), "cand-study", "champ-study", name="cand-vs-champ",
-                             wait_s=30, poll_s=1)  # fmt: skip
+    result = human_eval_flow(
+        load_config(cfg), "cand-study", "champ-study", name="cand-vs-champ", wait_s=30, poll_s=1
+    )
     assert result["comparison"] == cid and result["wait"]["complete"]
     report = json.loads((root / "human_eval" / cid / "report.json").read_text())
     logged = client.get_run(mlflow_run_id).data

@@ -69,8 +69,11 @@ class Rater(threading.Thread):
                     if m is None:
                         self.error = f"no task after {len(self.done)}: {page.status_code}"
                         return
-                    form = {"task_id": m.group(1), "quality": rng.choice(["left", "right"]),
-                            "alignment": rng.choice(["left", "right", "tie"])}  # fmt: skip
+                    form = {
+                        "task_id": m.group(1),
+                        "quality": rng.choice(["left", "right"]),
+                        "alignment": rng.choice(["left", "right", "tie"]),
+                    }
                     t0 = time.perf_counter()
                     vote_url = f"{self.base}/rate/{self.token}/vote"
                     r = self._retry(lambda f=form, u=vote_url: c.post(u, data=f))
@@ -138,9 +141,11 @@ def test_50_concurrent_raters_cast_exactly_1000_votes(tmp_path):
         stop(proc)
     _check_exact(store, cid)
     lat = np.array([x for r in raters for x in r.latencies]) * 1000
-    print(f"\n50 raters x 20 votes: {1000 / wall:.1f} votes/s (page + vote per task), vote "
-          f"latency p50 {np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms, "
-          f"{wall:.1f} s, {os.cpu_count()} cores")  # fmt: skip
+    print(
+        f"\n50 raters x 20 votes: {1000 / wall:.1f} votes/s (page + vote per task), vote "
+        f"latency p50 {np.percentile(lat, 50):.1f} ms, p99 {np.percentile(lat, 99):.1f} ms, "
+        f"{wall:.1f} s, {os.cpu_count()} cores"
+    )
 
 
 def test_kill_9_mid_load_loses_nothing_and_duplicates_nothing(tmp_path):

@@ -33,8 +33,7 @@ def _run(*args):
 
 
 def test_every_command_has_help():
-    for path in (["compare"], ["rate"], ["rate", "serve"], ["rate", "invite"],
-                 ["rate", "report"]):  # fmt: skip
+    for path in (["compare"], ["rate"], ["rate", "serve"], ["rate", "invite"], ["rate", "report"]):
         result = _run(*path, "--help")
         assert result.exit_code == 0, result.output
         cmd = cli
@@ -54,13 +53,33 @@ def test_config_has_a_human_eval_section(setup):
 def test_compare_invite_report(setup):
     config, root = setup
     common = ["--config", config, "--root", root]
-    result = _run("compare", *common, "--a", "run-a-1111", "--b", "run-b-2222", "--gold", "2",
-                  "--raters-per-pair", "3")  # fmt: skip
+    result = _run(
+        "compare",
+        *common,
+        "--a",
+        "run-a-1111",
+        "--b",
+        "run-b-2222",
+        "--gold",
+        "2",
+        "--raters-per-pair",
+        "3",
+    )
     assert result.exit_code == 0, result.output
     cid = result.stdout.strip().splitlines()[-1]
     assert cid.startswith("cmp-")
-    again = _run("compare", *common, "--a", "run-a-1111", "--b", "run-b-2222", "--gold", "2",
-                 "--raters-per-pair", "3")  # fmt: skip
+    again = _run(
+        "compare",
+        *common,
+        "--a",
+        "run-a-1111",
+        "--b",
+        "run-b-2222",
+        "--gold",
+        "2",
+        "--raters-per-pair",
+        "3",
+    )
     assert again.stdout.strip().splitlines()[-1] == cid  # the same comparison, not a new one
 
     invite = _run("rate", "invite", *common, "--comparison", cid, "--raters", "3")
@@ -105,11 +124,32 @@ def test_clear_errors(setup):
 def test_an_option_given_overrides_its_config_field(setup):
     config, root = setup  # the config sets human_eval.port 9911
     common = ["--config", config, "--root", root]
-    made = _run("compare", *common, "--a", "run-a-1111", "--b", "run-b-2222", "--gold", "2",
-                "--raters-per-pair", "3")  # fmt: skip
+    made = _run(
+        "compare",
+        *common,
+        "--a",
+        "run-a-1111",
+        "--b",
+        "run-b-2222",
+        "--gold",
+        "2",
+        "--raters-per-pair",
+        "3",
+    )
     cid = made.stdout.strip().splitlines()[-1]
-    given = _run("rate", "invite", *common, "--comparison", cid, "--raters", "1",
-                 "--host", "localhost", "--port", "9912")  # fmt: skip
+    given = _run(
+        "rate",
+        "invite",
+        *common,
+        "--comparison",
+        cid,
+        "--raters",
+        "1",
+        "--host",
+        "localhost",
+        "--port",
+        "9912",
+    )
     assert given.exit_code == 0, given.output
     assert re.search(r"\thttp://localhost:9912/rate/[\w-]{32}$", given.stdout, re.M)
     bad = _run("rate", "invite", *common, "--comparison", cid, "--raters", "1", "--port", "0")

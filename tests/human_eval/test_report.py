@@ -30,8 +30,9 @@ def _simulate(store, cid, n_raters, p_a, rng, careless=()):
     with store.session() as s:
         for pseudonym, rater in raters:
             for p in pairs:
-                task = Task(rater_id=rater.id, pair_id=p.id, left=rng.choice(["a", "b"]),
-                            answered=True)  # fmt: skip
+                task = Task(
+                    rater_id=rater.id, pair_id=p.id, left=rng.choice(["a", "b"]), answered=True
+                )
                 s.add(task)
                 s.flush()
                 for q in ("quality", "alignment"):
@@ -40,8 +41,17 @@ def _simulate(store, cid, n_raters, p_a, rng, careless=()):
                     else:
                         u = rng.random()
                         ans = "tie" if u < 0.1 else ("a" if rng.random() < p_a else "b")
-                    s.add(Vote(rater_id=rater.id, pair_id=p.id, task_id=task.id, question=q,
-                               answer=ans, left=task.left, served_at=task.served_at))  # fmt: skip
+                    s.add(
+                        Vote(
+                            rater_id=rater.id,
+                            pair_id=p.id,
+                            task_id=task.id,
+                            question=q,
+                            answer=ans,
+                            left=task.left,
+                            served_at=task.served_at,
+                        )
+                    )
 
 
 def _comparison(root, n_prompts, gold, name=None, b="study-b"):
@@ -49,8 +59,9 @@ def _comparison(root, n_prompts, gold, name=None, b="study-b"):
     a = write_study(root, "study-a", prompts=prompts, size=8, model="run-a")
     other = write_study(root, b, prompts=prompts, size=8, colour=(0, 0, 250), model=f"run-{b}")
     store = RatingStore(sqlite_url(Layout(root).ratings_db()))
-    cid, _ = create_comparison(store, load_study(a), load_study(other), raters_per_pair=5,
-                               gold=gold, name=name)  # fmt: skip
+    cid, _ = create_comparison(
+        store, load_study(a), load_study(other), raters_per_pair=5, gold=gold, name=name
+    )
     return store, cid
 
 

@@ -113,8 +113,20 @@ def test_bradley_terry_is_choix_fit_with_a_tie_as_half_a_win_each_way():
     import choix
 
     outcomes = [(0, 1, 1.0), (0, 1, 0.5), (1, 2, 1.0), (2, 1, 0.0), (0, 2, 0.0), (2, 0, 0.5)]
-    pairs = [(0, 1), (0, 1), (0, 1), (1, 0), (1, 2), (1, 2), (1, 2), (1, 2), (2, 0), (2, 0),
-             (2, 0), (0, 2)]  # fmt: skip
+    pairs = [
+        (0, 1),
+        (0, 1),
+        (0, 1),
+        (1, 0),
+        (1, 2),
+        (1, 2),
+        (1, 2),
+        (1, 2),
+        (2, 0),
+        (2, 0),
+        (2, 0),
+        (0, 2),
+    ]
     expected = choix.ilsr_pairwise(3, pairs, alpha=0.01)
     got = bradley_terry(3, outcomes, n_resamples=100, seed=0)["strength"]
     assert got == pytest.approx(expected.tolist(), abs=1e-9)

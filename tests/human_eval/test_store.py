@@ -161,7 +161,16 @@ def test_progress_counts_at_most_k_votes_a_pair(two_studies):
         s.add(served)
         s.flush()
         for q in ("quality", "alignment"):
-            s.add(Vote(rater_id=second.id, pair_id=pair, task_id=served.id, question=q,
-                       answer="a", left="a", served_at=dt.datetime.now(dt.UTC)))  # fmt: skip
+            s.add(
+                Vote(
+                    rater_id=second.id,
+                    pair_id=pair,
+                    task_id=served.id,
+                    question=q,
+                    answer="a",
+                    left="a",
+                    served_at=dt.datetime.now(dt.UTC),
+                )
+            )
     done, target = store.progress(cid)
     assert (done, target) == (1, len(store.pairs(cid)))

@@ -25,8 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _run(tmp_path, **faults) -> StageRun:
     train = TrainConfig(**yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["train"])
-    return StageRun(train=train, stage_index=0, shards=str(tmp_path / "shards"),
-                    output_dir=str(tmp_path), faults=FaultInjection(**faults))  # fmt: skip
+    return StageRun(
+        train=train,
+        stage_index=0,
+        shards=str(tmp_path / "shards"),
+        output_dir=str(tmp_path),
+        faults=FaultInjection(**faults),
+    )
 
 
 def test_callbacks_run_in_order_at_every_event():

@@ -32,18 +32,36 @@ def _images(n: int, w: int, h: int, seed: int = 0) -> list[np.ndarray]:
 
 
 def _samples(images: list[bytes], **columns) -> list[dict]:
-    return [{"image": img, "caption": f"caption {i}", "key": f"k{i}", "drop": False,
-             **{k: v[i] for k, v in columns.items()}}
-            for i, img in enumerate(images)]  # fmt: skip
+    return [
+        {
+            "image": img,
+            "caption": f"caption {i}",
+            "key": f"k{i}",
+            "drop": False,
+            **{k: v[i] for k, v in columns.items()},
+        }
+        for i, img in enumerate(images)
+    ]
 
 
 def test_collate_tokenizes_like_the_tokenizer(tok):
     """Batch tokenization in the collate gives the ids the model's tokenizer gives."""
     assert tok.is_fast
-    captions = ["a photo of a cat", "", "  spaced   out  ", "Crème brûlée, 日本の写真!",
-                "long " * 200, "UPPER and lower"]  # fmt: skip
-    want = tok(captions, padding="max_length", truncation=True,
-               max_length=tok.model_max_length, return_tensors="np").input_ids  # fmt: skip
+    captions = [
+        "a photo of a cat",
+        "",
+        "  spaced   out  ",
+        "Crème brûlée, 日本の写真!",
+        "long " * 200,
+        "UPPER and lower",
+    ]
+    want = tok(
+        captions,
+        padding="max_length",
+        truncation=True,
+        max_length=tok.model_max_length,
+        return_tensors="np",
+    ).input_ids
     got = KilnCollate(tok, 32).ids(captions)
     assert got.dtype == torch.int64 and tuple(got.shape) == want.shape
     assert np.array_equal(got.numpy(), want)
@@ -53,8 +71,12 @@ def test_image_batch_is_a_channels_last_view_of_the_decoded_pixels(tok):
     """PNG and JPEG bytes (and memoryviews of them, as the reader hands out) decode into one
     uint8 (B, 3, H, W) batch with channels-last strides; captions become the tokenizer's ids."""
     arrays = _images(4, w=6, h=4)
-    data = [_encoded(arrays[0], "PNG"), memoryview(_encoded(arrays[1], "PNG")),
-            _encoded(arrays[2], "JPEG"), memoryview(_encoded(arrays[3], "JPEG"))]  # fmt: skip
+    data = [
+        _encoded(arrays[0], "PNG"),
+        memoryview(_encoded(arrays[1], "PNG")),
+        _encoded(arrays[2], "JPEG"),
+        memoryview(_encoded(arrays[3], "JPEG")),
+    ]
     samples = _samples(data)
     out = KilnCollate(tok, (6, 4))(samples)
 
@@ -119,8 +141,10 @@ def test_precomputed_columns_stack_into_the_batch(tok):
     hidden = [rng.standard_normal((16, 8)).astype(np.float16) for _ in range(3)]
     drop = [False, True, False]
     views = zip(_stored(mean), _stored(std), _stored(hidden), drop, strict=True)
-    samples = [{"latent_mean": m, "latent_std": s, "text_hidden": t, "key": f"k{i}", "drop": d}
-               for i, (m, s, t, d) in enumerate(views)]  # fmt: skip
+    samples = [
+        {"latent_mean": m, "latent_std": s, "text_hidden": t, "key": f"k{i}", "drop": d}
+        for i, (m, s, t, d) in enumerate(views)
+    ]
     assert not samples[0]["latent_mean"].flags.aligned
     out = KilnCollate(tok, 16)(samples)
     for col, want in (("latent_mean", mean), ("latent_std", std), ("text_hidden", hidden)):
@@ -130,8 +154,10 @@ def test_precomputed_columns_stack_into_the_batch(tok):
 
     ids = CaptionTokenizer(tok)(["one", "two", "three"]).numpy().astype(np.int32)
     views = zip(_stored(mean), _stored(std), _stored(list(ids)), drop, strict=True)
-    samples = [{"latent_mean": m, "latent_std": s, "input_ids": i, "key": f"k{n}", "drop": d}
-               for n, (m, s, i, d) in enumerate(views)]  # fmt: skip
+    samples = [
+        {"latent_mean": m, "latent_std": s, "input_ids": i, "key": f"k{n}", "drop": d}
+        for n, (m, s, i, d) in enumerate(views)
+    ]
     out = KilnCollate(tok, 16)(samples)
     assert out["input_ids"].dtype == torch.int64 and tuple(out["input_ids"].shape) == (3, 16)
     empty = CaptionTokenizer(tok)([""])[0]

@@ -16,20 +16,32 @@ def _write(path: Path, data: dict) -> Path:
 
 
 def test_mappings_merge_and_lists_replace(tmp_path):
-    _write(tmp_path / "preset.yaml", {
-        "train": {"seed": 0, "ema": {"enabled": True, "decay": 0.99},
-                  "stages": [{"resolution": 32}, {"resolution": 64}]},
-        "evaluate": {"seeds": [0, 1]},
-    })  # fmt: skip
-    variant = _write(tmp_path / "variant.yaml", {
-        "base": "preset.yaml",
-        "train": {"ema": {"decay": 0.9}, "stages": [{"resolution": 48}]},
-    })  # fmt: skip
+    _write(
+        tmp_path / "preset.yaml",
+        {
+            "train": {
+                "seed": 0,
+                "ema": {"enabled": True, "decay": 0.99},
+                "stages": [{"resolution": 32}, {"resolution": 64}],
+            },
+            "evaluate": {"seeds": [0, 1]},
+        },
+    )
+    variant = _write(
+        tmp_path / "variant.yaml",
+        {
+            "base": "preset.yaml",
+            "train": {"ema": {"decay": 0.9}, "stages": [{"resolution": 48}]},
+        },
+    )
     assert read_yaml(variant) == {
-        "train": {"seed": 0, "ema": {"enabled": True, "decay": 0.9},
-                  "stages": [{"resolution": 48}]},
+        "train": {
+            "seed": 0,
+            "ema": {"enabled": True, "decay": 0.9},
+            "stages": [{"resolution": 48}],
+        },
         "evaluate": {"seeds": [0, 1]},
-    }  # fmt: skip
+    }
 
 
 def test_bases_chain_and_cycles_are_refused(tmp_path):

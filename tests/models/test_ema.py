@@ -63,9 +63,16 @@ def test_bf16_ema_is_deterministic_and_resumes_exactly():
 def test_ema_dtype_is_validated():
     with pytest.raises(ValueError, match="ema_dtype"):
         TrainConfig.model_validate(
-            {"model": {"unet": {}, "vae": {"config": {}}, "text_encoder": {"config": {}},
-                       "tokenizer": {"builtin": "bytes"}},
-             "stages": [{"resolution": 32, "batch_size": 1, "learning_rate": 1e-4,
-                         "max_steps": 1}],
-             "ema_dtype": "float16"}
-        )  # fmt: skip
+            {
+                "model": {
+                    "unet": {},
+                    "vae": {"config": {}},
+                    "text_encoder": {"config": {}},
+                    "tokenizer": {"builtin": "bytes"},
+                },
+                "stages": [
+                    {"resolution": 32, "batch_size": 1, "learning_rate": 1e-4, "max_steps": 1}
+                ],
+                "ema_dtype": "float16",
+            }
+        )

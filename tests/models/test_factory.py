@@ -67,8 +67,11 @@ def test_a_tokenizer_without_words_dumps_as_before():
     assert "words" not in cfg.tokenizer.model_dump()
     assert "words" not in cfg.model_dump(mode="json")["tokenizer"]
     assert TokenizerConfig(builtin="bytes").model_dump() == {
-        "builtin": "bytes", "pretrained": None, "subfolder": None, "model_max_length": 77,
-    }  # fmt: skip
+        "builtin": "bytes",
+        "pretrained": None,
+        "subfolder": None,
+        "model_max_length": 77,
+    }
 
 
 def test_tiny_preset_tokenizer_spells_its_demo_words_as_words():
@@ -109,17 +112,25 @@ def test_a_unet_trained_with_another_objective_loads_with_a_warning(tmp_path, ca
     from models.export import write_pipeline
 
     cfg = load_config(REPO / "configs" / "tiny.yaml").train.model
-    old = cfg.model_copy(update={"noise_scheduler": {
-        k: v for k, v in cfg.noise_scheduler.items()
-        if k not in ("prediction_type", "rescale_betas_zero_snr")}})  # fmt: skip
+    old = cfg.model_copy(
+        update={
+            "noise_scheduler": {
+                k: v
+                for k, v in cfg.noise_scheduler.items()
+                if k not in ("prediction_type", "rescale_betas_zero_snr")
+            }
+        }
+    )
     comps = build_components(old, seed=0)
     write_pipeline(comps, comps.unet, tmp_path / "old")
     saved = json.loads((tmp_path / "old" / "scheduler" / "scheduler_config.json").read_text())
     assert saved["timestep_spacing"] == "trailing", "the export samples as the config says"
     assert schedule_mismatch(str(tmp_path / "old"), old) == []
     diffs = schedule_mismatch(str(tmp_path / "old"), cfg)
-    assert diffs == ["prediction_type: 'epsilon' there, 'v_prediction' here",
-                     "rescale_betas_zero_snr: False there, True here"]  # fmt: skip
+    assert diffs == [
+        "prediction_type: 'epsilon' there, 'v_prediction' here",
+        "rescale_betas_zero_snr: False there, True here",
+    ]
     with caplog.at_level("WARNING", logger="kiln.factory"):
         build_unet(cfg, str(tmp_path / "old"))
     assert any("trained with another objective" in r.getMessage() for r in caplog.records)
@@ -131,10 +142,12 @@ def test_a_unet_trained_on_another_text_encoder_loads_with_a_warning(tmp_path, c
 
     cfg = load_config(REPO / "configs" / "tiny.yaml").train.model
     te = {**cfg.text_encoder.config, "num_hidden_layers": 2, "vocab_size": 514}
-    old = cfg.model_copy(update={
-        "text_encoder": cfg.text_encoder.model_copy(update={"config": te}),
-        "tokenizer": cfg.tokenizer.model_copy(update={"words": []}),
-    })  # fmt: skip
+    old = cfg.model_copy(
+        update={
+            "text_encoder": cfg.text_encoder.model_copy(update={"config": te}),
+            "tokenizer": cfg.tokenizer.model_copy(update={"words": []}),
+        }
+    )
     comps = build_components(old, seed=0)
     write_pipeline(comps, comps.unet, tmp_path / "old")
     assert encoder_mismatch(str(tmp_path / "old"), old) == []

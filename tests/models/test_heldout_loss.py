@@ -41,8 +41,9 @@ def _validator(tmp_path, split: str, ema=None, **train):
     from models.factory import build_components
 
     cfg = TINY.model_copy(update={"val_timesteps": 3, **train})
-    run = StageRun(train=cfg, stage_index=0, shards=split, output_dir=str(tmp_path / "out"),
-                   val_shards=split)  # fmt: skip
+    run = StageRun(
+        train=cfg, stage_index=0, shards=split, output_dir=str(tmp_path / "out"), val_shards=split
+    )
     comps = build_components(cfg.model, seed=0)
     val = build_validator(run, Accelerator(cpu=True), comps, ema, torch.float32)
     return val, comps
@@ -52,8 +53,11 @@ def _numbers(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if k != "val/eval_s"}
 
 
-CAPTIONS = [f"a {c} circle above a {d} square" for c in ("red", "green", "blue") for d in
-            ("yellow", "purple", "orange")] + ["a white triangle"]  # fmt: skip
+CAPTIONS = [
+    f"a {c} circle above a {d} square"
+    for c in ("red", "green", "blue")
+    for d in ("yellow", "purple", "orange")
+] + ["a white triangle"]
 
 
 def test_timesteps_and_noise_are_fixed_per_sample():
@@ -83,9 +87,11 @@ def test_same_numbers_twice_and_training_state_untouched(tmp_path):
     assert first["val/eval_s"] > 0
     t = eval_timesteps(1000, 3)
     assert set(_numbers(first)) == {
-        "raw/val/loss", "raw/val/cond_gap", *(f"raw/val/loss_t{x}" for x in t),
+        "raw/val/loss",
+        "raw/val/cond_gap",
+        *(f"raw/val/loss_t{x}" for x in t),
         *(f"raw/val/cond_gap_t{x}" for x in t),
-    }  # fmt: skip
+    }
     assert first["raw/val/loss"] == pytest.approx(np.mean([first[f"raw/val/loss_t{x}"] for x in t]))
     assert torch.equal(torch.get_rng_state(), states[0]), "training's torch RNG moved"
     assert random.getstate() == states[1] and np.array_equal(np.random.get_state()[1], states[2])
@@ -151,8 +157,14 @@ def _launch(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 def _accelerate(topology: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "configs" / "accelerate" / topology), *args]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / topology),
+        *args,
+    ]
 
 
 @pytest.mark.integration
@@ -161,15 +173,29 @@ def test_one_and_two_processes_give_the_same_numbers(tmp_path):
     number of ranks, the same bits."""
     split = _write_split(tmp_path / "val", CAPTIONS)
     stage = [TINY.stages[0].model_copy(update={"batch_size": 3})]
-    run = StageRun(train=TINY.model_copy(update={"stages": stage}), stage_index=0, shards=split,
-                   output_dir=str(tmp_path / "out"), val_shards=split)  # fmt: skip
+    run = StageRun(
+        train=TINY.model_copy(update={"stages": stage}),
+        stage_index=0,
+        shards=split,
+        output_dir=str(tmp_path / "out"),
+        val_shards=split,
+    )
     stage_yaml = tmp_path / "stage.yaml"
     stage_yaml.write_text(yaml.safe_dump(run.model_dump(mode="json")))
     got = {}
     for topology in ("single.yaml", "cpu-ddp-2.yaml"):
         out = tmp_path / f"{topology}.json"
-        _launch(_accelerate(topology, "-m", "models.heldout_loss", "--config", str(stage_yaml),
-                            "--out", str(out)))  # fmt: skip
+        _launch(
+            _accelerate(
+                topology,
+                "-m",
+                "models.heldout_loss",
+                "--config",
+                str(stage_yaml),
+                "--out",
+                str(out),
+            )
+        )
         got[topology] = _numbers(json.loads(out.read_text()))
     assert got["single.yaml"] == got["cpu-ddp-2.yaml"]
     assert len(got["single.yaml"]) == 2 + 2 * 4
@@ -178,8 +204,13 @@ def test_one_and_two_processes_give_the_same_numbers(tmp_path):
 def _train(cfg_path, root, version, out: Path, val_shards: str | None = None, **train) -> None:
     """One `accelerate launch -m models.train` of the tiny 32 px stage (as test_train.py)."""
     cfg = load_config(cfg_path)
-    run = StageRun(train=cfg.train.model_copy(update=train), stage_index=0, output_dir=str(out),
-                   shards=str(root / "shards" / version / "32"), val_shards=val_shards)  # fmt: skip
+    run = StageRun(
+        train=cfg.train.model_copy(update=train),
+        stage_index=0,
+        output_dir=str(out),
+        shards=str(root / "shards" / version / "32"),
+        val_shards=val_shards,
+    )
     out.mkdir(parents=True)
     (out / "stage.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json")))
     _launch(_accelerate("single.yaml", "-m", "models.train", "--config", str(out / "stage.yaml")))
@@ -198,8 +229,13 @@ def test_training_logs_val_metrics_and_trains_the_same_without_them(tmp_path, ti
     metrics.jsonl and the manifest; and validation leaves training bit-identical."""
     cfg_path, root, version = tiny_shards
     stages = [TINY.stages[0].model_copy(update={"max_steps": 5, "batch_size": 4})]
-    opts = {"stages": stages, "log_every": 1, "eval_every": 2, "val_max_samples": 6,
-            "val_timesteps": 2}  # fmt: skip
+    opts = {
+        "stages": stages,
+        "log_every": 1,
+        "eval_every": 2,
+        "val_max_samples": 6,
+        "val_timesteps": 2,
+    }
     val_split = _val_split(root, version, 32)
     with_val, without = tmp_path / "with", tmp_path / "without"
     _train(cfg_path, root, version, with_val, val_split, **opts)
@@ -245,22 +281,37 @@ def test_bucketed_latent_split_batches_within_buckets(tmp_path):
     step's precompute writes the 64 px stage): every batch has one latent shape, and the
     captions still roll across the whole set."""
     rng = np.random.default_rng(0)
-    cols = {"key": "str", "caption": "str", "latent_mean": "ndarray", "latent_std": "ndarray",
-            "text_hidden": "ndarray"}  # fmt: skip
+    cols = {
+        "key": "str",
+        "caption": "str",
+        "latent_mean": "ndarray",
+        "latent_std": "ndarray",
+        "text_hidden": "ndarray",
+    }
     buckets = [("32x32", 32, 32, 5), ("40x24", 40, 24, 4)]
     for name, w, h, n in buckets:
         with MDSWriter(out=str(tmp_path / "val" / name), columns=cols) as writer:
             for i in range(n):
                 shape = (4, h // 4, w // 4)
-                writer.write({
-                    "key": f"{name}-{i}", "caption": f"caption {name} {i}",
-                    "latent_mean": rng.standard_normal(shape).astype(np.float16),
-                    "latent_std": np.full(shape, 0.1, np.float16),
-                    "text_hidden": rng.standard_normal((77, 32)).astype(np.float16),
-                })  # fmt: skip
-    (tmp_path / "val" / "buckets.json").write_text(json.dumps({"buckets": [
-        {"name": name, "width": w, "height": h, "samples": n} for name, w, h, n in buckets
-    ]}))  # fmt: skip
+                writer.write(
+                    {
+                        "key": f"{name}-{i}",
+                        "caption": f"caption {name} {i}",
+                        "latent_mean": rng.standard_normal(shape).astype(np.float16),
+                        "latent_std": np.full(shape, 0.1, np.float16),
+                        "text_hidden": rng.standard_normal((77, 32)).astype(np.float16),
+                    }
+                )
+    (tmp_path / "val" / "buckets.json").write_text(
+        json.dumps(
+            {
+                "buckets": [
+                    {"name": name, "width": w, "height": h, "samples": n}
+                    for name, w, h, n in buckets
+                ]
+            }
+        )
+    )
     stage = [TINY.stages[0].model_copy(update={"batch_size": 3})]
     val, _ = _validator(tmp_path, str(tmp_path / "val"), stages=stage)
     ev = val.evalset

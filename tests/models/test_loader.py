@@ -24,8 +24,9 @@ def test_streams_mix_by_proportion(tmp_path, tiny_shards):
         train = cfg.model_copy(update={"shuffle_seed": seed, "shuffle_algo": "py1s"})
         loader = build_loader(train, main, tok, 32, 4, mix=[(str(other), 0.2)])
         for batch in loader:
-            counts.update("other" if k.startswith("s") and k[1:].isdigit() else "main"
-                          for k in batch["key"])  # fmt: skip
+            counts.update(
+                "other" if k.startswith("s") and k[1:].isdigit() else "main" for k in batch["key"]
+            )
     share = counts["other"] / sum(counts.values())
     assert abs(share - 0.2) < 0.05, counts
 
@@ -98,8 +99,9 @@ def test_hflip_mirrors_the_images_its_seed_picks_every_run(tiny_shards):
             assert batch["flip"].dtype == torch.bool and batch["flip"].shape == (4,)
             pixels = device_pixels(batch, "cpu")  # the trainer's view: mirrored where flagged
             assert pixels.is_contiguous()
-            for key, raw, px, flip in zip(batch["key"], batch["pixel_values"], pixels,
-                                          batch["flip"].tolist(), strict=True):  # fmt: skip
+            for key, raw, px, flip in zip(
+                batch["key"], batch["pixel_values"], pixels, batch["flip"].tolist(), strict=True
+            ):
                 seen.add(key)
                 assert torch.equal(raw, images[key])  # the loader itself only flags
                 assert torch.equal(px, torch.flip(images[key], [2]) if flip else images[key])
@@ -117,8 +119,9 @@ def test_hflip_mirrors_the_images_its_seed_picks_every_run(tiny_shards):
         build_loader(cfg.model_copy(update={"hflip": 1.5}), path, tok, 32, 4)
 
 
-def test_loader_streams_from_s3_like_local(tmp_path, tiny_shards, s3_bucket, s3_endpoint,
-                                           upload_dir, monkeypatch):  # fmt: skip
+def test_loader_streams_from_s3_like_local(
+    tmp_path, tiny_shards, s3_bucket, s3_endpoint, upload_dir, monkeypatch
+):
     """A loader over an `s3://` remote (moto's server, with a cache limit that forces
     evictions) yields the same batches, in the same order, as the local dataset."""
     import json
@@ -219,8 +222,10 @@ def test_worker_batches_reuse_buffers_and_held_ones_stay_intact(tiny_shards):
     cfg_path, root, version = tiny_shards
     proc = subprocess.run(
         [sys.executable, "-c", _RING_CHECK, str(cfg_path), str(root / "shards" / version / "32")],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     # A worker's own traceback comes first; streaming's leak warnings at exit would bury it.
     noise = ("resource_tracker", "warnings.warn(")
     err = [ln for ln in proc.stderr.splitlines() if not any(w in ln for w in noise)]

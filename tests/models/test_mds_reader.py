@@ -12,16 +12,30 @@ def test_mapped_reads_match_streamings_reader(tmp_path, tiny_shards):
     for image shards and for ndarray columns whose shape changes from sample to sample."""
     _, root, version = tiny_shards
     arrays = tmp_path / "arrays"
-    cols = {"key": "str", "caption": "str", "a": "ndarray:float16", "b": "ndarray",
-            "c": "ndarray:int32:3", "n": "int32", "meta": "json"}  # fmt: skip
+    cols = {
+        "key": "str",
+        "caption": "str",
+        "a": "ndarray:float16",
+        "b": "ndarray",
+        "c": "ndarray:int32:3",
+        "n": "int32",
+        "meta": "json",
+    }
     rng = np.random.default_rng(0)
     with MDSWriter(out=str(arrays), columns=cols, size_limit=1 << 12) as w:
         for i in range(40):
             shape = (4, 2, 2) if i % 7 else (2, 3)  # a shape change breaks the header cache
-            w.write({"key": f"k{i}", "caption": f"é {i}", "n": i, "meta": {"i": i},
-                     "a": rng.standard_normal(shape).astype(np.float16),
-                     "b": rng.standard_normal(5) if i % 2 else rng.integers(0, 9, (2, 2)),
-                     "c": np.arange(3, dtype=np.int32) + i})  # fmt: skip
+            w.write(
+                {
+                    "key": f"k{i}",
+                    "caption": f"é {i}",
+                    "n": i,
+                    "meta": {"i": i},
+                    "a": rng.standard_normal(shape).astype(np.float16),
+                    "b": rng.standard_normal(5) if i % 2 else rng.integers(0, 9, (2, 2)),
+                    "c": np.arange(3, dtype=np.int32) + i,
+                }
+            )
     for local in (str(root / "shards" / version / "32"), str(arrays)):
         ours = MDSReader(local=local, batch_size=1, shuffle=False)
         ref = StreamingDataset(local=local, batch_size=1, shuffle=False)
@@ -114,12 +128,22 @@ def test_ranks_agree_on_the_shared_memory_prefix_when_another_job_takes_one(tmp_
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "PYTHONPATH": str(repo)}  # fmt: skip
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "PYTHONPATH": str(repo),
+        }
         done = subprocess.run(
             [*unshare, "sh", "-c", PRIVATE_SHM, sys.executable, RACE, impl, f"{run}/local", run],
-            cwd=repo, env=env, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            cwd=repo,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         results[impl] = []
         for r in (0, 1):

@@ -24,8 +24,13 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def test_torchrun_variables_become_accelerate_flags():
-    env = {"PET_NNODES": "4", "PET_NODE_RANK": "3", "PET_MASTER_ADDR": "trainjob-node-0-0.svc",
-           "PET_MASTER_PORT": "29400", "PET_NPROC_PER_NODE": "8"}  # fmt: skip
+    env = {
+        "PET_NNODES": "4",
+        "PET_NODE_RANK": "3",
+        "PET_MASTER_ADDR": "trainjob-node-0-0.svc",
+        "PET_MASTER_PORT": "29400",
+        "PET_NPROC_PER_NODE": "8",
+    }
     role = from_torchrun(env)
     assert role == NodeRole(4, 3, "trainjob-node-0-0.svc", 29400, 8)
     argv = accelerate_argv(role, ["--config_file", f"{TOPO}/single.yaml", "-m", "models.train"])
@@ -43,8 +48,9 @@ def test_a_topology_with_its_own_distributed_type_keeps_it():
     role = NodeRole(2, 0, "10.0.0.1", 29500, 4)
     argv = accelerate_argv(role, ["--config_file", f"{TOPO}/fsdp.yaml", "-m", "x"])
     assert "--multi_gpu" not in argv, "FSDP comes from the topology file"
-    one = accelerate_argv(NodeRole(1, 0, "127.0.0.1", 29500, 1),
-                          ["--config_file", f"{TOPO}/single.yaml", "-m", "x"])  # fmt: skip
+    one = accelerate_argv(
+        NodeRole(1, 0, "127.0.0.1", 29500, 1), ["--config_file", f"{TOPO}/single.yaml", "-m", "x"]
+    )
     assert "--multi_gpu" not in one and "--rdzv_backend" not in one, "one process: plain launch"
 
 
@@ -64,7 +70,7 @@ def test_a_topology_with_its_own_distributed_type_keeps_it():
                 "PET_NPROC_PER_NODE": "gpu",
             },
             "PET_NPROC_PER_NODE",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_missing_or_contradictory_torchrun_variable_is_named(env, names):
@@ -78,8 +84,16 @@ def test_slurm_errors_name_the_variable():
     with pytest.raises(NodeLaunchError, match="SLURM_NNODES"):
         from_slurm({"SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "n1"}, 29500, 1)
     with pytest.raises(NodeLaunchError, match="one task per node"):
-        from_slurm({"SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_NTASKS": "4",
-                    "SLURM_JOB_NODELIST": "n[1-2]"}, 29500, 1)  # fmt: skip
+        from_slurm(
+            {
+                "SLURM_NNODES": "2",
+                "SLURM_NODEID": "0",
+                "SLURM_NTASKS": "4",
+                "SLURM_JOB_NODELIST": "n[1-2]",
+            },
+            29500,
+            1,
+        )
     with pytest.raises(NodeLaunchError, match="SLURM_JOB_NODELIST"):
         from_slurm({"SLURM_NNODES": "2", "SLURM_NODEID": "1"}, 29500, 1)
 
@@ -91,8 +105,24 @@ def test_flags_and_the_command_line_errors(capsys):
         from_flags(2, 1, None, 29500, 1)
     assert main(["--source", "flags", "--num-machines", "2", "--", "-m", "x"]) == 2
     assert "--num-machines and --machine-rank are required" in capsys.readouterr().err
-    assert main(["--source", "flags", "--num-machines", "2", "--machine-rank", "5",
-                 "--main-process-ip", "h", "--", "-m", "x"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "--source",
+                "flags",
+                "--num-machines",
+                "2",
+                "--machine-rank",
+                "5",
+                "--main-process-ip",
+                "h",
+                "--",
+                "-m",
+                "x",
+            ]
+        )
+        == 2
+    )
     assert "node rank 5 is outside 0...1" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="put `--` before"):
         main(["--source", "flags"])

@@ -21,8 +21,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _launch(module, args, topology="single.yaml"):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(REPO / "configs" / "accelerate" / topology), "-m", module, *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / topology),
+        "-m",
+        module,
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -36,9 +44,16 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
     cfg = load_config(cfg_path).train
     images, val_images = root / "shards" / version / "32", root / "shards" / version / "32-val"
     out, val_out = tmp_path / "32-latents", tmp_path / "32-val-latents"
-    spec = PrecomputeRun(train=cfg, stage_index=0, shards=str(images), out_dir=str(out),
-                         val_shards=str(val_images), val_out_dir=str(val_out), text=True,
-                         batch_size=4)  # fmt: skip
+    spec = PrecomputeRun(
+        train=cfg,
+        stage_index=0,
+        shards=str(images),
+        out_dir=str(out),
+        val_shards=str(val_images),
+        val_out_dir=str(val_out),
+        text=True,
+        batch_size=4,
+    )
     # The run file is the launch's only input; a split without its output folder is refused.
     lone = spec.model_dump(mode="json") | {"val_out_dir": None}
     (tmp_path / "lone.yaml").write_text(yaml.safe_dump(lone))
@@ -48,8 +63,9 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
     _launch("models.precompute", ["--config", str(run_file)], "cpu-ddp-2.yaml")
     assert not (tmp_path / "32-latents.tmp").exists(), "published by rename"
     index = json.loads((out / "index.json").read_text())
-    assert len(index["shards"]) == 2 and all("part-" in s["raw_data"]["basename"]
-                                             for s in index["shards"])  # fmt: skip
+    assert len(index["shards"]) == 2 and all(
+        "part-" in s["raw_data"]["basename"] for s in index["shards"]
+    )
 
     src = StreamingDataset(local=str(images), batch_size=1, shuffle=False)
     lat = StreamingDataset(local=str(out), batch_size=1, shuffle=False)
@@ -61,16 +77,30 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
         row = by_key[s["key"]]
         with torch.no_grad():
             dist = comps.vae.encode(decode_pixels(s["image"], 32)[None]).latent_dist
-            ids = comps.tokenizer(s["caption"], padding="max_length", max_length=77,
-                                  truncation=True, return_tensors="pt").input_ids  # fmt: skip
+            ids = comps.tokenizer(
+                s["caption"],
+                padding="max_length",
+                max_length=77,
+                truncation=True,
+                return_tensors="pt",
+            ).input_ids
             hidden = comps.text_encoder(ids)[0][0]
         assert row["latent_mean"].dtype == np.float16 and row["caption"] == s["caption"]
-        torch.testing.assert_close(torch.from_numpy(row["latent_mean"].astype(np.float32)),
-                                   dist.mean[0], atol=2e-3, rtol=2e-3)  # fmt: skip
-        torch.testing.assert_close(torch.from_numpy(row["latent_std"].astype(np.float32)),
-                                   dist.std[0], atol=2e-3, rtol=2e-3)  # fmt: skip
-        torch.testing.assert_close(torch.from_numpy(row["text_hidden"].astype(np.float32)),
-                                   hidden, atol=5e-3, rtol=5e-3)  # fmt: skip
+        torch.testing.assert_close(
+            torch.from_numpy(row["latent_mean"].astype(np.float32)),
+            dist.mean[0],
+            atol=2e-3,
+            rtol=2e-3,
+        )
+        torch.testing.assert_close(
+            torch.from_numpy(row["latent_std"].astype(np.float32)),
+            dist.std[0],
+            atol=2e-3,
+            rtol=2e-3,
+        )
+        torch.testing.assert_close(
+            torch.from_numpy(row["text_hidden"].astype(np.float32)), hidden, atol=5e-3, rtol=5e-3
+        )
 
     # The validation split's latents: every held-out image, none of the training ones.
     vsrc = StreamingDataset(local=str(val_images), batch_size=1, shuffle=False)
@@ -82,15 +112,21 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
     with torch.no_grad():
         dist = comps.vae.encode(decode_pixels(s["image"], 32)[None]).latent_dist
     torch.testing.assert_close(
-        torch.from_numpy(val_rows[s["key"]]["latent_mean"].astype(np.float32)), dist.mean[0],
-        atol=2e-3, rtol=2e-3,
-    )  # fmt: skip
+        torch.from_numpy(val_rows[s["key"]]["latent_mean"].astype(np.float32)),
+        dist.mean[0],
+        atol=2e-3,
+        rtol=2e-3,
+    )
     assert set(val_rows[s["key"]]) == set(row), "the training latents' columns"
 
     # Training consumes the latents: no VAE or text-encoder FLOPs are counted per sample.
     stage = cfg.stages[0].model_copy(update={"max_steps": 3, "batch_size": 4})
-    run = StageRun(train=cfg.model_copy(update={"stages": [stage], "log_every": 1}),
-                   stage_index=0, shards=str(out), output_dir=str(tmp_path / "train"))  # fmt: skip
+    run = StageRun(
+        train=cfg.model_copy(update={"stages": [stage], "log_every": 1}),
+        stage_index=0,
+        shards=str(out),
+        output_dir=str(tmp_path / "train"),
+    )
     _launch(
         "models.train", ["--config", str(write_run_file(run, tmp_path / "train" / "stage.yaml"))]
     )

@@ -68,8 +68,9 @@ def _run(tmp_path: Path, **train_overrides) -> StageRun:
     train = TrainConfig.model_validate({**TINY["train"], **train_overrides})
     out = tmp_path / "stage-32"
     out.mkdir(parents=True, exist_ok=True)
-    return StageRun(train=train, stage_index=0, shards=str(tmp_path / "unused"),
-                    output_dir=str(out))  # fmt: skip
+    return StageRun(
+        train=train, stage_index=0, shards=str(tmp_path / "unused"), output_dir=str(out)
+    )
 
 
 def _build(run: StageRun):
@@ -192,10 +193,16 @@ def _launch_stage(cfg_path, root, version, out, run_opts, **train_overrides):
     out.mkdir(parents=True, exist_ok=True)
     (out / "stage.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json")))
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "configs" / "accelerate" / "single.yaml"),
-        "-m", "models.train", "--config", str(out / "stage.yaml"),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / "single.yaml"),
+        "-m",
+        "models.train",
+        "--config",
+        str(out / "stage.yaml"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -214,11 +221,19 @@ def test_training_writes_grids_lists_them_and_logs_them_to_mlflow(tmp_path, tiny
     client = MlflowClient(store)
     exp = client.create_experiment("samples", artifact_location=(tmp_path / "art").as_uri())
     mlflow_run = client.create_run(exp).info.run_id
-    stages = [load_config(cfg_path).train.stages[0].model_copy(
-        update={"max_steps": 4, "batch_size": 4})]  # fmt: skip
+    stages = [
+        load_config(cfg_path).train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})
+    ]
     out = tmp_path / "stage-32"
-    _launch_stage(cfg_path, root, version, out, {"tracking_uri": store,
-                  "mlflow_run_id": mlflow_run}, stages=stages, sample_every=2)  # fmt: skip
+    _launch_stage(
+        cfg_path,
+        root,
+        version,
+        out,
+        {"tracking_uri": store, "mlflow_run_id": mlflow_run},
+        stages=stages,
+        sample_every=2,
+    )
     grids = [out / "samples" / "step-000002.png", out / "samples" / "step-000004.png"]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == [str(p) for p in grids]

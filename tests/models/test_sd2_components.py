@@ -22,18 +22,24 @@ def test_folder_is_laid_out_like_the_hub_repo(sd2_folder):
     assert vae["scaling_factor"] == 0.18215 and vae["block_out_channels"] == [128, 256, 512, 512]
     text = json.loads((sd2_folder / "text_encoder" / "config.json").read_text())
     assert (text["hidden_size"], text["num_attention_heads"], text["num_hidden_layers"]) == (
-        1024, 16, 1,
-    )  # fmt: skip
+        1024,
+        16,
+        1,
+    )
 
 
 def test_sd2_base_builds_from_the_folder_through_pretrained_paths(sd2_folder):
     model = yaml.safe_load(Path("configs/sd2-base.yaml").read_text())["train"]["model"]
     model |= sd2_pretrained_entries(sd2_folder)
     # A small UNet of the same cross-attention width: the components are what is checked.
-    model["unet"] |= {"block_out_channels": [32, 64], "layers_per_block": 1,
-                      "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-                      "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-                      "attention_head_dim": [2, 4], "norm_num_groups": 16}  # fmt: skip
+    model["unet"] |= {
+        "block_out_channels": [32, 64],
+        "layers_per_block": 1,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "attention_head_dim": [2, 4],
+        "norm_num_groups": 16,
+    }
     comps = build_components(ModelConfig.model_validate(model))
     assert comps.vae.config.scaling_factor == 0.18215
     assert comps.text_encoder.config.hidden_size == comps.unet.config.cross_attention_dim == 1024

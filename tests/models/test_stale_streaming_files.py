@@ -25,8 +25,12 @@ time.sleep(300)
 
 def _files(prefix: int) -> list[Path]:
     p = f"{prefix:06d}_"
-    return [f for d in (Path("/dev/shm"), Path(tempfile.gettempdir()))
-            for f in d.iterdir() if f.name.startswith(p)]  # fmt: skip
+    return [
+        f
+        for d in (Path("/dev/shm"), Path(tempfile.gettempdir()))
+        for f in d.iterdir()
+        if f.name.startswith(p)
+    ]
 
 
 def _taken(prefix: int) -> bool:
@@ -40,8 +44,9 @@ def test_a_killed_runs_leftovers_go_and_a_live_runs_stay(tiny_shards):
     local = str(next((root / "shards" / version).glob("32")))
 
     def start(mode: str) -> tuple[subprocess.Popen, int]:
-        proc = subprocess.Popen([sys.executable, "-c", _DATASET, local, mode],
-                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _DATASET, local, mode], stdout=subprocess.PIPE, text=True
+        )
         return proc, int(proc.stdout.readline())
 
     live, live_prefix = start("live")
@@ -56,8 +61,10 @@ def test_a_killed_runs_leftovers_go_and_a_live_runs_stay(tiny_shards):
         # Unless a process of another test took the freed prefix meanwhile (two test workers
         # train at once, and each launch cleans up and then takes the lowest free prefix).
         assert not _files(dead_prefix) or _taken(dead_prefix), "the killed run's files are gone"
-        assert all(n.startswith(f"{dead_prefix:06d}_") or not n.startswith(f"{live_prefix:06d}_")
-                   for n in removed)  # fmt: skip
+        assert all(
+            n.startswith(f"{dead_prefix:06d}_") or not n.startswith(f"{live_prefix:06d}_")
+            for n in removed
+        )
         assert sorted(_files(live_prefix)) == sorted(held), "the live run's files are kept"
     finally:
         live.kill()
@@ -70,22 +77,41 @@ def test_only_streamings_names_are_touched(tmp_path):
     shm, locks = tmp_path / "shm", tmp_path / "locks"
     shm.mkdir()
     locks.mkdir()
-    for name in ("000900_locals", "000900_barrier", "000901_locals", "000902_mapped_only",
-                 "000904_epoch_data", "not_streaming", "000903_something_else"):  # fmt: skip
+    for name in (
+        "000900_locals",
+        "000900_barrier",
+        "000901_locals",
+        "000902_mapped_only",
+        "000904_epoch_data",
+        "not_streaming",
+        "000903_something_else",
+    ):
         (shm / name).write_bytes(b"\0" * 4096)
-    for name in ("000900_barrier_filelock", "000901_cache_filelock", "000905_cache_filelock",
-                 "000906_other_filelock"):  # fmt: skip
+    for name in (
+        "000900_barrier_filelock",
+        "000901_cache_filelock",
+        "000905_cache_filelock",
+        "000906_other_filelock",
+    ):
         (locks / name).touch()
     with open(shm / "000904_epoch_data", "r+b") as f:  # mapped, its descriptor closed
         mapped = mmap.mmap(f.fileno(), 4096)
     with open(shm / "000901_locals", "rb"):  # open by this live process
         removed = clean_stale_streaming(str(shm), str(locks))
     mapped.close()
-    assert sorted(removed) == ["000900_barrier", "000900_barrier_filelock", "000900_locals",
-                               "000905_cache_filelock"]  # fmt: skip
-    assert sorted(os.listdir(shm)) == ["000901_locals", "000902_mapped_only",
-                                       "000903_something_else", "000904_epoch_data",
-                                       "not_streaming"]  # fmt: skip
+    assert sorted(removed) == [
+        "000900_barrier",
+        "000900_barrier_filelock",
+        "000900_locals",
+        "000905_cache_filelock",
+    ]
+    assert sorted(os.listdir(shm)) == [
+        "000901_locals",
+        "000902_mapped_only",
+        "000903_something_else",
+        "000904_epoch_data",
+        "not_streaming",
+    ]
     assert sorted(os.listdir(locks)) == ["000901_cache_filelock", "000906_other_filelock"]
 
 

@@ -24,10 +24,15 @@ LONG = "a crimson circle beside a small cobalt square on a grassy meadow " * 4
 def tiny_pipe() -> StableDiffusionPipeline:
     c = build_components(load_config(REPO / "configs" / "tiny.yaml").train.model, seed=0)
     pipe = StableDiffusionPipeline(
-        vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer, unet=c.unet,
-        scheduler=sampling_scheduler(c.noise_scheduler), safety_checker=None,
-        feature_extractor=None, requires_safety_checker=False,
-    )  # fmt: skip
+        vae=c.vae,
+        text_encoder=c.text_encoder,
+        tokenizer=c.tokenizer,
+        unet=c.unet,
+        scheduler=sampling_scheduler(c.noise_scheduler),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

@@ -38,10 +38,17 @@ def _stage(cfg_path, root, version, out, *, stage_index=0, run_opts=None, **trai
 def _launch(stage_yaml, topology="single.yaml", extra=(), ok=True):
     """`accelerate launch -m models.train`; asserts it succeeded (`ok`) or failed."""
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO / "configs" / "accelerate" / topology), *extra,
-        "-m", "models.train", "--config", str(stage_yaml),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / topology),
+        *extra,
+        "-m",
+        "models.train",
+        "--config",
+        str(stage_yaml),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -63,9 +70,17 @@ def ddp_run(tmp_path_factory, tiny_shards):
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
     val = root / "shards" / version / "32-val"  # the shard step's held-out split
     stage_yaml = _stage(
-        cfg_path, root, version, out, stages=stages, log_sample_keys=True, eval_every=2,
-        val_max_samples=6, val_timesteps=2, run_opts={"val_shards": str(val)},
-    )  # fmt: skip
+        cfg_path,
+        root,
+        version,
+        out,
+        stages=stages,
+        log_sample_keys=True,
+        eval_every=2,
+        val_max_samples=6,
+        val_timesteps=2,
+        run_opts={"val_shards": str(val)},
+    )
     _launch(stage_yaml, "cpu-ddp-2.yaml")
     return out
 
@@ -99,9 +114,16 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards)
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 6, "batch_size": 4})]
     val = root / "shards" / version / "32-val"  # the shard step's held-out split
-    opts = {"stages": stages, "checkpoint_every": 3, "log_every": 1, "log_sample_keys": True,
-            "eval_every": 2, "val_max_samples": 6, "val_timesteps": 2,
-            "run_opts": {"val_shards": str(val)}}  # fmt: skip
+    opts = {
+        "stages": stages,
+        "checkpoint_every": 3,
+        "log_every": 1,
+        "log_sample_keys": True,
+        "eval_every": 2,
+        "val_max_samples": 6,
+        "val_timesteps": 2,
+        "run_opts": {"val_shards": str(val)},
+    }
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     _launch(_stage(cfg_path, root, version, full, **opts))
     _launch(_stage(cfg_path, root, version, crashed, **opts, num_workers=2))
@@ -157,9 +179,17 @@ def test_speed_options_min_snr_and_perf_metrics(tmp_path, tiny_shards):
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
     out = tmp_path / "opts"
     stage_yaml = _stage(
-        cfg_path, root, version, out, stages=stages, log_every=2, attention="eager",
-        channels_last=True, snr_gamma=5.0, run_opts={"gpu_hour_usd": 2.0},
-    )  # fmt: skip
+        cfg_path,
+        root,
+        version,
+        out,
+        stages=stages,
+        log_every=2,
+        attention="eager",
+        channels_last=True,
+        snr_gamma=5.0,
+        run_opts={"gpu_hour_usd": 2.0},
+    )
     _launch(stage_yaml, extra=("--mixed_precision", "bf16"))  # bf16 autocast works on CPU too
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     perf = next(x for x in lines if x.get("event") == "perf")
@@ -199,15 +229,30 @@ def test_fsdp_shard_grad_op_trains_and_exports(tmp_path, tiny_shards):
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 3, "batch_size": 4})]
     out = tmp_path / "fsdp"
     stage_yaml = _stage(
-        cfg_path, root, version, out, stages=stages, checkpoint_every=2,
+        cfg_path,
+        root,
+        version,
+        out,
+        stages=stages,
+        checkpoint_every=2,
         ema=cfg.train.ema.model_copy(update={"enabled": False}),
-    )  # fmt: skip
+    )
     n = min(2, torch.cuda.device_count())
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-        str(REPO / "configs" / "accelerate" / "fsdp.yaml"), "--num_processes", str(n),
-        "--mixed_precision", "bf16", "-m", "models.train", "--config", str(stage_yaml),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / "configs" / "accelerate" / "fsdp.yaml"),
+        "--num_processes",
+        str(n),
+        "--mixed_precision",
+        "bf16",
+        "-m",
+        "models.train",
+        "--config",
+        str(stage_yaml),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads((out / "manifest.json").read_text())["final_step"] == 3
@@ -226,8 +271,10 @@ def test_one_and_two_processes_see_the_same_global_sample_order(tmp_path, tiny_s
     out = tmp_path / "one"
     _launch(_stage(cfg_path, root, version, out, stages=stages, log_sample_keys=True))
     one = [sorted(rec["keys"]) for rec in _keys(out, 0)]
-    two = [sorted(a["keys"] + b["keys"]) for a, b in zip(_keys(ddp_run, 0), _keys(ddp_run, 1),
-                                                         strict=True)]  # fmt: skip
+    two = [
+        sorted(a["keys"] + b["keys"])
+        for a, b in zip(_keys(ddp_run, 0), _keys(ddp_run, 1), strict=True)
+    ]
     assert len(one) == len(two) == 4
     assert one == two
 
@@ -292,12 +339,20 @@ EXPORT_POINTS = ["after_raw", "after_final_tmp", "after_final", "after_manifest_
 
 
 def _short_stage(cfg_path, root, version, out, faults=None, **opts):
-    stages = [load_config(cfg_path).train.stages[0].model_copy(
-        update={"max_steps": 4, "batch_size": 4})]  # fmt: skip
+    stages = [
+        load_config(cfg_path).train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})
+    ]
     return _stage(
-        cfg_path, root, version, out, stages=stages, checkpoint_every=2, log_every=1,
-        run_opts={"faults": faults or {}}, **opts,
-    )  # fmt: skip
+        cfg_path,
+        root,
+        version,
+        out,
+        stages=stages,
+        checkpoint_every=2,
+        log_every=1,
+        run_opts={"faults": faults or {}},
+        **opts,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -359,12 +414,14 @@ def test_ema_export_and_start_step(tmp_path, tiny_shards, clean_run):
     cfg = load_config(tiny_shards[0])
     assert cfg.train.ema.enabled and cfg.train.ema.start_step == 0  # clean_run's EMA
     late = tmp_path / "late"
-    _launch(_short_stage(*tiny_shards, late, ema=cfg.train.ema.model_copy(
-        update={"start_step": 100})))  # fmt: skip
+    _launch(
+        _short_stage(*tiny_shards, late, ema=cfg.train.ema.model_copy(update={"start_step": 100}))
+    )
     f = "diffusion_pytorch_model.safetensors"
-    weights = {out.name: (load_file(out / "final" / "unet" / f),
-                          load_file(out / "final-raw" / "unet" / f))
-               for out in (late, clean_run)}  # fmt: skip
+    weights = {
+        out.name: (load_file(out / "final" / "unet" / f), load_file(out / "final-raw" / "unet" / f))
+        for out in (late, clean_run)
+    }
     assert json.loads((late / "manifest.json").read_text())["ema"] is True
     exported, raw = weights["late"]
     for k in raw:  # before start_step the EMA copies the raw weights (s - (s - p), to 1 ulp)
@@ -422,8 +479,9 @@ def test_ddp_ranks_with_different_weights_fail_the_export(tmp_path, tiny_shards)
     """Two CPU processes over gloo; rank 1's weights are nudged right before the export."""
     cfg_path, root, version = tiny_shards
     out = tmp_path / "desync"
-    stages = [load_config(cfg_path).train.stages[0].model_copy(
-        update={"max_steps": 1, "batch_size": 2})]  # fmt: skip
+    stages = [
+        load_config(cfg_path).train.stages[0].model_copy(update={"max_steps": 1, "batch_size": 2})
+    ]
     stage_yaml = _stage(
         cfg_path, root, version, out, stages=stages, run_opts={"faults": {"desync_rank": 1}}
     )

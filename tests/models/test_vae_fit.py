@@ -144,12 +144,18 @@ def test_the_shard_and_train_flows_use_the_one_fitted_vae(tmp_path, demo_src, ma
 
     root = tmp_path / "root"
     cfg_path = make_config(
-        tmp_path / "c.yaml", root, demo_src,
-        **{"shards.precompute": True, "launch.health_check": False,
-           "train.model.vae.fit": {"steps": 20, "batch_size": 4},
-           "train.stages": [{"resolution": 32, "batch_size": 4, "learning_rate": 1e-4,
-                             "max_steps": 1}]},
-    )  # fmt: skip
+        tmp_path / "c.yaml",
+        root,
+        demo_src,
+        **{
+            "shards.precompute": True,
+            "launch.health_check": False,
+            "train.model.vae.fit": {"steps": 20, "batch_size": 4},
+            "train.stages": [
+                {"resolution": 32, "batch_size": 4, "learning_rate": 1e-4, "max_steps": 1}
+            ],
+        },
+    )
     ingest_flow(load_config(cfg_path))
     validate_flow(load_config(cfg_path))
     shards = shard_flow(load_config(cfg_path))

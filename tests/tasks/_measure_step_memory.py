@@ -57,12 +57,16 @@ def main() -> None:
     step()
     peak = _status("VmHWM:")
     state = [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
-    print(json.dumps({
-        "activations": peak - before,
-        "parameters": sum(p.nbytes for p in unet.parameters()),
-        "gradients": sum(p.grad.nbytes for p in unet.parameters()),
-        "optimizer": sum(v.nbytes for v in state),
-    }))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "activations": peak - before,
+                "parameters": sum(p.nbytes for p in unet.parameters()),
+                "gradients": sum(p.grad.nbytes for p in unet.parameters()),
+                "optimizer": sum(v.nbytes for v in state),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

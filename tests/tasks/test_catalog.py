@@ -134,7 +134,8 @@ def test_a_migrated_root_validates_and_sql_sees_the_verdict(migrated):
     clean = read_clean(str(root), ids[-1])
     got = query(str(root), "SELECT source, key FROM clean").to_pandas()
     assert sorted(zip(got["source"], got["key"], strict=True)) == sorted(
-        zip(clean["source"], clean["key"], strict=True))  # fmt: skip
+        zip(clean["source"], clean["key"], strict=True)
+    )
     rejects = query(str(root), "SELECT count(*) AS n FROM rejects").column("n")[0].as_py()
     assert rejects == res.rejected_validate
 
@@ -149,8 +150,12 @@ def test_kiln_catalog_commands(tmp_path, demo_src, make_config):
     cfg = make_config(tmp_path / "tiny.yaml", root, demo_src)
 
     def kiln(*args):
-        return subprocess.run([sys.executable, "-m", "kiln_cli.main", "catalog", *args, "--config",
-                               str(cfg)], capture_output=True, text=True, timeout=300)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "kiln_cli.main", "catalog", *args, "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     refused = kiln("show")
     assert refused.returncode == 1 and "kiln catalog migrate" in refused.stderr
@@ -177,8 +182,9 @@ def test_vacuum_keeps_the_versions_a_registered_model_was_cut_from(migrated, tmp
     client = MlflowClient(uri, registry_uri=uri)
     client.create_registered_model("kiln-t2i")
     (tmp_path / "model").mkdir()
-    client.create_model_version("kiln-t2i", str(tmp_path / "model"),
-                                tags={"dataset_version": "ds-old"})  # fmt: skip
+    client.create_model_version(
+        "kiln-t2i", str(tmp_path / "model"), tags={"dataset_version": "ds-old"}
+    )
     meta = Layout(root).shards("ds-old") / "shards.json"
     meta.parent.mkdir(parents=True)
     meta.write_text(json.dumps({"catalog_versions": {"accepted": 0, "quarantine": 0}}))

@@ -110,8 +110,9 @@ def test_partitions_on_a_dask_cluster_match_one_machine(tmp_path, demo_src):
     with LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
     ) as cluster:
-        validate_catalog.fn(str(dask_root), ids[2], rules, dask_address=cluster.scheduler_address,
-                            dup_partitions=3)  # fmt: skip
+        validate_catalog.fn(
+            str(dask_root), ids[2], rules, dask_address=cluster.scheduler_address, dup_partitions=3
+        )
         ran = set(cluster.scheduler.task_prefixes)
     assert {"exact_partition", "split_files", "near_partition"} <= ran, ran
     _same(root, dask_root, ids[2])

@@ -76,11 +76,16 @@ def _same_as_full(tmp_path, root, ingest_id) -> None:
         a = pd.read_parquet(root / rel.format(ingest_id))
         pd.testing.assert_frame_equal(a, pd.read_parquet(full / rel.format(ingest_id)))
     for rel in ("catalog/{}/rejects.parquet", "catalog/{}/near_duplicates.parquet"):
-        a, b = (pd.read_parquet(r / rel.format(ingest_id)).sort_values(["source", "key"])
-                .reset_index(drop=True) for r in (root, full))  # fmt: skip
+        a, b = (
+            pd.read_parquet(r / rel.format(ingest_id))
+            .sort_values(["source", "key"])
+            .reset_index(drop=True)
+            for r in (root, full)
+        )
         pd.testing.assert_frame_equal(a, b)
-    va, vb = (json.loads((r / "catalog" / ingest_id / "verdict.json").read_text())
-              for r in (root, full))  # fmt: skip
+    va, vb = (
+        json.loads((r / "catalog" / ingest_id / "verdict.json").read_text()) for r in (root, full)
+    )
     for v in (va, vb):
         for k in ("validated_at", "verdict_table_versions"):
             v.pop(k)

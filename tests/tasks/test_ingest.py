@@ -63,13 +63,23 @@ def test_sidecar_tar_and_key_hazards(tmp_path, s3_bucket, s3_endpoint):
     jpg = buf.getvalue()
     bucket, client = s3_bucket
     put = lambda key, data: client.put_object(Bucket=bucket, Key=f"raw/{key}", Body=data)  # noqa: E731
-    put("00000.tar", _tar_bytes([
-        ("good.jpg", jpg), ("good.txt", b"a blue square"),
-        ("badcap.jpg", jpg), ("badcap.txt", b"\xff\xfe caption"),
-        ("../../evil.jpg", jpg), ("../../evil.txt", b"escape"),
-        ("lonely.txt", b"no image here"),
-        ("badjson.jpg", jpg), ("badjson.txt", b"fine"), ("badjson.json", b"{oops"),
-    ]))  # fmt: skip
+    put(
+        "00000.tar",
+        _tar_bytes(
+            [
+                ("good.jpg", jpg),
+                ("good.txt", b"a blue square"),
+                ("badcap.jpg", jpg),
+                ("badcap.txt", b"\xff\xfe caption"),
+                ("../../evil.jpg", jpg),
+                ("../../evil.txt", b"escape"),
+                ("lonely.txt", b"no image here"),
+                ("badjson.jpg", jpg),
+                ("badjson.txt", b"fine"),
+                ("badjson.json", b"{oops"),
+            ]
+        ),
+    )
     whole = _tar_bytes([("x1.jpg", jpg), ("x1.txt", b"one"), ("x2.jpg", jpg * 20)])
     put("00001.tar", whole[:5000])  # cut inside x2's image
     put("sub/../../sneaky.tar", whole)
@@ -114,8 +124,10 @@ def test_webdataset_members_in_every_configured_image_format_are_images(tmp_path
     assert dict(zip(q["key"], q["reason"], strict=True)) == {}
     acc = _cat(tmp_path / "root", res.ingest_id).set_index("key")
     assert dict(acc["format"]) == {
-        "00000.tar/a": "BMP", "00000.tar/b": "GIF", "00000.tar/c": "TIFF",
-    }  # fmt: skip
+        "00000.tar/a": "BMP",
+        "00000.tar/b": "GIF",
+        "00000.tar/c": "TIFF",
+    }
     assert acc.loc["00000.tar/c", "caption"] == "a TIFF image"
     # The list is the config's: without .gif, the GIF sample has no image.
     narrow = IngestConfig(source=str(src), workers=1, image_extensions=[".bmp", ".tif"])
@@ -238,8 +250,10 @@ def test_rows_staged_partition_by_partition_commit_the_same_view(tmp_path):
         pd.testing.assert_frame_equal(a, b, check_dtype=False)
     acc = _cat(tmp_path / "root-2", small.ingest_id)
     assert acc.set_index("key")["score"].dropna().to_dict() == {
-        "im4.png": 40, "im5.png": 50, "im6.png": 60
-    }  # fmt: skip
+        "im4.png": 40,
+        "im5.png": 50,
+        "im6.png": 60,
+    }
     # The partitions' small frames are gathered into the data file's row groups.
     files = list((tmp_path / "root-2" / "catalog" / "tables" / "accepted").rglob("*.parquet"))
     assert [pq.ParquetFile(f).metadata.num_row_groups for f in files] == [1]
@@ -292,25 +306,38 @@ def test_manifest_problems_and_changes_in_csv_and_parquet(tmp_path, fmt, s3_buck
 
     for i in range(4):
         put(f"im{i}.jpg", jpg(i))
-    rows = [("im0.jpg", "zero", "cc0"), ("im1.jpg", "one", "cc0"), ("im2.jpg", "two", "cc-by"),
-            ("im1.jpg", "one again", "cc0"), ("../up.jpg", "escapes", "cc0"),
-            ("gone.jpg", "not there", "cc0")]  # fmt: skip
+    rows = [
+        ("im0.jpg", "zero", "cc0"),
+        ("im1.jpg", "one", "cc0"),
+        ("im2.jpg", "two", "cc-by"),
+        ("im1.jpg", "one again", "cc0"),
+        ("../up.jpg", "escapes", "cc0"),
+        ("gone.jpg", "not there", "cc0"),
+    ]
     put(f"metadata.{fmt}", manifest(rows))
     cfg = IngestConfig(source=f"s3://{bucket}/m", metadata_columns=["license"])
     root = tmp_path / "root"
     first = ingest_source(cfg, str(root), endpoint_url=s3_endpoint)
     assert (first.layout, first.listed, first.accepted, first.manifest_problems) == (
-        "imagefolder", 4, 4, 3)  # fmt: skip
+        "imagefolder",
+        4,
+        4,
+        3,
+    )
     acc = _cat(root, first.ingest_id).set_index("key")
     assert acc.loc["im1.jpg", "caption"] == "one", "a file name's first row is used"
     assert acc.loc["im2.jpg", "license"] == "cc-by" and pd.isna(acc.loc["im3.jpg", "caption"])
     q = _cat(root, first.ingest_id, "view_quarantine")
-    line = (lambda n: f"metadata.csv:{n + 1}") if fmt == "csv" else (
-        lambda n: f"metadata.parquet:row{n}")  # fmt: skip
+    line = (
+        (lambda n: f"metadata.csv:{n + 1}")
+        if fmt == "csv"
+        else (lambda n: f"metadata.parquet:row{n}")
+    )
     assert dict(zip(q["key"], q["reason"], strict=True)) == {
-        line(4): "manifest_duplicate_row", "../up.jpg": "manifest_unsafe_key",
+        line(4): "manifest_duplicate_row",
+        "../up.jpg": "manifest_unsafe_key",
         "gone.jpg": "manifest_missing_file",
-    }  # fmt: skip
+    }
 
     rows[2] = ("im2.jpg", "two, recaptioned", "cc-by")
     put(f"metadata.{fmt}", manifest(rows))
@@ -368,13 +395,21 @@ def test_replaced_rows_are_checked_against_the_units_of_their_range():
         return between
 
     r = Replaced("s3://b/src", sorted_units(["a.jpg", "k.jpg", "m.jpg", "z.jpg"]))
-    act = {"min.source": "s3://b/src", "max.source": "s3://b/src",
-           "min.unit": "j.jpg", "max.unit": "n.jpg"}  # fmt: skip
+    act = {
+        "min.source": "s3://b/src",
+        "max.source": "s3://b/src",
+        "min.unit": "j.jpg",
+        "max.unit": "n.jpg",
+    }
     assert r.in_range(act).to_pylist() == ["k.jpg", "m.jpg"]
     assert r.in_range({**act, "min.unit": "n1", "max.unit": "y"}) is None
     assert r.in_range({**act, "min.source": "s3://b/x", "max.source": "s3://b/y"}) is None
-    t = pa.table({"source": ["s3://b/src", "s3://b/src", "s3://b/other"],
-                  "unit": ["k.jpg", "l.jpg", "m.jpg"]})  # fmt: skip
+    t = pa.table(
+        {
+            "source": ["s3://b/src", "s3://b/src", "s3://b/other"],
+            "unit": ["k.jpg", "l.jpg", "m.jpg"],
+        }
+    )
     assert r.mask(t, r.in_range(act)).to_pylist() == [True, False, False]
     steps = Replaced("s3://b/src", sorted_units([]), ("ingest-manifest",))
     assert steps.in_range(act).to_pylist() == [], "a file may hold a replaced step's rows"
@@ -390,9 +425,10 @@ def test_a_root_whose_path_has_quotes_and_braces(tmp_path):
     for i in range(2):
         Image.new("RGB", (48, 48), (90 * i, 9, 9)).save(src / f"im{i}.png")
     (src / "metadata.jsonl").write_text(
-        "".join(json.dumps({"file_name": f"im{i}.png", "text": f"square {i}"}) + "\n"
-                for i in range(2))
-    )  # fmt: skip
+        "".join(
+            json.dumps({"file_name": f"im{i}.png", "text": f"square {i}"}) + "\n" for i in range(2)
+        )
+    )
     first = ingest_source(IngestConfig(source=str(src)), str(root))
     assert (first.accepted, first.quarantined) == (2, 0)
     again = ingest_source(IngestConfig(source=str(src)), str(root))

@@ -17,20 +17,37 @@ from tasks.launch.accelerate import ClusterJob
 from tasks.launch.kubernetes import KubernetesRejected, job_outcome, run_train_job, train_job
 
 REPO = Path(__file__).resolve().parents[2]
-REST = ["--config_file", "configs/accelerate/single.yaml", "-m", "models.train",
-        "--config", "/mnt/kiln/runs/r1/stage-256/stage.yaml"]  # fmt: skip
+REST = [
+    "--config_file",
+    "configs/accelerate/single.yaml",
+    "-m",
+    "models.train",
+    "--config",
+    "/mnt/kiln/runs/r1/stage-256/stage.yaml",
+]
 
 
 def test_the_train_job_is_what_the_trainer_schema_accepts():
     from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
 
-    kube = KubernetesConfig(image="registry.example/kiln:1.0", namespace="ml", gpus_per_node=8,
-                            resources_per_node={"cpu": "64", "memory": "900Gi"},
-                            storage_claim="kiln-data", mount_path="/mnt/kiln",
-                            env={"NCCL_SOCKET_IFNAME": "eth0"},
-                            node_selector={"gpu": "h100"})  # fmt: skip
-    job = train_job(REST, name="stage-256px", nodes=4, processes_per_machine=8, kube=kube,
-                    env={"S3_ENDPOINT_URL": "http://minio:9000"})  # fmt: skip
+    kube = KubernetesConfig(
+        image="registry.example/kiln:1.0",
+        namespace="ml",
+        gpus_per_node=8,
+        resources_per_node={"cpu": "64", "memory": "900Gi"},
+        storage_claim="kiln-data",
+        mount_path="/mnt/kiln",
+        env={"NCCL_SOCKET_IFNAME": "eth0"},
+        node_selector={"gpu": "h100"},
+    )
+    job = train_job(
+        REST,
+        name="stage-256px",
+        nodes=4,
+        processes_per_machine=8,
+        kube=kube,
+        env={"S3_ENDPOINT_URL": "http://minio:9000"},
+    )
     parsed = TrainerV1alpha1TrainJob.from_dict(job)
     assert parsed.to_dict() == job, "every key is one the TrainJob schema knows"
     trainer = parsed.spec.trainer
@@ -40,21 +57,27 @@ def test_the_train_job_is_what_the_trainer_schema_accepts():
     limits = job["spec"]["trainer"]["resourcesPerNode"]["limits"]
     assert limits == {"cpu": "64", "memory": "900Gi", "nvidia.com/gpu": "8"}
     assert {e.name: e.value for e in trainer.env} == {
-        "NCCL_SOCKET_IFNAME": "eth0", "PYTHONUNBUFFERED": "1", "S3_ENDPOINT_URL": "http://minio:9000"
-    }  # fmt: skip
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "PYTHONUNBUFFERED": "1",
+        "S3_ENDPOINT_URL": "http://minio:9000",
+    }
     assert parsed.spec.runtime_ref.name == "torch-distributed"
     assert job["metadata"]["namespace"] == "ml"
     assert job["metadata"]["name"].startswith("kiln-stage-256px-")
-    pod = (parsed.spec.runtime_patches[0].training_runtime_spec.template.spec
-           .replicated_jobs[0].template.spec.template.spec)  # fmt: skip
+    pod = (
+        parsed.spec.runtime_patches[0]
+        .training_runtime_spec.template.spec.replicated_jobs[0]
+        .template.spec.template.spec
+    )
     assert pod.volumes[0].persistent_volume_claim.claim_name == "kiln-data"
     assert pod.containers[0].name == "node"
     assert pod.containers[0].volume_mounts[0].mount_path == "/mnt/kiln"
     assert pod.node_selector == {"gpu": "h100"}
     again = train_job(REST, name="stage-256px", nodes=4, processes_per_machine=8, kube=kube)
     assert again["metadata"]["name"] != job["metadata"]["name"], "a retry is a new TrainJob"
-    plain = train_job(REST, name="health", nodes=2, processes_per_machine=1,
-                      kube=KubernetesConfig(image="kiln"))  # fmt: skip
+    plain = train_job(
+        REST, name="health", nodes=2, processes_per_machine=1, kube=KubernetesConfig(image="kiln")
+    )
     assert (
         "runtimePatches" not in plain["spec"] and "resourcesPerNode" not in plain["spec"]["trainer"]
     ), "nothing to patch: the runtime's own pod template"
@@ -67,11 +90,15 @@ def test_the_end_states_of_a_train_job():
     assert job_outcome({}) is None and job_outcome(status()) is None
     created = {"type": "Created", "status": "True", "reason": "JobSetCreated"}
     assert job_outcome(status(created)) is None
-    assert job_outcome(status(created, {"type": "Complete", "status": "True",
-                                        "reason": "JobSetCompleted"})) == (
-        "Complete", "JobSetCompleted")  # fmt: skip
-    failed = {"type": "Failed", "status": "True", "reason": "FailedJobs",
-              "message": "jobset failed: node-1 BackoffLimitExceeded"}  # fmt: skip
+    assert job_outcome(
+        status(created, {"type": "Complete", "status": "True", "reason": "JobSetCompleted"})
+    ) == ("Complete", "JobSetCompleted")
+    failed = {
+        "type": "Failed",
+        "status": "True",
+        "reason": "FailedJobs",
+        "message": "jobset failed: node-1 BackoffLimitExceeded",
+    }
     assert job_outcome(status(created, failed)) == (
         "Failed",
         "FailedJobs: jobset failed: node-1 BackoffLimitExceeded",
@@ -118,14 +145,34 @@ def test_two_trainjob_nodes_form_one_world_from_the_trainer_variables(tmp_path):
     run = write_run_file(HealthCheckRun(out_dir=str(out)), tmp_path / "health.yaml")
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "PET_NNODES": "2", "PET_NODE_RANK": str(rank),
-               "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port),
-               "PET_NPROC_PER_NODE": "1", "GLOO_SOCKET_IFNAME": "lo"}  # fmt: skip
-        cmd = [sys.executable, "-m", "models.node_launch", "--source", "torchrun", "--",
-               "--config_file", str(REPO / "configs" / "accelerate" / "single.yaml"),
-               "-m", "models.collective_check", "--config", str(run)]  # fmt: skip
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+        env = {
+            **os.environ,
+            "PET_NNODES": "2",
+            "PET_NODE_RANK": str(rank),
+            "PET_MASTER_ADDR": "127.0.0.1",
+            "PET_MASTER_PORT": str(port),
+            "PET_NPROC_PER_NODE": "1",
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "models.node_launch",
+            "--source",
+            "torchrun",
+            "--",
+            "--config_file",
+            str(REPO / "configs" / "accelerate" / "single.yaml"),
+            "-m",
+            "models.collective_check",
+            "--config",
+            str(run),
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outputs)
     assert "node 0 of 2" in outputs[0] and "node 1 of 2" in outputs[1]
@@ -143,8 +190,10 @@ def test_the_claim_must_hold_the_storage_root(tmp_path):
 
     cfg = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
     cfg["storage"]["root"] = "/mnt/kiln/data"
-    cfg["launch"] |= {"backend": "kubernetes", "kubernetes": {
-        "image": "kiln", "storage_claim": "kiln", "mount_path": "/mnt/other"}}  # fmt: skip
+    cfg["launch"] |= {
+        "backend": "kubernetes",
+        "kubernetes": {"image": "kiln", "storage_claim": "kiln", "mount_path": "/mnt/other"},
+    }
     (tmp_path / "k.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError, match=r"launch\.kubernetes\.mount_path: the nodes must see"):
         load_config(tmp_path / "k.yaml")

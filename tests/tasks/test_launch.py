@@ -101,8 +101,13 @@ def test_a_cpu_launch_gets_the_threads_the_planner_measures_with(tmp_path, monke
     # torch's count for that setting, from the same module run directly: MKL builds cap it at
     # the physical cores, so on a machine with hyperthreads it can be lower than the setting.
     env = {**os.environ, "OMP_NUM_THREADS": str(cores)}
-    direct = subprocess.run([sys.executable, "-m", "kiln_threads_probe"], env=env,
-                            capture_output=True, text=True, check=True)  # fmt: skip
+    direct = subprocess.run(
+        [sys.executable, "-m", "kiln_threads_probe"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     launched = json.loads(probe.split("PROBE", 1)[1])
     assert launched == json.loads(direct.stdout.split("PROBE", 1)[1])
     assert launched[1] == str(cores)
@@ -146,8 +151,9 @@ def _same_draws(clean, crashed):
     assert lines > sum(len((clean / n).read_text().splitlines()) for n in logs), "steps redone"
     drawn = stage_draws(clean)
     assert stage_draws(crashed) == drawn
-    assert sum(drawn.values()) == sum(len(k) for n in logs
-                                      for k in _per_step(clean / n, "keys").values())  # fmt: skip
+    assert sum(drawn.values()) == sum(
+        len(k) for n in logs for k in _per_step(clean / n, "keys").values()
+    )
 
 
 def _same_weights(a, b):
@@ -194,15 +200,19 @@ def test_sigkills_and_a_stall_resume_bit_exactly_through_task_retries(tmp_path, 
     clean, crashed = tmp_path / "clean", tmp_path / "crashed"
     launch_stage.fn(_stage_run(tiny_shards, clean), _launch(SINGLE))
     state = _launch_in_flow(
-        _stage_run(tiny_shards, crashed, kill_at_steps=[3, 5], stall_at_step=4), retries=3,
+        _stage_run(tiny_shards, crashed, kill_at_steps=[3, 5], stall_at_step=4),
+        retries=3,
         hang_timeout_s=20,
-    )  # fmt: skip
+    )
     manifest = state.result()
     assert manifest["final_step"] == 6
     for step in (3, 4, 5):
         assert (crashed / f".fault-fired-{step}").exists(), f"the fault at step {step} fired"
-    resumed = [r["step"] for r in map(json.loads, (crashed / "metrics.jsonl").read_text()
-                                      .splitlines()) if r.get("event") == "resumed"]  # fmt: skip
+    resumed = [
+        r["step"]
+        for r in map(json.loads, (crashed / "metrics.jsonl").read_text().splitlines())
+        if r.get("event") == "resumed"
+    ]
     assert resumed == [2, 4, 4], "each retry resumed from the newest checkpoint"
     assert _per_step(crashed / "metrics.jsonl", "loss") == _per_step(
         clean / "metrics.jsonl", "loss"

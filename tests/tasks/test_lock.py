@@ -21,8 +21,9 @@ with root_lock(Path(sys.argv[1]), "kiln train run-x"):
 
 
 def test_a_second_holder_fails_at_once_and_a_killed_one_frees_the_root(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         t0 = time.monotonic()
@@ -49,8 +50,9 @@ def test_kiln_train_and_run_on_a_busy_root_fail_at_once_and_touch_nothing(
 ):
     root = tmp_path / "root"
     cfg = make_config(tmp_path / "tiny.yaml", root, demo_src)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(root)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(root)], stdout=subprocess.PIPE, text=True
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
     try:
@@ -62,7 +64,7 @@ def test_kiln_train_and_run_on_a_busy_root_fail_at_once_and_touch_nothing(
                 text=True,
                 env=env,
                 timeout=300,
-            )  # fmt: skip
+            )
             for cmd in ("train", "run")
         ]
     finally:
@@ -71,8 +73,9 @@ def test_kiln_train_and_run_on_a_busy_root_fail_at_once_and_touch_nothing(
     for proc in procs:
         assert proc.returncode == 1, proc.stderr[-2000:]
         (line,) = proc.stderr.splitlines()  # one line, no traceback
-        assert line.startswith(f"kiln: error: {root} is in use by kiln train run-x (pid "
-                               f"{holder.pid} on ")  # fmt: skip
+        assert line.startswith(
+            f"kiln: error: {root} is in use by kiln train run-x (pid {holder.pid} on "
+        )
         assert line.endswith("or give this run another storage.root (--root)")
     # Refused before any flow run: no Prefect server, database or run folder was made.
     assert not (tmp_path / "prefect").exists(), "a Prefect server was started"
@@ -109,8 +112,10 @@ def test_two_ingests_into_one_root_at_once_take_turns(tmp_path):
     for t in threads:
         t.join(timeout=300)
     assert not errors
-    seqs = sorted(json.loads((root / "catalog" / r.ingest_id / "summary.json").read_text())[
-        "ingest_seq"] for r in results.values())  # fmt: skip
+    seqs = sorted(
+        json.loads((root / "catalog" / r.ingest_id / "summary.json").read_text())["ingest_seq"]
+        for r in results.values()
+    )
     assert seqs == [1, 2]
     last = max(results.values(), key=lambda r: r.view_accepted)
     accepted = read_view(Layout(root), last.ingest_id)[0]
@@ -143,14 +148,16 @@ def test_validate_waits_for_the_catalog_writer(tmp_path):
     ing = ingest_source(IngestConfig(source=str(src)), str(root))
     cat = root / "catalog" / ing.ingest_id
     before = sorted(p.name for p in cat.iterdir())
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_CATALOG, str(root)],
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_CATALOG, str(root)], stdout=subprocess.PIPE, text=True
+    )
     out = {}
 
     def validate():
         try:
-            out["result"] = validate_catalog.fn(str(root), ing.ingest_id, QualityConfig(),
-                                                allow_failed_gate=True)  # fmt: skip
+            out["result"] = validate_catalog.fn(
+                str(root), ing.ingest_id, QualityConfig(), allow_failed_gate=True
+            )
         except Exception as e:  # reported below
             out["error"] = e
 

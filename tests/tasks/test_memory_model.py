@@ -20,19 +20,30 @@ REPO = Path(__file__).resolve().parents[2]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["train"]["model"]["unet"]
 SD2 = yaml.safe_load((REPO / "configs" / "sd2-base.yaml").read_text())["train"]["model"]["unet"]
 # The real recipe's widths, head counts and text width with fewer blocks.
-SD2_REDUCED = {**SD2, "block_out_channels": [320, 640], "layers_per_block": 1,
-               "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-               "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-               "attention_head_dim": [5, 10]}  # fmt: skip
+SD2_REDUCED = {
+    **SD2,
+    "block_out_channels": [320, 640],
+    "layers_per_block": 1,
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "attention_head_dim": [5, 10],
+}
 
 
 def _measure(unet: dict, batch: int, side: int, attention: str, ckpt: bool, precision: str):
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "_measure_step_memory.py"),
-         json.dumps([unet, batch, side, 77, attention, ckpt, precision])],
-        capture_output=True, text=True, check=True, env=env, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(Path(__file__).parent / "_measure_step_memory.py"),
+            json.dumps([unet, batch, side, 77, attention, ckpt, precision]),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        timeout=600,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -124,15 +135,21 @@ def test_encoders_in_a_local_folder_are_counted_and_a_hub_id_is_not(tmp_path):
     vae.save_pretrained(tmp_path / "pipe" / "vae")
     te = CLIPTextModel(CLIPTextConfig(**train.model.text_encoder.config))
     te.save_pretrained(tmp_path / "pipe" / "text_encoder")
-    local = train.model.model_copy(update={
-        "vae": VaeComponent(pretrained=str(tmp_path / "pipe"), subfolder="vae"),
-        "text_encoder": Component(pretrained=str(tmp_path / "pipe"), subfolder="text_encoder"),
-    })  # fmt: skip
+    local = train.model.model_copy(
+        update={
+            "vae": VaeComponent(pretrained=str(tmp_path / "pipe"), subfolder="vae"),
+            "text_encoder": Component(pretrained=str(tmp_path / "pipe"), subfolder="text_encoder"),
+        }
+    )
     counted = encoder_params(train.model_copy(update={"model": local}))
     assert counted == inline
     assert counted["vae"] == sum(p.numel() for p in vae.parameters())
     assert counted["text_encoder"] == sum(p.numel() for p in te.parameters())
-    hub = train.model.model_copy(update={
-        "text_encoder": Component(pretrained="stabilityai/stable-diffusion-2-base",
-                                  subfolder="text_encoder")})  # fmt: skip
+    hub = train.model.model_copy(
+        update={
+            "text_encoder": Component(
+                pretrained="stabilityai/stable-diffusion-2-base", subfolder="text_encoder"
+            )
+        }
+    )
     assert encoder_params(train.model_copy(update={"model": hub}))["text_encoder"] is None

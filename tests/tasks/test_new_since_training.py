@@ -17,8 +17,9 @@ from tasks.storage.layout import Layout
 
 
 def _whole(layout, ingest_id, trained):
-    return int((~np.isin(_view_identities(layout, ingest_id),
-                         _view_identities(layout, trained))).sum())  # fmt: skip
+    return int(
+        (~np.isin(_view_identities(layout, ingest_id), _view_identities(layout, trained))).sum()
+    )
 
 
 def test_new_since_a_catalog_behind_matches_the_whole_comparison(tmp_path):
@@ -35,8 +36,13 @@ def test_new_since_a_catalog_behind_matches_the_whole_comparison(tmp_path):
     names = sorted(p.name for p in more.glob("0000[0-2].jpg"))
     for name in names:
         shutil.copy(more / name, src / f"new-{name}")
-        rows.append({**next(r for r in rows if r["file_name"].endswith(".jpg")),
-                     "file_name": f"new-{name}", "text": f"a new photo {name}"})  # fmt: skip
+        rows.append(
+            {
+                **next(r for r in rows if r["file_name"].endswith(".jpg")),
+                "file_name": f"new-{name}",
+                "text": f"a new photo {name}",
+            }
+        )
     recaptioned, touched, deleted = "00000.jpg", "00001.jpg", "00002.jpg"
     for r in rows:
         if r["file_name"] == recaptioned:

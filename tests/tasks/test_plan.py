@@ -54,8 +54,10 @@ def test_each_stage_is_planned_on_its_own_node_count():
     from tasks.launch.accelerate import stage_processes
 
     train = load_config(REPO / "configs" / "tiny.yaml").train
-    train.stages = [s.model_copy(update={"num_machines": n})
-                    for s, n in zip(train.stages, (1, 2, 4), strict=True)]  # fmt: skip
+    train.stages = [
+        s.model_copy(update={"num_machines": n})
+        for s, n in zip(train.stages, (1, 2, 4), strict=True)
+    ]
     launch = LaunchConfig(backend="slurm", slurm=SlurmConfig(gpus_per_node=2))
     procs = stage_processes(launch, train)
     assert procs == [2, 4, 8]
@@ -80,10 +82,24 @@ def test_kiln_plan_prints_memory_and_scaling_for_the_real_recipe(tmp_path):
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-m", "kiln_cli.main", "plan", "--config", "configs/sd2-base.yaml",
-         "--root", str(tmp_path / "root"), "--img-per-s", "40"],
-        capture_output=True, text=True, cwd=REPO, env={**os.environ}, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "kiln_cli.main",
+            "plan",
+            "--config",
+            "configs/sd2-base.yaml",
+            "--root",
+            str(tmp_path / "root"),
+            "--img-per-s",
+            "40",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ},
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert "memory per GPU (GB; 80 GB per GPU)" in text

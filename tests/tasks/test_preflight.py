@@ -50,8 +50,13 @@ def test_disk_estimate_against_free_space(tmp_path):
     check_disk(tmp_path, cfg)
     tiny = checkpoint_bytes(cfg)
     # A UNet whose checkpoints cannot fit on this disk (counted on a meta copy: no memory).
-    huge_unet = {**cfg.model.unet, "block_out_channels": [8192, 16384], "norm_num_groups": 32,
-                 "cross_attention_dim": 32, "attention_head_dim": [64, 128]}  # fmt: skip
+    huge_unet = {
+        **cfg.model.unet,
+        "block_out_channels": [8192, 16384],
+        "norm_num_groups": 32,
+        "cross_attention_dim": 32,
+        "attention_head_dim": [64, 128],
+    }
     huge = cfg.model_copy(update={"model": cfg.model.model_copy(update={"unet": huge_unet})})
     assert checkpoint_bytes(huge) > 1000 * tiny
     # A bfloat16 EMA is half of a float32 one: checkpoints of 14 bytes a parameter, not 16.
@@ -75,8 +80,13 @@ def test_collective_that_cannot_form_fails_fast(tmp_path):
         port = s.getsockname()[1]
     topo = yaml.safe_load((TOPO / "cpu-ddp-2.yaml").read_text())
     # Two machines, but only this one launches: rank 0 waits for a peer that never comes.
-    topo.update(num_machines=2, main_process_ip="127.0.0.1", main_process_port=port,
-                rdzv_backend="static", same_network=True)  # fmt: skip
+    topo.update(
+        num_machines=2,
+        main_process_ip="127.0.0.1",
+        main_process_port=port,
+        rdzv_backend="static",
+        same_network=True,
+    )
     (tmp_path / "two-node.yaml").write_text(yaml.safe_dump(topo))
     with pytest.raises(HealthCheckError, match=r"all-reduce .* did not complete"):
         check_collective(_launch(tmp_path / "two-node.yaml"), tmp_path / "h", timeout_s=12)

@@ -13,9 +13,12 @@ from tasks.registry.promotion import CHAMPION, PREVIOUS, PromotionRefused, gate,
 GOOD = {
     **{f"human_eval/{q}_min_votes_per_pair": 5.0 for q in ("quality", "alignment")},
     **{f"human_eval/{q}_pref_ci_low": 0.56 for q in ("quality", "alignment")},
-    **{f"human_eval/{q}_pref/{c}": 0.6 for q in ("quality", "alignment")
-       for c in ("colors", "counting")},
-}  # fmt: skip
+    **{
+        f"human_eval/{q}_pref/{c}": 0.6
+        for q in ("quality", "alignment")
+        for c in ("colors", "counting")
+    },
+}
 AGAINST = {"human_eval.comparison": "cand-vs-champ", "human_eval.against": "run-champ"}
 
 
@@ -47,8 +50,9 @@ def test_gate_checks_the_validation_loss_only_when_both_have_it():
     cfg = GateConfig(max_val_loss_increase=0.02)
     worse = {**GOOD, "ema/val/loss": 0.110}
     assert not gate(worse, AGAINST, {"run-champ"}, cfg, {"ema/val/loss": 0.100}).passed
-    assert gate({**GOOD, "ema/val/loss": 0.101}, AGAINST, {"run-champ"}, cfg,
-                {"ema/val/loss": 0.100}).passed  # fmt: skip
+    assert gate(
+        {**GOOD, "ema/val/loss": 0.101}, AGAINST, {"run-champ"}, cfg, {"ema/val/loss": 0.100}
+    ).passed
     assert gate(worse, AGAINST, {"run-champ"}, cfg, {}).passed
 
 
@@ -64,8 +68,9 @@ def _version(client, root, name, run_name, metrics, tags=None):
         client.create_registered_model(name)
     src = root / "exports" / run_name
     src.mkdir(parents=True)
-    mv = client.create_model_version(name, str(src), run.info.run_id,
-                                     tags={"run_id": run_name, **(tags or {})})  # fmt: skip
+    mv = client.create_model_version(
+        name, str(src), run.info.run_id, tags={"run_id": run_name, **(tags or {})}
+    )
     return mv.version
 
 

@@ -47,8 +47,11 @@ def version(tmp_path, demo_src):
 
 
 def _local_objects(base: Path) -> dict[str, int]:
-    return {f"{base.name}/{p.relative_to(base).as_posix()}": p.stat().st_size
-            for p in base.rglob("*") if p.is_file()}  # fmt: skip
+    return {
+        f"{base.name}/{p.relative_to(base).as_posix()}": p.stat().st_size
+        for p in base.rglob("*")
+        if p.is_file()
+    }
 
 
 def test_publish_is_atomic_resumes_and_streams_back_like_local(
@@ -80,13 +83,19 @@ def test_publish_is_atomic_resumes_and_streams_back_like_local(
     order = {k: i for i, k in enumerate(rec.sent)}
     for stage, top in (("32", "index.json"), ("64", "buckets.json"), ("64-val", "buckets.json")):
         last = order[f"{v}/{stage}/{top}"]
-        assert all(i < last for k, i in order.items() if k.startswith(f"{v}/{stage}/")
-                   and k != f"{v}/{stage}/{top}")  # fmt: skip
+        assert all(
+            i < last
+            for k, i in order.items()
+            if k.startswith(f"{v}/{stage}/") and k != f"{v}/{stage}/{top}"
+        )
     for name in {k.split("/")[2] for k in local if k.startswith(f"{v}/64/") and k.count("/") > 3}:
         # every bucket's index comes after its data
         idx = order[f"{v}/64/{name}/index.json"]
-        assert all(i < idx for k, i in order.items() if k.startswith(f"{v}/64/{name}/part-")
-                   and not k.endswith("index.json"))  # fmt: skip
+        assert all(
+            i < idx
+            for k, i in order.items()
+            if k.startswith(f"{v}/64/{name}/part-") and not k.endswith("index.json")
+        )
     assert rec.sent[-1] == f"{v}/shards.json"
 
     # Published datasets are not sent again.
@@ -103,8 +112,10 @@ def test_publish_is_atomic_resumes_and_streams_back_like_local(
         res_px = int(stage)
         want = [b["key"] for b in build_loader(train, str(version / stage), tok, res_px, 2)]
         cache = tmp_path / "cache" / v / stage
-        got = [b["key"] for b in build_loader(train, str(cache), tok, res_px, 2,
-                                              remote=f"{remote}/{v}/{stage}")]  # fmt: skip
+        got = [
+            b["key"]
+            for b in build_loader(train, str(cache), tok, res_px, 2, remote=f"{remote}/{v}/{stage}")
+        ]
         assert got == want and len(got) >= 5
         assert any(cache.rglob("*.mds")), "shards were streamed into the cache"
 

@@ -50,9 +50,11 @@ def test_gate_fails_with_a_reason_table_and_keeps_the_quarantine(tmp_path, demo_
     assert verdict["passed"] is False and verdict["reasons"]["too_small"] > 10
     # The pipeline's override: the failure is logged and recorded, not raised.
     res = validate_catalog.fn(
-        str(root), ing.ingest_id, QualityConfig(min_side=100, max_reject_fraction=0.1),
+        str(root),
+        ing.ingest_id,
+        QualityConfig(min_side=100, max_reject_fraction=0.1),
         allow_failed_gate=True,
-    )  # fmt: skip
+    )
     assert not res.passed and res.reasons == verdict["reasons"]
 
 
@@ -105,8 +107,12 @@ def test_incremental_runs_decode_only_what_is_new(tmp_path):
     assert "new-03.jpg" in set(mq.loc[mq["reason"] == "manifest_missing_file", "key"])
     # The removal is one commit; the third ingest's view still reads it back (time travel).
     assert read_view(Layout(root), third.ingest_id)[0]["key"].eq("new-03.jpg").sum() == 1
-    versions = [json.loads((root / "catalog" / i.ingest_id / "summary.json").read_text())[
-        "table_versions"]["accepted"] for i in (first, third, fourth)]  # fmt: skip
+    versions = [
+        json.loads((root / "catalog" / i.ingest_id / "summary.json").read_text())["table_versions"][
+            "accepted"
+        ]
+        for i in (first, third, fourth)
+    ]
     assert versions == [1, 2, 3], "one commit an ingest (version 0: the empty table created)"
 
 
@@ -171,10 +177,11 @@ def _outputs(root, ingest_id):
     verdict.pop("verdict_table_versions")  # which commit of the root's verdict tables
     return (
         read_clean(str(root), ingest_id).sort_values(["source", "key"]).reset_index(drop=True),
-        pd.read_parquet(cat / "rejects.parquet").sort_values(["source", "key"]).reset_index(
-            drop=True),
+        pd.read_parquet(cat / "rejects.parquet")
+        .sort_values(["source", "key"])
+        .reset_index(drop=True),
         verdict,
-    )  # fmt: skip
+    )
 
 
 def test_incremental_validate_checks_only_new_rows_and_matches_a_full_one(tmp_path, demo_src):
@@ -229,8 +236,14 @@ def test_a_dask_cluster_validates_and_plans_like_one_machine(tmp_path, demo_src)
             str(dask_root), ids[2], rules, dask_address=cluster.scheduler_address
         )
         assert "check_partition" in cluster.scheduler.task_prefixes, "checks ran on Dask"
-        remote_plan = write_shards.fn(shards, str(dask_root), ids[2], [32, 64], dry_run=True,
-                                      dask_address=cluster.scheduler_address)  # fmt: skip
+        remote_plan = write_shards.fn(
+            shards,
+            str(dask_root),
+            ids[2],
+            [32, 64],
+            dry_run=True,
+            dask_address=cluster.scheduler_address,
+        )
     assert remote.checked_rows == local.checked_rows == len(read_view(Layout(root), ids[2])[0])
     a, b = _outputs(root, ids[2]), _outputs(dask_root, ids[2])
     pd.testing.assert_frame_equal(a[0], b[0])
@@ -257,14 +270,14 @@ def test_the_verdicts_pairs_are_found_exactly_even_when_the_high_hash_is_shared(
 
     import tasks.quality.gate as gate
 
-    rows = pd.DataFrame({"source": ["s3://a"] * 500 + ["/b"] * 500,
-                         "key": [f"{i:05d}.jpg" for i in range(1000)]})  # fmt: skip
+    rows = pd.DataFrame(
+        {"source": ["s3://a"] * 500 + ["/b"] * 500, "key": [f"{i:05d}.jpg" for i in range(1000)]}
+    )
     rows["near_duplicate_of"] = "of-" + rows["key"]
     path = tmp_path / "pairs.parquet"
     rows.iloc[::3].to_parquet(path, row_group_size=97)
     strong = gate._pair_hashes
-    for hashes in (strong, lambda p: (np.array([len(s) % 3 for s in p], np.uint64),
-                                      strong(p)[1])):  # fmt: skip
+    for hashes in (strong, lambda p: (np.array([len(s) % 3 for s in p], np.uint64), strong(p)[1])):
         monkeypatch.setattr(gate, "_pair_hashes", hashes)
         pairs = gate._Pairs(path, "near_duplicate_of")
         at = pairs.find(rows["source"], rows["key"])

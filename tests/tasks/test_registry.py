@@ -19,10 +19,17 @@ from tasks.registry.tracking import (
 
 KEY, KIND = EXPERIMENT_KIND
 SUMMARY = {
-    "ingest_id": "ing-1", "listed": 60, "clean": 50, "rejected_ingest": 4,
-    "rejected_validate": 6, "reject_fraction": 10 / 60, "max_reject_fraction": 0.05,
-    "near_duplicates": 1, "manifest_problems": 0, "reasons": {"too_small": 6},
-}  # fmt: skip
+    "ingest_id": "ing-1",
+    "listed": 60,
+    "clean": 50,
+    "rejected_ingest": 4,
+    "rejected_validate": 6,
+    "reject_fraction": 10 / 60,
+    "max_reject_fraction": 0.05,
+    "near_duplicates": 1,
+    "manifest_problems": 0,
+    "reasons": {"too_small": 6},
+}
 
 
 @pytest.fixture(scope="module")
@@ -107,10 +114,18 @@ def test_a_tracking_store_that_fails_gives_no_link_and_a_warning(tmp_path, caplo
 
 def test_version_description_names_data_run_and_how_to_load():
     text = version_description(
-        "kiln-t2i", "3",
-        {"run_id": "run-1", "mlflow_run_id": "abc", "dataset_version": "ds-9",
-         "ingest_id": "ing-1", "source": "s3://b/raw", "study_id": "", "config_sha256": "f00"},
-    )  # fmt: skip
+        "kiln-t2i",
+        "3",
+        {
+            "run_id": "run-1",
+            "mlflow_run_id": "abc",
+            "dataset_version": "ds-9",
+            "ingest_id": "ing-1",
+            "source": "s3://b/raw",
+            "study_id": "",
+            "config_sha256": "f00",
+        },
+    )
     for part in ("`run-1`", "`abc`", "`ds-9`", "`ing-1`", "models:/kiln-t2i/3", "f00"):
         assert part in text, part
     assert "study" not in text, "no study was recorded"
@@ -128,10 +143,15 @@ def _tiny_export(dest) -> str:
     repo = Path(__file__).resolve().parents[2]
     comps = build_components(load_config(repo / "configs" / "tiny.yaml").train.model)
     StableDiffusionPipeline(
-        vae=comps.vae, text_encoder=comps.text_encoder, tokenizer=comps.tokenizer,
-        unet=comps.unet, scheduler=sampling_scheduler(comps.noise_scheduler),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    ).save_pretrained(dest)  # fmt: skip
+        vae=comps.vae,
+        text_encoder=comps.text_encoder,
+        tokenizer=comps.tokenizer,
+        unet=comps.unet,
+        scheduler=sampling_scheduler(comps.noise_scheduler),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    ).save_pretrained(dest)
     return str(dest)
 
 
@@ -151,9 +171,16 @@ def test_registered_version_carries_the_validation_metrics(tmp_path, tracking_ur
         "stage-32/loss-curves.png"
     ]
     metrics = {"ema/val/loss": 0.25, "ema/val/cond_gap": 0.0125}
-    info = register_model.fn(tracking_uri, run_id, _tiny_export(tmp_path / "final"), "kiln-val",
-                             "candidate", {"run_id": "run-1"}, metrics,
-                             evaluate=EvaluateConfig())  # fmt: skip
+    info = register_model.fn(
+        tracking_uri,
+        run_id,
+        _tiny_export(tmp_path / "final"),
+        "kiln-val",
+        "candidate",
+        {"run_id": "run-1"},
+        metrics,
+        evaluate=EvaluateConfig(),
+    )
     version = client.get_model_version("kiln-val", info["version"])
     model_id = version.source.removeprefix("models:/")
     logged = {m.key: m.value for m in client.get_logged_model(model_id).metrics}
@@ -176,8 +203,15 @@ def test_registered_model_defaults_to_the_steps_and_guidance_it_was_evaluated_wi
     run_id = client.create_run(ensure_experiment(client, "kiln-gen", str(tmp_path))).info.run_id
     client.set_terminated(run_id)
     evaluate = EvaluateConfig(num_inference_steps=3, guidance_scale=2.5)
-    info = register_model.fn(tracking_uri, run_id, _tiny_export(tmp_path / "final"), "kiln-gen",
-                             "candidate", {"run_id": "run-1"}, evaluate=evaluate)  # fmt: skip
+    info = register_model.fn(
+        tracking_uri,
+        run_id,
+        _tiny_export(tmp_path / "final"),
+        "kiln-gen",
+        "candidate",
+        {"run_id": "run-1"},
+        evaluate=evaluate,
+    )
     with mlflow_uris(tracking_uri):
         model = mlflow.pyfunc.load_model(info["model_uri"])
     params = {p.name: p.default for p in model.metadata.signature.params}
@@ -190,6 +224,10 @@ def test_a_run_artifact_that_cannot_be_logged_is_a_warning(tmp_path, caplog):
     from tasks.registry.tracking import log_run_artifact
 
     with caplog.at_level(logging.WARNING):
-        ok = log_run_artifact.fn(f"sqlite:///{tmp_path / 'm.db'}", "no-such-run",
-                                 str(tmp_path / "missing.png"), "stage-32")  # fmt: skip
+        ok = log_run_artifact.fn(
+            f"sqlite:///{tmp_path / 'm.db'}",
+            "no-such-run",
+            str(tmp_path / "missing.png"),
+            "stage-32",
+        )
     assert ok is False and "stays on disk" in caplog.text

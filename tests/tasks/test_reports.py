@@ -7,13 +7,25 @@ from tasks.reports import pipeline_report, quality_report, registered_report
 
 def _summary(**kw) -> dict:
     base = {
-        "ingest_id": "ing-1", "listed": 60, "clean": 50, "rejected_ingest": 4,
-        "rejected_validate": 6, "reject_fraction": 10 / 60, "max_reject_fraction": 0.25,
-        "reasons": {"decode_error": 4, "caption_blank": 6}, "expectations": [
-            {"expectation": "expect_column_values_to_not_be_null", "column": "caption",
-             "success": False, "unexpected": 6},
-        ], "data_docs": "/r/quality/ing-1/index.html", "passed": True,
-    }  # fmt: skip
+        "ingest_id": "ing-1",
+        "listed": 60,
+        "clean": 50,
+        "rejected_ingest": 4,
+        "rejected_validate": 6,
+        "reject_fraction": 10 / 60,
+        "max_reject_fraction": 0.25,
+        "reasons": {"decode_error": 4, "caption_blank": 6},
+        "expectations": [
+            {
+                "expectation": "expect_column_values_to_not_be_null",
+                "column": "caption",
+                "success": False,
+                "unexpected": 6,
+            },
+        ],
+        "data_docs": "/r/quality/ing-1/index.html",
+        "passed": True,
+    }
     return {**base, **kw}
 
 
@@ -32,23 +44,47 @@ def test_quality_verdict_and_quarantine_are_one_sentence():
 def test_pipeline_table_links_every_step():
     result = {
         "ingest": {"ingest_id": "ing-1", "listed": 60, "accepted": 55, "quarantined": 5},
-        "quality": {"ingest_id": "ing-1", "clean": 50, "rejected_ingest": 5,
-                    "rejected_validate": 5, "passed": True},
+        "quality": {
+            "ingest_id": "ing-1",
+            "clean": 50,
+            "rejected_ingest": 5,
+            "rejected_validate": 5,
+            "passed": True,
+        },
         "shards": {"dataset_version": "ds-abc", "stages": {"32": {"samples": 50}}},
-        "study": {"study_id": "run-1-xyz", "prompts": "tiny.csv", "images": 12,
-                  "path": "/r/eval/run-1-xyz"},
-        "model": {"name": "kiln-t2i", "version": "3", "alias": "candidate",
-                  "uri_by_alias": "models:/kiln-t2i@candidate"},
-    }  # fmt: skip
-    run = {"run_id": "run-1", "stages": {
-        "32": {"losses": [0.9, 0.5], "metrics": {"gpu_hours": 0.25}},
-        "64": {"losses": [0.4, 0.2], "metrics": {"gpu_hours": 0.5}},
-    }}  # fmt: skip
+        "study": {
+            "study_id": "run-1-xyz",
+            "prompts": "tiny.csv",
+            "images": 12,
+            "path": "/r/eval/run-1-xyz",
+        },
+        "model": {
+            "name": "kiln-t2i",
+            "version": "3",
+            "alias": "candidate",
+            "uri_by_alias": "models:/kiln-t2i@candidate",
+        },
+    }
+    run = {
+        "run_id": "run-1",
+        "stages": {
+            "32": {"losses": [0.9, 0.5], "metrics": {"gpu_hours": 0.25}},
+            "64": {"losses": [0.4, 0.2], "metrics": {"gpu_hours": 0.5}},
+        },
+    }
     md = pipeline_report(result, run)
-    for text in ("`ing-1`", "gate passed: 50 clean, 10 quarantined", "`ds-abc`", "`run-1`",
-                 "final loss 0.2000", "0.75 GPU-hours", "`run-1-xyz`",
-                 "12 images of the tiny.csv prompts", "`kiln-t2i` v3",
-                 "models:/kiln-t2i@candidate"):  # fmt: skip
+    for text in (
+        "`ing-1`",
+        "gate passed: 50 clean, 10 quarantined",
+        "`ds-abc`",
+        "`run-1`",
+        "final loss 0.2000",
+        "0.75 GPU-hours",
+        "`run-1-xyz`",
+        "12 images of the tiny.csv prompts",
+        "`kiln-t2i` v3",
+        "models:/kiln-t2i@candidate",
+    ):
         assert text in md, text
 
 
@@ -60,18 +96,33 @@ def test_registered_report_redacts_the_tracking_uri():
 
 def _stage_manifest(val: dict | None) -> dict:
     history = [] if val is None else [{**val, "step": 2, "val/eval_s": 0.5}, val]
-    return {"final_step": 4, "num_processes": 1, "export": "/r/final", "losses": [1.0, 0.9],
-            "metrics": {"loss": 0.9, "step_time_s": 0.25}, "val": val,
-            "val_history": history}  # fmt: skip
+    return {
+        "final_step": 4,
+        "num_processes": 1,
+        "export": "/r/final",
+        "losses": [1.0, 0.9],
+        "metrics": {"loss": 0.9, "step_time_s": 0.25},
+        "val": val,
+        "val_history": history,
+    }
 
 
 VAL = {
-    "step": 4, "val/eval_s": 0.75,
-    **{f"{k}/val/{m}": v for k, off in (("ema", 0.0), ("raw", 0.01))
-       for m, v in (("loss", 0.5 + off), ("cond_gap", 0.02 + off), ("loss_t250", 0.7 + off),
-                    ("loss_t750", 0.3 + off), ("cond_gap_t250", 0.03 + off),
-                    ("cond_gap_t750", 0.01 + off))},
-}  # fmt: skip
+    "step": 4,
+    "val/eval_s": 0.75,
+    **{
+        f"{k}/val/{m}": v
+        for k, off in (("ema", 0.0), ("raw", 0.01))
+        for m, v in (
+            ("loss", 0.5 + off),
+            ("cond_gap", 0.02 + off),
+            ("loss_t250", 0.7 + off),
+            ("loss_t750", 0.3 + off),
+            ("cond_gap_t250", 0.03 + off),
+            ("cond_gap_t750", 0.01 + off),
+        )
+    },
+}
 
 
 def test_stage_report_shows_the_validation_loss_gap_and_curves(tmp_path):
@@ -98,8 +149,14 @@ def test_loss_curves_png_from_metrics_jsonl(tmp_path):
     assert write_loss_curves(tmp_path) is None, "no metrics.jsonl: no curves"
     lines = [{"event": "perf", "flops_per_sample": 1.0}]
     lines += [{"step": s, "loss": 1.0 / s, "lr": 1e-3} for s in range(1, 7)]
-    lines += [{"step": s, "val/eval_s": 0.1, **{k: v / s for k, v in VAL.items()
-              if "/val/" in k and k != "val/eval_s"}} for s in (2, 4, 6)]  # fmt: skip
+    lines += [
+        {
+            "step": s,
+            "val/eval_s": 0.1,
+            **{k: v / s for k, v in VAL.items() if "/val/" in k and k != "val/eval_s"},
+        }
+        for s in (2, 4, 6)
+    ]
     lines += [{"step": 6, "loss": 0.2}]  # a relaunch logging step 6 again
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     png = write_loss_curves(tmp_path)

@@ -67,9 +67,12 @@ def test_report_shows_the_newest_logged_grid_served_by_mlflow(tmp_path):
     env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     mlflow = Path(sys.executable).parent / "mlflow"
     proc = subprocess.Popen(
-        [str(mlflow), "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"], env=env,
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [str(mlflow), "ui", "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         server = f"http://127.0.0.1:{port}"
         assert _get(f"{server}/health", proc).strip() == b"OK"

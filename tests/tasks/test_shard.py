@@ -80,15 +80,18 @@ def test_token_ids_are_the_loaders_and_part_of_the_version(validated):
     path = root / "shards" / res.dataset_version / "32"
     index = json.loads((path / "index.json").read_text())
     assert len(index["shards"]) > 1
-    assert all(sh["column_encodings"][sh["column_names"].index("input_ids")] ==
-               "ndarray:int32:24" for sh in index["shards"])  # fmt: skip
+    assert all(
+        sh["column_encodings"][sh["column_names"].index("input_ids")] == "ndarray:int32:24"
+        for sh in index["shards"]
+    )
     ds = StreamingDataset(local=str(path), batch_size=1)
     samples = [ds[i] for i in range(len(ds))]
     want = tokenize([s["caption"] for s in samples]).numpy()
     got = np.stack([s["input_ids"] for s in samples])
     assert got.dtype == np.int32 and np.array_equal(got, want)
-    plain_ds = StreamingDataset(local=str(root / "shards" / plain.dataset_version / "32"),
-                                batch_size=1)  # fmt: skip
+    plain_ds = StreamingDataset(
+        local=str(root / "shards" / plain.dataset_version / "32"), batch_size=1
+    )
     assert "input_ids" not in plain_ds[0]
     other = TokenizerConfig(builtin="bytes", model_max_length=16).model_dump()
     again = write_shards.fn(
@@ -239,8 +242,7 @@ def test_changed_metadata_gives_a_new_version_with_the_new_metadata(tmp_path, la
         ing = ingest_source(IngestConfig(source=str(src), metadata_columns=("license",)), str(root))
         validate_catalog.fn(str(root), ing.ingest_id, rules)
         res = write_shards.fn(ShardsConfig(workers=1), str(root), ing.ingest_id, [32])
-        ds = StreamingDataset(local=str(root / "shards" / res.dataset_version / "32"),
-                              batch_size=1)  # fmt: skip
+        ds = StreamingDataset(local=str(root / "shards" / res.dataset_version / "32"), batch_size=1)
         return res, {ds[i]["key"]: ds[i]["meta"]["license"] for i in range(len(ds))}
 
     first, licenses = shard()
@@ -385,8 +387,7 @@ def test_validation_split_is_held_out_by_key_at_every_stage(validated):
     assert held_out(uids[::-1], 0.3, 2000) == held_out(uids, 0.3, 2000)
     some = uids[: len(uids) // 2]
     assert held_out(some, 0.3, 2000) == held_out(uids, 0.3, 2000) & set(some)
-    again = write_shards.fn(cfg, str(root), ingest_id, [32, 64], bucket_stages=[64],
-                            tokenizer=spec)  # fmt: skip
+    again = write_shards.fn(cfg, str(root), ingest_id, [32, 64], bucket_stages=[64], tokenizer=spec)
     assert again.reused and again.stages == res.stages
 
 
@@ -406,8 +407,9 @@ def test_validation_split_respects_val_max_and_is_part_of_the_version(validated)
     assert sorted(held) == sorted(smallest), "the cap keeps the smallest hashes"
     assert set(held) <= set(_keys(root / "shards" / full.dataset_version / "32-val"))
 
-    other = write_shards.fn(cfg.model_copy(update={"val_fraction": 0.3}), str(root), ingest_id,
-                            [32])  # fmt: skip
+    other = write_shards.fn(
+        cfg.model_copy(update={"val_fraction": 0.3}), str(root), ingest_id, [32]
+    )
     assert other.dataset_version not in (full.dataset_version, capped.dataset_version)
 
     # A split that selects nothing writes no folder and records 0; its images all train.
@@ -437,8 +439,7 @@ def test_a_shard_write_logs_none_of_streamings_routine_notices(validated, caplog
 
     root, ingest_id, _ = validated
     with caplog.at_level(logging.WARNING):
-        res = write_shards.fn(ShardsConfig(size_limit=16384, workers=1), str(root), ingest_id,
-                              [32])  # fmt: skip
+        res = write_shards.fn(ShardsConfig(size_limit=16384, workers=1), str(root), ingest_id, [32])
     assert res.stages[32]["shards"] > 1
     out = capfd.readouterr()
     text = "\n".join(r.getMessage() for r in caplog.records) + out.out + out.err
@@ -460,16 +461,23 @@ def test_the_plans_split_holds_only_the_capped_candidates_and_matches_the_whole(
 
     rng = np.random.default_rng(3)
     n = 5000
-    rows = pd.DataFrame({
-        "source": rng.choice(["s3://a", "/b"], n),
-        "key": [f"{i % 3000:06d}.jpg" for i in range(n)],  # keys shared by the two sources
-        "sha256": [f"{i:064x}" for i in range(n)], "caption": "a photo",
-        "width": rng.integers(16, 128, n), "height": rng.integers(16, 128, n),
-    })  # fmt: skip
+    rows = pd.DataFrame(
+        {
+            "source": rng.choice(["s3://a", "/b"], n),
+            "key": [f"{i % 3000:06d}.jpg" for i in range(n)],  # keys shared by the two sources
+            "sha256": [f"{i:064x}" for i in range(n)],
+            "caption": "a photo",
+            "width": rng.integers(16, 128, n),
+            "height": rng.integers(16, 128, n),
+        }
+    )
     rows = rows.drop_duplicates(["source", "key"]).reset_index(drop=True)
     monkeypatch.setattr(write, "_plan_columns", lambda layout, ingest_id: list(rows.columns))
-    monkeypatch.setattr(write, "scan_clean", lambda root, ingest_id, columns: (
-        rows.iloc[i : i + 331] for i in range(0, len(rows), 331)))  # fmt: skip
+    monkeypatch.setattr(
+        write,
+        "scan_clean",
+        lambda root, ingest_id, columns: (rows.iloc[i : i + 331] for i in range(0, len(rows), 331)),
+    )
     for fraction, cap in ((0.3, 25), (0.3, 100_000), (0.002, 25)):
         cfg = ShardsConfig(val_fraction=fraction, val_max=cap)
         settings = {"resolutions": [32, 64]}
@@ -478,5 +486,7 @@ def test_the_plans_split_holds_only_the_capped_candidates_and_matches_the_whole(
         assert 0 < held.sum() <= cap
         for r in (32, 64):
             ok = np.minimum(rows["width"], rows["height"]).to_numpy() >= r
-            assert got.stages[r] == {"samples": int((ok & ~held).sum()),
-                                     "val_samples": int((ok & held).sum())}  # fmt: skip
+            assert got.stages[r] == {
+                "samples": int((ok & ~held).sum()),
+                "val_samples": int((ok & held).sum()),
+            }

@@ -40,8 +40,13 @@ def _stage_run(tiny_shards, out, nodes=1, steps=6, faults=None):
     train = train.model_copy(
         update={"stages": [stage], "checkpoint_every": 2, "log_every": 1, "log_sample_keys": True}
     )
-    return StageRun(train=train, stage_index=0, shards=str(root / "shards" / version / "32"),
-                    output_dir=str(out), faults=faults or {})  # fmt: skip
+    return StageRun(
+        train=train,
+        stage_index=0,
+        shards=str(root / "shards" / version / "32"),
+        output_dir=str(out),
+        faults=faults or {},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +68,12 @@ def _unet(stage_dir):
 def _slurm_launch(**slurm):
     from kiln_config import LaunchConfig, SlurmConfig
 
-    return LaunchConfig(accelerate_config=SINGLE, backend="slurm", gpu_limit=None,
-                        slurm=SlurmConfig(poll_s=0.5, **slurm))  # fmt: skip
+    return LaunchConfig(
+        accelerate_config=SINGLE,
+        backend="slurm",
+        gpu_limit=None,
+        slurm=SlurmConfig(poll_s=0.5, **slurm),
+    )
 
 
 def _per_step(path, field):
@@ -77,17 +86,25 @@ def _per_step(path, field):
 
 
 def test_each_node_of_a_slurm_step_gets_its_rank_and_the_first_nodes_address(on_cluster):
-    probe = ("import json, os; from models.node_launch import from_slurm; "
-             "r = from_slurm(dict(os.environ), 29500, 1); "
-             "print(json.dumps([r.num_machines, r.machine_rank, r.main_process_ip]))")  # fmt: skip
-    out = subprocess.run(["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-c", probe],
-                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    probe = (
+        "import json, os; from models.node_launch import from_slurm; "
+        "r = from_slurm(dict(os.environ), 29500, 1); "
+        "print(json.dumps([r.num_machines, r.machine_rank, r.main_process_ip]))"
+    )
+    out = subprocess.run(
+        ["srun", "-N2", "--ntasks-per-node=1", sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     roles = sorted(json.loads(line) for line in out.stdout.splitlines())
     assert roles == [[2, 0, "127.0.0.1"], [2, 1, "127.0.0.1"]], "NodeAddr, not the node name"
 
 
-def test_a_stage_on_two_nodes_trains_like_one_node_with_two_processes(tmp_path, tiny_shards,
-                                                                      two_node_stage):  # fmt: skip
+def test_a_stage_on_two_nodes_trains_like_one_node_with_two_processes(
+    tmp_path, tiny_shards, two_node_stage
+):
     """2 nodes x 1 process through SLURM and 1 node x 2 processes locally: the same samples on
     each rank, the same losses, the same weights; and the pre-flight all-reduce spans both
     nodes."""
@@ -104,8 +121,9 @@ def test_a_stage_on_two_nodes_trains_like_one_node_with_two_processes(tmp_path, 
     log = (two_nodes / "slurm-stage-32px.log").read_text()
     assert "node 0 of 2" in log and "node 1 of 2" in log, log[-2000:]
     assert (two_nodes / "final" / "unet" / "config.json").is_file(), "exported once, by rank 0"
-    launch_stage.fn(_stage_run(tiny_shards, one_node),
-                    LaunchConfig(accelerate_config=DDP, gpu_limit=None))  # fmt: skip
+    launch_stage.fn(
+        _stage_run(tiny_shards, one_node), LaunchConfig(accelerate_config=DDP, gpu_limit=None)
+    )
     assert _per_step(two_nodes / "metrics.jsonl", "loss") == _per_step(
         one_node / "metrics.jsonl", "loss"
     )
@@ -176,8 +194,9 @@ def test_sigterm_to_kiln_train_cancels_the_running_stage_job(tmp_path, tiny_shar
     data = yaml.safe_load(cfg_path.read_text())
     data["launch"] |= {"backend": "slurm", "slurm": {"poll_s": 0.5}, "health_check": False}
     data["storage"]["root"] = str(tmp_path / "root")
-    data["train"]["stages"] = [{**data["train"]["stages"][0], "max_steps": 100_000,
-                                "num_machines": 2}]  # fmt: skip
+    data["train"]["stages"] = [
+        {**data["train"]["stages"][0], "max_steps": 100_000, "num_machines": 2}
+    ]
     cfg = tmp_path / "slurm.yaml"
     cfg.write_text(yaml.safe_dump(data, sort_keys=False))
     # The shards where `kiln train` looks for them, and the session's Prefect server.
@@ -186,9 +205,22 @@ def test_sigterm_to_kiln_train_cancels_the_running_stage_job(tmp_path, tiny_shar
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_API_URL"] = PREFECT_API_URL.value()
     kiln = Path(sys.executable).parent / "kiln"
-    proc = subprocess.Popen([str(kiln), "train", "--config", str(cfg), "--dataset-version",
-                             version, "--run-id", "sigterm"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            str(kiln),
+            "train",
+            "--config",
+            str(cfg),
+            "--dataset-version",
+            version,
+            "--run-id",
+            "sigterm",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     stage = tmp_path / "root" / "runs" / "sigterm" / "stage-32"
     deadline = time.monotonic() + 300
     while not (stage / "heartbeat").exists() and time.monotonic() < deadline:
@@ -202,6 +234,7 @@ def test_sigterm_to_kiln_train_cancels_the_running_stage_job(tmp_path, tiny_shar
     assert proc.returncode != 0
     assert "cancelled SLURM job" in out, out[-3000:]
     assert on_cluster.jobs() == [], "no job left in the queue"
-    ranks = subprocess.run(["pgrep", "-f", str(stage / "stage.yaml")], capture_output=True,
-                           text=True).stdout.split()  # fmt: skip
+    ranks = subprocess.run(
+        ["pgrep", "-f", str(stage / "stage.yaml")], capture_output=True, text=True
+    ).stdout.split()
     assert ranks == [], "no rank left on any node"

@@ -52,10 +52,21 @@ def test_resolved_hits_are_apply_cross_rows(hostile_root, tmp_path, drop_near):
     rules = QualityConfig(drop_near_duplicates=drop_near)
     cross, rejected = _random_cross(n, seed=3)
     src, key = accepted["source"].to_numpy(object), accepted["key"].to_numpy(object)
-    local = pd.DataFrame({"source": src[rejected], "key": key[rejected], "reason": "too_small",
-                          "detail": "width=1", "pos": rejected})  # fmt: skip
-    want = apply_cross(RowCheck(rows=n, rejected=local, counts={}, sample=None), cross, rules,
-                       lambda at: (src[at], key[at]))  # fmt: skip
+    local = pd.DataFrame(
+        {
+            "source": src[rejected],
+            "key": key[rejected],
+            "reason": "too_small",
+            "detail": "width=1",
+            "pos": rejected,
+        }
+    )
+    want = apply_cross(
+        RowCheck(rows=n, rejected=local, counts={}, sample=None),
+        cross,
+        rules,
+        lambda at: (src[at], key[at]),
+    )
     hits = cross_hits(rejected, cross, rules)
     assert len(hits["dup"][0]) and len(hits["near"][0])
     got_rejects, got_flags = resolve_hits(parts, hits, drop_near, tmp_path)
@@ -63,25 +74,55 @@ def test_resolved_hits_are_apply_cross_rows(hostile_root, tmp_path, drop_near):
         pd.read_parquet(got_rejects).astype(object),
         want["rejected"].iloc[len(local) :].reset_index(drop=True).astype(object),
     )
-    pd.testing.assert_frame_equal(pd.read_parquet(got_flags).astype(object),
-                                  want["flags"].reset_index(drop=True).astype(object),
-                                  check_index_type=False)  # fmt: skip
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(got_flags).astype(object),
+        want["flags"].reset_index(drop=True).astype(object),
+        check_index_type=False,
+    )
 
 
 def test_rows_stream_with_terms_taking_their_place(tmp_path):
     base = tmp_path / "base.parquet"
-    write_rows(base, [pd.DataFrame({"source": ["s"] * 3, "key": ["a", "b", "c"],
-                                    "reason": ["too_small", "takedown", "caption_blank"],
-                                    "detail": ["w=1", "on the list", "''"]})],
-               REJECT_SCHEMA)  # fmt: skip
-    staged = pd.DataFrame({"source": ["s", "s"], "key": ["d", "e"], "reason": ["too_small"] * 2,
-                           "detail": ["w=2", "w=3"]})  # fmt: skip
-    terms = pd.DataFrame({"source": ["s", "s"], "key": ["c", "e"], "reason": ["takedown"] * 2,
-                          "detail": ["on the takedown list"] * 2})  # fmt: skip
+    write_rows(
+        base,
+        [
+            pd.DataFrame(
+                {
+                    "source": ["s"] * 3,
+                    "key": ["a", "b", "c"],
+                    "reason": ["too_small", "takedown", "caption_blank"],
+                    "detail": ["w=1", "on the list", "''"],
+                }
+            )
+        ],
+        REJECT_SCHEMA,
+    )
+    staged = pd.DataFrame(
+        {
+            "source": ["s", "s"],
+            "key": ["d", "e"],
+            "reason": ["too_small"] * 2,
+            "detail": ["w=2", "w=3"],
+        }
+    )
+    terms = pd.DataFrame(
+        {
+            "source": ["s", "s"],
+            "key": ["c", "e"],
+            "reason": ["takedown"] * 2,
+            "detail": ["on the takedown list"] * 2,
+        }
+    )
     gone = pa.array(["s\0c", "s\0e"], pa.string())
     out = tmp_path / "rejects.parquet"
-    n = write_rows(out, [base, staged], REJECT_SCHEMA, gone=gone,
-                   drop_reasons=["takedown", "license_expired"], then=[terms])  # fmt: skip
+    n = write_rows(
+        out,
+        [base, staged],
+        REJECT_SCHEMA,
+        gone=gone,
+        drop_reasons=["takedown", "license_expired"],
+        then=[terms],
+    )
     got = pd.read_parquet(out)
     assert n == len(got) == 4
     assert got["key"].tolist() == ["a", "d", "c", "e"]
@@ -92,38 +133,44 @@ def test_rows_stream_with_terms_taking_their_place(tmp_path):
     assert pd.read_parquet(empty).columns.tolist() == FLAG_SCHEMA.names
 
 
-def test_quarantine_sorted_on_disk_matches_a_pandas_sort(hostile_root, tmp_path,
-                                                             monkeypatch):  # fmt: skip
+def test_quarantine_sorted_on_disk_matches_a_pandas_sort(hostile_root, tmp_path, monkeypatch):
     layout, ingest_id = hostile_root
     monkeypatch.setattr(external_sort, "RUN_ROWS", 10_000)  # 13 runs, merged
     monkeypatch.setattr(external_sort, "MERGE_ROWS", 1_000)
     rng = np.random.default_rng(0)
     n = 120_000
-    rejects = pd.DataFrame({
-        "source": rng.choice(["s3://b/x", "s3://a/y", "/data/z"], n),
-        "key": [f"{i:07d}.jpg" for i in rng.integers(0, n // 2, n)],  # ties on (source, key)
-        "reason": rng.choice(["too_small", "caption_blank", "duplicate_sha256"], n),
-        "detail": [f"row {i}" for i in range(n)],
-    })  # fmt: skip
+    rejects = pd.DataFrame(
+        {
+            "source": rng.choice(["s3://b/x", "s3://a/y", "/data/z"], n),
+            "key": [f"{i:07d}.jpg" for i in rng.integers(0, n // 2, n)],  # ties on (source, key)
+            "reason": rng.choice(["too_small", "caption_blank", "duplicate_sha256"], n),
+            "detail": [f"row {i}" for i in range(n)],
+        }
+    )
     path = tmp_path / "rejects.parquet"
     write_rows(path, [rejects], REJECT_SCHEMA)
     qdir = layout.quality(ingest_id)
     qdir.mkdir(parents=True)
     counts = write_quarantine(layout, ingest_id, path, qdir)
 
-    ingest_q = pd.concat([read_part(p) for p in view_parts(layout, ingest_id, "quarantine")],
-                         ignore_index=True)  # fmt: skip
+    ingest_q = pd.concat(
+        [read_part(p) for p in view_parts(layout, ingest_id, "quarantine")], ignore_index=True
+    )
     assert len(ingest_q)
-    want = pd.concat([ingest_q, rejects.assign(step="validate", ingest_id=ingest_id)],
-                     ignore_index=True).sort_values(["source", "key"], kind="stable")  # fmt: skip
+    want = pd.concat(
+        [ingest_q, rejects.assign(step="validate", ingest_id=ingest_id)], ignore_index=True
+    ).sort_values(["source", "key"], kind="stable")
     got = pd.read_parquet(qdir / "quarantine.parquet")
     assert got.columns.tolist() == want.columns.tolist()
     cols = ["source", "key", "reason", "detail", "step"]
-    pd.testing.assert_frame_equal(got[cols].astype(object),
-                                  want[cols].reset_index(drop=True).astype(object))  # fmt: skip
+    pd.testing.assert_frame_equal(
+        got[cols].astype(object), want[cols].reset_index(drop=True).astype(object)
+    )
     sample = pd.read_parquet(qdir / "quarantine_sample.parquet")
-    pd.testing.assert_frame_equal(sample[cols].astype(object), want.groupby("reason").head(20)[
-        cols].reset_index(drop=True).astype(object))  # fmt: skip
+    pd.testing.assert_frame_equal(
+        sample[cols].astype(object),
+        want.groupby("reason").head(20)[cols].reset_index(drop=True).astype(object),
+    )
     by = counts.set_index(["step", "reason"])["n"].to_dict()
     assert by == want.groupby(["step", "reason"]).size().to_dict()
     assert not list(qdir.parent.glob(".*-sort")), "the sort's runs are removed"
