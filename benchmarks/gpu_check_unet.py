@@ -124,7 +124,7 @@ def unet_variant(res: int, wrapper: str, channels_last: bool, compiled: bool, to
     """One training-step measurement of the UNet at `res` px (see the module docstring)."""
     from diffusers import UNet2DConditionModel
 
-    from models.flops import train_flops_per_sample
+    from models.training.flops import train_flops_per_sample
 
     cfg = _unet_config(toy)
     batch, (warm, timed) = BATCH[toy][res], STEPS[toy]
@@ -211,8 +211,8 @@ def loader_rate(work: Path, toy: bool) -> dict:
     from loader import _time_loader  # benchmarks/loader.py: its steady-state timing
 
     from kiln_config import load_config
-    from models.factory import build_tokenizer
-    from models.loader import build_loader
+    from models.components.factory import build_tokenizer
+    from models.data.loader import build_loader
     from models.measure_throughput import write_synthetic_shards
 
     train = load_config(REPO / "configs" / "tiny.yaml").train

@@ -2,7 +2,7 @@
 ImageFolder-style baseline, and the precomputed-latents path; plus the shard step against a
 naive single-process conversion. All measured in one run on the same 256-px images.
 
-1. `loader`: MDS through `models.loader.build_loader` (read, JPEG decode into the batch, the
+1. `loader`: MDS through `models.data.loader.build_loader` (read, JPEG decode into the batch, the
    token ids the shard step stored, collate), `--workers` DataLoader workers, at the batch
    per process that `configs/sd2-base.yaml` trains the stage with; samples/s per worker
    ("per core"). Steady state over 3 epochs of `--passes` passes over the images (streaming's
@@ -136,7 +136,7 @@ def _shard_step(
         t = time.perf_counter()
         import streaming  # noqa: F401
 
-        import models.factory  # noqa: F401
+        import models.components.factory  # noqa: F401
 
         import_s = time.perf_counter() - t
         t = time.perf_counter()
@@ -162,7 +162,7 @@ def _decode_tv(data: bytes) -> tuple[int, ...]:
     """torchvision's JPEG decoder (libjpeg-turbo) into a fresh tensor, bytes in memory."""
     import torch
 
-    from models.decoding import _decode_jpeg
+    from models.data.images import _decode_jpeg
 
     return tuple(_decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8)).shape)
 
@@ -251,7 +251,7 @@ def _device_pixels_cost(loader, batches: int = 8) -> dict:
     own batches: the transpose to (B, 3, H, W), and with the batch's flips applied too."""
     import torch
 
-    from models.collation import device_pixels
+    from models.data.collation import device_pixels
 
     torch.set_num_threads(1)
     held = []
@@ -276,9 +276,9 @@ def _budget(mds: Path, tok, n: int = 1024, batch: int = 32) -> dict:
     batch, or instead tokenizing the captions."""
     import torch
 
-    from models.collation import KilnCollate, _ids_into
-    from models.decoding import decode_into
-    from models.loader import TRAINING_COLUMNS, ImageCaptionDataset
+    from models.data.collation import KilnCollate, _ids_into
+    from models.data.images import decode_into
+    from models.data.loader import TRAINING_COLUMNS, ImageCaptionDataset
 
     torch.set_num_threads(1)
     ds = ImageCaptionDataset(local=str(mds), batch_size=1, shuffle=False)
@@ -329,8 +329,8 @@ def main() -> None:
     from streaming import MDSWriter
 
     from kiln_config import PROJECT_DIR, load_config
-    from models.factory import build_tokenizer
-    from models.loader import build_loader
+    from models.components.factory import build_tokenizer
+    from models.data.loader import build_loader
 
     # The ingest benchmark's corpus generator, imported by name so that spawned workers can
     # import it too (they inherit sys.path).
@@ -452,7 +452,7 @@ def main() -> None:
     # Precomputed latents in the two layouts models/precompute.py writes: SD2-shaped latents
     # (4x32x32 mean and std, fp16) with token ids (`shards.precompute_text: false`), and with
     # the text encoder's states (77x1024 fp16, 158 KiB a sample).
-    from models.tokenization import CaptionTokenizer
+    from models.data.tokenization import CaptionTokenizer
 
     tokenize = CaptionTokenizer(tok)
     rng = np.random.default_rng(0)

@@ -268,7 +268,7 @@ def reference_run(stage: Path, out: Path, env: dict, log: Path) -> dict:
     run |= {"output_dir": str(out), "tracking_uri": None, "mlflow_run_id": None}
     out.mkdir(parents=True, exist_ok=True)
     (out / "stage.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
-    from models.cpu_threads import cpu_threads_per_process
+    from models.training.cpu_threads import cpu_threads_per_process
 
     # The thread count of the flow's launch (tasks/launch/accelerate.py): another count sums the
     # gradients' partial sums in another order, and the weights differ in the last bits.

@@ -1,4 +1,4 @@
-"""The cost of a training sample grid (models/callbacks/sample_grid.py) against the step time.
+"""The cost of a training sample grid (models/evaluation/sample_grid.py) against the step time.
 
     python benchmarks/sample_grids.py --config configs/tiny.yaml --out grids.json
 
@@ -23,10 +23,10 @@ import torch
 from accelerate import Accelerator
 
 from kiln_config import StageRun, load_config
-from models.callbacks.sample_grid import sample_grid
+from models.evaluation.sample_grid import sample_grid
 from models.measure_throughput import measure_stage
 from models.train import build_models
-from models.train_metrics import MetricsSink
+from models.training.metrics import MetricsSink
 
 
 def grid_seconds(train, stage_index: int, repeats: int) -> list[float]:
@@ -56,7 +56,7 @@ def main() -> None:
     for i, stage in enumerate(train.stages):
         times = grid_seconds(train, i, args.repeats)
         rate = measure_stage(train, i, steps=args.steps)["img_per_s"]
-        step_s = stage.batch_size * stage.gradient_accumulation_steps / rate
+        step_s = stage.global_batch(1) / rate
         grid_s = statistics.median(times)
         stages.append(
             {

@@ -42,7 +42,7 @@ def _register(root: Path) -> str:
     from mlflow.tracking import MlflowClient
 
     from kiln_config import load_config
-    from models.factory import build_components, sampling_scheduler
+    from models.components.factory import build_components, sampling_scheduler
     from tasks.registry.tracking import ensure_experiment, register_model
 
     cfg = load_config(REPO / "configs" / "tiny.yaml")

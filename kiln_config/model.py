@@ -34,7 +34,7 @@ class Component(Strict):
 class VaeFitConfig(Strict):
     """Train the VAE built from `config` once on the dataset's own images, before anything
     encodes with it (the `tiny` preset: a randomly initialised VAE gives noise-like latents,
-    and a diffusion model trained on them samples noise). See `models/vae_fit.py`."""
+    and a diffusion model trained on them samples noise). See `models/components/vae_fit.py`."""
 
     steps: int = Field(
         800, gt=0, description="Optimizer steps (AdamW); 400 lost colours (docs/architecture.md)."
@@ -72,7 +72,7 @@ class TokenizerConfig(Strict):
 
     `words` (builtin only): words that become single tokens on top of the bytes, as a real
     BPE vocabulary has its common words (the tiny preset lists the demo captions' words). The
-    merges are built from each word's end (`models.factory`), so a listed word is one token
+    merges are built from each word's end (`models.components.factory`), so a listed word is one token
     wherever it stands alone, and also where it ends a longer word ("bored" is "b", "o",
     "red"), as in any BPE vocabulary with only an end-of-word marker; elsewhere bytes stay
     bytes."""

@@ -42,6 +42,11 @@ class StageConfig(Strict):
         "num_processes or the topology's count.",
     )
 
+    def global_batch(self, processes: int) -> int:
+        """Samples per optimizer step over `processes` training processes: the micro-batch,
+        times the accumulated micro-batches, times the processes."""
+        return self.batch_size * self.gradient_accumulation_steps * processes
+
 
 class EMAConfig(Strict):
     enabled: bool = True
@@ -80,7 +85,7 @@ class TrainConfig(Strict):
         "float32",
         description="Dtype of the EMA's copy of the UNet. bfloat16 halves it (1.7 GB instead "
         "of 3.5 GB for SD2-base); each update is computed in float32 and rounded "
-        "stochastically (models/ema.py).",
+        "stochastically (models/components/ema.py).",
     )
     init_from: Literal["ema", "raw"] = "ema"
     init_from_model: str | None = Field(

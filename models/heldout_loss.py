@@ -1,6 +1,6 @@
 """The held-out loss of an exported stage: a bootstrap CI on its conditioning gap, and a command.
 
-The numbers are the training loop's own (`models.callbacks.heldout_loss`: fixed timesteps,
+The numbers are the training loop's own (`models.evaluation.heldout`: fixed timesteps,
 fixed noise, the stage's validation split), computed again for the UNet of an exported
 pipeline:
 
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kiln_config.errors import InputError
-from models.callbacks.heldout_loss import Validator, build_validator
+from models.evaluation.heldout import Validator, build_validator
 
 __all__ = ["bootstrap_cond_gap", "main"]
 
@@ -29,7 +29,7 @@ def _weights_validator(run, weights: str | None) -> Validator:
     folder; None: the config's seeded fresh UNet), in fp32, on this process's device."""
     from accelerate import Accelerator
 
-    from models.factory import build_components
+    from models.components.factory import build_components
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     comps = build_components(run.train.model, seed=run.train.seed, init_unet_from=weights)

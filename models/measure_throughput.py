@@ -22,7 +22,7 @@ from streaming import MDSWriter
 
 from kiln_config import StageRun, TrainConfig
 from kiln_config.errors import InputError
-from models.cpu_threads import cpu_threads_per_process
+from models.training.cpu_threads import cpu_threads_per_process
 
 __all__ = ["MAX_MEASURED_VAL", "measure_stage", "write_synthetic_shards"]
 
@@ -55,7 +55,7 @@ def measure_stage(
     """Train `steps` optimizer steps of stage `stage_index` on synthetic data; return rates.
 
     Without a GPU the steps run on the threads one of `local_processes` training processes
-    gets from `accelerate launch` (`models.cpu_threads`), so the rate is the one a launch sees.
+    gets from `accelerate launch` (`models.training.cpu_threads`), so the rate is the one a launch sees.
 
     `val_samples`: the validation images one process evaluates in the real run (its share of
     the split); the synthetic split has that many, up to `MAX_MEASURED_VAL`, because a pass
@@ -137,7 +137,7 @@ def _write_measured_data(
 ) -> int:
     """The synthetic training set (`tmp/shards`) and validation split (`tmp/val`); returns the
     validation split's size."""
-    per_step = stage.batch_size * stage.gradient_accumulation_steps
+    per_step = stage.global_batch(1)
     # Enough samples that the whole measurement is one epoch: an epoch boundary restarts
     # the streaming iterator, which on a 2-batch set cost more than the steps (4x too slow).
     write_synthetic_shards(tmp / "shards", stage.resolution, max(per_step * (steps + 2), 8))
@@ -156,9 +156,9 @@ def _train_steps(run: StageRun):
     Accelerator it ran under."""
     from accelerate import Accelerator
 
-    from models.state import TrainContext
     from models.train import build_dataloader, build_models, train_loop
-    from models.train_metrics import MetricsSink
+    from models.training.metrics import MetricsSink
+    from models.training.state import TrainContext
 
     accelerator = Accelerator(
         gradient_accumulation_steps=run.stage.gradient_accumulation_steps,

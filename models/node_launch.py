@@ -24,7 +24,7 @@ from pathlib import Path
 import yaml
 
 from kiln_config.errors import InputError
-from models.cpu_threads import cpu_threads_per_process
+from models.training.cpu_threads import cpu_threads_per_process
 
 __all__ = [
     "NodeLaunchError",

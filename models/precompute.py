@@ -31,10 +31,10 @@ from streaming import MDSWriter, StreamingDataset
 from streaming.base.util import merge_index
 
 from kiln_config import PrecomputeRun, load_yaml_model
-from models.decoding import decode_pixels
-from models.factory import build_components
-from models.loader import dataset_buckets
-from models.stale_streaming_files import clean_stale_streaming
+from models.components.factory import build_components
+from models.data.images import decode_pixels
+from models.data.loader import dataset_buckets
+from models.data.stale_streaming_files import clean_stale_streaming
 
 __all__ = ["LATENT_COLUMNS", "encode_batch", "main"]
 

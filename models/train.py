@@ -22,11 +22,9 @@ with the same message, before it resumes anything. To train the stage again, fix
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,28 +38,30 @@ from diffusers.optimization import get_scheduler
 from kiln_config import StageRun, load_yaml_model
 from kiln_config.errors import InputError
 from models.callbacks import Callbacks, StepEnd
-from models.callbacks.checkpoint import DueCheckpoint
-from models.callbacks.divergence import DivergenceCheck, raise_if_diverged
-from models.callbacks.faults import StepFaults
-from models.callbacks.heldout_loss import HeldOutLoss, build_validator
-from models.callbacks.sample_grid import SampleGrids, sample_grid, sample_grids
-from models.checkpoint import resume
-from models.ema import EMA_DTYPES, KilnEMA
-from models.export import export_unet, write_pipeline
-from models.factory import Components, build_components, vae_scale_factor
-from models.faults import Faults
-from models.flops import device_peak_flops, train_flops_per_sample
-from models.loader import build_loader, precomputed_columns
-from models.loss import denoising_loss
-from models.stale_streaming_files import clean_stale_streaming
-from models.state import TrainContext, TrainState
-from models.train_metrics import MetricsSink, MetricsWindow, system_metrics
+from models.callbacks.divergence_check import DivergenceCheck
+from models.callbacks.due_checkpoint import DueCheckpoint
+from models.callbacks.log_heldout_loss import HeldOutLoss
+from models.callbacks.log_sample_grids import SampleGrids
+from models.callbacks.step_faults import StepFaults
+from models.components.ema import EMA_DTYPES, KilnEMA
+from models.components.export import export_stage, state_dict_sha256
+from models.components.factory import Components, build_components, vae_scale_factor
+from models.data.loader import build_loader, precomputed_columns
+from models.data.stale_streaming_files import clean_stale_streaming
+from models.evaluation.heldout import build_validator
+from models.evaluation.sample_grid import sample_grid, sample_grids
+from models.training.checkpoint import resume
+from models.training.divergence import raise_if_diverged
+from models.training.faults import Faults
+from models.training.flops import device_peak_flops, train_flops_per_sample
+from models.training.loss import denoising_loss
+from models.training.metrics import MetricsSink, MetricsWindow, system_metrics
+from models.training.state import TrainContext, TrainState
 
 __all__ = [
     "build_callbacks",
     "build_dataloader",
     "build_models",
-    "check_identical_weights",
     "log_window",
     "main",
     "release_optimizer_state",
@@ -135,21 +135,10 @@ def build_models(run: StageRun, accelerator: Accelerator):
         ema.to(accelerator.device)
         accelerator.register_for_checkpointing(ema)
     if accelerator.is_main_process:  # lineage: the weights this stage starts from, exactly
-        init = {"init_from": run.init_from_dir, "unet_sha256": weights_sha256(comps.unet)}
+        init = {"init_from": run.init_from_dir, "unet_sha256": state_dict_sha256(comps.unet)}
         Path(run.output_dir, "init.json").write_text(json.dumps(init, indent=2))
     comps.unet, optimizer, lr_scheduler = accelerator.prepare(comps.unet, optimizer, lr_scheduler)
     return comps, optimizer, lr_scheduler, ema, weight_dtype
-
-
-def weights_sha256(module: torch.nn.Module) -> str:
-    """sha256 over a module's state dict (names, dtypes, shapes and bytes, in order): equal
-    digests mean bit-identical tensors."""
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def build_dataloader(run: StageRun, comps: Components):
@@ -348,7 +337,7 @@ def _metrics_window(ctx: TrainContext, perf: dict) -> MetricsWindow:
         ctx.sink,
         flops_per_sample=perf["flops_per_sample"],
         peak_flops_total=perf["peak_flops_total"],
-        samples_per_step=stage.batch_size * stage.gradient_accumulation_steps * num_processes,
+        samples_per_step=stage.global_batch(num_processes),
         gpu_hour_usd=ctx.run.gpu_hour_usd,
     )
 
@@ -382,105 +371,26 @@ def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, si
     return perf
 
 
-def _param_checksum(module: torch.nn.Module) -> float:
-    return float(sum(p.detach().double().sum().item() for p in module.parameters()))
-
-
-def check_identical_weights(checksums: list[float]) -> None:
-    """Raise unless every DDP rank's weight checksum is the same, bit for bit.
-
-    Exact, not within a tolerance: DDP starts every rank from rank 0's weights and all-reduces
-    the gradients, so each rank applies the same update to the same values and the same
-    float64 sum over them gives the same bits. Any difference means a rank trained apart.
-
-    Raises:
-        RuntimeError: naming each rank's checksum.
-    """
-    if any(c != checksums[0] for c in checksums):  # NaN != NaN: NaN weights fail too
-        ranks = ", ".join(f"rank {i}: {c!r}" for i, c in enumerate(checksums))
-        raise RuntimeError(
-            f"the {len(checksums)} ranks hold different UNet weights at export ({ranks}); "
-            "DDP keeps them identical, so a rank trained apart from the others. Nothing was "
-            "exported."
-        )
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    # A kill between the two leaves `src` only; the relaunch rewrites it and comes back here.
-    shutil.rmtree(dst, ignore_errors=True)
-    src.rename(dst)
-
-
 def save_and_export(run, accelerator, comps, ema, state, sink) -> None:
-    """Export the pipeline (EMA weights when enabled) to final/, the raw UNet beside it, and
-    manifest.json last. Crash-safe at every point: folders are written under a temporary name
-    and replace any stale copy; the manifest is renamed into place, and is the only marker of
-    a complete stage, so a launch killed mid-export just exports again.
-
-    Raises:
-        RuntimeError: when DDP ranks hold different weights (nothing is exported).
-    """
-    out, faults = Path(run.output_dir), Faults.of(run)
-    accelerator.wait_for_everyone()
-    unet, checksums = _agreed_unet(run, accelerator, comps)
-    if not accelerator.is_main_process:
-        return
-    export = export_unet(unet, ema)
-    if ema is not None:
-        raw_tmp = out / ".final-raw.tmp"
-        shutil.rmtree(raw_tmp, ignore_errors=True)
-        unet.save_pretrained(raw_tmp / "unet")
-        _replace_dir(raw_tmp, out / "final-raw")
-        faults.at("export:after_raw")
-    tmp = out / ".final.tmp"
-    write_pipeline(comps, export, tmp)
-    faults.at("export:after_final_tmp")
-    _replace_dir(tmp, out / "final")
-    faults.at("export:after_final")
-    manifest = _manifest(run, accelerator, ema, state, sink, checksums)
-    manifest_tmp = out / ".manifest.json.tmp"
-    manifest_tmp.write_text(json.dumps(manifest, indent=2))
-    faults.at("export:after_manifest_tmp")
-    manifest_tmp.replace(out / "manifest.json")
-    log.info("exported %s", out / "final")
-
-
-def _agreed_unet(run, accelerator, comps) -> tuple[torch.nn.Module | None, list[float]]:
-    """The full trained UNet (on the main process; None under FSDP elsewhere) and every rank's
-    weight checksum, once the ranks are shown to agree. A collective: every rank calls it.
-
-    Raises:
-        RuntimeError: when DDP ranks hold different weights.
-    """
-    unet = accelerator.unwrap_model(comps.unet)
-    Faults.of(run).at("weights", unet, rank=accelerator.process_index)
-    # Every rank reports a checksum of its weights: DDP must have kept them identical.
-    sums = accelerator.gather(
-        torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64)
+    """Export the finished stage (`models.components.export.export_stage`) with its manifest:
+    what was trained, where the export is, and its metrics. Every rank calls it."""
+    export_stage(
+        Path(run.output_dir),
+        accelerator,
+        comps,
+        ema,
+        manifest=lambda checksums: _manifest(run, accelerator, ema, state, sink, checksums),
+        faults=Faults.of(run),
     )
-    checksums = [float(x) for x in sums.cpu().tolist()]
-    if accelerator.distributed_type != DistributedType.FSDP:
-        # FSDP ranks hold different shards; every rank checks, so all raise together.
-        check_identical_weights(checksums)
-        return unet, checksums
-    # Under FSDP each rank holds shards: gather the full state dict (a collective, so every
-    # rank calls it) and rebuild a plain UNet from it on the main process.
-    full_state = accelerator.get_state_dict(comps.unet)
-    if not accelerator.is_main_process:
-        return None, checksums
-    plain = type(unet).from_config(unet.config)
-    plain.load_state_dict(full_state)
-    return plain, checksums
 
 
 def _manifest(run, accelerator, ema, state, sink, checksums: list[float]) -> dict:
     """The stage's manifest: what was trained, where the export is, and its metrics."""
     out, stage = Path(run.output_dir), run.stage
-    per_step = stage.batch_size * stage.gradient_accumulation_steps * accelerator.num_processes
     return {
         "resolution": stage.resolution,
         "final_step": state.step,
-        "samples_seen": state.step * per_step,
+        "samples_seen": state.step * stage.global_batch(accelerator.num_processes),
         "export": str(out / "final"),
         "raw_unet": str(out / "final-raw" / "unet" if ema is not None else out / "final" / "unet"),
         "ema": ema is not None,
@@ -547,7 +457,7 @@ def _accelerator(run: StageRun) -> Accelerator:
     if accelerator.is_main_process:
         Path(run.output_dir).mkdir(parents=True, exist_ok=True)
     # A killed earlier launch may have left streaming's shared memory and lock files behind
-    # (models/stale_streaming_files.py). One process per machine removes those no live
+    # (models/data/stale_streaming_files.py). One process per machine removes those no live
     # process holds.
     if accelerator.is_local_main_process:
         clean_stale_streaming()

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from models.state import TrainContext, TrainState
-    from models.train_metrics import MetricsWindow
+    from models.training.metrics import MetricsWindow
+    from models.training.state import TrainContext, TrainState
 
 __all__ = ["Callback", "Callbacks", "StepEnd"]
 

@@ -56,7 +56,7 @@ def generate_images(
         `<out>/generate.json`.
     """
     from kiln_pyfunc import load_pipeline
-    from models.study_images import generate_images as generate
+    from models.evaluation.generate import generate_images as generate
 
     if n < 1 or steps < 1 or batch_size < 1:
         raise InputError(

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["compute_study_metrics", "log_study_metrics", "metrics_lineage", "metrics_report"]
 
 
-# torch and models.image_metrics are imported where the metrics are computed: every flow-run
+# torch and models.evaluation.image_metrics are imported where the metrics are computed: every flow-run
 # process that imports flows.evaluate (a deployment's pipeline or retrain) would otherwise pay
 # about 2 s of torch's import before its first step.
 
@@ -50,7 +50,7 @@ def _device() -> torch.device:
 def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
     if not name:
         return {"skipped": "evaluate.metrics.clip_model is not set (a local CLIP folder or hub id)"}
-    from models.image_metrics import (
+    from models.evaluation.image_metrics import (
         clip_resize,
         clip_score,
         hub_snapshot,
@@ -91,7 +91,7 @@ def _fid(
     generate: dict,
     feature: torch.nn.Module | None,
 ) -> dict:
-    from models.image_metrics import (
+    from models.evaluation.image_metrics import (
         FID_RESIZE,
         MetricUnavailable,
         decode_images,
@@ -161,7 +161,7 @@ def compute_study_metrics(
     """
     import torch
 
-    from models.image_metrics import MetricUnavailable
+    from models.evaluation.image_metrics import MetricUnavailable
 
     log = task_logger(__name__)
     study = Path(study_dir)

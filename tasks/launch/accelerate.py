@@ -37,8 +37,8 @@ from kiln_config import (
     write_run_file,
 )
 from kiln_config.errors import MissingInput
-from models.callbacks.divergence import DIVERGED
-from models.cpu_threads import cpu_threads_per_process
+from models.training.cpu_threads import cpu_threads_per_process
+from models.training.divergence import DIVERGED
 from tasks.launch.common import (
     ClusterJob,
     HeartbeatWatch,
@@ -89,7 +89,7 @@ def accelerate_command(
     """The argv of `accelerate launch --config_file CFG [--num_processes N] -m MODULE ARGS`.
 
     Without a GPU it also passes `--num_cpu_threads_per_process`
-    (`models.cpu_threads.cpu_threads_per_process`): accelerate's own default is one thread
+    (`models.training.cpu_threads.cpu_threads_per_process`): accelerate's own default is one thread
     per process unless the config says `use_cpu`, which left a one-process CPU launch on one
     core and `kiln plan`'s measurement (all cores) 30% optimistic.
     """

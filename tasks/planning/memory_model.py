@@ -86,7 +86,7 @@ class StageMemory:
 
 def ema_bytes_per_param(train: TrainConfig) -> int:
     """Bytes per UNet parameter of the EMA copy: 0 with EMA off, else the size of
-    `train.ema_dtype` ('float32' or 'bfloat16', models/ema.py)."""
+    `train.ema_dtype` ('float32' or 'bfloat16', models/components/ema.py)."""
     if not train.ema.enabled:
         return 0
     return _DTYPE_BYTES[train.ema_dtype]

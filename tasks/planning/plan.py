@@ -66,7 +66,7 @@ def make_plan(
     Without a GPU, a measurement uses the CPU threads each training process of the launch
     will get: `processes_per_machine` of them share the cores (default `num_processes`).
     """
-    from models.flops import train_flops_per_sample
+    from models.training.flops import train_flops_per_sample
 
     if (img_per_s is None) == (measure_steps is None):
         raise InputError("give exactly one of --img-per-s and --measure-steps")
@@ -115,7 +115,7 @@ def make_plan(
     stages = []
     for i, (s, (rate, source)) in enumerate(zip(train.stages, rates, strict=True)):
         procs = num_processes[i]
-        samples = s.max_steps * s.batch_size * s.gradient_accumulation_steps * procs
+        samples = s.max_steps * s.global_batch(procs)
         global_rate = rate * procs
         n_val = min(val_samples[i], train.val_max_samples) if val_samples else 0
         evals = 2 + (s.max_steps - 1) // train.eval_every if train.eval_every else 2

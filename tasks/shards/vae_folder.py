@@ -5,7 +5,7 @@ train config with `vae: {pretrained: <root>/vae/<key>}` (weights in its `vae/`),
 config snapshot, every `stage.yaml` and the precompute launches name the same fitted weights,
 and the encoder key of precomputed latents changes with them. The images are the dataset
 version's stage shards; the key hashes the VAE dict, the fit settings and the dataset version
-(models/vae_fit.py).
+(models/components/vae_fit.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def fit_vae(vae: VaeComponent, root: str, version: str, resolutions: list[int]) 
     """The folder of the VAE fitted on dataset `version` (trained now unless cached)."""
     # torch and diffusers load here, not when the flows import this module: a flow run that
     # never fits (a retrain with nothing new) starts seconds sooner.
-    from models.vae_fit import ensure_fitted_vae, read_images
+    from models.components.vae_fit import ensure_fitted_vae, read_images
 
     layout = Layout(Path(root))
     folders = stage_image_folders(layout, version, resolutions)

@@ -103,7 +103,7 @@ _TOKENIZER_LOCK = threading.Lock()
 
 
 def _caption_tokenizer(spec: str):
-    """The loader's tokenizer (`models.tokenization.CaptionTokenizer`) for a TokenizerConfig
+    """The loader's tokenizer (`models.data.tokenization.CaptionTokenizer`) for a TokenizerConfig
     as JSON; built once per process, whichever partition thread asks first."""
     with _TOKENIZER_LOCK:
         return _build_caption_tokenizer(spec)
@@ -112,8 +112,8 @@ def _caption_tokenizer(spec: str):
 @functools.lru_cache(maxsize=2)
 def _build_caption_tokenizer(spec: str):
     from kiln_config import TokenizerConfig
-    from models.factory import build_tokenizer
-    from models.tokenization import CaptionTokenizer
+    from models.components.factory import build_tokenizer
+    from models.data.tokenization import CaptionTokenizer
 
     return CaptionTokenizer(build_tokenizer(TokenizerConfig.model_validate_json(spec)))
 

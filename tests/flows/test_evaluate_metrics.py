@@ -21,7 +21,13 @@ from kiln_config import (
     TokenizerConfig,
     load_config,
 )
-from models.image_metrics import clip_score, fid, load_clip, load_inception, weights_sha256
+from models.evaluation.image_metrics import (
+    clip_score,
+    fid,
+    load_clip,
+    load_inception,
+    weights_sha256,
+)
 from tasks.evaluation.contact_sheet import THUMB, write_contact_sheets
 from tasks.evaluation.study_metrics import compute_study_metrics, metrics_report
 
@@ -35,7 +41,7 @@ def _tiny_clip(folder: Path) -> Path:
     project's byte-level tokenizer and a CLIP image processor, saved like a hub folder."""
     from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
 
-    from models.factory import build_tokenizer
+    from models.components.factory import build_tokenizer
 
     text = dict(
         vocab_size=514,
@@ -148,7 +154,7 @@ def test_fid_matches_scipy_sqrtm(tmp_path):
 
 
 def test_missing_weights_skip_each_metric_with_the_fix_named(tmp_path):
-    from models.image_metrics import MetricUnavailable
+    from models.evaluation.image_metrics import MetricUnavailable
 
     with pytest.raises(MetricUnavailable, match="evaluate.metrics.clip_model: no folder"):
         load_clip(str(tmp_path / "no-clip"))

@@ -13,7 +13,7 @@ from flows.promote import promote_flow
 from flows.register import register_flow
 from flows.train import train_flow
 from kiln_config import load_config
-from models.train import weights_sha256
+from models.components.export import state_dict_sha256
 
 from .test_run_config import ONE_STAGE, _root_with_shards
 
@@ -42,7 +42,7 @@ def test_a_retrain_starts_from_the_champions_weights_and_names_its_parent(
     def init(run: dict) -> dict:
         return json.loads((root / "runs" / run["run_id"] / "stage-32" / "init.json").read_text())
 
-    assert init(second)["unet_sha256"] == weights_sha256(champion)
+    assert init(second)["unet_sha256"] == state_dict_sha256(champion)
     assert init(first)["unet_sha256"] != init(second)["unet_sha256"], "scratch starts elsewhere"
     # The tiny preset fits its VAE on the data; a warm start keeps the champion's instead.
     vae = [

@@ -1,4 +1,4 @@
-"""The training loop's callbacks and fault points (models/callbacks/, models/faults.py), and
+"""The training loop's callbacks and fault points (models/callbacks/, models/training/faults.py), and
 the import graph of models/ without circles. The callbacks' effects on a real stage (held-out
 loss, grids, divergence, checkpoints, kills) are tested through `accelerate launch` in
 test_train.py, test_heldout_loss.py and test_sample_grid.py."""
@@ -12,13 +12,13 @@ import yaml
 
 from kiln_config import FaultInjection, StageRun, TrainConfig
 from models.callbacks import Callback, Callbacks, StepEnd
-from models.callbacks.checkpoint import DueCheckpoint
-from models.callbacks.divergence import DivergenceCheck
-from models.callbacks.faults import StepFaults
-from models.callbacks.sample_grid import SampleGrids
-from models.faults import POINTS, Faults
-from models.state import TrainContext
+from models.callbacks.divergence_check import DivergenceCheck
+from models.callbacks.due_checkpoint import DueCheckpoint
+from models.callbacks.log_sample_grids import SampleGrids
+from models.callbacks.step_faults import StepFaults
 from models.train import build_callbacks
+from models.training.faults import POINTS, Faults
+from models.training.state import TrainContext
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -128,4 +128,6 @@ def test_models_import_each_other_without_a_circle():
 
     for node in sorted(graph):
         visit(node)
-    assert "models.train" not in graph["models.checkpoint"]  # the state lives in models.state
+    assert (
+        "models.train" not in graph["models.training.checkpoint"]
+    )  # the state lives in models.training.state

@@ -1,4 +1,4 @@
-"""Collation (`models.collation`) and pixel decoding (`models.decoding`), in-process on tiny
+"""Collation (`models.data.collation`) and pixel decoding (`models.data.images`), in-process on tiny
 images and arrays: the batch layout the trainer relies on, and the clear wrong-size error."""
 
 import io
@@ -9,10 +9,10 @@ import torch
 from PIL import Image
 
 from kiln_config import TokenizerConfig
-from models.collation import KilnCollate, device_pixels
-from models.decoding import decode_pixels, decode_uint8, normalize_pixels
-from models.factory import build_tokenizer
-from models.tokenization import CaptionTokenizer
+from models.components.factory import build_tokenizer
+from models.data.collation import KilnCollate, device_pixels
+from models.data.images import decode_pixels, decode_uint8, normalize_pixels
+from models.data.tokenization import CaptionTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-from models.cpu_threads import _cores, cpu_threads_per_process
+from models.training.cpu_threads import _cores, cpu_threads_per_process
 
 
 def test_threads_divide_the_cores_unless_omp_num_threads_says(monkeypatch):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kiln_config import TrainConfig
-from models.ema import EMA_DTYPES, KilnEMA, stochastic_round_bf16
+from models.components.ema import EMA_DTYPES, KilnEMA, stochastic_round_bf16
 
 
 def _ema(dtype, seed=0, start=1.0):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kiln_config import TokenizerConfig, load_config
-from models.factory import (
+from models.components.factory import (
     build_components,
     build_tokenizer,
     build_unet,
@@ -109,7 +109,7 @@ def test_a_unet_trained_with_another_objective_loads_with_a_warning(tmp_path, ca
     """A warm start from a model of the older tiny preset (epsilon, SD2's schedule)."""
     import json
 
-    from models.export import write_pipeline
+    from models.components.export import write_pipeline
 
     cfg = load_config(REPO / "configs" / "tiny.yaml").train.model
     old = cfg.model_copy(
@@ -138,7 +138,7 @@ def test_a_unet_trained_with_another_objective_loads_with_a_warning(tmp_path, ca
 
 def test_a_unet_trained_on_another_text_encoder_loads_with_a_warning(tmp_path, caplog):
     """A warm start from a model of the previous tiny preset (byte tokens, 2 random layers)."""
-    from models.export import write_pipeline
+    from models.components.export import write_pipeline
 
     cfg = load_config(REPO / "configs" / "tiny.yaml").train.model
     te = {**cfg.text_encoder.config, "num_hidden_layers": 2, "vocab_size": 514}

@@ -1,5 +1,5 @@
 """The held-out validation loss and conditioning gap: during training
-(models/callbacks/heldout_loss.py) and of an export (models/heldout_loss.py)."""
+(models/evaluation/heldout.py) and of an export (models/heldout_loss.py)."""
 
 import io
 import json
@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from streaming import MDSWriter
 
 from kiln_config import StageRun, load_config
-from models.callbacks.heldout_loss import _noise, build_validator, eval_timesteps, noise_seed
+from models.evaluation.heldout import _noise, build_validator, eval_timesteps, noise_seed
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = load_config(REPO / "configs" / "tiny.yaml").train
@@ -38,7 +38,7 @@ def _write_split(out: Path, captions: list[str], size_limit: int = 6000, seed: i
 def _validator(tmp_path, split: str, ema=None, **train):
     from accelerate import Accelerator
 
-    from models.factory import build_components
+    from models.components.factory import build_components
 
     cfg = TINY.model_copy(update={"val_timesteps": 3, **train})
     run = StageRun(

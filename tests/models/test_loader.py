@@ -1,4 +1,4 @@
-"""The training loader (`models.loader`): streams mixed by proportion, stored token ids,
+"""The training loader (`models.data.loader`): streams mixed by proportion, stored token ids,
 hflip, S3 remotes, and batches through shared buffers in worker processes."""
 
 import json
@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from kiln_config import load_config
-from models.factory import build_tokenizer
-from models.loader import build_loader
+from models.components.factory import build_tokenizer
+from models.data.loader import build_loader
 from models.measure_throughput import write_synthetic_shards
 
 
@@ -37,9 +37,9 @@ def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog)
     the batch are torchvision's decode; ids made by another tokenizer are not used."""
     import torch
 
-    from models.collation import KilnCollate
-    from models.decoding import decode_uint8
-    from models.loader import ImageCaptionDataset
+    from models.data.collation import KilnCollate
+    from models.data.images import decode_uint8
+    from models.data.loader import ImageCaptionDataset
 
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path).train
@@ -79,9 +79,9 @@ def test_stored_token_ids_give_the_batches_tokenizing_gives(tiny_shards, caplog)
 def test_hflip_mirrors_the_images_its_seed_picks_every_run(tiny_shards):
     import torch
 
-    from models.collation import device_pixels
-    from models.decoding import decode_uint8
-    from models.loader import ImageCaptionDataset, _uniform
+    from models.data.collation import device_pixels
+    from models.data.images import decode_uint8
+    from models.data.loader import ImageCaptionDataset, _uniform
 
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path).train.model_copy(update={"shuffle_seed": 1, "seed": 2})
@@ -156,8 +156,8 @@ def test_loader_streams_from_s3_like_local(
 _RING_CHECK = """
 import json, sys, torch
 from kiln_config import load_config
-from models.factory import build_tokenizer
-from models.loader import build_loader
+from models.components.factory import build_tokenizer
+from models.data.loader import build_loader
 
 cfg_path, path = sys.argv[1:3]
 one = load_config(cfg_path).train.model_copy(update={"shuffle_seed": 5, "num_workers": 0})
@@ -213,7 +213,7 @@ print(json.dumps(out))
 @pytest.mark.integration
 def test_worker_batches_reuse_buffers_and_held_ones_stay_intact(tiny_shards):
     """Two loader workers stack image batches into reused shared buffers
-    (models/shared_batch_buffers.py).
+    (models/data/shared_batch_buffers.py).
     Run in a child process: this one runs Prefect's threads, which forked workers must not
     inherit."""
     import subprocess

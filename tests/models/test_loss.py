@@ -7,8 +7,8 @@ import torch
 from diffusers import DDPMScheduler
 
 from kiln_config import load_config
-from models.factory import build_components
-from models.loss import denoising_loss, diffusion_target, encode_batch, min_snr_weight
+from models.components.factory import build_components
+from models.training.loss import denoising_loss, diffusion_target, encode_batch, min_snr_weight
 
 REPO = Path(__file__).resolve().parents[2]
 B = 8

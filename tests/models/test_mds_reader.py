@@ -1,10 +1,10 @@
-"""The MDS reader (`models.mds_reader`): samples read as views of the mapped shard file."""
+"""The MDS reader (`models.data.mds_reader`): samples read as views of the mapped shard file."""
 
 import numpy as np
 import pytest
 from streaming import MDSWriter, StreamingDataset
 
-from models.mds_reader import MDSReader
+from models.data.mds_reader import MDSReader
 
 
 def test_mapped_reads_match_streamings_reader(tmp_path, tiny_shards):
@@ -64,7 +64,7 @@ from streaming.base.constant import LOCALS, SHM_TO_CLEAN
 from streaming.base.shared import SharedMemory
 from streaming.base.shared import prefix as P
 from streaming.base.world import World
-import models.mds_reader as reader
+import models.data.mds_reader as reader
 
 rank, look, calls = dist.get_rank(), P._check_and_find_retrying, []
 if rank == 0:  # the other job holds the first free prefix while rank 0 looks
@@ -165,7 +165,7 @@ from streaming.base.constant import LOCALS, SHM_TO_CLEAN
 from streaming.base.shared import SharedMemory
 from streaming.base.shared import prefix as P
 from streaming.base.world import World
-import models.mds_reader as reader
+import models.data.mds_reader as reader
 
 look, calls, jobs = P._check_and_find_retrying, [], []
 

@@ -12,8 +12,8 @@ import yaml
 from streaming import StreamingDataset
 
 from kiln_config import ConfigError, PrecomputeRun, StageRun, load_config, write_run_file
-from models.decoding import decode_pixels
-from models.factory import build_components
+from models.components.factory import build_components
+from models.data.images import decode_pixels
 
 pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs
 
@@ -132,7 +132,7 @@ def test_precomputed_latents_match_the_training_path_and_train(tmp_path, tiny_sh
     )
     lines = [json.loads(x) for x in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
     perf = next(x for x in lines if x.get("event") == "perf")
-    from models.flops import train_flops_per_sample
+    from models.training.flops import train_flops_per_sample
 
     unet_only = train_flops_per_sample(cfg.model.unet, resolution=32, vae_scale=4, seq_len=77)
     assert perf["flops_per_sample"] == unet_only

@@ -1,4 +1,4 @@
-"""Sample grids during training (models/callbacks/sample_grid.py): tiling, determinism, the
+"""Sample grids during training (models/evaluation/sample_grid.py): tiling, determinism, the
 EMA weights through the export path, a real `accelerate launch` stage, and the stepped MLflow
 image."""
 
@@ -25,7 +25,7 @@ def _pixels(image: Image.Image) -> np.ndarray:
 
 
 def _tile(grid: Image.Image, row: int, col: int, tile) -> np.ndarray:
-    from models.callbacks.sample_grid import tile_box
+    from models.evaluation.sample_grid import tile_box
 
     return _pixels(grid.crop(tile_box(row, col, tile)))
 
@@ -38,7 +38,7 @@ def _enlarged(image: Image.Image, tile) -> np.ndarray:
 
 
 def test_grid_has_rows_by_columns_tiles_of_the_enlarged_images():
-    from models.callbacks.sample_grid import HEADER_HEIGHT, LABEL_WIDTH, grid_image, tile_size
+    from models.evaluation.sample_grid import HEADER_HEIGHT, LABEL_WIDTH, grid_image, tile_size
 
     rng = np.random.default_rng(0)
     rows = [
@@ -77,7 +77,7 @@ def _build(run: StageRun):
     from accelerate import Accelerator
 
     from models.train import build_models
-    from models.train_metrics import MetricsSink
+    from models.training.metrics import MetricsSink
 
     accelerator = Accelerator(cpu=True)
     comps, _, _, ema, _ = build_models(run, accelerator)
@@ -96,7 +96,7 @@ def _perturb(module: torch.nn.Module, seed: int = 1) -> None:
 def test_grid_is_deterministic_and_leaves_training_state_alone(tmp_path):
     """Same weights, same PNG bytes; the global RNG, the UNet's train mode and its raw weights
     are exactly as before, and no temporary export is left behind."""
-    from models.callbacks.sample_grid import sample_grid, tile_size
+    from models.evaluation.sample_grid import sample_grid, tile_size
 
     run = _run(tmp_path)
     accelerator, comps, ema, sink = _build(run)
@@ -129,9 +129,9 @@ def test_grid_shows_the_ema_weights_as_the_final_export_does(tmp_path):
     generate: the grid goes through the export path with the EMA weights."""
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
-    from models.callbacks.sample_grid import sample_grid, tile_size
-    from models.state import TrainState
+    from models.evaluation.sample_grid import sample_grid, tile_size
     from models.train import save_and_export
+    from models.training.state import TrainState
 
     run = _run(tmp_path, sample_seeds=[0, 7])
     accelerator, comps, ema, sink = _build(run)
@@ -163,7 +163,7 @@ def test_grid_shows_the_ema_weights_as_the_final_export_does(tmp_path):
 
 
 def test_a_tracking_store_that_fails_is_a_warning(tmp_path, caplog):
-    from models.callbacks.sample_grid import sample_grid
+    from models.evaluation.sample_grid import sample_grid
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run = _run(tmp_path).model_copy(update={"tracking_uri": store, "mlflow_run_id": "nope"})
@@ -214,7 +214,7 @@ def test_training_writes_grids_lists_them_and_logs_them_to_mlflow(tmp_path, tiny
     from mlflow.tracking import MlflowClient
 
     from kiln_config import load_config
-    from models.callbacks.sample_grid import tile_size
+    from models.evaluation.sample_grid import tile_size
 
     cfg_path, root, version = tiny_shards
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -254,7 +254,7 @@ def test_training_writes_grids_lists_them_and_logs_them_to_mlflow(tmp_path, tiny
 
 
 def tile_box_extent(rows: int, cols: int, tile) -> tuple[int, int]:
-    from models.callbacks.sample_grid import PAD, tile_box
+    from models.evaluation.sample_grid import PAD, tile_box
 
     right, bottom = tile_box(rows - 1, cols - 1, tile)[2:]
     return right + PAD, bottom + PAD

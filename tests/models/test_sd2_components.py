@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from kiln_config import ModelConfig
-from models.factory import build_components
+from models.components.factory import build_components
 from models.sd2_components import sd2_pretrained_entries, write_sd2_components
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from models.stale_streaming_files import _held, clean_stale_streaming
+from models.data.stale_streaming_files import _held, clean_stale_streaming
 
 _DATASET = """
 import os, signal, sys, time
@@ -118,7 +118,7 @@ def test_only_streamings_names_are_touched(tmp_path):
 def test_a_dataset_registered_while_processes_are_read_is_kept(tmp_path, monkeypatch):
     """Another process registers a new prefix after /proc was read: its files are not a dead
     run's, though no process was seen holding them."""
-    import models.stale_streaming_files as stale
+    import models.data.stale_streaming_files as stale
 
     shm, locks = tmp_path / "shm", tmp_path / "locks"
     shm.mkdir()

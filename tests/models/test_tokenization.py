@@ -10,8 +10,8 @@ import pytest
 from diffusers import StableDiffusionPipeline
 
 from kiln_config import load_config
-from models.factory import build_components, sampling_scheduler
-from models.tokenization import truncate_prompts
+from models.components.factory import build_components, sampling_scheduler
+from models.data.tokenization import truncate_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 # Mostly words the tiny tokenizer does not list, so they are mostly bytes and the cut falls

@@ -108,7 +108,7 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(ddp
 @pytest.mark.integration
 def test_resume_from_checkpoint_matches_uninterrupted_run(tmp_path, tiny_shards):
     """The crashed run loads with 2 worker processes (batches through reused shared buffers,
-    models/shared_batch_buffers.py), the uninterrupted one in-process: batches, losses,
+    models/data/shared_batch_buffers.py), the uninterrupted one in-process: batches, losses,
     validation numbers and weights match."""
     cfg_path, root, version = tiny_shards
     cfg = load_config(cfg_path)
@@ -491,7 +491,7 @@ def test_ddp_ranks_with_different_weights_fail_the_export(tmp_path, tiny_shards)
 
 
 def test_weight_checksums_must_match_exactly():
-    from models.train import check_identical_weights
+    from models.components.export import check_identical_weights
 
     check_identical_weights([1.5, 1.5])
     check_identical_weights([2.0])

@@ -7,7 +7,7 @@ import threading
 import pytest
 from mlflow.tracking import MlflowClient
 
-from models.train_metrics import system_metrics
+from models.training.metrics import system_metrics
 
 CPU = "system/cpu_utilization_percentage"
 

@@ -14,7 +14,7 @@ from diffusers import AutoencoderKL
 from PIL import Image
 
 from kiln_config import ModelConfig, VaeComponent, VaeFitConfig, load_config, load_yaml_model
-from models.vae_fit import (
+from models.components.vae_fit import (
     FIT_RECORD,
     ensure_fitted_vae,
     fit_vae,
@@ -140,7 +140,7 @@ def test_the_shard_and_train_flows_use_the_one_fitted_vae(tmp_path, demo_src, ma
     from flows.train import train_flow
     from flows.validate import validate_flow
     from kiln_config import encoder_key
-    from models.decoding import decode_uint8
+    from models.data.images import decode_uint8
 
     root = tmp_path / "root"
     cfg_path = make_config(

@@ -67,7 +67,7 @@ def test_accelerate_command_checks_the_topology(tmp_path):
 def test_a_cpu_launch_gets_the_threads_the_planner_measures_with(tmp_path, monkeypatch, caplog):
     """accelerate gives a CPU process 1 thread unless the config says `use_cpu`; Kiln passes
     the count `kiln plan` measures with, and the launched process really runs with it."""
-    from models.cpu_threads import _cores, cpu_threads_per_process
+    from models.training.cpu_threads import _cores, cpu_threads_per_process
 
     one = tmp_path / "one.yaml"
     one.write_text("distributed_type: 'NO'\nnum_processes: 1\n")

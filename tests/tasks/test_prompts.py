@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from models.study_images import read_prompts
+from models.evaluation.generate import read_prompts
 from tasks.evaluation.prompts import (
     DRAWBENCH_CATEGORIES,
     DRAWBENCH_FILE,

@@ -58,8 +58,8 @@ def test_publish_is_atomic_resumes_and_streams_back_like_local(
     version, tmp_path, s3_bucket, s3_endpoint, monkeypatch
 ):
     from kiln_config import PROJECT_DIR, load_config
-    from models.factory import build_tokenizer
-    from models.loader import build_loader
+    from models.components.factory import build_tokenizer
+    from models.data.loader import build_loader
 
     bucket, _ = s3_bucket
     remote = f"s3://{bucket}/datasets"

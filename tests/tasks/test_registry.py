@@ -138,7 +138,7 @@ def _tiny_export(dest) -> str:
     from diffusers import StableDiffusionPipeline
 
     from kiln_config import load_config
-    from models.factory import build_components, sampling_scheduler
+    from models.components.factory import build_components, sampling_scheduler
 
     repo = Path(__file__).resolve().parents[2]
     comps = build_components(load_config(repo / "configs" / "tiny.yaml").train.model)

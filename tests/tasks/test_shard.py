@@ -62,8 +62,8 @@ def test_token_ids_are_the_loaders_and_part_of_the_version(validated):
     import numpy as np
 
     from kiln_config import TokenizerConfig
-    from models.factory import build_tokenizer
-    from models.tokenization import CaptionTokenizer
+    from models.components.factory import build_tokenizer
+    from models.data.tokenization import CaptionTokenizer
 
     root, ingest_id, _ = validated
     spec = TokenizerConfig(builtin="bytes", model_max_length=24)
@@ -280,8 +280,8 @@ def test_aspect_buckets_cover_the_stage():
 
 def test_bucketed_stage_has_one_dataset_per_bucket_and_batches_per_bucket(validated):
     from kiln_config import PROJECT_DIR, load_config
-    from models.factory import build_tokenizer
-    from models.loader import build_loader
+    from models.components.factory import build_tokenizer
+    from models.data.loader import build_loader
     from tasks.ingest.render import aspect_buckets, nearest_bucket
 
     root, ingest_id, _ = validated
@@ -327,7 +327,7 @@ def test_bucketed_stage_has_one_dataset_per_bucket_and_batches_per_bucket(valida
 def _keys(path) -> list[str]:
     """Every sample's key in an MDS dataset, square or in aspect buckets, read back with
     StreamingDataset."""
-    from models.loader import dataset_buckets
+    from models.data.loader import dataset_buckets
 
     buckets = dataset_buckets(str(path))
     folders = [path / b["name"] for b in buckets] if buckets else [path]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from models.flops import device_stats
+from models.training.flops import device_stats
 
 __all__ = ["MetricsSink", "MetricsWindow", "system_metrics"]
 
@@ -88,7 +88,7 @@ class MetricsWindow:
     Args:
         accelerator: The run's Accelerator (the loss all-reduce, the device, the world size).
         sink: Where the row goes.
-        flops_per_sample: Training FLOPs of one sample (`models.flops`).
+        flops_per_sample: Training FLOPs of one sample (`models.training.flops`).
         peak_flops_total: The peak FLOP/s of every device in use together.
         samples_per_step: Samples of one optimizer step over all processes.
         gpu_hour_usd: Price of one device-hour.

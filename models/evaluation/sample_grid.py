@@ -1,7 +1,7 @@
 """Sample grids while a stage trains: fixed prompts (rows) by fixed seeds (columns).
 
 Every `train.sample_every` optimizer steps and at the end of each stage, the main process
-writes the pipeline exactly as the stage's export does (`models.export`, EMA weights when EMA
+writes the pipeline exactly as the stage's export does (`models.components.export`, EMA weights when EMA
 is on) into a temporary folder, loads it as `kiln evaluate` does (`models.study_images`), and
 generates each (prompt, seed) image with its own seeded generator. A broken export, a wrong
 latent scale or an EMA swap that never happened shows in the grid long before the stage ends.
@@ -23,7 +23,6 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from accelerate import Accelerator
@@ -31,16 +30,10 @@ from accelerate.utils import DistributedType
 from PIL import Image, ImageDraw, ImageFont
 
 from kiln_config import EvaluateConfig, StageRun
-from models.callbacks.base import Callback, StepEnd
-from models.export import export_unet, write_pipeline
-from models.study_images import generate_images, load_pipeline
-
-if TYPE_CHECKING:
-    from models.state import TrainContext, TrainState
-    from models.train_metrics import MetricsWindow
+from models.components.export import export_unet, write_pipeline
+from models.evaluation.generate import generate_images, load_pipeline
 
 __all__ = [
-    "SampleGrids",
     "grid_image",
     "sample_grid",
     "sample_grids",
@@ -63,22 +56,6 @@ BATCH = EvaluateConfig.model_fields["batch_size"].default
 def sample_grids(out_dir: str | Path) -> list[Path]:
     """The stage's grids on disk, oldest step first (from every launch of the stage)."""
     return sorted((Path(out_dir) / "samples").glob("step-*.png"))
-
-
-class SampleGrids(Callback):
-    """The grid of every `train.sample_every`-th intermediate step, on every rank; its seconds
-    stay off the metrics window's step time. The stage's last step is left to the training
-    script's end-of-stage grid, drawn once the optimizer state is released."""
-
-    def on_step_end(
-        self, ctx: TrainContext, state: TrainState, window: MetricsWindow, step: StepEnd
-    ) -> None:
-        run, every = ctx.run, ctx.run.train.sample_every
-        if every is None or state.step % every or state.step >= run.stage.max_steps:
-            return
-        t0 = time.perf_counter()
-        sample_grid(run, ctx.accelerator, ctx.comps, ctx.ema, state.step, ctx.sink)
-        window.exclude(time.perf_counter() - t0)
 
 
 def sample_grid(

@@ -1,8 +1,8 @@
 """The training loop's checkpoints: every `train.checkpoint_every` steps and at the last.
 
 `DueCheckpoint` saves Accelerate's state (models, optimizer, LR schedule, EMA, every rank's
-RNG) and the loader position and histories (`models.checkpoint.checkpoint_extra`) through the
-atomic `models.checkpoint.save_checkpoint`. It comes last among the step's callbacks but the
+RNG) and the loader position and histories (`models.training.checkpoint.checkpoint_extra`) through the
+atomic `models.training.checkpoint.save_checkpoint`. It comes last among the step's callbacks but the
 fault injection: the checkpoint holds the validation of its step (a resume does not redo it)
 and follows the step's sample grid (a resume never skips one).
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from models.callbacks.base import Callback, StepEnd
-from models.checkpoint import checkpoint_extra, save_checkpoint
+from models.training.checkpoint import checkpoint_extra, save_checkpoint
 
 if TYPE_CHECKING:
-    from models.state import TrainContext, TrainState
-    from models.train_metrics import MetricsWindow
+    from models.training.metrics import MetricsWindow
+    from models.training.state import TrainContext, TrainState
 
 __all__ = ["DueCheckpoint"]
 

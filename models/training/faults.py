@@ -6,7 +6,7 @@ environment switch, and the training script reaches every one through one hook,
 
 - `"loss"`: a micro-batch's loss, NaN at optimizer step `nan_at_step` (a divergence);
 - `"step_end"`: after an optimizer step, a SIGKILL (`kill_at_steps`) or an endless stall
-  (`stall_at_step`; `models.callbacks.faults` calls it);
+  (`stall_at_step`; `models.callbacks.step_faults` calls it);
 - `"weights"`: the UNet right before the export's checksum, shifted on rank `desync_rank`;
 - `"export:<point>"`: a SIGKILL of the main process at an export point (`kill_in_export`).
 

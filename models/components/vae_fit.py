@@ -8,7 +8,7 @@ latent diffusion is (Rombach et al. 2022, without the perceptual and GAN terms),
 steps on CPU. `save_pretrained` writes it to `<root>/vae/<key>/vae/`, where the key hashes the VAE
 dict, the fit settings and the images' identity (the dataset version), so the same inputs
 reuse the folder and any change trains a new one. From then on it is loaded and frozen like
-SD2's VAE (`models.factory`).
+SD2's VAE (`models.components.factory`).
 
 Like SD, the latents are scaled to about unit variance: `scaling_factor` = 1 / (std of the
 sampled latents of the training images), stored in the VAE's config, which the loss, the
@@ -31,7 +31,7 @@ from diffusers import AutoencoderKL
 
 from kiln_config import VaeFitConfig, stable_hash
 from kiln_config.errors import InputError
-from models.decoding import decode_uint8
+from models.data.images import decode_uint8
 
 __all__ = [
     "FIT_RECORD",

@@ -17,13 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from kiln_config.errors import KilnError
-from models.callbacks.base import Callback, StepEnd
 
 if TYPE_CHECKING:
     from accelerate import Accelerator
-
-    from models.state import TrainContext, TrainState
-    from models.train_metrics import MetricsWindow
 
 
 # In a stage folder: the stage diverged and stays failed (the training script writes it; the
@@ -32,7 +28,6 @@ DIVERGED = "DIVERGED.json"
 
 __all__ = [
     "DIVERGED",
-    "DivergenceCheck",
     "TrainingDiverged",
     "divergence",
     "fail_diverged",
@@ -110,16 +105,3 @@ def fail_diverged(accelerator: Accelerator, out: Path, sink, state, cause: str) 
     # rank raising first cannot have the launcher tear the main process down before it.
     accelerator.wait_for_everyone()
     raise TrainingDiverged(msg)
-
-
-class DivergenceCheck(Callback):
-    """Fails the stage (`fail_diverged`) at the first optimizer step that diverged; first in
-    the step's callbacks, so nothing of the diverged state is evaluated or checkpointed."""
-
-    def on_step_end(
-        self, ctx: TrainContext, state: TrainState, window: MetricsWindow, step: StepEnd
-    ) -> None:
-        skipped = ctx.accelerator.optimizer_step_was_skipped
-        cause = divergence(step.grad_norm, skipped, step.mean_loss)
-        if cause is not None:
-            fail_diverged(ctx.accelerator, ctx.out, ctx.sink, state, cause)

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from diffusers.training_utils import compute_snr
 
 from kiln_config.errors import InputError
-from models.collation import device_pixels
-from models.decoding import normalize_pixels
-from models.factory import Components
+from models.components.factory import Components
+from models.data.collation import device_pixels
+from models.data.images import normalize_pixels
 
 __all__ = [
     "denoising_loss",

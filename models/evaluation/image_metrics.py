@@ -230,7 +230,7 @@ def read_val_split(folder: str | Path, limit: int) -> list[dict]:
 
     from streaming import StreamingDataset
 
-    from models.mds_reader import release_shared_memory
+    from models.data.mds_reader import release_shared_memory
 
     folder = Path(folder)
     if (folder / "buckets.json").is_file():

@@ -5,7 +5,7 @@ as views into it: no open/seek/read and no copy per sample. Shards it cannot map
 or not downloaded yet) go through streaming's own `get_item`, which fetches them.
 
 Every override of mosaicml-streaming's methods, and every use of its private names, is in
-this module (`models/stale_streaming_files.py` reads only its public naming constants); a
+this module (`models/data/stale_streaming_files.py` reads only its public naming constants); a
 minor release may change them, which is why pyproject.toml pins streaming below the next
 one. Overridden or used here:
 

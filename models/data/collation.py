@@ -1,9 +1,9 @@
 """Samples -> one batch of tensors (`KilnCollate`), and the batch's pixels on the device.
 
 Everything that can run on a whole batch runs here rather than per sample: JPEG decode
-straight into the batch (`models.decoding.decode_into`), the Rust tokenizer for captions
+straight into the batch (`models.data.images.decode_into`), the Rust tokenizer for captions
 whose shards carry no token ids, and one copy of each other column into the batch, which in
-a loader worker is a reused shared buffer (`models.shared_batch_buffers`).
+a loader worker is a reused shared buffer (`models.data.shared_batch_buffers`).
 
 A batch is a dict: `pixel_values` uint8 (B, 3, H, W) with channels-last strides (the
 decoder's layout), `flip` bool (B,) where hflip is on, `input_ids` int64 (B, L); or for
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from models.decoding import Size, decode_into, image_size, width_height, wrong_size
-from models.shared_batch_buffers import BatchRing, InRing
-from models.tokenization import CaptionTokenizer
+from models.data.images import Size, decode_into, image_size, width_height, wrong_size
+from models.data.shared_batch_buffers import BatchRing, InRing
+from models.data.tokenization import CaptionTokenizer
 
 if TYPE_CHECKING:
     from torch.utils.data import Dataset

@@ -8,8 +8,8 @@ written under a temporary name and renamed only when complete, and `kiln_state.j
 last file written, so a folder without it is never resumed from.
 
 The training loop resumes with `resume` at the start of a launch and saves through the
-`DueCheckpoint` callback (`models.callbacks.checkpoint`) after an optimizer step; the
-`TrainState` (`models.state`) is what they carry from one launch of a stage to the next.
+`DueCheckpoint` callback (`models.callbacks.due_checkpoint`) after an optimizer step; the
+`TrainState` (`models.training.state`) is what they carry from one launch of a stage to the next.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from models.state import TrainContext, TrainState
+from models.training.state import TrainContext, TrainState
 
 __all__ = [
     "STATE_FILE",

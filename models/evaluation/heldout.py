@@ -40,7 +40,6 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,19 +47,18 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 
 from kiln_config.errors import InputError, MissingInput
-from models.callbacks.base import Callback, StepEnd
-from models.collation import KilnCollate
-from models.decoding import width_height
-from models.loader import TRAINING_COLUMNS, ImageCaptionDataset, _stored_ids_match, dataset_buckets
-from models.loss import diffusion_target, encode_latents, encode_text
-
-if TYPE_CHECKING:
-    from models.state import TrainContext, TrainState
-    from models.train_metrics import MetricsWindow
+from models.data.collation import KilnCollate
+from models.data.images import width_height
+from models.data.loader import (
+    TRAINING_COLUMNS,
+    ImageCaptionDataset,
+    _stored_ids_match,
+    dataset_buckets,
+)
+from models.training.loss import diffusion_target, encode_latents, encode_text
 
 __all__ = [
     "EvalSet",
-    "HeldOutLoss",
     "Validator",
     "build_validator",
     "eval_timesteps",
@@ -370,31 +368,3 @@ def build_validator(run, accelerator, comps, ema, weight_dtype) -> Validator | N
         stage.max_steps,
         cfg.channels_last,
     )
-
-
-class HeldOutLoss(Callback):
-    """The training loop's validations; their seconds stay off the metrics window's step time.
-
-    Args:
-        validator: The stage's Validator (`build_validator`).
-        at_start: Evaluate the weights a fresh stage starts from (step 0) too.
-    """
-
-    def __init__(self, validator: Validator, at_start: bool = True):
-        self.validator, self.at_start = validator, at_start
-
-    def on_fit_start(self, ctx: TrainContext, state: TrainState, window: MetricsWindow) -> None:
-        if self.at_start and state.step == 0:
-            # The starting point of the curve: the weights the stage begins from (random, the
-            # previous stage's or a warm start's), comparable with every later evaluation.
-            window.exclude(self.validator.run(state, ctx.sink))
-
-    def on_step_end(
-        self, ctx: TrainContext, state: TrainState, window: MetricsWindow, step: StepEnd
-    ) -> None:
-        if self.validator.due(state.step):
-            window.exclude(self.validator.run(state, ctx.sink))
-
-    def on_fit_end(self, ctx: TrainContext, state: TrainState) -> None:
-        self.validator.finish(state, ctx.sink)
-        self.validator.evalset.close()

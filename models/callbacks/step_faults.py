@@ -1,6 +1,6 @@
 """The training loop's fault injection: a kill or a stall after an optimizer step.
 
-`StepFaults` fires the stage file's `"step_end"` fault point (`models.faults`) last among the
+`StepFaults` fires the stage file's `"step_end"` fault point (`models.training.faults`) last among the
 step's callbacks, so a kill at step N leaves the checkpoint of step N behind when one was due,
 as a real crash right after it would.
 """
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from models.callbacks.base import Callback, StepEnd
 
 if TYPE_CHECKING:
-    from models.state import TrainContext, TrainState
-    from models.train_metrics import MetricsWindow
+    from models.training.metrics import MetricsWindow
+    from models.training.state import TrainContext, TrainState
 
 __all__ = ["StepFaults"]
 

@@ -1,7 +1,7 @@
 """What one stage's training carries: its state across launches and its context within one.
 
 `TrainState` is where the stage stands (step, loader position, loss and validation
-histories); it is saved in every checkpoint and restored on resume (`models.checkpoint`).
+histories); it is saved in every checkpoint and restored on resume (`models.training.checkpoint`).
 `TrainContext` is everything the training steps and the loop's callbacks (`models.callbacks`)
 use, built once by the training script's phases (`models.train`). Both live here, below the
 loop and the checkpoints, so that neither of those imports the other.
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from models.faults import Faults
+from models.training.faults import Faults
 
 if TYPE_CHECKING:
     import torch
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
     from diffusers.training_utils import EMAModel
 
     from kiln_config import StageRun
-    from models.factory import Components
-    from models.loader import KilnLoader
-    from models.train_metrics import MetricsSink
+    from models.components.factory import Components
+    from models.data.loader import KilnLoader
+    from models.training.metrics import MetricsSink
 
 __all__ = ["TrainContext", "TrainState"]
 

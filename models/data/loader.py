@@ -5,10 +5,10 @@ configured by the `train` section. Streaming partitions samples across ranks its
 WORLD_SIZE/RANK that `accelerate launch` sets), so this loader must stay out of
 `accelerator.prepare`: wrapping it again would silently double-shard.
 
-The per-sample path is kept to reading the stored bytes (`models.mds_reader`) and the
+The per-sample path is kept to reading the stored bytes (`models.data.mds_reader`) and the
 per-sample decisions a resumed run must repeat (caption dropout, hflip); everything else runs
-on the whole batch in `models.collation.KilnCollate`, which in a worker writes into reused
-shared buffers (`models.shared_batch_buffers`) that `KilnLoader` makes before its workers
+on the whole batch in `models.data.collation.KilnCollate`, which in a worker writes into reused
+shared buffers (`models.data.shared_batch_buffers`) that `KilnLoader` makes before its workers
 fork.
 """
 
@@ -27,11 +27,11 @@ from transformers import PreTrainedTokenizerBase
 
 from kiln_config import TrainConfig
 from kiln_config.errors import InputError, MissingInput
-from models.collation import KilnCollate
-from models.decoding import Size, width_height
-from models.mds_reader import MDSReader
-from models.shared_batch_buffers import BatchRing
-from models.tokenization import CaptionTokenizer
+from models.data.collation import KilnCollate
+from models.data.images import Size, width_height
+from models.data.mds_reader import MDSReader
+from models.data.shared_batch_buffers import BatchRing
+from models.data.tokenization import CaptionTokenizer
 
 __all__ = [
     "TRAINING_COLUMNS",
@@ -131,7 +131,7 @@ def _uniform(seed: int, idx: int, salt: int = 0) -> float:
 
 class KilnLoader(StreamingDataLoader):
     """A `StreamingDataLoader` whose workers stack batches into reused shared buffers
-    (`models.shared_batch_buffers.BatchRing`), made before the workers fork.
+    (`models.data.shared_batch_buffers.BatchRing`), made before the workers fork.
 
     The next epoch's workers inherit the same ring once the last epoch's workers are gone;
     then every slot that no tensor in this process still views is free again, including
