@@ -8,7 +8,7 @@ date), in row groups of `ROW_GROUP` as the catalog writes them, measured per siz
 * `read_s`: reading the four columns a row group at a time (`tasks.catalog.view.read_part`),
   the baseline: what any full pass over the view costs;
 * `terms_s`: the same reads plus `check_terms` with a takedown list of 10,000 images and 10
-  contributors (what `tasks.quality.gate._terms` does);
+  contributors (what `tasks.quality.validate._terms` does);
 * `check_s` = terms_s - read_s, and `per_million_s`: check_s per million rows;
 * `peak_rss_mb` of the process after the terms pass.
 

@@ -124,7 +124,7 @@ def _shard_step(
 
     from kiln_config import IngestConfig, QualityConfig, ShardsConfig
     from tasks.ingest.run import ingest_source
-    from tasks.quality.gate import validate_catalog
+    from tasks.quality.validate import validate_catalog
     from tasks.shards.write import write_shards
 
     shutil.rmtree(root, ignore_errors=True)

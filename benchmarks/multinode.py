@@ -48,7 +48,7 @@ def _shards(base: Path) -> tuple[Path, Path, str]:
     from kiln_config import load_config
     from kiln_demo.data import write_demo_dataset
     from tasks.ingest.run import ingest_source
-    from tasks.quality.gate import validate_catalog
+    from tasks.quality.validate import validate_catalog
     from tasks.shards.write import write_shards
 
     write_demo_dataset(base / "src", n=60, seed=0)

@@ -26,8 +26,9 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from flows.evaluate import study_id_for
 from human_eval.store import QUESTIONS
-from kiln_config import PipelineConfig
+from kiln_config import PipelineConfig, stable_hash
 from kiln_config.errors import MissingInput
 from tasks.evaluation.comparison import (
     create_comparison_task,
@@ -37,6 +38,9 @@ from tasks.evaluation.comparison import (
     wait_for_votes,
 )
 from tasks.inputs import prompts_file
+from tasks.launch.accelerate import launch_generate
+from tasks.registry.tracking import registered_pipeline
+from tasks.storage.layout import Layout
 
 __all__ = ["human_eval_flow", "is_model_ref", "study_for_model"]
 
@@ -61,8 +65,6 @@ def _pipeline_identity(folder: Path) -> str:
     Raises:
         FileNotFoundError: The folder holds no diffusers pipeline (no model_index.json).
     """
-    from kiln_config import stable_hash
-
     if not (folder / "model_index.json").is_file():
         # A stage's raw weights (final-raw/) sit beside its export (final/): point at it.
         export = folder.parent / "final"
@@ -91,11 +93,6 @@ def study_for_model(cfg: PipelineConfig, ref: str) -> str:
     Raises:
         ValueError: a URI that is not models:/NAME@ALIAS or models:/NAME/VERSION.
     """
-    from flows.evaluate import study_id_for
-    from tasks.launch.accelerate import launch_generate
-    from tasks.registry.tracking import registered_pipeline
-    from tasks.storage.layout import Layout
-
     ev = cfg.evaluate.model_copy(update={"prompts_csv": prompts_file(cfg)})
     layout = Layout(Path(cfg.storage.root))
     if ref.startswith("models:/"):

@@ -12,7 +12,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig
-from tasks.registry.lineage import tag_takedowns
+from tasks.registry.model_lineage import tag_takedowns
 from tasks.registry.promotion import PromotionRefused, promote, rollback
 
 __all__ = ["promote_flow", "rollback_flow"]

@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact
 from kiln_config import PipelineConfig, config_hash, run_config
 from tasks.evaluation.prompts import prompt_set_name
 from tasks.evaluation.study_metrics import metrics_lineage
-from tasks.registry.lineage import register_lineage
+from tasks.registry.model_lineage import register_lineage
 from tasks.registry.tracking import register_model
 from tasks.reports import model_card, registered_report
 from tasks.storage.layout import Layout

@@ -7,6 +7,7 @@ from pathlib import Path
 from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
+from flows.train import resolve_warm_start
 from kiln_config import PipelineConfig, PrecomputeRun, encoder_key
 from tasks.launch.accelerate import launch_precompute
 from tasks.reports import shards_report
@@ -58,8 +59,6 @@ def shard_flow(
         # on this version, cached, and found again by the train flow under the same key).
         # A warm start encodes with the VAE of the model it starts from (flows/train.py).
         if cfg.train.init_from_model and cfg.train.model.vae.fit is not None:
-            from flows.train import resolve_warm_start
-
             warm = resolve_warm_start(cfg, layout)["folder"]
             train = vae_from_pipeline(cfg.train, warm)
         else:

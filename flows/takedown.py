@@ -18,9 +18,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig
 from kiln_config.errors import InputError
-from tasks.catalog.lineage import resolve_image
+from tasks.catalog.dataset_lineage import resolve_image
 from tasks.catalog.takedown import add_takedown
-from tasks.registry.lineage import tag_takedowns
+from tasks.registry.model_lineage import tag_takedowns
 from tasks.registry.new_data import emit_takedown_added, taken_down_since_training
 
 __all__ = ["read_keys_file", "takedown_flow"]

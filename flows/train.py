@@ -24,9 +24,11 @@ from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig, StageRun, encoder_key, run_config, write_snapshot
 from kiln_config.errors import InputError, MissingInput
+from tasks.evaluation.generate import resolve_pipeline
 from tasks.evaluation.grid_artifact import sample_grid_report
 from tasks.launch.accelerate import launch_stage
 from tasks.launch.preflight import preflight, stage_feasibility
+from tasks.registry.promotion import PromotionRefused, registered_version
 from tasks.registry.tracking import create_training_run, log_run_artifact, mark_training_run
 from tasks.reports import stage_report, write_loss_curves
 from tasks.shards.publish import publish_shards
@@ -90,9 +92,6 @@ def resolve_warm_start(cfg: PipelineConfig, layout: Layout) -> dict:
     """
     from mlflow.exceptions import MlflowException
 
-    from tasks.evaluation.export_pngs import resolve_pipeline
-    from tasks.registry.promotion import PromotionRefused, resolve_version
-
     ref = cfg.train.init_from_model
     out = {"ref": ref}
     if ref.startswith("models:/"):
@@ -100,7 +99,7 @@ def resolve_warm_start(cfg: PipelineConfig, layout: Layout) -> dict:
 
         client = MlflowClient(cfg.tracking_uri, registry_uri=cfg.tracking_uri)
         try:
-            mv = resolve_version(client, ref)
+            mv = registered_version(client, ref)
         except PromotionRefused as e:  # no such alias or version
             raise InputError(f"train.init_from_model: {e}") from e
         out.update(

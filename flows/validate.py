@@ -13,7 +13,7 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig
-from tasks.quality.gate import validate_catalog
+from tasks.quality.validate import validate_catalog
 from tasks.registry.tracking import log_data_docs
 from tasks.reports import quality_report
 from tasks.storage.layout import Layout

@@ -45,7 +45,7 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 
     KEY_OR_PATH is its catalog key (`00001.jpg`) or `<source>/<key>`.
     """
-    from tasks.registry.lineage import image_lineage
+    from tasks.registry.model_lineage import image_lineage
 
     cfg = load_checked(config_path, root)
     found = image_lineage(
@@ -67,7 +67,7 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 )
 def lineage_model(config_path: str, root: str | None, model_uri: str, csv_path: str | None) -> None:
     """What a registered version (models:/NAME/N or models:/NAME@ALIAS) trained on."""
-    from tasks.registry.lineage import model_lineage
+    from tasks.registry.model_lineage import model_lineage
 
     cfg = load_checked(config_path, root)
     info = model_lineage(cfg.storage.root, cfg.tracking_uri, model_uri, cfg.quality)

@@ -221,14 +221,14 @@ def plan(
     The plan is saved to <root>/runs/plan.json; the train flow's summary compares it with the
     actual run.
     """
-    from tasks.launch.accelerate import processes_per_machine, stage_processes
-    from tasks.planning.plan import (
+    from tasks.planning.budget import (
         format_memory,
         format_plan,
         make_plan,
         memory_and_scale,
         save_plan,
     )
+    from tasks.planning.topology import processes_per_machine, stage_processes
     from tasks.storage.layout import Layout
 
     if (measure_steps is None) == (img_per_s is None):
@@ -345,13 +345,13 @@ def generate(
     config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int, out: str
 ) -> None:
     """Generate PNG files from a registered model (or an export) for one prompt."""
-    from tasks.evaluation.export_pngs import generate_images, resolve_pipeline
+    from tasks.evaluation.generate import generate_pngs, resolve_pipeline
 
     cfg = load_checked(config_path, root)
     ev = cfg.evaluate  # --steps and --guidance applied
     _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
     try:
-        result = generate_images(
+        result = generate_pngs(
             folder,
             prompt,
             Path(out),

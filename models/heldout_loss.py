@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln_config import StageRun, load_yaml_model
 from kiln_config.errors import InputError
+from models.components.factory import build_components
 from models.evaluation.heldout import Validator, build_validator
 
 __all__ = ["bootstrap_cond_gap", "main"]
@@ -28,8 +30,6 @@ def _weights_validator(run, weights: str | None) -> Validator:
     """A validator of the stage's split for the UNet in `weights` (an exported pipeline
     folder; None: the config's seeded fresh UNet), in fp32, on this process's device."""
     from accelerate import Accelerator
-
-    from models.components.factory import build_components
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     comps = build_components(run.train.model, seed=run.train.seed, init_unet_from=weights)
@@ -62,8 +62,6 @@ def bootstrap_cond_gap(
     Raises:
         ValueError: when the stage had no validation split.
     """
-
-    from kiln_config import StageRun, load_yaml_model
 
     export_dir = Path(export_dir)
     run: StageRun = load_yaml_model(StageRun, export_dir.parent / "stage.yaml")
@@ -109,8 +107,6 @@ def main(argv: list[str] | None = None) -> None:
     """
     import argparse
     import json
-
-    from kiln_config import StageRun, load_yaml_model
 
     parser = argparse.ArgumentParser(description=main.__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="Resolved stage.yaml (StageRun)")

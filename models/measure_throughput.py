@@ -22,7 +22,10 @@ from streaming import MDSWriter
 
 from kiln_config import StageRun, TrainConfig
 from kiln_config.errors import InputError
+from models.train import build_dataloader, build_models, train_loop
 from models.training.cpu_threads import cpu_threads_per_process
+from models.training.metrics import MetricsSink
+from models.training.state import TrainContext
 
 __all__ = ["MAX_MEASURED_VAL", "measure_stage", "write_synthetic_shards"]
 
@@ -155,10 +158,6 @@ def _train_steps(run: StageRun):
     """Run the stage's training loop in this process, without checkpoints; returns the
     Accelerator it ran under."""
     from accelerate import Accelerator
-
-    from models.train import build_dataloader, build_models, train_loop
-    from models.training.metrics import MetricsSink
-    from models.training.state import TrainContext
 
     accelerator = Accelerator(
         gradient_accumulation_steps=run.stage.gradient_accumulation_steps,

@@ -12,6 +12,8 @@ from urllib.parse import urlparse
 
 from kiln_config import ConfigError, PipelineConfig, is_remote, load_config, redact_uri
 from tasks.evaluation.prompts import PromptsUnavailable, resolve_prompts
+from tasks.launch.kubernetes import KubernetesRejected, check_kubernetes
+from tasks.launch.slurm import SlurmError, check_slurm
 from tasks.storage.objects import ProbeError, Storage
 
 __all__ = [
@@ -64,15 +66,11 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
     if "tracking" in need:
         _check_tracking_server(cfg.tracking_uri)
     if "cluster" in need and cfg.launch.backend == "slurm":
-        from tasks.launch.slurm import SlurmError, check_slurm
-
         try:  # the cluster's own answer: a bad partition or an impossible node count
             check_slurm(cfg.launch.slurm, max(s.num_machines for s in cfg.train.stages))
         except SlurmError as e:
             raise ConfigError(str(e)) from e
     if "cluster" in need and cfg.launch.backend == "kubernetes":
-        from tasks.launch.kubernetes import KubernetesRejected, check_kubernetes
-
         try:  # a client configuration, and the runtime the TrainJobs refer to
             check_kubernetes(cfg.launch.kubernetes)
         except KubernetesRejected as e:

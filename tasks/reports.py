@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from data_quality.suite import INGEST_REASONS
+from data_quality.verdict import ValidateResult, reasons_table
 from kiln_config import redact_uri
 from tasks.ingest.run import IngestResult
-from tasks.quality.gate import ValidateResult, reasons_table
 from tasks.registry.new_data import NewData
 
 __all__ = [
@@ -113,7 +113,7 @@ def quality_report(summary: dict, docs_url: str | None = None) -> str:
         summary: The quality step's summary.json.
         docs_url: An http URL of the Data Docs (a browser refuses file:// links from the UI).
     """
-    result = ValidateResult(**{k: v for k, v in summary.items() if k != "passed"})
+    result = ValidateResult.from_dict(summary)
     rows = "\n".join(
         f"| `{e['expectation']}` | `{e['column']}` | {'pass' if e['success'] else 'FAIL'} "
         f"| {e['unexpected']} |"

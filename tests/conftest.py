@@ -199,7 +199,7 @@ def tiny_shards(tmp_path_factory, demo_src, make_config):
     """Validated demo catalog sharded for the tiny stages: (config path, root, dataset version)."""
     from kiln_config import load_config
     from tasks.ingest.run import ingest_source
-    from tasks.quality.gate import validate_catalog
+    from tasks.quality.validate import validate_catalog
     from tasks.shards.write import write_shards
 
     base = tmp_path_factory.mktemp("shards")

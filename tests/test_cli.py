@@ -334,9 +334,9 @@ def test_a_user_error_is_one_line_naming_the_fix(tmp_path, make_config):
 
 
 def test_every_error_kiln_expects_derives_from_one_base():
+    from data_quality.verdict import QualityGateError
     from kiln_config import ConfigError, InputError, KilnError, MissingInput, NotFound
     from tasks.launch.common import LaunchError, StageDiverged
-    from tasks.quality.gate import QualityGateError
     from tasks.registry.promotion import PromotionRefused
     from tasks.registry.tracking import ModelVersionNotFound
 

@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 
 from kiln_config.errors import KilnError
+from models.data.mds_reader import release_shared_memory
 
 __all__ = [
     "FID_RESIZE",
@@ -38,7 +39,7 @@ __all__ = [
     "load_clip",
     "load_inception",
     "read_val_split",
-    "weights_sha256",
+    "files_sha256",
 ]
 
 # How FID's InceptionV3 sees an image: torchmetrics resizes each uint8 image to 299x299 with
@@ -51,7 +52,7 @@ class MetricUnavailable(KilnError, RuntimeError):
     """A metric cannot run here (weights missing or unloadable); the message names the fix."""
 
 
-def weights_sha256(path: str | Path) -> dict:
+def files_sha256(path: str | Path) -> dict:
     """The sha256 of a weights file, or of each file of a folder plus one digest over them
     (of the sorted `relpath sha256` lines), so a changed file anywhere changes `sha256`."""
     path = Path(path)
@@ -229,8 +230,6 @@ def read_val_split(folder: str | Path, limit: int) -> list[dict]:
     import json
 
     from streaming import StreamingDataset
-
-    from models.data.mds_reader import release_shared_memory
 
     folder = Path(folder)
     if (folder / "buckets.json").is_file():

@@ -30,17 +30,21 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 from deltalake.exceptions import DeltaError
 
+from data_quality.verdict import read_verdict
 from kiln_config.errors import InputError
+from tasks.catalog import legacy as catalog_legacy
 from tasks.catalog.view import (
     TABLES,
+    VERDICT_TABLES,
     chain,
     declared_columns,
     open_table,
-    resolve_version,
     sql_str,
+    surviving_version,
     table_path,
     view_versions,
     write_ingest,
+    writer_properties,
 )
 from tasks.storage.layout import Layout
 from tasks.storage.lock import catalog_writer
@@ -62,7 +66,7 @@ def _dataset(layout: Layout, table: str, version: int | None) -> ds.Dataset | No
     dt = open_table(layout, table)
     if dt is None or version is None:
         return None
-    return open_table(layout, table, resolve_version(dt, version)).to_pyarrow_dataset()
+    return open_table(layout, table, surviving_version(dt, version)).to_pyarrow_dataset()
 
 
 def _versions(layout: Layout, version: int | None) -> dict[str, int | None]:
@@ -144,15 +148,13 @@ def _connect(root: str, version: int | None):
 def _verdict_rejects(layout: Layout) -> pa.Table:
     """(source, key) of the rows the newest ingest's verdict rejected, from the rejects
     table at the version the verdict wrote; none when it was not validated."""
-    from tasks.quality.gate import read_verdict
-
     empty = pa.table({"source": pa.array([], pa.string()), "key": pa.array([], pa.string())})
     ingest_id = layout.latest_or_none("catalog")
-    verdict = read_verdict(str(layout.root), ingest_id) if ingest_id else None
+    verdict = read_verdict(layout.catalog(ingest_id)) if ingest_id else None
     version = (verdict or {}).get("verdict_table_versions", {}).get("rejects")
     if version is None:
         return empty
-    version = resolve_version(open_table(layout, "rejects"), version)  # compaction since
+    version = surviving_version(open_table(layout, "rejects"), version)  # compaction since
     data = open_table(layout, "rejects", version).to_pyarrow_dataset()
     got = data.to_table(columns=["source", "key"], filter=ds.field("verdict") == ingest_id)
     return got.cast(empty.schema) if got.num_rows else empty
@@ -216,10 +218,8 @@ def compact(
     """Compact each table's small files, then vacuum the files that no version of the last
     `retain_hours` names, nor any version at or after `keep[table]` (the versions a
     registered model's dataset was cut from: `registered_versions`). A view named by an
-    older ingest stays readable while no rows changed since (`resolve_version`). Removes the
+    older ingest stays readable while no rows changed since (`surviving_version`). Removes the
     staged rows an ingest killed before its commit left behind."""
-    from tasks.catalog.view import VERDICT_TABLES
-
     if retain_hours < 0:
         raise InputError(
             f"--retain-hours (ingest.compact_retain_hours) must be >= 0, got {retain_hours}"
@@ -245,8 +245,6 @@ def compact(
 
 def _compact_table(layout: Layout, table: str, dt, hours: int) -> dict:
     """Optimize then vacuum one table; what each did."""
-    from tasks.catalog.view import writer_properties
-
     metrics = dt.optimize.compact(writer_properties=writer_properties())
     doomed = dt.vacuum(retention_hours=hours, enforce_retention_duration=False, dry_run=True)
     freed = sum(_size(table_path(layout, table) / unquote(p)) for p in doomed)
@@ -291,8 +289,6 @@ def migrate(root: str) -> list[str]:
 
 def _migrate(layout: Layout) -> list[str]:
     import shutil
-
-    from tasks.catalog import legacy as catalog_legacy
 
     latest = layout.latest_or_none("catalog")  # again: another writer may have gone first
     if latest is None or "table_versions" in chain(layout, latest)[-1]:

@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from tasks.ingest.sources import CATALOG_COLUMNS
+from kiln_config import CATALOG_COLUMNS
 from tasks.storage.layout import Layout
 
 __all__ = [

@@ -15,7 +15,7 @@ An ingest is one commit per table (`write_ingest`): the rows of the units it rep
 removed leave in the same commit that adds their replacements (a `replaceWhere` overwrite), so
 no reader ever sees both or neither. Its `summary.json` names the table versions it produced
 (`table_versions`); the view after an ingest is the tables at those versions (time travel), or
-at a later version when only compaction committed since (`resolve_version`).
+at a later version when only compaction committed since (`surviving_version`).
 
 Reading stays in bounded memory: a `ViewPart` is one data file of the table at a version, and
 `read_part` / `scan_view` read it a Parquet row group (`ROW_GROUP` rows) at a time.
@@ -36,8 +36,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable, WriterProperties, write_deltalake
 
+from kiln_config import CATALOG_COLUMNS
 from kiln_config.errors import InputError, MissingInput
-from tasks.ingest.sources import CATALOG_COLUMNS
 from tasks.storage.layout import Layout
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
     "open_table",
     "read_part",
     "read_view",
-    "resolve_version",
+    "surviving_version",
     "scan_view",
     "sql_str",
     "table_path",
@@ -67,7 +67,6 @@ __all__ = [
     "view_versions",
     "write_catalog_dir",
     "write_ingest",
-    "write_verdict_rows",
     "writer_properties",
 ]
 
@@ -140,7 +139,7 @@ def view_versions(layout: Layout, ingest_id: str | None) -> dict[str, int | None
     return {t: summary["table_versions"].get(t) for t in TABLES}
 
 
-def resolve_version(dt: DeltaTable, version: int) -> int:
+def surviving_version(dt: DeltaTable, version: int) -> int:
     """`version`, or the newest later one when every commit since only compacted or vacuumed
     (same rows; the files `version` named may have been vacuumed away)."""
     ops = {h["version"]: h.get("operation") for h in dt.history() if h["version"] > version}
@@ -156,7 +155,7 @@ def view_parts(layout: Layout, ingest_id: str | None, table: str = "accepted") -
     dt = open_table(layout, table)
     if version is None or dt is None:
         return []
-    dt = open_table(layout, table, resolve_version(dt, version))
+    dt = open_table(layout, table, surviving_version(dt, version))
     acts = pa.table(dt.get_add_actions(flatten=True)).to_pylist()
     root, parts = table_path(layout, table), []
     for a in sorted(
@@ -408,29 +407,6 @@ def writer_properties() -> WriterProperties:
     """How the catalog's data files are written: row groups of `ROW_GROUP` rows, Snappy (delta-rs
     writes uncompressed files by default, about 1.6 times the bytes)."""
     return WriterProperties(max_row_group_size=ROW_GROUP, compression="SNAPPY")
-
-
-def write_verdict_rows(layout: Layout, table: str, rows: pd.DataFrame, ingest_id: str) -> int:
-    """Commit the rows of the verdict on `ingest_id` to `table` ("rejects" or "flags"), with a
-    `verdict` column; an earlier verdict on the same ingest leaves in the same commit.
-    Returns the table's version after it."""
-    if table not in VERDICT_TABLES:
-        raise ValueError(f"verdict table must be one of {VERDICT_TABLES}, got {table!r}")
-    dt = open_table(layout, table)
-    data = _arrow(rows.assign(verdict=ingest_id), dt, 0).drop_columns([SEQ])
-    path = str(table_path(layout, table))
-    if dt is None:
-        write_deltalake(path, data, writer_properties=writer_properties())
-    else:
-        write_deltalake(
-            dt,
-            data,
-            mode="overwrite",
-            predicate=f"verdict = {sql_str(ingest_id)}",
-            schema_mode="merge",
-            writer_properties=writer_properties(),
-        )
-    return open_table(layout, table).version()
 
 
 def write_catalog_dir(out: Path, tables: dict[str, pd.DataFrame | Path], summary: dict) -> None:

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from human_eval.report import build_report
 from human_eval.store import QUESTIONS, RatingStore
 from human_eval.studies import create_comparison, load_study
+from tasks.registry.tracking import artifacts_url
 from tasks.storage.layout import Layout
 
 __all__ = [
@@ -173,7 +174,6 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
             client.set_model_version_tag(model_name, v.version, k, val)
         card = _with_human_eval(v.description, report)
         client.update_model_version(model_name, v.version, description=card)
-    from tasks.registry.tracking import artifacts_url
 
     experiment_id = client.get_run(mlflow_run_id).info.experiment_id
     chart = artifacts_url(

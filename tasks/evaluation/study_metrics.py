@@ -25,6 +25,20 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from kiln_config import EvalMetricsConfig
+from models.evaluation.image_metrics import (
+    FID_RESIZE,
+    MetricUnavailable,
+    clip_resize,
+    clip_score,
+    decode_images,
+    fid,
+    files_sha256,
+    hub_snapshot,
+    images_as_uint8,
+    load_clip,
+    load_inception,
+    read_val_split,
+)
 from tasks.launch.accelerate import launch_generate
 from tasks.registry.tracking import artifacts_url
 from tasks.runtime.logs import task_logger
@@ -50,14 +64,6 @@ def _device() -> torch.device:
 def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
     if not name:
         return {"skipped": "evaluate.metrics.clip_model is not set (a local CLIP folder or hub id)"}
-    from models.evaluation.image_metrics import (
-        clip_resize,
-        clip_score,
-        hub_snapshot,
-        images_as_uint8,
-        load_clip,
-        weights_sha256,
-    )
 
     model, processor = load_clip(name)
     model.to(_device())
@@ -66,7 +72,7 @@ def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
     value = clip_score(zip(images, prompts, strict=True), model, processor)
     local = Path(name).expanduser()
     files = local if local.is_dir() else hub_snapshot(name)
-    digest = weights_sha256(files) if files else {"sha256": None}
+    digest = files_sha256(files) if files else {"sha256": None}
     return {
         "value": value,
         "images": len(items),
@@ -91,17 +97,6 @@ def _fid(
     generate: dict,
     feature: torch.nn.Module | None,
 ) -> dict:
-    from models.evaluation.image_metrics import (
-        FID_RESIZE,
-        MetricUnavailable,
-        decode_images,
-        fid,
-        images_as_uint8,
-        load_inception,
-        read_val_split,
-        weights_sha256,
-    )
-
     if feature is not None:
         weights = {"weights": f"given module {type(feature).__name__}", "sha256": None}
         resize = "the given feature module's own"
@@ -109,7 +104,7 @@ def _fid(
         return {"skipped": "evaluate.metrics.inception_weights is not set (a local .pth path)"}
     else:
         feature = load_inception(cfg.inception_weights)
-        weights = {"weights": cfg.inception_weights, **weights_sha256(cfg.inception_weights)}
+        weights = {"weights": cfg.inception_weights, **files_sha256(cfg.inception_weights)}
         resize = FID_RESIZE
     if not is_published(val_dir):
         raise MetricUnavailable(
@@ -160,8 +155,6 @@ def compute_study_metrics(
             with `num_features`, taking uint8 images): a seam for tests and other networks.
     """
     import torch
-
-    from models.evaluation.image_metrics import MetricUnavailable
 
     log = task_logger(__name__)
     study = Path(study_dir)

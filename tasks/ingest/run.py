@@ -24,7 +24,7 @@ source, and then chunks of `partition_size` items. Locally the decode tasks shar
 pool; with `dask_address` they run on a Dask cluster through prefect-dask's DaskTaskRunner.
 
 `ingest_source` runs the phases in order: list the source and compare it with the view, out
-of core (`tasks.ingest.plan.plan_run`), decode the new and changed items a few partitions at
+of core (`tasks.ingest.changes.plan_run`), decode the new and changed items a few partitions at
 a time (`_decode`), staging each partition's rows on disk as it finishes (`_RunRows`), so
 that the driver's memory does not grow with the number of items, count the
 view after them (`_summarize`), commit the staged rows (`_commit_rows`, streamed into the
@@ -56,8 +56,8 @@ from tasks.catalog.view import (
     read_view,
     write_catalog_dir,
 )
+from tasks.ingest.changes import Plan, in_order, list_partition, plan_run
 from tasks.ingest.inspect import InspectOptions, inspect_item
-from tasks.ingest.plan import Plan, in_order, list_partition, plan_run
 from tasks.ingest.sources import SOURCE_FORMATS, Item, item_from_row
 from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
@@ -223,7 +223,7 @@ def _ingest(
     return result
 
 
-# -- phase 1: the source and its listing, compared with the view: tasks.ingest.plan ----------
+# -- phase 1: the source and its listing, compared with the view: tasks.ingest.changes ----------
 
 
 def _open_source(cfg: IngestConfig, endpoint_url: str | None) -> Storage:

@@ -26,10 +26,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from kiln_config import CATALOG_COLUMNS, SOURCE_FORMATS
+from kiln_config import SOURCE_FORMATS
 
 __all__ = [
-    "CATALOG_COLUMNS",
     "MANIFEST_NAMES",
     "SOURCE_FORMATS",
     "Item",

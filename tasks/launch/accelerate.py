@@ -45,11 +45,11 @@ from tasks.launch.common import (
     LaunchError,
     LaunchRejected,
     StageDiverged,
-    local_processes,
-    processes_per_machine,
-    stage_processes,
 )
 from tasks.launch.gpu_limit import gpu_slot
+from tasks.launch.kubernetes import run_train_job
+from tasks.launch.slurm import run_slurm_job
+from tasks.planning.topology import local_processes, processes_per_machine
 from tasks.runtime.logs import task_logger
 from tasks.storage.layout import is_published
 
@@ -65,8 +65,6 @@ __all__ = [
     "launch_module",
     "launch_precompute",
     "launch_stage",
-    "processes_per_machine",
-    "stage_processes",
     "run_launch",
 ]
 
@@ -218,12 +216,8 @@ def launch_module(
         rest, nodes, processes_per_machine(launch), name, task_logger(__name__), **watch
     )
     if launch.backend == "slurm":
-        from tasks.launch.slurm import run_slurm_job
-
         run_slurm_job(job, launch.slurm, workdir)
     else:
-        from tasks.launch.kubernetes import run_train_job
-
         run_train_job(job, launch.kubernetes)
 
 

@@ -13,10 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
-
-from kiln_config import KilnError, LaunchConfig, TrainConfig
-from kiln_config.errors import MissingInput
+from kiln_config import KilnError
 
 __all__ = [
     "ClusterJob",
@@ -24,10 +21,6 @@ __all__ = [
     "LaunchError",
     "LaunchRejected",
     "StageDiverged",
-    "local_processes",
-    "processes_per_machine",
-    "stage_processes",
-    "topology_processes",
 ]
 
 
@@ -43,47 +36,6 @@ class StageDiverged(LaunchError):
 class LaunchRejected(LaunchError):
     """The cluster refused the launch (a bad partition, account, namespace, runtime or node
     count): launching it again would be refused the same way, so it is not retried."""
-
-
-def topology_processes(accelerate_config: str, override: int | None) -> int:
-    """Processes an `accelerate launch` with this config starts (all machines)."""
-    if override:
-        return override
-    if not Path(accelerate_config).is_file():
-        raise MissingInput(
-            f"launch.accelerate_config: file not found (received {accelerate_config!r})"
-        )
-    cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
-    return int(cfg.get("num_processes") or 1)
-
-
-def local_processes(accelerate_config: str, num_processes: int | None = None) -> int:
-    """Processes a launch with this config starts on each machine."""
-    machines = 1
-    if Path(accelerate_config).is_file():
-        cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
-        machines = max(1, int(cfg.get("num_machines") or 1))
-    total = topology_processes(accelerate_config, num_processes)
-    return max(1, -(-total // machines))
-
-
-def processes_per_machine(launch: LaunchConfig) -> int:
-    """Training processes on each node: on a cluster backend its `gpus_per_node` when set,
-    else `launch.num_processes` or the topology's count."""
-    per_node = {
-        "slurm": launch.slurm.gpus_per_node,
-        "kubernetes": launch.kubernetes.gpus_per_node,
-    }.get(launch.backend)
-    return per_node or local_processes(launch.accelerate_config, launch.num_processes)
-
-
-def stage_processes(launch: LaunchConfig, train: TrainConfig) -> list[int]:
-    """Each stage's world size: its `num_machines` times the processes on each node."""
-    if launch.backend == "local":  # one machine: the topology's count (validated: 1 node)
-        return [topology_processes(launch.accelerate_config, launch.num_processes)] * len(
-            train.stages
-        )
-    return [s.num_machines * processes_per_machine(launch) for s in train.stages]
 
 
 @dataclasses.dataclass(frozen=True)

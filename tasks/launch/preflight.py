@@ -28,7 +28,8 @@ from prefect.cache_policies import NO_CACHE
 
 from kiln_config import HealthCheckRun, KilnError, LaunchConfig, TrainConfig, write_run_file
 from tasks.launch.accelerate import LaunchError, cuda_available, launch_module
-from tasks.launch.common import topology_processes
+from tasks.planning.memory_model import memory_plan
+from tasks.planning.topology import stage_processes, topology_processes
 from tasks.runtime.logs import task_logger
 
 __all__ = [
@@ -199,8 +200,6 @@ def check_stages(
         on_gpu: Whether the stages train on GPUs (then the memory model is checked too).
         precomputed: Latents and text states come from shards (no frozen encoders).
     """
-    from tasks.launch.accelerate import stage_processes
-
     worlds = stage_processes(launch, train)
     for i in pending:
         s, world = train.stages[i], worlds[i]
@@ -220,8 +219,6 @@ def check_stages(
 
 
 def _check_memory(train, launch, worlds, pending, precomputed) -> None:
-    from tasks.planning.memory_model import memory_plan
-
     plan = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb, precomputed)
     for i in pending:
         mem = plan[i]["configured"]

@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kiln_config import Component, TrainConfig
-from kiln_config.errors import InputError
 from tasks.planning.activation_trace import trace_activations, unet_parameter_count
+from tasks.planning.topology import topology_setup
 
 __all__ = [
     "GB",
@@ -35,7 +35,6 @@ __all__ = [
     "ema_bytes_per_param",
     "memory_plan",
     "recommend",
-    "topology_setup",
     "encoder_params",
     "stage_memory",
 ]
@@ -202,22 +201,6 @@ def stage_memory(
         fits=total <= gpu,
         gpu_bytes=gpu,
     )
-
-
-def topology_setup(accelerate_config: str) -> tuple[str, str]:
-    """(strategy, mixed precision) of an accelerate config: `fsdp` for FSDP with
-    SHARD_GRAD_OP, else `ddp` (one process, DDP or CPU)."""
-    import yaml
-
-    cfg = yaml.safe_load(Path(accelerate_config).read_text()) or {}
-    fsdp = str(cfg.get("distributed_type", "NO")).upper() == "FSDP"
-    sharding = str((cfg.get("fsdp_config") or {}).get("fsdp_sharding_strategy", ""))
-    if fsdp and sharding.upper() not in ("SHARD_GRAD_OP", "2"):
-        raise InputError(
-            "launch.accelerate_config: the memory model covers FSDP's SHARD_GRAD_OP only "
-            f"(received fsdp_sharding_strategy {sharding!r})"
-        )
-    return ("fsdp" if fsdp else "ddp"), str(cfg.get("mixed_precision") or "no")
 
 
 def _smaller_batch(train: TrainConfig, i: int, setup: Setup, **counts) -> tuple | None:

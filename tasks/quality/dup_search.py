@@ -2,7 +2,7 @@
 
 The validate step's row checks write each partition's hashes (`check_partition` with a
 `hash_path`); rows an earlier verdict already checked get theirs from `hash_rows`, from the
-hash cache (tasks/quality/hash_cache.py) when it has them. Then
+hash cache (data_quality/hash_cache.py) when it has them. Then
 (data_quality/dup_partitions.py) each exact partition finds its sha256 copies and counts its
 distinct pHashes, each hash file is split by table, and each near partition runs its
 share of the multi-index hashing tables. Every task reads its own rows from the hash files
@@ -22,6 +22,7 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from data_quality import hash_cache
 from data_quality.dup_partitions import (
     Files,
     count_distinct,
@@ -32,9 +33,9 @@ from data_quality.dup_partitions import (
     split_by_table,
     write_hash_file,
 )
+from data_quality.near_dup import phash_to_uint64
 from data_quality.suite import CrossCheck, hash_columns
 from tasks.catalog.view import ViewPart, read_part
-from tasks.quality import hash_cache
 from tasks.runtime.logs import task_logger
 from tasks.runtime.runners import partition_runner
 
@@ -166,8 +167,6 @@ def _old_group(path, group: int, new_sha, label: int, cache: str | None = None, 
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from data_quality.near_dup import phash_to_uint64
-
     got = hash_cache.load(Path(cache), path, group, rows) if cache else None
     if got is not None:
         return got
@@ -221,7 +220,7 @@ def partitioned_cross(
         parts: hash-prefix partitions.
         workers: local partitions at once.
         dask_address: run the partitions on this Dask scheduler.
-        cache: the hash cache (tasks/quality/hash_cache.py) the old rows' hashes are read
+        cache: the hash cache (data_quality/hash_cache.py) the old rows' hashes are read
             from where it has them.
 
     Returns:

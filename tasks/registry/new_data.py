@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from tasks.catalog.dataset_lineage import dataset_rows
+from tasks.catalog.takedown import takedown_set
 from tasks.catalog.view import chain, scan_view, view_parts
 from tasks.runtime.logs import task_logger
 from tasks.storage.layout import Layout
@@ -96,9 +98,6 @@ def _trained_catalog(layout: Layout) -> tuple[str | None, str | None]:
 
 def taken_down_since_training(root: Path | str, rules=None) -> int:
     """How many images of the newest finished training's dataset are on the takedown list."""
-    from tasks.catalog.lineage import dataset_rows
-    from tasks.catalog.takedown import takedown_set
-
     layout = Layout(Path(root))
     down = takedown_set(root)
     _, record = _trained_run(layout)

@@ -9,7 +9,7 @@ alias (`kiln promote`, `kiln rollback`, `flows/promote.py`):
   old champion to `previous-champion`. With no champion yet it needs `first=True`;
   `force=True` (with a reason) promotes past a refused gate.
 * A version whose dataset holds a taken-down image (its `kiln.takedown.images` tag,
-  tasks/registry/lineage.py) is refused whatever its numbers, unless `allow_takedown=True`
+  tasks/registry/model_lineage.py) is refused whatever its numbers, unless `allow_takedown=True`
   with a reason, which is recorded on the version (`kiln.promotion.takedown_override`).
 * `rollback` swaps `champion` and `previous-champion` back.
 
@@ -28,7 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from kiln_config import GateConfig, KilnError
-from tasks.registry.lineage import TAKEDOWN_TAG
+from tasks.registry.model_lineage import TAKEDOWN_TAG
 from tasks.registry.tracking import ModelVersionNotFound, model_version
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
     "PromotionRefused",
     "gate",
     "promote",
-    "resolve_version",
+    "registered_version",
     "rollback",
 ]
 
@@ -130,7 +130,7 @@ def _fmt(x: float | None) -> str:
     return "missing" if x is None else f"{x:.4g}"
 
 
-def resolve_version(client: MlflowClient, ref: str):
+def registered_version(client: MlflowClient, ref: str):
     """The ModelVersion of models:/NAME@ALIAS or models:/NAME/VERSION.
 
     Raises:
@@ -204,7 +204,7 @@ def promote(
             champion, `--force` without a reason). A refusal is recorded on the version too.
     """
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
-    mv = resolve_version(client, candidate)
+    mv = registered_version(client, candidate)
     name = mv.name
     champ = _alias(client, name, CHAMPION)
     if force and not (reason or "").strip():

@@ -23,12 +23,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote, urlsplit
 
+import mlflow
 from mlflow.tracking import MlflowClient
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+import kiln_pyfunc
 from kiln_config import EvaluateConfig
 from kiln_config.errors import InputError, MissingInput, NotFound
+from kiln_pyfunc import KilnDiffusionModel, default_params, signature
 from tasks.runtime.logs import task_logger
 from tasks.storage.layout import Layout
 
@@ -97,7 +100,6 @@ def mlflow_uris(uri: str) -> Iterator[None]:
     worker's next flow run, an `accelerate launch`, `mlflow models serve`) would inherit this
     run's tracking store. Both the module state and the variables are restored on exit.
     """
-    import mlflow
     from mlflow.tracking._model_registry import utils as registry_utils
     from mlflow.tracking._tracking_service import utils as tracking_utils
 
@@ -282,11 +284,10 @@ def _log_quality_run(
         raise MissingInput(f"no quality folder at {docs_dir}")
     client = MlflowClient(tracking_uri)
     exp_id = ensure_experiment(client, experiment, artifact_root)
-    passed = summary["reject_fraction"] <= summary["max_reject_fraction"]
     tags = {
         "kiln.step": "quality",
         "kiln.ingest_id": ingest_id,
-        "kiln.quality_gate": "passed" if passed else "failed",
+        "kiln.quality_gate": "passed" if summary["passed"] else "failed",
     }
     run_id = client.create_run(exp_id, run_name=f"quality-{ingest_id}", tags=tags).info.run_id
     ts = int(time.time() * 1000)
@@ -392,11 +393,6 @@ def register_model(
     Returns:
         {"name", "version", "alias", "model_uri", "uri_by_alias"}.
     """
-    import mlflow
-
-    import kiln_pyfunc
-    from kiln_pyfunc import KilnDiffusionModel, default_params, signature
-
     if not (Path(export_dir) / "model_index.json").is_file():
         raise MissingInput(f"no exported pipeline at {export_dir} (model_index.json missing)")
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)

@@ -18,10 +18,11 @@ from prefect.cache_policies import NO_CACHE
 
 from kiln_config import TrainConfig, VaeComponent
 from kiln_config.errors import MissingInput
+from models.components.vae_fit import ensure_fitted_vae, read_images
 from tasks.runtime.logs import task_logger
 from tasks.storage.layout import Layout
 
-__all__ = ["fit_vae", "resolve_fitted_vae", "stage_image_folders", "vae_from_pipeline"]
+__all__ = ["fitted_vae_folder", "resolve_fitted_vae", "stage_image_folders", "vae_from_pipeline"]
 
 
 def stage_image_folders(layout: Layout, version: str, resolutions: list[int]) -> list[Path]:
@@ -44,11 +45,10 @@ def stage_image_folders(layout: Layout, version: str, resolutions: list[int]) ->
 
 
 @task(name="fit-vae", cache_policy=NO_CACHE)
-def fit_vae(vae: VaeComponent, root: str, version: str, resolutions: list[int]) -> str:
+def fitted_vae_folder(vae: VaeComponent, root: str, version: str, resolutions: list[int]) -> str:
     """The folder of the VAE fitted on dataset `version` (trained now unless cached)."""
     # torch and diffusers load here, not when the flows import this module: a flow run that
     # never fits (a retrain with nothing new) starts seconds sooner.
-    from models.components.vae_fit import ensure_fitted_vae, read_images
 
     layout = Layout(Path(root))
     folders = stage_image_folders(layout, version, resolutions)
@@ -79,6 +79,6 @@ def resolve_fitted_vae(train: TrainConfig, root: str, version: str) -> TrainConf
     vae = train.model.vae
     if vae.fit is None:
         return train
-    folder = fit_vae(vae, root, version, [s.resolution for s in train.stages])
+    folder = fitted_vae_folder(vae, root, version, [s.resolution for s in train.stages])
     model = train.model.model_copy(update={"vae": VaeComponent(pretrained=folder)})
     return train.model_copy(update={"model": model})

@@ -56,11 +56,14 @@ import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from data_quality.verdict import REJECTS_FILE, gate_for_sharding
+from kiln_config import CATALOG_COLUMNS, TokenizerConfig
 from kiln_config.errors import InputError, MissingInput
+from models.components.factory import build_tokenizer
+from models.data.tokenization import CaptionTokenizer
+from tasks.catalog.clean import read_clean, scan_clean
 from tasks.catalog.view import accepted_columns, view_versions
 from tasks.ingest.render import aspect_buckets, nearest_buckets, render_for_stages
-from tasks.ingest.sources import CATALOG_COLUMNS
-from tasks.quality.gate import REJECTS_FILE, gate_for_sharding, read_clean, scan_clean
 from tasks.runtime.logs import task_logger
 from tasks.runtime.progress import Progress
 from tasks.runtime.runners import partition_runner
@@ -111,10 +114,6 @@ def _caption_tokenizer(spec: str):
 
 @functools.lru_cache(maxsize=2)
 def _build_caption_tokenizer(spec: str):
-    from kiln_config import TokenizerConfig
-    from models.components.factory import build_tokenizer
-    from models.data.tokenization import CaptionTokenizer
-
     return CaptionTokenizer(build_tokenizer(TokenizerConfig.model_validate_json(spec)))
 
 
@@ -502,7 +501,12 @@ def write_shards(
             f"catalog {ingest_id} has not been validated ({rejects} missing): "
             "run `kiln validate` first"
         )
-    gate = gate_for_sharding(root, ingest_id, allow_failed_gate=allow_failed_gate)
+    gate = gate_for_sharding(
+        layout.catalog(ingest_id),
+        ingest_id,
+        allow_failed_gate=allow_failed_gate,
+        logger=task_logger(__name__),
+    )
     min_side_factor = cfg.min_side_factor
     settings = {
         "resolutions": sorted(resolutions),

@@ -115,7 +115,7 @@ class Layout:
 
     def dataset_rows(self, version: str) -> Path:
         """The rows a dataset version holds, with their licensing columns
-        (tasks/catalog/lineage.py)."""
+        (tasks/catalog/dataset_lineage.py)."""
         return self.folder("shards") / version / "rows.parquet"
 
     def study(self, study_id: str) -> Path:

@@ -10,8 +10,9 @@ from deltalake import DeltaTable
 from flows.ingest import ingest_flow
 from kiln_config import load_config
 from tasks.catalog.admin import compact, query
+from tasks.catalog.clean import read_clean
 from tasks.catalog.view import read_view, table_path
-from tasks.quality.gate import read_clean, validate_catalog
+from tasks.quality.validate import validate_catalog
 from tasks.storage.layout import Layout
 from tests.flows.artifacts import run_artifacts
 

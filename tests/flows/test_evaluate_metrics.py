@@ -24,9 +24,9 @@ from kiln_config import (
 from models.evaluation.image_metrics import (
     clip_score,
     fid,
+    files_sha256,
     load_clip,
     load_inception,
-    weights_sha256,
 )
 from tasks.evaluation.contact_sheet import THUMB, write_contact_sheets
 from tasks.evaluation.study_metrics import compute_study_metrics, metrics_report
@@ -133,7 +133,7 @@ def test_clip_score_matches_a_direct_computation(tmp_path):
     direct = _direct_clip(folder, images, prompts)
     assert direct > 0, "a clamped 0 would not test the computation"
     assert ours == pytest.approx(direct, abs=1e-4)
-    digest = weights_sha256(folder)
+    digest = files_sha256(folder)
     weights = (folder / "model.safetensors").read_bytes()
     assert digest["files"]["model.safetensors"] == hashlib.sha256(weights).hexdigest()
     assert len(digest["sha256"]) == 64
@@ -291,7 +291,7 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     direct = _direct_clip(clip, images, [it["prompt"] for it in items])
     cs = out["metrics"]["clip_score"]
     assert cs["value"] == pytest.approx(direct, abs=1e-3)
-    assert cs["sha256"] == weights_sha256(clip)["sha256"] and "bicubic" in cs["resize"]
+    assert cs["sha256"] == files_sha256(clip)["sha256"] and "bicubic" in cs["resize"]
     assert f"no file at {missing}" in out["metrics"]["fid"]["skipped"]
 
     md = Artifact.get("evaluation-study").data

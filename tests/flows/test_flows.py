@@ -10,11 +10,11 @@ import yaml
 from mlflow.tracking import MlflowClient
 from streaming import StreamingDataset
 
+from data_quality.verdict import QualityGateError
 from flows.ingest import ingest_flow
 from flows.shard import shard_flow
 from flows.validate import validate_flow
 from kiln_config import load_config
-from tasks.quality.gate import QualityGateError
 from tests.flows.artifacts import run_artifacts
 
 pytestmark = pytest.mark.integration  # accelerate launches / Prefect flow runs

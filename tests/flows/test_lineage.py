@@ -24,8 +24,8 @@ from flows.validate import validate_flow
 from kiln_cli.main import main
 from kiln_config import load_config
 from kiln_demo.data import licensing
-from tasks.catalog.lineage import REPORT_ARTIFACT, dataset_rows
-from tasks.quality.gate import read_clean
+from tasks.catalog.clean import read_clean
+from tasks.catalog.dataset_lineage import REPORT_ARTIFACT, dataset_rows
 from tasks.registry.promotion import PromotionRefused
 
 from .test_run_config import ONE_STAGE

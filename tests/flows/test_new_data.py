@@ -13,7 +13,7 @@ import pytest
 
 from flows.ingest import ingest_flow
 from kiln_config import load_config
-from tasks.quality.gate import validate_catalog
+from tasks.quality.validate import validate_catalog
 from tasks.registry.new_data import new_data
 from tasks.reports import new_data_report
 from tasks.shards.write import write_shards

@@ -14,7 +14,7 @@ import yaml
 from safetensors.torch import load_file
 
 from kiln_config import StageRun, load_config
-from tasks.catalog.lineage import stage_draws
+from tasks.catalog.dataset_lineage import stage_draws
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +99,7 @@ def test_two_cpu_processes_train_on_different_samples_with_identical_weights(ddp
     assert len(k0) == len(k1) == 16
     assert not set(k0) & set(k1), "each rank trains on its own samples"
     # The contributors' exposure counts exactly the samples both ranks drew
-    # (tasks/catalog/lineage.py).
+    # (tasks/catalog/dataset_lineage.py).
     assert stage_draws(out) == Counter(k0 + k1) and sum(stage_draws(out).values()) == 32
     # The export loads as a diffusers pipeline.
     assert (out / "final" / "model_index.json").is_file()
@@ -287,7 +287,7 @@ def test_bucketed_stage_trains_per_bucket_and_resumes_exactly(tmp_path, tiny_sha
 
     from kiln_config import IngestConfig, ShardsConfig
     from tasks.ingest.run import ingest_source
-    from tasks.quality.gate import validate_catalog
+    from tasks.quality.validate import validate_catalog
     from tasks.shards.write import write_shards
 
     cfg_path, _, _ = tiny_shards

@@ -121,15 +121,17 @@ def test_show_sql_export_and_compact(migrated, tmp_path):
 
 @pytest.mark.integration
 def test_a_migrated_root_validates_and_sql_sees_the_verdict(migrated):
+    from data_quality.verdict import read_verdict
     from kiln_config import QualityConfig
-    from tasks.quality.gate import read_clean, read_verdict, validate_catalog
+    from tasks.catalog.clean import read_clean
+    from tasks.quality.validate import validate_catalog
 
     root, ids, _ = migrated
     res = validate_catalog.fn(
         str(root), ids[-1], QualityConfig(min_side=60, max_reject_fraction=0.9)
     )
     assert res.rejected_validate > 0  # the demo's small images
-    verdict = read_verdict(str(root), ids[-1])
+    verdict = read_verdict(Layout(root).catalog(ids[-1]))
     assert verdict["table_versions"] == {"accepted": 2, "quarantine": 2}
     clean = read_clean(str(root), ids[-1])
     got = query(str(root), "SELECT source, key FROM clean").to_pandas()

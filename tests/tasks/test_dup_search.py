@@ -10,9 +10,10 @@ import pandas as pd
 import pytest
 
 from kiln_config import IngestConfig, QualityConfig
+from tasks.catalog.clean import read_clean
 from tasks.ingest.run import ingest_source
 from tasks.quality.dup_search import dup_partitions_for
-from tasks.quality.gate import read_clean, validate_catalog
+from tasks.quality.validate import validate_catalog
 from tests.tasks.test_quality import RULES, _add_images, _outputs, _three_ingests
 
 

@@ -11,14 +11,15 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
+from data_quality import hash_cache
 from data_quality.suite import hash_columns
 from kiln_config import IngestConfig, QualityConfig
 from tasks.catalog.takedown import add_takedown
 from tasks.catalog.view import read_part, view_parts
 from tasks.ingest.run import ingest_source
-from tasks.quality import gate, hash_cache
+from tasks.quality import validate as gate
 from tasks.quality.dup_search import old_hash_batches
-from tasks.quality.gate import validate_catalog
+from tasks.quality.validate import validate_catalog
 from tasks.storage.layout import Layout
 
 RULES = QualityConfig(min_side=32, max_reject_fraction=0.5, drop_near_duplicates=True)
@@ -70,7 +71,7 @@ def _same_as_full(tmp_path, root, ingest_id) -> None:
     shutil.copytree(root, full)
     for v in (full / "catalog").glob("*/verdict.json"):
         v.unlink()
-    shutil.rmtree(hash_cache.cache_root(Layout(full)))
+    shutil.rmtree(hash_cache.cache_folder(Layout(full).folder("catalog")))
     assert validate_catalog.fn(str(full), ingest_id, RULES).incremental_from is None
     for rel in ("quality/{}/quarantine.parquet", "quality/{}/quarantine_sample.parquet"):
         a = pd.read_parquet(root / rel.format(ingest_id))
@@ -150,7 +151,7 @@ def test_old_hashes_come_from_the_cache_and_equal_the_rows_own(tmp_path, demo_sr
     src, root, first = _root(tmp_path, demo_src)
     layout = Layout(root)
     old = view_parts(layout, first)
-    cache = hash_cache.cache_root(layout)
+    cache = hash_cache.cache_folder(layout.folder("catalog"))
     _add(src, "new.jpg")
     new = [p for p in view_parts(layout, _ingest(src, root)) if p.seq > old[-1].seq]
     for p in old:
@@ -217,7 +218,7 @@ def test_old_files_without_entries_are_hashed_once_and_kept(tmp_path, demo_src, 
     gives what a full validate gives."""
     src, root, first = _root(tmp_path, demo_src)
     layout = Layout(root)
-    cache = hash_cache.cache_root(layout)
+    cache = hash_cache.cache_folder(layout.folder("catalog"))
     shutil.rmtree(cache)
     _add(src, "copy.jpg", copy_of=sorted(p.name for p in src.glob("*.jpg"))[2])
     second = _ingest(src, root)

@@ -9,9 +9,10 @@ import pytest
 
 from kiln_config import IngestConfig, QualityConfig
 from tasks.catalog.admin import query
+from tasks.catalog.clean import read_clean
 from tasks.catalog.view import read_view
 from tasks.ingest.run import ingest_source
-from tasks.quality.gate import read_clean, validate_catalog
+from tasks.quality.validate import validate_catalog
 from tasks.storage.layout import Layout
 
 
@@ -359,7 +360,7 @@ def test_in_order_holds_a_window_of_results():
     not yet taken."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tasks.ingest.plan import in_order
+    from tasks.ingest.changes import in_order
 
     outstanding, peak = 0, 0
 

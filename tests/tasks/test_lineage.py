@@ -3,7 +3,7 @@
 import json
 from collections import Counter
 
-from tasks.catalog.lineage import stage_draws
+from tasks.catalog.dataset_lineage import stage_draws
 
 
 def _log(path, records):

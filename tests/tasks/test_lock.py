@@ -141,7 +141,7 @@ def test_validate_waits_for_the_catalog_writer(tmp_path):
     from kiln_config import IngestConfig, QualityConfig
     from kiln_demo.data import write_demo_dataset
     from tasks.ingest.run import ingest_source
-    from tasks.quality.gate import validate_catalog
+    from tasks.quality.validate import validate_catalog
 
     root, src = tmp_path / "root", tmp_path / "src"
     write_demo_dataset(src, n=12, seed=3)

@@ -1,4 +1,4 @@
-"""`tasks.planning.plan.make_plan` with `measure_stage` replaced by a recorder: which validation
+"""`tasks.planning.budget.make_plan` with `measure_stage` replaced by a recorder: which validation
 split
 the plan asks the measurement for, and how it multiplies the measured cost out."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kiln_config import load_config
-from tasks.planning import plan as plan_module
+from tasks.planning import budget as plan_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def test_each_stage_is_planned_on_its_own_node_count():
     """256 px on 1 node, the next stages on 2 and 4 (2 processes each): each stage's samples
     and cost follow its own world size, and the table shows it."""
     from kiln_config import LaunchConfig, SlurmConfig
-    from tasks.launch.accelerate import stage_processes
+    from tasks.planning.topology import stage_processes
 
     train = load_config(REPO / "configs" / "tiny.yaml").train
     train.stages = [

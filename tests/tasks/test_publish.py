@@ -7,7 +7,7 @@ import pytest
 
 from kiln_config import IngestConfig, QualityConfig, ShardsConfig
 from tasks.ingest.run import ingest_source
-from tasks.quality.gate import validate_catalog
+from tasks.quality.validate import validate_catalog
 from tasks.shards.publish import publish_dataset
 from tasks.shards.write import write_shards
 from tasks.storage.objects import Storage

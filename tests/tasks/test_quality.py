@@ -3,10 +3,12 @@ import json
 import pandas as pd
 import pytest
 
+from data_quality.verdict import QualityGateError
 from kiln_config import IngestConfig, QualityConfig
+from tasks.catalog.clean import read_clean
 from tasks.catalog.view import read_view, scan_view
 from tasks.ingest.run import ingest_source
-from tasks.quality.gate import QualityGateError, read_clean, validate_catalog
+from tasks.quality.validate import validate_catalog
 from tasks.storage.layout import Layout
 
 RULES = QualityConfig(min_side=32, max_reject_fraction=0.25)
@@ -268,7 +270,7 @@ def test_the_verdicts_pairs_are_found_exactly_even_when_the_high_hash_is_shared(
     import numpy as np
     import pandas as pd
 
-    import tasks.quality.gate as gate
+    import tasks.quality.validate as gate
 
     rows = pd.DataFrame(
         {"source": ["s3://a"] * 500 + ["/b"] * 500, "key": [f"{i:05d}.jpg" for i in range(1000)]}

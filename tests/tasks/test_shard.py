@@ -5,9 +5,11 @@ import pytest
 from PIL import Image
 from streaming import StreamingDataset
 
+from data_quality.verdict import QualityGateError
 from kiln_config import IngestConfig, QualityConfig, ShardsConfig
+from tasks.catalog.clean import read_clean
 from tasks.ingest.run import ingest_source
-from tasks.quality.gate import QualityGateError, read_clean, validate_catalog
+from tasks.quality.validate import validate_catalog
 from tasks.shards.write import write_shards
 
 

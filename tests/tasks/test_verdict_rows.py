@@ -1,4 +1,4 @@
-"""The validate step's verdict rows written as files and streamed (tasks/quality/verdict_rows.py)
+"""The validate step's verdict rows written as files and streamed (data_quality/verdict_rows.py)
 give the rows that the in-memory merge gives (`data_quality.suite.apply_cross`, a pandas sort
 of the quarantine), on a real ingested root, with the quarantine sorted in runs on disk."""
 
@@ -9,18 +9,18 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
+from data_quality import external_sort
 from data_quality.suite import CrossCheck, RowCheck, apply_cross, cross_hits
-from kiln_config import IngestConfig, QualityConfig
-from tasks.catalog.view import read_part, read_view, view_parts
-from tasks.ingest.run import ingest_source
-from tasks.quality import external_sort
-from tasks.quality.verdict_rows import (
+from data_quality.verdict_rows import (
     FLAG_SCHEMA,
     REJECT_SCHEMA,
     resolve_hits,
     write_quarantine,
     write_rows,
 )
+from kiln_config import IngestConfig, QualityConfig
+from tasks.catalog.view import read_part, read_view, view_parts
+from tasks.ingest.run import ingest_source
 from tasks.storage.layout import Layout
 
 

@@ -1,29 +1,41 @@
-"""The validate step's verdict rows, written as they are found and streamed into place.
+"""The verdict's rows against the catalog: duplicate hits resolved to the view's rows, the
+quarantine of the whole view, and the verdict's Delta tables.
 
-A validate of a large catalog quarantines or flags a tenth of its rows or more. None of
-them is held on the driver: each check partition writes its rejects to a staging Parquet
-file (`stage_rejects`); the duplicate hits stay numpy positions until `resolve_hits` turns
-them into rows with one scan of the view's keys and a DuckDB join; `write_rows` streams the
-earlier verdict's rows, the staged ones and the licensing terms' into `rejects.parquet` and
-`near_duplicates.parquet`; `write_quarantine` sorts the quarantine on disk and counts it;
-`write_verdict_table` streams a verdict file into its Delta table. DuckDB runs with
-`DUCKDB_MEMORY` and one thread, and spills the rest to the staging folder.
+`resolve_hits` turns the duplicate search's hits (numpy positions) into rows with one scan of
+the view's keys and a DuckDB join; `write_quarantine` sorts the quarantine on disk
+(`data_quality.external_sort`) and counts it; `write_verdict_table` streams a verdict file into
+its Delta table. DuckDB runs with `DUCKDB_MEMORY` and one thread, and spills the rest to the
+staging folder. The rows themselves are written as `data_quality.verdict_rows` streams them.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import write_deltalake
 
+from data_quality.external_sort import merged_tables, sorted_tables
 from data_quality.suite import SAMPLE
+from data_quality.verdict_rows import (
+    BATCH_ROWS,
+    FLAG_SCHEMA,
+    RANK,
+    REJECT_SCHEMA,
+    atomic_writer,
+    base_rows,
+    conform,
+    empty_file,
+    ranked,
+    string_array,
+    verdict_rank,
+)
 from tasks.catalog.view import (
     VERDICT_TABLES,
     ViewPart,
@@ -34,59 +46,23 @@ from tasks.catalog.view import (
     view_parts,
     writer_properties,
 )
-from tasks.quality.external_sort import merged_tables, sorted_tables
 from tasks.storage.layout import Layout
 
 __all__ = [
-    "BATCH_ROWS",
     "DUCKDB_MEMORY",
-    "FLAG_SCHEMA",
-    "REJECT_SCHEMA",
-    "merge_base",
     "quarantine_schema",
     "resolve_hits",
-    "stage_rejects",
     "write_quarantine",
-    "write_rows",
     "write_verdict_table",
 ]
 
 DUCKDB_MEMORY = "256MB"  # DuckDB's share of the driver; its sorts and joins spill past it
-BATCH_ROWS = 65_536  # rows per batch streamed from a file to another
-REJECT_SCHEMA = pa.schema([(c, pa.string()) for c in ("source", "key", "reason", "detail")])
-FLAG_SCHEMA = pa.schema([(c, pa.string()) for c in ("source", "key", "near_duplicate_of")])
-_RANK = "__rank"  # the order of a merge's tied rows (`write_quarantine`)
 _KEYS = pa.schema([("pos", pa.int64()), ("source", pa.string()), ("key", pa.string())])
-
-
-def _strings(values) -> pa.Array:
-    return pa.array([None if v is None else str(v) for v in values], pa.string())
-
-
-def _atomic_writer(path: Path, schema: pa.Schema) -> tuple[pq.ParquetWriter, Path]:
-    tmp = path.with_name(path.name + ".tmp")
-    return pq.ParquetWriter(tmp, schema), tmp
-
-
-def stage_rejects(path: str | Path, rejected: pd.DataFrame) -> pd.DataFrame:
-    """Write a partition's rejects (source, key, reason, detail) to `path`; return their
-    positions alone (`pos`), which is what the driver keeps. A retry rewrites the file."""
-    table = pa.table(
-        {c: _strings(rejected[c].to_numpy(object)) for c in REJECT_SCHEMA.names},
-        schema=REJECT_SCHEMA,
-    )
-    writer, tmp = _atomic_writer(Path(path), REJECT_SCHEMA)
-    with writer:
-        writer.write_table(table)
-    tmp.replace(path)
-    return rejected[["pos"]].astype({"pos": np.int64})
 
 
 def _duckdb(stage: Path):
     """A DuckDB connection of DUCKDB_MEMORY and one thread, spilling under `stage`: with more
     threads, an ordered COPY to Parquet runs out of memory where one thread spills."""
-    import duckdb
-
     con = duckdb.connect()
     spill = stage / "duckdb-spill"
     spill.mkdir(parents=True, exist_ok=True)
@@ -94,11 +70,6 @@ def _duckdb(stage: Path):
     con.execute(f"SET temp_directory = {sql_str(str(spill))}")
     con.execute("SET threads = 1")
     return con
-
-
-def _empty(path: Path, schema: pa.Schema) -> Path:
-    pq.write_table(schema.empty_table(), path)
-    return path
 
 
 def _hit_keys(parts: list[ViewPart], need: np.ndarray, path: Path) -> None:
@@ -118,8 +89,8 @@ def _hit_keys(parts: list[ViewPart], need: np.ndarray, path: Path) -> None:
                         pa.table(
                             {
                                 "pos": pa.array(at, pa.int64()),
-                                "source": _strings(df["source"].to_numpy(object)[at - start]),
-                                "key": _strings(df["key"].to_numpy(object)[at - start]),
+                                "source": string_array(df["source"].to_numpy(object)[at - start]),
+                                "key": string_array(df["key"].to_numpy(object)[at - start]),
                             },
                             schema=_KEYS,
                         )
@@ -139,7 +110,7 @@ def resolve_hits(
     rejects, flags = stage / "cross-rejects.parquet", stage / "cross-flags.parquet"
     (dup_pos, dup_of), (near_pos, near_of) = hits["dup"], hits["near"]
     if not len(dup_pos) + len(near_pos):
-        return _empty(rejects, REJECT_SCHEMA), _empty(flags, FLAG_SCHEMA)
+        return empty_file(rejects, REJECT_SCHEMA), empty_file(flags, FLAG_SCHEMA)
     keys = stage / "hit-keys.parquet"
     _hit_keys(parts, np.unique(np.concatenate([dup_pos, dup_of, near_pos, near_of])), keys)
     con = _duckdb(stage)
@@ -167,7 +138,7 @@ def resolve_hits(
             "(FORMAT parquet)"
         )
         if drop_near:
-            _empty(flags, FLAG_SCHEMA)
+            empty_file(flags, FLAG_SCHEMA)
         else:
             con.execute(
                 f"COPY (SELECT k.source, k.key, {uid} AS near_duplicate_of "
@@ -177,56 +148,6 @@ def resolve_hits(
     finally:
         con.close()
     return rejects, flags
-
-
-def _batches(pieces: Iterable, schema: pa.Schema) -> Iterator[pa.Table]:
-    """Each piece (a Parquet path, or a frame) as tables of `schema`, BATCH_ROWS at most."""
-    for piece in pieces:
-        if isinstance(piece, pd.DataFrame):
-            if len(piece):
-                yield pa.table(
-                    {c: _strings(piece[c].to_numpy(object)) for c in schema.names}, schema=schema
-                )
-            continue
-        f = pq.ParquetFile(piece)
-        for batch in f.iter_batches(batch_size=BATCH_ROWS, columns=schema.names):
-            yield pa.Table.from_batches([batch]).cast(schema)
-
-
-def write_rows(
-    path: Path,
-    pieces: Iterable,
-    schema: pa.Schema,
-    *,
-    gone: pa.Array | None = None,
-    drop_reasons: Iterable[str] = (),
-    then: Iterable = (),
-) -> int:
-    """Stream `pieces` (Parquet paths and frames, in order) into the Parquet file `path`,
-    leaving out rows whose `reason` is in `drop_reasons` and rows whose source and key
-    (joined by a NUL) are in `gone`, then the pieces of `then` whole; written atomically.
-    Returns the rows written."""
-    drop = pa.array(sorted(drop_reasons), pa.string())
-    writer, tmp = _atomic_writer(path, schema)
-    rows = 0
-    with writer:
-        for t in _batches(pieces, schema):
-            keep = None
-            if len(drop):
-                keep = pc.invert(pc.fill_null(pc.is_in(t["reason"], value_set=drop), False))
-            if gone is not None and len(gone):
-                uid = pc.binary_join_element_wise(t["source"], t["key"], "\0")
-                out = pc.fill_null(pc.is_in(uid, value_set=gone), False)
-                keep = pc.invert(out) if keep is None else pc.and_(keep, pc.invert(out))
-            if keep is not None:
-                t = t.filter(keep)
-            writer.write_table(t)
-            rows += t.num_rows
-        for t in _batches(then, schema):
-            writer.write_table(t)
-            rows += t.num_rows
-    tmp.replace(path)
-    return rows
 
 
 def quarantine_schema(parts: list[ViewPart]) -> pa.Schema:
@@ -242,14 +163,6 @@ def quarantine_schema(parts: list[ViewPart]) -> pa.Schema:
     return pa.schema(list(fields.items()))
 
 
-def _conform(t: pa.Table, schema: pa.Schema) -> pa.Table:
-    cols = [
-        t[f.name].cast(f.type) if f.name in t.column_names else pa.nulls(len(t), f.type)
-        for f in schema
-    ]
-    return pa.Table.from_arrays(cols, schema=schema)
-
-
 def _quarantine_rows(
     parts: list[ViewPart], rejects: Path, ingest_id: str, schema: pa.Schema
 ) -> Iterator[pa.Table]:
@@ -257,46 +170,13 @@ def _quarantine_rows(
         for b in pq.ParquetFile(p.path).iter_batches(batch_size=BATCH_ROWS):
             t = pa.Table.from_batches([b])
             t = t.drop_columns([c for c in ("ingest_seq",) if c in t.column_names])
-            yield _conform(
+            yield conform(
                 t.append_column("ingest_seq", pa.array([p.seq] * len(t), pa.int64())), schema
             )
     for b in pq.ParquetFile(rejects).iter_batches(batch_size=BATCH_ROWS):
         n = b.num_rows
         t = pa.Table.from_batches([b]).append_column("step", pa.array(["validate"] * n))
-        yield _conform(t.append_column("ingest_id", pa.array([ingest_id] * n)), schema)
-
-
-def _base_rows(path: Path, ingest_id: str, schema: pa.Schema) -> Iterator[pa.Table]:
-    """An earlier verdict's quarantine file as rows of this one: its validate rows under
-    `ingest_id`, and `_RANK` (0 for the ingest's rows, 2 for the validate step's)."""
-    for b in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
-        t = _conform(pa.Table.from_batches([b]), schema)
-        mine = pc.fill_null(pc.equal(t["step"], "validate"), False)
-        at = schema.get_field_index("ingest_id")
-        mine_id = pa.scalar(ingest_id, schema.field(at).type)
-        t = t.set_column(at, schema.field(at), pc.if_else(mine, mine_id, t["ingest_id"]))
-        yield t.append_column(_RANK, pc.multiply(mine.cast(pa.int8()), 2))
-
-
-def _ranked(tables: Iterable[pa.Table], rank) -> Iterator[pa.Table]:
-    """`tables` with `_RANK`: `rank(t)` (1 for the new ingests' rows, 3 for the validate's)."""
-    for t in tables:
-        yield t.append_column(_RANK, rank(t))
-
-
-def _new_rank(t: pa.Table) -> pa.Array:
-    mine = pc.fill_null(pc.equal(t["step"], "validate"), False).cast(pa.int8())
-    return pc.add(pc.multiply(mine, 2), pa.scalar(1, pa.int8()))
-
-
-def merge_base(base: Path, schema: pa.Schema) -> bool:
-    """Whether an earlier verdict's quarantine file `base` can be merged with the rows after
-    it (`write_quarantine`): it is there, and its columns keep their types in `schema`
-    (`quarantine_schema` of the view's quarantine parts)."""
-    if not base.is_file():
-        return False
-    have = pq.read_schema(base)
-    return all(f.name in schema.names and schema.field(f.name).type == f.type for f in have)
+        yield conform(t.append_column("ingest_id", pa.array([ingest_id] * n)), schema)
 
 
 def write_quarantine(
@@ -311,7 +191,7 @@ def write_quarantine(
 ) -> pd.DataFrame:
     """Every quarantined row of the view, the ingest's (`ingest_seq` from its partition) and
     this step's rejects (`step` "validate"), sorted by source and key (ties in that order; a
-    sort on disk, tasks/quality/external_sort.py), to `qdir/quarantine.parquet`; up to SAMPLE
+    sort on disk, data_quality/external_sort.py), to `qdir/quarantine.parquet`; up to SAMPLE
     rows a reason of it to `quarantine_sample.parquet`. Returns its rows counted by step and
     reason (`step`, `reason`, `n`), in order of each pair's first row.
 
@@ -328,7 +208,7 @@ def write_quarantine(
     counts: dict[tuple, int] = {}
     kept: dict[str, int] = {}
     picked = []
-    writer, tmp = _atomic_writer(out, schema)
+    writer, tmp = atomic_writer(out, schema)
     try:
         with writer:
             if base is None:
@@ -343,9 +223,9 @@ def write_quarantine(
                 # Ties keep a rebuild's order: ingest rows (older ingests first), then
                 # the validate step's (the earlier verdict's first).
                 rows = merged_tables(
-                    [_base_rows(base, ingest_id, schema), _ranked(added, _new_rank)],
+                    [base_rows(base, ingest_id, schema), ranked(added, verdict_rank)],
                     ["source", "key"],
-                    _RANK,
+                    RANK,
                 )
             for t in rows:
                 writer.write_table(t)

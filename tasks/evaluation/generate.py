@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 from kiln_config.errors import InputError, MissingInput
+from kiln_pyfunc import load_pipeline
+from models.evaluation.generate import generate_images as generate
+from tasks.registry.tracking import registered_pipeline
 
-__all__ = ["generate_images", "resolve_pipeline"]
+__all__ = ["generate_pngs", "resolve_pipeline"]
 
 
 def resolve_pipeline(model: str, tracking_uri: str, root: Path) -> tuple[str, Path]:
@@ -25,8 +28,6 @@ def resolve_pipeline(model: str, tracking_uri: str, root: Path) -> tuple[str, Pa
         ValueError: a models:/ URI of the wrong form.
     """
     if model.startswith("models:/"):
-        from tasks.registry.tracking import registered_pipeline
-
         ident, folder = registered_pipeline(tracking_uri, root, model)
         return ident, Path(folder())
     path = Path(model)
@@ -38,7 +39,7 @@ def resolve_pipeline(model: str, tracking_uri: str, root: Path) -> tuple[str, Pa
     return str(path.resolve()), path
 
 
-def generate_images(
+def generate_pngs(
     pipeline_dir: Path,
     prompt: str,
     out: Path,
@@ -55,9 +56,6 @@ def generate_images(
         {"images": [paths], "seconds_per_image", "device", "model"}; also written as
         `<out>/generate.json`.
     """
-    from kiln_pyfunc import load_pipeline
-    from models.evaluation.generate import generate_images as generate
-
     if n < 1 or steps < 1 or batch_size < 1:
         raise InputError(
             f"--n, --steps and --batch-size must be at least 1 (got {n}, {steps}, {batch_size})"

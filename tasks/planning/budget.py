@@ -15,6 +15,12 @@ from pathlib import Path
 
 from kiln_config import TrainConfig
 from kiln_config.errors import InputError
+from models.measure_throughput import measure_stage
+from models.training.flops import train_flops_per_sample
+from tasks.planning.activation_trace import unet_parameter_count
+from tasks.planning.memory_model import memory_plan
+from tasks.planning.scale_model import stage_scaling
+from tasks.planning.topology import processes_per_machine, topology_setup
 
 __all__ = [
     "StagePlan",
@@ -66,8 +72,6 @@ def make_plan(
     Without a GPU, a measurement uses the CPU threads each training process of the launch
     will get: `processes_per_machine` of them share the cores (default `num_processes`).
     """
-    from models.training.flops import train_flops_per_sample
-
     if (img_per_s is None) == (measure_steps is None):
         raise InputError("give exactly one of --img-per-s and --measure-steps")
     if img_per_s is not None and img_per_s <= 0:
@@ -77,8 +81,6 @@ def make_plan(
     rates: list[tuple[float, str]] = []
     val_forward_s: list[float | None] = [None] * len(train.stages)
     if measure_steps is not None:
-        from models.measure_throughput import measure_stage
-
         for i in range(len(train.stages)):
             # One process's share of the split the run will evaluate (an even split: the
             # evaluation deals batches round-robin, so the busiest rank can hold a batch more).
@@ -194,10 +196,6 @@ SCALE_NODES = (1, 2, 4, 8, 16)
 def memory_and_scale(plan: dict, train: TrainConfig, launch, precomputed: bool) -> dict:
     """Add each stage's GPU memory (`tasks.planning.memory_model`) and scaling over `SCALE_NODES`
     nodes (`tasks.planning.scale_model`) to `plan`, in its configured topology."""
-    from tasks.launch.common import processes_per_machine
-    from tasks.planning.memory_model import memory_plan, topology_setup
-    from tasks.planning.scale_model import stage_scaling
-
     worlds = [p["processes"] for p in plan["stages"]]
     memory = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb, precomputed)
     strategy, precision = topology_setup(launch.accelerate_config)
@@ -223,8 +221,6 @@ def memory_and_scale(plan: dict, train: TrainConfig, launch, precomputed: bool) 
 
 
 def _unet_params(train: TrainConfig) -> int:
-    from tasks.planning.activation_trace import unet_parameter_count
-
     return unet_parameter_count(train.model.unet)
 
 

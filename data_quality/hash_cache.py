@@ -25,16 +25,14 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.storage.layout import Layout
-
-__all__ = ["VERSION", "cache_root", "load", "prune", "save"]
+__all__ = ["VERSION", "cache_folder", "load", "prune", "save"]
 
 VERSION = 1  # bump when hash_columns changes: older entries are then never read
 
 
-def cache_root(layout: Layout) -> Path:
-    """The folder of the root's hash cache."""
-    return layout.folder("catalog") / f"hash-cache-v{VERSION}"
+def cache_folder(catalog: Path) -> Path:
+    """The hash cache's folder in the root's `catalog` folder."""
+    return Path(catalog) / f"hash-cache-v{VERSION}"
 
 
 def _folder(cache: Path, data_file: Path) -> Path:

@@ -3,7 +3,7 @@ saw an image.
 
 Each registered version's tags name its dataset version and run (`dataset_version`,
 `run_id`, tasks/registry/tracking.py). From there `model_lineage` gives its rows by source, license
-and contributor and each contributor's draws per stage (tasks/catalog/lineage.py);
+and contributor and each contributor's draws per stage (tasks/catalog/dataset_lineage.py);
 `register_lineage` logs that table as a CSV on the version's training run
 (`lineage/contributors.csv`), tags the version with the earliest license end among its
 images and names the report in its description; `tag_takedowns` tags every version whose
@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 
 from kiln_config import QualityConfig
 from kiln_config.errors import InputError
-from tasks.catalog.lineage import (
+from tasks.catalog.dataset_lineage import (
     REPORT_ARTIFACT,
     contributors_report,
     dataset_rows,
