@@ -345,7 +345,7 @@ def main() -> None:
     dask_sizes = {int(x) for x in args.dask_sizes.split(",") if x}
     work = Path(args.work or tempfile.mkdtemp(prefix="kiln-catalog-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    kiln = [sys.executable, "-m", "kiln_cli.main"]  # this checkout's CLI, whatever is installed
+    kiln = [sys.executable, "-m", "kiln_cli"]  # this checkout's CLI, whatever is installed
     server, env = _prefect_server(work)
     cluster = None
     runs = []

@@ -98,7 +98,7 @@ def main() -> None:
                 cmd = [
                     sys.executable,
                     "-m",
-                    "kiln_cli.main",
+                    "kiln_cli",
                     "ingest",
                     "--config",
                     str(cfg),

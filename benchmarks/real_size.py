@@ -48,10 +48,10 @@ def _label(cmd: list[str]) -> str:
     line = " ".join(cmd)
     if "models.train" in line:
         return "accelerate launch" if "accelerate" in line else "models.train"
-    if "kiln_cli.main" in line:
+    if "kiln_cli" in line:
         return (
-            "kiln " + cmd[cmd.index("kiln_cli.main") + 1]
-            if cmd.index("kiln_cli.main") + 1 < len(cmd)
+            "kiln " + cmd[cmd.index("kiln_cli") + 1]
+            if cmd.index("kiln_cli") + 1 < len(cmd)
             else "kiln"
         )
     if "prefect" in line and "server" in line or "uvicorn" in line:
@@ -333,7 +333,7 @@ def run_all(args, env: dict, res: dict) -> None:
     """Every step, in order, filling `res` with the figures as they come."""
     work, log = args.work, args.work / "commands.log"
     work.mkdir(parents=True, exist_ok=True)
-    kiln = [sys.executable, "-m", "kiln_cli.main"]
+    kiln = [sys.executable, "-m", "kiln_cli"]
     res |= {
         "reduced": args.reduced,
         "train_on": args.train_on,

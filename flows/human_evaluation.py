@@ -42,20 +42,7 @@ from tasks.launch.accelerate import launch_generate
 from tasks.registry.tracking import registered_pipeline
 from tasks.storage.layout import Layout
 
-__all__ = ["human_eval_flow", "is_model_ref", "study_for_model"]
-
-
-def is_model_ref(ref: str) -> bool:
-    """A registered model URI (models:/name@alias, models:/name/3) or a folder that is not a
-    study, rather than a study. A folder without study.json is taken for a pipeline, so that
-    one without model_index.json either is named as neither (`_pipeline_identity`) instead of
-    being looked up as a study id."""
-    if ref.startswith("models:/"):
-        return True
-    folder = Path(ref)
-    return (folder / "model_index.json").is_file() or (
-        folder.is_dir() and not (folder / "study.json").is_file()
-    )
+__all__ = ["human_eval_flow", "study_for_model"]
 
 
 def _pipeline_identity(folder: Path) -> str:

@@ -10,38 +10,16 @@ version whose tag counts taken-down images unless told why (tasks/registry/promo
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pandas as pd
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig
-from kiln_config.errors import InputError
 from tasks.catalog.dataset_lineage import resolve_image
 from tasks.catalog.takedown import add_takedown
 from tasks.registry.model_lineage import tag_takedowns
 from tasks.registry.new_data import emit_takedown_added, taken_down_since_training
 
-__all__ = ["read_keys_file", "takedown_flow"]
-
-
-def read_keys_file(path: str | Path) -> list[str]:
-    """The keys (or `<source>/<key>` paths) of a takedown file: a CSV whose `key` column
-    holds them, or one per line without a header.
-
-    Raises:
-        ValueError: the file holds no key.
-    """
-    text = Path(path).read_text().splitlines()
-    if text and text[0].strip().lower() == "key":
-        keys = pd.read_csv(path, dtype=str)["key"].dropna().tolist()
-    else:
-        keys = [line.split(",")[0].strip() for line in text]
-    keys = [k for k in keys if k]
-    if not keys:
-        raise InputError(f"takedown --file {path}: no key in the file")
-    return keys
+__all__ = ["takedown_flow"]
 
 
 @flow(name="kiln-takedown", log_prints=True)

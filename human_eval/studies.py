@@ -19,7 +19,14 @@ from PIL import Image as PILImage
 from human_eval.store import RatingStore
 from kiln_config.errors import InputError, MissingInput
 
-__all__ = ["Study", "StudyMismatch", "create_comparison", "load_study", "match_studies"]
+__all__ = [
+    "Study",
+    "StudyMismatch",
+    "create_comparison",
+    "is_model_ref",
+    "load_study",
+    "match_studies",
+]
 
 
 class StudyMismatch(InputError):
@@ -194,3 +201,16 @@ def _gold_pairs(items: list[dict], n: int, rng: random.Random) -> list[dict]:
         other = rng.choice([o for o in items if o["prompt"] != it["prompt"]])
         out.append({**it, "path_b": other["path_a"]})
     return out
+
+
+def is_model_ref(ref: str) -> bool:
+    """A registered model URI (models:/name@alias, models:/name/3) or a folder that is not a
+    study, rather than a study. A folder without study.json is taken for a pipeline, so that
+    one without model_index.json either is named as neither (`flows.human_evaluation`) instead of
+    being looked up as a study id."""
+    if ref.startswith("models:/"):
+        return True
+    folder = Path(ref)
+    return (folder / "model_index.json").is_file() or (
+        folder.is_dir() and not (folder / "study.json").is_file()
+    )

@@ -1,14 +1,12 @@
 """`kiln catalog ...`: the catalog's Delta tables for a data team.
 
-    kiln catalog show                       table versions, rows by source and by quarantine
-                                            reason, the commit history
-    kiln catalog sql "SELECT ..."           DuckDB over `clean`, `accepted`, `quarantine`
-                                            (--version N: the accepted table at version N)
-    kiln catalog export OUT --format csv    the clean view as Parquet or CSV
-    kiln catalog compact                    compact small files, vacuum old ones
-    kiln catalog migrate                    move a chain-layout catalog into the tables, once
-
-Only click is imported at module level: `kiln_cli/main.py` imports this module on every command.
+kiln catalog show                       table versions, rows by source and by quarantine
+                                        reason, the commit history
+kiln catalog sql "SELECT ..."           DuckDB over `clean`, `accepted`, `quarantine`
+                                        (--version N: the accepted table at version N)
+kiln catalog export OUT --format csv    the clean view as Parquet or CSV
+kiln catalog compact                    compact small files, vacuum old ones
+kiln catalog migrate                    move a chain-layout catalog into the tables, once
 """
 
 from __future__ import annotations
@@ -16,8 +14,10 @@ from __future__ import annotations
 import json
 
 import click
+import duckdb
 
-from kiln_cli.options import CliError, config_options, load_checked
+from kiln_cli.options import CliError, config_options, load_config
+from tasks.catalog.admin import compact, export, migrate, query, registered_versions, show
 
 __all__ = ["catalog"]
 
@@ -31,9 +31,7 @@ def catalog() -> None:
 @config_options
 def catalog_show(config_path: str, root: str | None) -> None:
     """The current table versions, rows by source and by quarantine reason, and history."""
-    from tasks.catalog.admin import show
-
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     click.echo(json.dumps(show(cfg.storage.root), indent=2, default=str))
 
 
@@ -49,11 +47,7 @@ def catalog_show(config_path: str, root: str | None) -> None:
 )
 def catalog_sql(config_path: str, root: str | None, statement: str, version: int | None) -> None:
     """Run a DuckDB STATEMENT over the tables `clean`, `accepted` and `quarantine`."""
-    import duckdb
-
-    from tasks.catalog.admin import query
-
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     try:
         result = query(cfg.storage.root, statement, version)
     except duckdb.Error as e:  # the user's statement
@@ -83,9 +77,8 @@ def catalog_export(
     config_path: str, root: str | None, out: str, fmt: str, version: int | None
 ) -> None:
     """Write the clean view (accepted rows less the verdict's rejects) to OUT."""
-    from tasks.catalog.admin import export
 
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     n = export(cfg.storage.root, out, fmt, version)
     click.echo(f"wrote {n} rows to {out}")
 
@@ -102,9 +95,8 @@ def catalog_export(
 def catalog_compact(config_path: str, root: str | None, retain_hours: float | None) -> None:
     """Compact each table's small files, then vacuum files that no version younger than
     --retain-hours names, nor any version a registered model's dataset was cut from."""
-    from tasks.catalog.admin import compact, registered_versions
 
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     hours = cfg.ingest.compact_retain_hours if retain_hours is None else retain_hours
     keep = registered_versions(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name)
     click.echo(json.dumps(compact(cfg.storage.root, hours, keep), indent=2))
@@ -114,8 +106,7 @@ def catalog_compact(config_path: str, root: str | None, retain_hours: float | No
 @config_options
 def catalog_migrate(config_path: str, root: str | None) -> None:
     """Move a catalog written in the chain layout into the Delta tables (once)."""
-    from tasks.catalog.admin import migrate
 
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     done = migrate(cfg.storage.root)
     click.echo(f"migrated {len(done)} ingest(s)" if done else "nothing to migrate")

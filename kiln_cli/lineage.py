@@ -8,7 +8,8 @@
     kiln takedown add --key K | --contributor C | --file keys.csv --reason TEXT
     kiln takedown list
 
-Only click is imported at module level: `kiln_cli/main.py` imports this module on every command.
+The registry's lineage and the takedown flow load MLflow and Prefect, so they are imported by
+the commands that use them.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from __future__ import annotations
 import json
 
 import click
+import pandas as pd
 
-from kiln_cli.options import config_options, load_checked
+from flows.steps import STEPS
+from kiln_cli.options import config_options, load_config
+from tasks.catalog.takedown import read_keys_file, read_takedowns
 
 __all__ = ["lineage", "takedown"]
 
 
 def _table(df) -> str:
     """The whole frame as text: every column, however wide."""
-    import pandas as pd
-
     with pd.option_context(
         "display.width", None, "display.max_columns", None, "display.max_colwidth", None
     ):
@@ -45,9 +47,10 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 
     KEY_OR_PATH is its catalog key (`00001.jpg`) or `<source>/<key>`.
     """
+    # The registry's lineage reads MLflow (seconds to import): loaded for this command.
     from tasks.registry.model_lineage import image_lineage
 
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     found = image_lineage(
         cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name, key_or_path, cfg.quality
     )
@@ -67,9 +70,10 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 )
 def lineage_model(config_path: str, root: str | None, model_uri: str, csv_path: str | None) -> None:
     """What a registered version (models:/NAME/N or models:/NAME@ALIAS) trained on."""
+    # The registry's lineage reads MLflow (seconds to import): loaded for this command.
     from tasks.registry.model_lineage import model_lineage
 
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     info = model_lineage(cfg.storage.root, cfg.tracking_uri, model_uri, cfg.quality)
     aliases = f" ({', '.join(info['aliases'])})" if info["aliases"] else ""
     click.echo(
@@ -120,11 +124,11 @@ def takedown_add(
     ]
     if len(given) != 1:
         raise click.UsageError(f"give exactly one of --key, --contributor, --file (got {given})")
-    from flows.takedown import read_keys_file, takedown_flow
-
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root, "takedown")
     wanted = list(keys) or (read_keys_file(keys_file) if keys_file else None)
-    result = takedown_flow(cfg, reason=reason, keys=wanted, contributor=contributor, by=by)
+    result = STEPS["takedown"].load_flow()(
+        cfg, reason=reason, keys=wanted, contributor=contributor, by=by
+    )
     click.echo(json.dumps(result, indent=2, default=str))
 
 
@@ -132,7 +136,5 @@ def takedown_add(
 @config_options
 def takedown_list(config_path: str, root: str | None) -> None:
     """Every addition to the takedown list: when, who, why, and what."""
-    from tasks.catalog.takedown import read_takedowns
-
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     click.echo(_table(read_takedowns(cfg.storage.root)))

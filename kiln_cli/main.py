@@ -1,21 +1,28 @@
 """The `kiln` command line. Every step is also a Prefect flow that can run on its own.
 
-Heavy modules are imported inside the commands: ingest and shard start worker processes with
-`spawn`, and those re-import this module, so it must stay light.
+A command that runs a step of the table (flows/steps.py) loads its config through that step
+(its inputs checked as its deployment checks them), then imports and runs its flow. Prefect,
+torch and MLflow load only when a command needs them: `kiln --help` and a config error come
+back in about a second.
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import click
+import psutil
 
+from flows.steps import STEPS
+from kiln_cli.catalog import catalog
+from kiln_cli.lineage import lineage, takedown
 from kiln_cli.options import (
     CONFIG,
     ROOT,
@@ -23,8 +30,13 @@ from kiln_cli.options import (
     ConfigDefault,
     KilnGroup,
     config_options,
-    load_checked,
+    load_config,
 )
+from kiln_cli.rate import compare, rate
+from kiln_config import redact_uri
+from kiln_demo.data import write_demo_dataset
+from tasks.planning.topology import processes_per_machine, stage_processes
+from tasks.storage.layout import Layout
 
 __all__ = ["PREFECT_UI_PORT", "main"]
 
@@ -43,30 +55,21 @@ SOURCE = click.option(
 )
 
 
-def _call(
-    flow: str,
-    config_path: str,
-    root: str | None,
-    steps: tuple[str, ...] = (),
-    *,
-    source: str | None = None,
-    exclusive: bool = False,
-    **kwargs,
+def _run_step(
+    step: str, config_path: str, root: str | None, *, source: str | None = None, **kwargs
 ):
-    """Load and check the config once, then run a flow on the loaded config.
+    """Load and check the config once through the table's `step`, then run its flow on it.
 
     Before any flow run starts (and before Prefect is even imported), the schema is validated
-    and the input checks of `steps` run (`kiln_cli.options.load_checked`), so a typo or a
-    missing file never reaches Prefect. The flow (`"module:name"`) is imported after them:
-    importing the flows (torch, Prefect) takes seconds. The flow gets the loaded config
-    object, not the user's file, which may change while it runs.
+    and the step's input checks run (`kiln_cli.options.load_config`), so a typo or a missing
+    file never reaches Prefect. The flow gets the loaded config object, not the user's file,
+    which may change while it runs.
 
     Returns:
         (the loaded config, the flow's result).
     """
-    cfg = load_checked(config_path, root, steps, source=source, exclusive=exclusive)
-    module, name = flow.split(":")
-    return cfg, getattr(importlib.import_module(module), name)(cfg, **kwargs)
+    cfg = load_config(config_path, root, step, source=source)
+    return cfg, STEPS[step].load_flow()(cfg, **kwargs)
 
 
 def _show(result: dict) -> None:
@@ -107,8 +110,6 @@ def demo_data(directory: str, n: int, seed: int) -> None:
     Coloured shapes with matching captions, in varied sizes, plus planted bad items: a
     truncated JPEG, a zero-byte file, text named .jpg, an empty caption and a duplicate.
     """
-    from kiln_demo.data import write_demo_dataset
-
     _show(write_demo_dataset(directory, n=n, seed=seed))
 
 
@@ -118,14 +119,8 @@ def demo_data(directory: str, n: int, seed: int) -> None:
 @ALLOW_FAILED_GATE
 def run(config_path: str, source: str | None, root: str | None, allow_failed_gate: bool) -> None:
     """Run the whole pipeline as one Prefect flow run (a subflow per step)."""
-    cfg, result = _call(
-        "flows.pipeline:kiln_pipeline",
-        config_path,
-        root,
-        ("ingest", "train", "evaluate", "register"),
-        source=source,
-        exclusive=True,
-        allow_failed_gate=allow_failed_gate,
+    cfg, result = _run_step(
+        "pipeline", config_path, root, source=source, allow_failed_gate=allow_failed_gate
     )
     _show(result)
     _where(cfg, config_path, result)
@@ -136,7 +131,7 @@ def run(config_path: str, source: str | None, root: str | None, allow_failed_gat
 @SOURCE
 def ingest(config_path: str, source: str | None, root: str | None) -> None:
     """List and decode the source; write <root>/catalog/<ingest_id>/."""
-    _show(_call("flows.ingest:ingest_flow", config_path, root, ("ingest",), source=source)[1])
+    _show(_run_step("ingest", config_path, root, source=source)[1])
 
 
 @main.command()
@@ -144,7 +139,7 @@ def ingest(config_path: str, source: str | None, root: str | None) -> None:
 @click.option("--ingest-id", default=None, help="Catalog to validate (default: newest).")
 def validate(config_path: str, root: str | None, ingest_id: str | None) -> None:
     """Run the Great Expectations quality gate; quarantine failing rows."""
-    _show(_call("flows.validate:validate_flow", config_path, root, ingest_id=ingest_id)[1])
+    _show(_run_step("validate", config_path, root, ingest_id=ingest_id)[1])
 
 
 @main.command()
@@ -165,11 +160,10 @@ def shard(
 ) -> None:
     """Write one MDS dataset per training stage resolution."""
     _show(
-        _call(
-            "flows.shard:shard_flow",
+        _run_step(
+            "shard",
             config_path,
             root,
-            ("shard",),
             ingest_id=ingest_id,
             allow_failed_gate=allow_failed_gate,
             dry_run=dry_run,
@@ -185,14 +179,8 @@ def train(
     config_path: str, root: str | None, dataset_version: str | None, run_id: str | None
 ) -> None:
     """Train every stage with `accelerate launch`, resuming from checkpoints after a crash."""
-    _, result = _call(
-        "flows.train:train_flow",
-        config_path,
-        root,
-        ("train",),
-        exclusive=True,
-        dataset_version=dataset_version,
-        run_id=run_id,
+    _, result = _run_step(
+        "train", config_path, root, dataset_version=dataset_version, run_id=run_id
     )
     _show({k: v for k, v in result.items() if k not in ("stages", "config")})
 
@@ -221,6 +209,8 @@ def plan(
     The plan is saved to <root>/runs/plan.json; the train flow's summary compares it with the
     actual run.
     """
+    # The planner traces the UNet's activations with torch (2 s to import): loaded here, for
+    # `kiln plan` alone.
     from tasks.planning.budget import (
         format_memory,
         format_plan,
@@ -228,12 +218,10 @@ def plan(
         memory_and_scale,
         save_plan,
     )
-    from tasks.planning.topology import processes_per_machine, stage_processes
-    from tasks.storage.layout import Layout
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
-    cfg = load_checked(config_path, root, ("plan",))
+    cfg = load_config(config_path, root, checks=("plan",))
     try:
         result = make_plan(
             cfg.train,
@@ -256,8 +244,6 @@ def plan(
 def _val_samples(cfg) -> list[int] | None:
     """Each stage's validation split size in the newest dataset version (shards.json), so the
     plan counts the held-out evaluations; None before `kiln shard` has run."""
-    from tasks.storage.layout import Layout
-
     layout = Layout(Path(cfg.storage.root))
     version = layout.latest_or_none("shards")
     path = layout.shards(version) / "shards.json" if version else None
@@ -286,15 +272,11 @@ def evaluate(config_path: str, root: str | None, run_id: str | None, model: str 
     if model and run_id:
         raise CliError("--model and --run-id exclude each other: pass one")
     if not model:
-        _show(
-            _call("flows.evaluate:evaluate_flow", config_path, root, ("evaluate",), run_id=run_id)[
-                1
-            ]
-        )
+        _show(_run_step("evaluate", config_path, root, run_id=run_id)[1])
         return
-    cfg = load_checked(config_path, root, ("evaluate",))
+    cfg = load_config(config_path, root, "evaluate")
+    # A flows module (Prefect, torch, MLflow): imported once the config has passed its checks.
     from flows.human_evaluation import study_for_model
-    from tasks.storage.layout import Layout
 
     study_id = study_for_model(cfg, model)
     _show({"study_id": study_id, "path": str(Layout(Path(cfg.storage.root)).study(study_id))})
@@ -309,11 +291,10 @@ def evaluate(config_path: str, root: str | None, run_id: str | None, model: str 
 def register(config_path: str, root: str | None, run_id: str | None, study_id: str | None) -> None:
     """Log the final pipeline to MLflow, register a version and set the alias."""
     _show(
-        _call(
-            "flows.register:register_flow",
+        _run_step(
+            "register",
             config_path,
             root,
-            ("register",),
             run_id=run_id,
             study_id=study_id,
         )[1]
@@ -345,9 +326,10 @@ def generate(
     config_path: str, root: str | None, model: str, prompt: str, n: int, seed: int, out: str
 ) -> None:
     """Generate PNG files from a registered model (or an export) for one prompt."""
+    # MLflow and diffusers (seconds to import), for this command alone.
     from tasks.evaluation.generate import generate_pngs, resolve_pipeline
 
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     ev = cfg.evaluate  # --steps and --guidance applied
     _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
     try:
@@ -399,11 +381,10 @@ def promote(
     taken-down image is refused unless --allow-takedown --reason says why.
     """
     _show(
-        _call(
-            "flows.promote:promote_flow",
+        _run_step(
+            "promote",
             config_path,
             root,
-            ("register",),
             candidate=candidate,
             first=first,
             force=force,
@@ -418,7 +399,7 @@ def promote(
 @click.option("--reason", default=None, help="Why (recorded on both versions).")
 def rollback(config_path: str, root: str | None, reason: str | None) -> None:
     """Swap `champion` and `previous-champion` back."""
-    _show(_call("flows.promote:rollback_flow", config_path, root, ("register",), reason=reason)[1])
+    _show(_run_step("rollback", config_path, root, reason=reason)[1])
 
 
 @main.command()
@@ -448,7 +429,7 @@ def _ui_env(port: int, env) -> dict[str, str]:
 @click.option("--port", default=5000, show_default=True, help="Port on 127.0.0.1.")
 def mlflow_ui(config_path: str, root: str | None, port: int) -> None:
     """Serve the MLflow UI (runs, metrics, registry) for the config's tracking URI."""
-    cfg = load_checked(config_path, root)
+    cfg = load_config(config_path, root)
     raise SystemExit(_mlflow_ui(cfg.tracking_uri, port, runner=_stops_its_tree(subprocess.call)))
 
 
@@ -467,12 +448,8 @@ def _stops_its_tree(call):
     would) left uvicorn serving, orphaned. The tree is listed in the handler, while its
     parent still holds it together; a member still up after 10 s is killed.
     """
-    import contextlib
-    import signal
 
     def run(argv, **kwargs):
-        import psutil
-
         tree: list = []
 
         def stop(signum, _frame):
@@ -506,8 +483,6 @@ def _mlflow_ui(tracking_uri: str, port: int, runner) -> int:
     The URI can hold database credentials, and any user sees a process's argv (`ps`): it goes
     through the environment (`MLFLOW_BACKEND_STORE_URI`, which `mlflow ui` reads), never argv.
     """
-    from kiln_config import redact_uri
-
     mlflow = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
     cmd = [mlflow, "ui", "--host", "127.0.0.1", "--port", str(port)]
     click.echo(f"MLflow UI for {redact_uri(tracking_uri)} at http://127.0.0.1:{port}", err=True)
@@ -515,9 +490,6 @@ def _mlflow_ui(tracking_uri: str, port: int, runner) -> int:
 
 
 def _where(cfg, config_path: str, result: dict) -> None:
-    from kiln_config import redact_uri
-    from tasks.storage.layout import Layout
-
     layout = Layout(Path(cfg.storage.root))
     ing = result["ingest"]["ingest_id"]
     lines = [
@@ -540,42 +512,5 @@ def _where(cfg, config_path: str, result: dict) -> None:
     click.echo("\n".join(lines))
 
 
-def _add_human_eval_commands() -> None:
-    """`kiln compare` and `kiln rate ...` (kiln_cli/rate.py, which imports only click)."""
-    from kiln_cli.rate import compare, rate
-
-    main.add_command(compare)
-    main.add_command(rate)
-
-
-_add_human_eval_commands()
-
-
-def _add_lineage_commands() -> None:
-    """`kiln lineage ...` and `kiln takedown ...` (kiln_cli/lineage.py, click only)."""
-    from kiln_cli.lineage import lineage, takedown
-
-    main.add_command(lineage)
-    main.add_command(takedown)
-
-
-_add_lineage_commands()
-
-
-def _add_catalog_commands() -> None:
-    """`kiln catalog ...` (kiln_cli/catalog.py, click only)."""
-    from kiln_cli.catalog import catalog
-
-    main.add_command(catalog)
-
-
-_add_catalog_commands()
-
-
-def entry() -> None:
-    """The `kiln` console script."""
-    main()
-
-
-if __name__ == "__main__":
-    entry()
+for _command in (compare, rate, lineage, takedown, catalog):
+    main.add_command(_command)

@@ -1,8 +1,7 @@
 """What every `kiln` command shares (`kiln_cli/main.py`, `kiln_cli/rate.py`): the `--config` and
-`--root` options, options that set a config field, the one way a config is loaded and
-checked, and the one error path: a user's error is one line, a bug prints its traceback.
-
-Only click is imported at module level, so `kiln --help` stays fast.
+`--root` options, options that set a config field, the one way a command loads its config
+(through its step of the table, flows/steps.py, when it runs one), and the one error path: a
+user's error is one line, a bug prints its traceback.
 """
 
 from __future__ import annotations
@@ -10,13 +9,15 @@ from __future__ import annotations
 import signal
 import threading
 import traceback
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import click
+from pydantic import BaseModel
 
-if TYPE_CHECKING:
-    from kiln_config import PipelineConfig
+from flows.steps import STEPS
+from kiln_config import PipelineConfig
+from kiln_config.errors import KilnError
+from tasks.inputs import load_checked
 
 __all__ = [
     "CONFIG",
@@ -25,7 +26,7 @@ __all__ = [
     "ConfigDefault",
     "KilnGroup",
     "config_options",
-    "load_checked",
+    "load_config",
     "schema_default",
 ]
 
@@ -48,8 +49,7 @@ def config_options(f):
 
 def schema_default(field: str):
     """The schema's default of a dotted pipeline-config field (`human_eval.port`)."""
-    from kiln_config import PipelineConfig
-
+    model: type[BaseModel]
     model, *parents, leaf = PipelineConfig, *field.split(".")
     for name in parents:
         model = model.model_fields[name].annotation
@@ -59,10 +59,9 @@ def schema_default(field: str):
 class ConfigDefault(click.Option):
     """An option that sets a config field. Given, it overrides the loaded config's value,
     validated by the schema like the file's own; left out, the config's value applies, and
-    the config's default is the schema's. `--help` shows the field and its schema default
-    (the schema is imported only then).
+    the config's default is the schema's. `--help` shows the field and its schema default.
 
-    The option is not passed to the command: `load_checked` applies it, and the command
+    The option is not passed to the command: `load_config` applies it, and the command
     reads the field from the config it returns.
     """
 
@@ -87,23 +86,10 @@ class ConfigDefault(click.Option):
 _OVERRIDES = "kiln.config_overrides"
 
 
-def _apply_overrides(cfg: PipelineConfig) -> None:
-    """Set the fields of the current command's `ConfigDefault` options that were given."""
-    from pydantic import ValidationError
-
-    from kiln_config import ConfigError
-
+def _overrides() -> dict[str, tuple[str, Any]]:
+    """The fields the current command's `ConfigDefault` options set: {field: (option, value)}."""
     ctx = click.get_current_context(silent=True)
-    for field, (opt, value) in (ctx.meta.get(_OVERRIDES, {}) if ctx else {}).items():
-        *parents, leaf = field.split(".")
-        section = cfg
-        for name in parents:
-            section = getattr(section, name)
-        try:
-            type(section).__pydantic_validator__.validate_assignment(section, leaf, value)
-        except ValidationError as e:
-            msg = e.errors()[0]["msg"]
-            raise ConfigError(f"{opt} ({field}): {msg} (received {value!r})") from None
+    return dict(ctx.meta.get(_OVERRIDES, {})) if ctx else {}
 
 
 class CliError(click.ClickException):
@@ -130,35 +116,24 @@ class _Bug(click.ClickException):
         )
 
 
-def load_checked(
+def load_config(
     config_path: str,
     root: str | None,
-    steps: tuple[str, ...] = (),
+    step: str | None = None,
     *,
+    checks: tuple[str, ...] = (),
     source: str | None = None,
-    exclusive: bool = False,
 ) -> PipelineConfig:
-    """A command's one config load: validated, overrides applied (`--root`, `--source` and
-    the command's `ConfigDefault` options), the inputs of `steps` checked
-    (`tasks.inputs.check_inputs`), before any flow (or Prefect) is imported.
-
-    An `exclusive` command (one that takes the root's training lock, tasks/storage/lock.py)
-    fails here too when another process holds it.
-    """
-    from kiln_config import load_config
-    from tasks.inputs import check_inputs
-    from tasks.storage.lock import busy_reason
-
-    try:
-        cfg = load_config(config_path, root=root, source=source)
-    except OSError as e:  # an unreadable file: ConfigError covers a missing or invalid one
-        raise CliError(str(e)) from e
-    _apply_overrides(cfg)
-    check_inputs(cfg, steps)
-    busy = exclusive and busy_reason(Path(cfg.storage.root))
-    if busy:
-        raise CliError(busy)
-    return cfg
+    """A command's one config load, before any flow (or Prefect) is imported: validated,
+    overrides applied (`--root`, `--source` and the command's `ConfigDefault` options), and,
+    for a command that runs a `step` of the table (flows/steps.py), that step's inputs checked
+    and its training lock refused as its deployment does (`tasks.inputs.load_checked`); for
+    another command, the inputs of `checks`."""
+    if step is not None:
+        return STEPS[step].load_config(
+            config_path, root=root, source=source, overrides=_overrides()
+        )
+    return load_checked(config_path, checks, root=root, source=source, overrides=_overrides())
 
 
 def _expected(e: Exception) -> str | None:
@@ -167,14 +142,12 @@ def _expected(e: Exception) -> str | None:
     Expected are Kiln's own errors (`kiln_config.errors.KilnError`), what the operating system
     refused (an `OSError`: a permission, a full disk; it names the path) and what the MLflow
     registry answered. Any other exception, a `KeyError` or `ValueError` included, is a bug.
-    MLflow is imported here, on the error path only.
     """
-    from kiln_config.errors import KilnError
-
     if isinstance(e, KilnError):
         return str(e)
     if isinstance(e, OSError):
         return f"{type(e).__name__}: {e}"
+    # MLflow takes 1.5 s to import: on the error path only, and only when no other type matched.
     from mlflow.exceptions import MlflowException
 
     if isinstance(e, MlflowException):

@@ -7,8 +7,7 @@
 
 A study is `kiln evaluate` output: an id under `<root>/eval/` or a study folder. Like every
 `kiln` command they take `--config` and `--root`; the store is `human_eval.database_url`, by
-default `<root>/human_eval/ratings.db`. Heavy modules are imported inside the commands, so
-`kiln --help` stays fast.
+default `<root>/human_eval/ratings.db`.
 """
 
 from __future__ import annotations
@@ -18,19 +17,21 @@ from pathlib import Path
 
 import click
 
-from kiln_cli.options import ConfigDefault, config_options, load_checked
+from human_eval.app import serve as run_app
+from human_eval.report import build_report
+from human_eval.store import RatingStore
+from human_eval.studies import create_comparison, is_model_ref, load_study
+from kiln_cli.options import ConfigDefault, config_options, load_config
+from tasks.storage.layout import Layout
 
 __all__ = ["compare", "rate"]
 
 COMPARISON = click.option("--comparison", required=True, help="Comparison id (kiln compare).")
 
 
-def _load(config_path: str, root: str | None, steps: tuple[str, ...] = ()):
+def _load(config_path: str, root: str | None, step: str | None = None):
     """(config, ratings store); the store closes however the command ends."""
-    from human_eval.store import RatingStore
-    from tasks.storage.layout import Layout
-
-    cfg = load_checked(config_path, root, steps)
+    cfg = load_config(config_path, root, step)
     store = RatingStore.open(
         Layout(Path(cfg.storage.root)).ratings_db(), cfg.human_eval.database_url
     )
@@ -76,17 +77,15 @@ def compare(
     pipeline folder): its study is generated first with `evaluate`'s settings, unless it
     exists.
     """
-    from flows.human_evaluation import is_model_ref, study_for_model
-    from human_eval.studies import create_comparison, load_study
-    from tasks.storage.layout import Layout
-
     models = [is_model_ref(study_a), is_model_ref(study_b)]
-    cfg, store = _load(config_path, root, ("evaluate",) if any(models) else ())
+    cfg, store = _load(config_path, root, "evaluate" if any(models) else None)
     he = cfg.human_eval  # --raters-per-pair and --gold applied
-    if models[0]:
-        study_a = study_for_model(cfg, study_a)
-    if models[1]:
-        study_b = study_for_model(cfg, study_b)
+    if any(models):
+        # A flows module (Prefect, torch, MLflow): imported when a side is a model.
+        from flows.human_evaluation import study_for_model
+
+        study_a = study_for_model(cfg, study_a) if models[0] else study_a
+        study_b = study_for_model(cfg, study_b) if models[1] else study_b
     studies = Layout(Path(cfg.storage.root)).folder("eval")
     a, b = load_study(study_a, studies), load_study(study_b, studies)
     cid, created = create_comparison(
@@ -115,8 +114,6 @@ def rate() -> None:
 @click.option("--port", type=int, cls=ConfigDefault, field="human_eval.port", help="Port.")
 def serve(config_path: str, root: str | None) -> None:
     """Serve the rating pages; prints the admin link (never part of a rater link)."""
-    from human_eval.app import serve as run_app
-
     cfg, store = _load(config_path, root)
     host, port = cfg.human_eval.host, cfg.human_eval.port  # --host and --port applied
     click.echo(f"Rating app at http://{host}:{port}/rate/<token> (kiln rate invite)")
@@ -156,9 +153,6 @@ def invite(config_path: str, root: str | None, comparison: str, raters: int) -> 
 @COMPARISON
 def report(config_path: str, root: str | None, comparison: str) -> None:
     """Write report.json, votes.csv and preference.png under <root>/human_eval/<comparison>/."""
-    from human_eval.report import build_report
-    from tasks.storage.layout import Layout
-
     cfg, store = _load(config_path, root)
     he = cfg.human_eval
     out = Layout(Path(cfg.storage.root)).comparison(comparison)

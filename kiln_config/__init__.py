@@ -40,6 +40,7 @@ from kiln_config.launch import (
     SlurmConfig,
 )
 from kiln_config.loader import (
+    apply_overrides,
     format_validation_error,
     load_yaml_model,
     read_yaml,
@@ -125,6 +126,7 @@ __all__ = [
     "VaeFitConfig",
     "config_hash",
     "encoder_key",
+    "apply_overrides",
     "format_validation_error",
     "is_remote",
     "load_config",

@@ -16,7 +16,7 @@ from pydantic import (
 
 from kiln_config.base import ConfigError
 
-__all__ = ["format_validation_error", "load_yaml_model", "read_yaml"]
+__all__ = ["apply_overrides", "format_validation_error", "load_yaml_model", "read_yaml"]
 
 
 # "Value error, train.stages.1.num_machines: ..." : a model validator's message that already
@@ -93,3 +93,26 @@ def load_yaml_model(model: type[BaseModel], path: str | Path) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e, str(path))) from None
+
+
+def apply_overrides(config: BaseModel, overrides: dict[str, tuple[str, Any]]) -> None:
+    """Set dotted fields of a loaded config (`human_eval.port`), each validated by the schema
+    as the file's own value is.
+
+    Args:
+        config: The loaded config, changed in place.
+        overrides: {dotted field: (what set it, for the message: `--port`; its value)}.
+
+    Raises:
+        ConfigError: a value the schema refuses, naming what set it, the field and the value.
+    """
+    for name, (label, value) in overrides.items():
+        *parents, leaf = name.split(".")
+        section = config
+        for part in parents:
+            section = getattr(section, part)
+        try:
+            type(section).__pydantic_validator__.validate_assignment(section, leaf, value)
+        except ValidationError as e:
+            msg = e.errors()[0]["msg"]
+            raise ConfigError(f"{label} ({name}): {msg} (received {value!r})") from None

@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
-from kiln_config import ConfigError, PipelineConfig, is_remote, load_config, redact_uri
+from kiln_config import (
+    ConfigError,
+    PipelineConfig,
+    apply_overrides,
+    is_remote,
+    load_config,
+    redact_uri,
+)
 from tasks.evaluation.prompts import PromptsUnavailable, resolve_prompts
 from tasks.launch.kubernetes import KubernetesRejected, check_kubernetes
 from tasks.launch.slurm import SlurmError, check_slurm
+from tasks.storage.lock import RootBusy, busy_reason
 from tasks.storage.objects import ProbeError, Storage
 
 __all__ = [
@@ -224,19 +233,31 @@ def load_checked(
     *,
     root: str | None = None,
     source: str | None = None,
+    exclusive: bool = False,
+    overrides: dict[str, tuple[str, Any]] | None = None,
 ) -> PipelineConfig:
-    """Load a pipeline YAML and check the inputs of `steps`: the one load of a flow run that a
-    deployment starts with a config path (flows/entry.py).
+    """The one load of a pipeline YAML before a step starts, through either door: the `kiln`
+    command (kiln_cli) and a deployment's flow run (flows/entry.py), each with its step's
+    inputs from the table of steps (flows/steps.py).
 
     Args:
         path: The pipeline YAML.
         steps: The steps whose inputs `check_inputs` checks.
         root: Overrides `storage.root`.
         source: Overrides `ingest.source`.
+        exclusive: The step takes the root's training lock (tasks/storage/lock.py): refused
+            here, before anything starts, while another process holds it.
+        overrides: Dotted fields to set, validated as the file's own values are
+            (`kiln_config.apply_overrides`): a command's options that set a config field.
 
     Raises:
-        ConfigError: the file fails validation or an input check.
+        ConfigError: the file fails validation, an override or an input check.
+        RootBusy: `exclusive`, and another process holds the root's training lock.
     """
     cfg = load_config(path, root=root, source=source)
+    apply_overrides(cfg, overrides or {})
     check_inputs(cfg, steps)
+    busy = exclusive and busy_reason(Path(cfg.storage.root))
+    if busy:
+        raise RootBusy(busy)
     return cfg

@@ -56,7 +56,7 @@ def test_every_command_has_help(command):
 def test_bad_config_is_one_clear_line(tmp_path):
     (tmp_path / "bad.yaml").write_text("train: {stages: []}\nevaluate: {prompts_csv: x}\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln_cli.main", "ingest", "--config", str(tmp_path / "bad.yaml")],
+        [sys.executable, "-m", "kiln_cli", "ingest", "--config", str(tmp_path / "bad.yaml")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -168,7 +168,7 @@ def test_plan_with_a_missing_topology_names_the_field(tmp_path, demo_src, make_c
         **{"launch.accelerate_config": str(missing)},
     )
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln_cli.main", "plan", "--config", str(cfg), "--img-per-s", "10"],
+        [sys.executable, "-m", "kiln_cli", "plan", "--config", str(cfg), "--img-per-s", "10"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -240,13 +240,13 @@ def test_run_summary_and_register_artifact_redact_the_tracking_uri(
 
 
 def _kiln(*args, env=None, timeout=120):
-    """`python -m kiln_cli.main ARGS` as a user runs it: (process, seconds it took)."""
+    """`python -m kiln_cli ARGS` as a user runs it: (process, seconds it took)."""
     import os
     import time
 
     t0 = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "kiln_cli.main", *args],
+        [sys.executable, "-m", "kiln_cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -419,7 +419,7 @@ def test_kiln_ui_on_another_port_calls_its_own_api(tmp_path):
     env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     log = open(tmp_path / "ui.log", "w")  # noqa: SIM115 - closed in finally
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kiln_cli.main", "ui", "--port", str(port)],
+        [sys.executable, "-m", "kiln_cli", "ui", "--port", str(port)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,

@@ -62,36 +62,16 @@ def test_no_flow_module_shadows_a_top_level_package():
 
 
 def test_each_entry_takes_a_config_path_and_the_parameters_of_its_flow():
-    """A deployment's form asks for a config path and the flow's own parameters; the run
-    carries the flow's name."""
+    """Every step of the table has an entry; a deployment's form asks for a config path and
+    the flow's own parameters; the run carries the flow's name."""
     import inspect
 
     from prefect.utilities.callables import parameter_schema
 
     from flows import entry
-    from flows.evaluate import evaluate_flow
-    from flows.human_evaluation import human_eval_flow
-    from flows.ingest import ingest_flow
-    from flows.pipeline import kiln_pipeline
-    from flows.promote import promote_flow
-    from flows.register import register_flow
-    from flows.retrain import retrain_flow
-    from flows.shard import shard_flow
-    from flows.train import train_flow
-    from flows.validate import validate_flow
+    from flows.steps import STEPS
 
-    typed = {
-        "pipeline": kiln_pipeline,
-        "retrain": retrain_flow,
-        "ingest": ingest_flow,
-        "validate": validate_flow,
-        "shard": shard_flow,
-        "train": train_flow,
-        "evaluate": evaluate_flow,
-        "register": register_flow,
-        "promote": promote_flow,
-        "human_eval": human_eval_flow,
-    }
+    typed = {name: step.load_flow() for name, step in STEPS.items()}
     assert set(typed) == set(entry.__all__)
     for name, flow in typed.items():
         start = getattr(entry, name)

@@ -406,7 +406,7 @@ def test_kiln_generate_writes_pngs_from_a_registered_alias(pipeline_run, tmp_pat
     cfg["registry"]["tracking_uri"] = f"sqlite:///{root / 'mlflow.db'}"
     cfg["storage"]["root"] = str(tmp_path / "consumer-root")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
-    kiln = [sys.executable, "-m", "kiln_cli.main", "generate", "--config", str(tmp_path / "c.yaml")]
+    kiln = [sys.executable, "-m", "kiln_cli", "generate", "--config", str(tmp_path / "c.yaml")]
     proc = subprocess.run(
         [
             *kiln,

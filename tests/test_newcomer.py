@@ -40,7 +40,7 @@ def clone(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def kiln(clone, tmp_path):
-    """kiln(*args): the clone's `python -m kiln_cli.main`, offline, with empty caches."""
+    """kiln(*args): the clone's `python -m kiln_cli`, offline, with empty caches."""
     drop = ("KILN_DRAWBENCH_CSV", "PYTHONPATH")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PREFECT_")}
     env |= {
@@ -53,7 +53,7 @@ def kiln(clone, tmp_path):
 
     def run(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
-            [sys.executable, "-m", "kiln_cli.main", *args],
+            [sys.executable, "-m", "kiln_cli", *args],
             cwd=clone,
             env=env,
             capture_output=True,
@@ -200,7 +200,7 @@ def made_demo(clone, tmp_path_factory) -> dict:
     env = _offline_env(tmp, clone)
     shim = tmp / "bin"
     shim.mkdir()
-    (shim / "kiln").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kiln_cli.main "$@"\n')
+    (shim / "kiln").write_text(f'#!/bin/sh\nexec "{sys.executable}" -m kiln_cli "$@"\n')
     (shim / "kiln").chmod(0o755)
     (shim / "python").symlink_to(sys.executable)
     (tmp / "stamp").touch()
@@ -235,7 +235,7 @@ def test_make_demo_ends_with_a_study_that_follows_its_prompts(clone, made_demo, 
         [
             sys.executable,
             "-m",
-            "kiln_cli.main",
+            "kiln_cli",
             "evaluate",
             "--config",
             "configs/tiny.yaml",
@@ -353,7 +353,7 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
         [
             sys.executable,
             "-m",
-            "kiln_cli.main",
+            "kiln_cli",
             "rate",
             "report",
             "--config",

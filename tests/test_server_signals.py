@@ -1,7 +1,7 @@
 """Every `kiln` command that serves (ui, mlflow-ui, rate serve) stops its whole process tree
 on SIGTERM and SIGINT.
 
-Real processes: the command is started as `python -m kiln_cli.main ...` on a free port of
+Real processes: the command is started as `python -m kiln_cli ...` on a free port of
 127.0.0.1, its process tree is listed once it answers, and the signal goes to the `kiln`
 process alone (as systemd, Docker or a process manager sends it), never to its group.
 """
@@ -71,7 +71,7 @@ def test_a_serving_command_stops_its_whole_tree(command, sig, tmp_path, tiny_con
     argv, health = COMMANDS[command]
     port = _port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
-    cmd = [sys.executable, "-m", "kiln_cli.main", *argv(str(tiny_config), str(port))]
+    cmd = [sys.executable, "-m", "kiln_cli", *argv(str(tiny_config), str(port))]
     # Its own session: the test's signal reaches the kiln process only, not a group.
     proc = subprocess.Popen(
         cmd,

@@ -38,7 +38,7 @@ def test_prefect_and_mlflow_uis_serve(tmp_path, tiny_config):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
     pp, mp = _port(), _port()
-    cli = [sys.executable, "-m", "kiln_cli.main"]
+    cli = [sys.executable, "-m", "kiln_cli"]
     procs = [
         subprocess.Popen(
             [*cli, "ui", "--port", str(pp)],

@@ -23,7 +23,7 @@ from data_quality.terms import Takedowns
 from kiln_config.errors import InputError
 from tasks.storage.layout import Layout
 
-__all__ = ["TAKEDOWN_COLUMNS", "add_takedown", "read_takedowns", "takedown_set"]
+__all__ = ["TAKEDOWN_COLUMNS", "add_takedown", "read_keys_file", "read_takedowns", "takedown_set"]
 
 TAKEDOWN_COLUMNS = ["id", "at", "by", "reason", "source", "key", "contributor"]
 
@@ -98,3 +98,21 @@ def takedown_set(root: str | Path) -> Takedowns:
         images=frozenset(zip(img["source"].astype(str), img["key"].astype(str), strict=True)),
         contributors=frozenset(df["contributor"].dropna().astype(str)),
     )
+
+
+def read_keys_file(path: str | Path) -> list[str]:
+    """The keys (or `<source>/<key>` paths) of a takedown file: a CSV whose `key` column
+    holds them, or one per line without a header.
+
+    Raises:
+        ValueError: the file holds no key.
+    """
+    text = Path(path).read_text().splitlines()
+    if text and text[0].strip().lower() == "key":
+        keys = pd.read_csv(path, dtype=str)["key"].dropna().tolist()
+    else:
+        keys = [line.split(",")[0].strip() for line in text]
+    keys = [k for k in keys if k]
+    if not keys:
+        raise InputError(f"takedown --file {path}: no key in the file")
+    return keys

@@ -162,7 +162,7 @@ def test_kiln_catalog_compact_defaults_to_the_configs_horizon(tmp_path, make_con
             [
                 sys.executable,
                 "-m",
-                "kiln_cli.main",
+                "kiln_cli",
                 "catalog",
                 "compact",
                 "--config",

@@ -103,7 +103,7 @@ def serve_argv(root: Path, port: int) -> list[str]:
     """`kiln rate serve` over the root's default ratings store, on 127.0.0.1:port."""
     config = str(REPO / "configs" / "tiny.yaml")
     return [
-        "kiln_cli.main",
+        "kiln_cli",
         "rate",
         "serve",
         "--config",

@@ -38,9 +38,7 @@ def served(tmp_path, make_config):
     cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=3, gold=2)
     tokens = [t for _, t in store.add_raters(cid, 3)]
     common = ["--config", str(cfg), "--root", str(root)]
-    proc, base = start_server(
-        ["kiln_cli.main", "rate", "serve", *common], data["human_eval"]["port"]
-    )
+    proc, base = start_server(["kiln_cli", "rate", "serve", *common], data["human_eval"]["port"])
     yield {"base": base, "store": store, "cid": cid, "tokens": tokens, "root": root}
     stop(proc)
     store.close()

@@ -54,7 +54,7 @@ def served(tmp_path, make_config):
     invite = runner.invoke(cli, ["rate", "invite", *common, "--comparison", cid, "--raters", "1"])
     link = re.search(r"http://\S+", invite.stdout).group(0)
     port = data["human_eval"]["port"]
-    proc, _ = start_server(["kiln_cli.main", "rate", "serve", *common], port)
+    proc, _ = start_server(["kiln_cli", "rate", "serve", *common], port)
     admin = (
         f"http://127.0.0.1:{port}/admin/{RatingStore.open(Layout(root).ratings_db()).admin_token()}"
     )

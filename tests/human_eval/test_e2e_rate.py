@@ -123,7 +123,7 @@ def test_tiny_models_compared_by_simulated_raters(tmp_path, tiny_shards, demo_sr
     ).stdout
     tokens = re.findall(r"/rate/(\S+)$", links, re.M)
     port = yaml.safe_load(config_a.read_text())["human_eval"]["port"]
-    proc, base = start_server(["kiln_cli.main", "rate", "serve", *common], port)
+    proc, base = start_server(["kiln_cli", "rate", "serve", *common], port)
     store = RatingStore.open(Layout(root).ratings_db())
     try:
         done = [_rater_answers(base, t, store, f"r{i}") for i, t in enumerate(tokens)]

@@ -153,7 +153,7 @@ def test_kiln_catalog_commands(tmp_path, demo_src, make_config):
 
     def kiln(*args):
         return subprocess.run(
-            [sys.executable, "-m", "kiln_cli.main", "catalog", *args, "--config", str(cfg)],
+            [sys.executable, "-m", "kiln_cli", "catalog", *args, "--config", str(cfg)],
             capture_output=True,
             text=True,
             timeout=300,

@@ -59,7 +59,7 @@ def test_kiln_train_and_run_on_a_busy_root_fail_at_once_and_touch_nothing(
         assert holder.stdout.readline().strip() == "held"
         procs = [
             subprocess.run(
-                [sys.executable, "-m", "kiln_cli.main", cmd, "--config", str(cfg)],
+                [sys.executable, "-m", "kiln_cli", cmd, "--config", str(cfg)],
                 capture_output=True,
                 text=True,
                 env=env,

@@ -85,7 +85,7 @@ def test_kiln_plan_prints_memory_and_scaling_for_the_real_recipe(tmp_path):
         [
             sys.executable,
             "-m",
-            "kiln_cli.main",
+            "kiln_cli",
             "plan",
             "--config",
             "configs/sd2-base.yaml",

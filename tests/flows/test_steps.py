@@ -1,0 +1,119 @@
+"""The table of steps (flows/steps.py): the `kiln` command and the deployments' entry flows
+are two doors to the same steps, and a step refuses the same broken config through either."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from flows import entry
+from flows.steps import STEPS
+from kiln_cli.main import main
+from kiln_config import ConfigError
+from tasks.storage.lock import RootBusy
+
+# The command that runs each step, with the arguments it requires.
+CLI = {
+    "pipeline": ["run"],
+    "ingest": ["ingest"],
+    "validate": ["validate"],
+    "shard": ["shard"],
+    "train": ["train"],
+    "evaluate": ["evaluate"],
+    "register": ["register"],
+    "promote": ["promote"],
+    "rollback": ["rollback"],
+    "takedown": ["takedown", "add", "--key", "k", "--reason", "gone"],
+}
+# Steps only a deployment starts: the scheduled or event-triggered retrain, and the human
+# evaluation started from the Prefect UI (`kiln compare` creates a comparison and returns).
+DEPLOYMENT_ONLY = {"retrain", "human_eval"}
+ENTRY_ARGS = {"takedown": {"reason": "gone", "keys": ["k"]}}
+
+# What each step checks before it starts, named by the fields a broken config fails on:
+# the source (ingest.source), the topology (launch.accelerate_config) and the tracking store
+# (registry.tracking_uri). Validate and takedown read only the root.
+NEEDS = {
+    "pipeline": {"ingest.source", "launch.accelerate_config", "registry.tracking_uri"},
+    "ingest": {"ingest.source"},
+    "validate": set(),
+    "shard": set(),  # the topology only when it precomputes latents (precompute: false here)
+    "train": {"launch.accelerate_config", "registry.tracking_uri"},
+    "evaluate": {"launch.accelerate_config"},
+    "register": {"registry.tracking_uri"},
+    "promote": {"registry.tracking_uri"},
+    "rollback": {"registry.tracking_uri"},
+    "takedown": set(),
+}
+
+
+def test_every_step_has_its_doors():
+    assert set(CLI) | DEPLOYMENT_ONLY == set(STEPS) == set(entry.__all__)
+    assert set(NEEDS) == set(CLI)
+
+
+def _cli_errors(args: list[str]) -> list[str]:
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1, result.output
+    prefix = "kiln: error: "
+    return [line.removeprefix(prefix) for line in result.output.splitlines() if prefix in line]
+
+
+@pytest.mark.parametrize("step", sorted(s for s in CLI if NEEDS[s]))
+def test_both_doors_refuse_a_broken_config_alike(step, tmp_path, make_config):
+    """Every input broken at once: each door fails before the step starts, on the inputs its
+    step needs and no other, with the same lines."""
+    taken = tmp_path / "a-file"
+    taken.write_text("not a folder")
+    path = make_config(
+        tmp_path / "broken.yaml",
+        tmp_path / "root",
+        tmp_path / "no-such-source",
+        **{
+            "launch.accelerate_config": str(tmp_path / "no-such-topology.yaml"),
+            "registry.tracking_uri": f"sqlite:///{taken}/mlflow.db",
+        },
+    )
+    cli = _cli_errors([*CLI[step], "--config", str(path)])
+    with pytest.raises(ConfigError) as deployment:
+        getattr(entry, step).fn(config=str(path), **ENTRY_ARGS.get(step, {}))
+    assert cli == str(deployment.value).splitlines()
+    assert {line.split(":")[0] for line in cli} == NEEDS[step]
+
+
+HOLD = """
+import sys, time
+from tasks.storage.lock import root_lock
+with root_lock(sys.argv[1], "another training run"):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def training_elsewhere(tmp_path):
+    """The root of `tiny_config` held by another process, as a running training holds it."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "root")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=30)
+
+
+@pytest.mark.parametrize("step", sorted(s for s in CLI if STEPS[s].exclusive))
+def test_both_doors_refuse_a_training_step_while_the_root_trains(
+    step, tiny_config, training_elsewhere
+):
+    cli = _cli_errors([*CLI[step], "--config", str(tiny_config)])
+    with pytest.raises(RootBusy) as deployment:
+        getattr(entry, step).fn(config=str(tiny_config))
+    assert cli == str(deployment.value).splitlines()
+    assert "another training run" in cli[0]
+    assert sorted(s for s in STEPS if STEPS[s].exclusive) == ["pipeline", "train"]
