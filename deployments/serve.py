@@ -14,20 +14,18 @@ from __future__ import annotations
 import argparse
 
 from prefect import serve
+from prefect.client.schemas.objects import ConcurrencyLimitConfig
+from prefect.events import DeploymentEventTrigger
 
 from flows import entry
+from flows.ingest import root_resource_id
+from kiln_config import load_config
 
 
 def build_deployments(config_path: str, cron: str | None) -> list:
     """One deployment per flow; the pipeline gets the retraining schedule, and the new-data
     trigger (the `kiln.ingest.completed` or `kiln.takedown.added` event labelled
     `kiln.retrain-due`)."""
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig
-    from prefect.events import DeploymentEventTrigger
-
-    from flows.ingest import root_resource_id
-    from kiln_config import load_config
-
     params = {"config": config_path}
     # Two trainings never overlap: a second run waits for the first (ENQUEUE).
     one = ConcurrencyLimitConfig(limit=1, collision_strategy="ENQUEUE")

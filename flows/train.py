@@ -24,12 +24,16 @@ from prefect.artifacts import create_markdown_artifact
 
 from kiln_config import PipelineConfig, StageRun, encoder_key, run_config, write_snapshot
 from kiln_config.errors import InputError, MissingInput
-from tasks.evaluation.generate import resolve_pipeline
 from tasks.evaluation.grid_artifact import sample_grid_report
 from tasks.launch.accelerate import launch_stage
 from tasks.launch.preflight import preflight, stage_feasibility
 from tasks.registry.promotion import PromotionRefused, registered_version
-from tasks.registry.tracking import create_training_run, log_run_artifact, mark_training_run
+from tasks.registry.tracking import (
+    create_training_run,
+    log_run_artifact,
+    mark_training_run,
+    resolve_pipeline,
+)
 from tasks.reports import stage_report, write_loss_curves
 from tasks.shards.publish import publish_shards
 from tasks.shards.vae_folder import resolve_fitted_vae, vae_from_pipeline

@@ -327,14 +327,15 @@ def generate(
 ) -> None:
     """Generate PNG files from a registered model (or an export) for one prompt."""
     # MLflow and diffusers (seconds to import), for this command alone.
-    from tasks.evaluation.generate import generate_pngs, resolve_pipeline
+    from tasks.evaluation.generate import generate_pngs
 
     cfg = load_config(config_path, root)
     ev = cfg.evaluate  # --steps and --guidance applied
-    _, folder = resolve_pipeline(model, cfg.tracking_uri, Path(cfg.storage.root))
     try:
         result = generate_pngs(
-            folder,
+            model,
+            cfg.tracking_uri,
+            Path(cfg.storage.root),
             prompt,
             Path(out),
             n=n,

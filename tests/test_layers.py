@@ -80,3 +80,30 @@ def test_no_private_interpreter_exit():
                 for a in node.names:
                     hit = (node.module, a.name) in PRIVATE_EXITS
                     assert not hit, f"{path.relative_to(REPO)}:{node.lineno} imports {a.name}"
+
+
+def test_flows_and_the_command_line_import_no_ml_library():
+    """A flow run's process, and every `kiln` command before its flow, start without torch,
+    diffusers or transformers: they load where ML code runs (a launched process, or the task
+    that computes in process), not with the module that orchestrates it. The console script's
+    package imports none of the command line (ingest's and shard's spawned workers run it)."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, importlib\n"
+        "import kiln_cli\n"
+        "assert not [m for m in sys.modules if m.startswith(('kiln_cli.', 'flows', 'tasks'))]\n"
+        "for m in sys.argv[1:]:\n"
+        "    importlib.import_module(m)\n"
+        "print(sorted({'torch', 'diffusers', 'transformers'} & set(sys.modules)))\n"
+    )
+    flows = sorted(f"flows.{p.stem}" for p in (REPO / "flows").glob("*.py"))
+    out = subprocess.run(
+        [sys.executable, "-c", probe, "kiln_cli.main", *flows],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stdout

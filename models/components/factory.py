@@ -23,6 +23,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizerFast
 
 from kiln_config import Component, ModelConfig, TokenizerConfig
 from kiln_config.errors import InputError
+from models.data.tokenization import CaptionTokenizer
 
 log = logging.getLogger("kiln.factory")
 
@@ -30,6 +31,7 @@ __all__ = [
     "Components",
     "build_components",
     "build_tokenizer",
+    "caption_tokenizer",
     "build_unet",
     "sampling_scheduler",
     "vae_scale_factor",
@@ -113,6 +115,11 @@ def build_tokenizer(cfg: TokenizerConfig) -> CLIPTokenizerFast:
         model_max_length=cfg.model_max_length,
         pad_token="<|endoftext|>",
     )
+
+
+def caption_tokenizer(cfg: TokenizerConfig) -> CaptionTokenizer:
+    """The loader's caption tokenizer for `cfg`: the shard step stores the ids it makes."""
+    return CaptionTokenizer(build_tokenizer(cfg))
 
 
 def _load(cls, comp: Component, default_subfolder: str):

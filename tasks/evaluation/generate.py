@@ -12,35 +12,18 @@ import json
 import time
 from pathlib import Path
 
-from kiln_config.errors import InputError, MissingInput
+from kiln_config.errors import InputError
 from kiln_pyfunc import load_pipeline
 from models.evaluation.generate import generate_images as generate
-from tasks.registry.tracking import registered_pipeline
+from tasks.registry.tracking import resolve_pipeline
 
-__all__ = ["generate_pngs", "resolve_pipeline"]
-
-
-def resolve_pipeline(model: str, tracking_uri: str, root: Path) -> tuple[str, Path]:
-    """(identity, local pipeline folder) of a models:/ URI or an export folder.
-
-    Raises:
-        FileNotFoundError: a folder that holds no exported pipeline.
-        ValueError: a models:/ URI of the wrong form.
-    """
-    if model.startswith("models:/"):
-        ident, folder = registered_pipeline(tracking_uri, root, model)
-        return ident, Path(folder())
-    path = Path(model)
-    if not (path / "model_index.json").is_file():
-        raise MissingInput(
-            f"--model {model}: not an exported pipeline (no model_index.json); pass "
-            "models:/NAME@ALIAS, models:/NAME/VERSION or a folder written by `kiln train`"
-        )
-    return str(path.resolve()), path
+__all__ = ["generate_pngs"]
 
 
 def generate_pngs(
-    pipeline_dir: Path,
+    model: str,
+    tracking_uri: str,
+    root: Path,
     prompt: str,
     out: Path,
     *,
@@ -50,7 +33,9 @@ def generate_pngs(
     guidance_scale: float,
     batch_size: int = 4,
 ) -> dict:
-    """Generate `n` images of `prompt` (seeds `seed .. seed+n-1`) into `out`.
+    """Generate `n` images of `prompt` (seeds `seed .. seed+n-1`) into `out` with `model` (a
+    models:/ URI of the registry at `tracking_uri`, or an export folder; `root` holds the
+    downloads, `tasks.registry.tracking.resolve_pipeline`).
 
     Returns:
         {"images": [paths], "seconds_per_image", "device", "model"}; also written as
@@ -60,6 +45,7 @@ def generate_pngs(
         raise InputError(
             f"--n, --steps and --batch-size must be at least 1 (got {n}, {steps}, {batch_size})"
         )
+    _, pipeline_dir = resolve_pipeline(model, tracking_uri, root)
     pipe = load_pipeline(str(pipeline_dir))
     out.mkdir(parents=True, exist_ok=True)
     seeds = list(range(seed, seed + n))

@@ -13,11 +13,8 @@ A metric whose weights are not configured, missing or unloadable is skipped: its
 
 from __future__ import annotations
 
-import csv
 import json
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from mlflow.tracking import MlflowClient
@@ -25,112 +22,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from kiln_config import EvalMetricsConfig
-from models.evaluation.image_metrics import (
-    FID_RESIZE,
-    MetricUnavailable,
-    clip_resize,
-    clip_score,
-    decode_images,
-    fid,
-    files_sha256,
-    hub_snapshot,
-    images_as_uint8,
-    load_clip,
-    load_inception,
-    read_val_split,
-)
 from tasks.launch.accelerate import launch_generate
 from tasks.registry.tracking import artifacts_url
 from tasks.runtime.logs import task_logger
-from tasks.storage.layout import is_published
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["compute_study_metrics", "log_study_metrics", "metrics_lineage", "metrics_report"]
-
-
-# torch and models.evaluation.image_metrics are imported where the metrics are computed: every flow-run
-# process that imports flows.evaluate (a deployment's pipeline or retrain) would otherwise pay
-# about 2 s of torch's import before its first step.
-
-
-def _device() -> torch.device:
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _clip(study_dir: Path, items: list[dict], name: str | None) -> dict:
-    if not name:
-        return {"skipped": "evaluate.metrics.clip_model is not set (a local CLIP folder or hub id)"}
-
-    model, processor = load_clip(name)
-    model.to(_device())
-    images = images_as_uint8(study_dir / it["path"] for it in items)
-    prompts = (it["prompt"] for it in items)
-    value = clip_score(zip(images, prompts, strict=True), model, processor)
-    local = Path(name).expanduser()
-    files = local if local.is_dir() else hub_snapshot(name)
-    digest = files_sha256(files) if files else {"sha256": None}
-    return {
-        "value": value,
-        "images": len(items),
-        "model": name,
-        **digest,
-        "resize": clip_resize(processor),
-    }
-
-
-def _write_captions(path: Path, captions: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(["Prompts", "Category"])
-        w.writerows([c, "validation"] for c in captions)
-
-
-def _fid(
-    study_dir: Path,
-    cfg: EvalMetricsConfig,
-    val_dir: Path,
-    generate: dict,
-    feature: torch.nn.Module | None,
-) -> dict:
-    if feature is not None:
-        weights = {"weights": f"given module {type(feature).__name__}", "sha256": None}
-        resize = "the given feature module's own"
-    elif not cfg.inception_weights:
-        return {"skipped": "evaluate.metrics.inception_weights is not set (a local .pth path)"}
-    else:
-        feature = load_inception(cfg.inception_weights)
-        weights = {"weights": cfg.inception_weights, **files_sha256(cfg.inception_weights)}
-        resize = FID_RESIZE
-    if not is_published(val_dir):
-        raise MetricUnavailable(
-            f"no validation split at {val_dir}; re-run `kiln shard` with shards.val_fraction > 0"
-        )
-    val = read_val_split(val_dir, cfg.fid_max_images)
-    if len(val) < 2:
-        raise MetricUnavailable(f"FID needs 2 or more validation images; {val_dir} has {len(val)}")
-    out = study_dir / "fid"
-    _write_captions(out / "prompts.csv", [s["caption"] for s in val])
-    gen = launch_generate.fn(
-        generate["pipeline"], str(out / "prompts.csv"), str(out), **generate["settings"]
-    )
-    fake = images_as_uint8(out / it["path"] for it in gen["items"])
-    # On the device only now: the generation subprocess had the GPU to itself.
-    real = decode_images(s["image"] for s in val)
-    value = fid(real, fake, feature.to(_device()))
-    return {
-        "value": value,
-        "images": len(val),
-        "real": str(val_dir),
-        "generated": str(out),
-        **weights,
-        "resize": resize,
-        "generated_resolution": gen["settings"]["resolution"],
-    }
 
 
 @task(name="compute-study-metrics", cache_policy=NO_CACHE)
@@ -140,9 +36,10 @@ def compute_study_metrics(
     cfg: EvalMetricsConfig,
     val_dir: str,
     generate: dict,
-    fid_feature: torch.nn.Module | None = None,
+    fid_feature=None,
 ) -> dict:
-    """CLIP score and FID of a study; writes and returns `<study>/metrics.json`'s content.
+    """CLIP score and FID of a study (`models.evaluation.study_metrics`); writes and returns
+    `<study>/metrics.json`'s content.
 
     Args:
         study_dir: The study folder (images/, study.json).
@@ -154,33 +51,19 @@ def compute_study_metrics(
         fid_feature: FID's feature extractor instead of the Inception weights (an nn.Module
             with `num_features`, taking uint8 images): a seam for tests and other networks.
     """
-    import torch
+    # torch and the metric networks load here, when a study's metrics are computed: every
+    # flow-run process that imports flows.evaluate (a deployment's pipeline or retrain) would
+    # otherwise pay about 2 s of torch's import before its first step.
+    from models.evaluation.study_metrics import study_metrics
 
-    log = task_logger(__name__)
-    study = Path(study_dir)
-    result: dict = {"study_id": study.name}
-    steps = (
-        ("clip_score", lambda: _clip(study, items, cfg.clip_model)),
-        ("fid", lambda: _fid(study, cfg, Path(val_dir), generate, fid_feature)),
+    def generated(prompts: Path, out: Path) -> dict:
+        return launch_generate.fn(
+            generate["pipeline"], str(prompts), str(out), **generate["settings"]
+        )
+
+    return study_metrics(
+        Path(study_dir), items, cfg, Path(val_dir), generated, fid_feature, task_logger(__name__)
     )
-    for name, run in steps:
-        t0 = time.perf_counter()
-        try:
-            result[name] = run()
-        except MetricUnavailable as e:
-            result[name] = {"skipped": str(e)}
-        finally:  # give the cached GPU memory back before the next metric's launch
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        if "skipped" in result[name]:
-            log.warning("%s skipped: %s", name, result[name]["skipped"])
-        else:
-            result[name]["seconds"] = round(time.perf_counter() - t0, 2)
-            log.info("%s = %.4f on %d images", name, result[name]["value"], result[name]["images"])
-    tmp = study / "metrics.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(study / "metrics.json")
-    return result
 
 
 def _tags(study_id: str, metrics: dict) -> dict[str, str]:

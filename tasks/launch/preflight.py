@@ -28,7 +28,6 @@ from prefect.cache_policies import NO_CACHE
 
 from kiln_config import HealthCheckRun, KilnError, LaunchConfig, TrainConfig, write_run_file
 from tasks.launch.accelerate import LaunchError, cuda_available, launch_module
-from tasks.planning.memory_model import memory_plan
 from tasks.planning.topology import stage_processes, topology_processes
 from tasks.runtime.logs import task_logger
 
@@ -219,6 +218,10 @@ def check_stages(
 
 
 def _check_memory(train, launch, worlds, pending, precomputed) -> None:
+    # The memory model traces the UNet on the meta device with torch (2 s to import): loaded
+    # on a GPU machine, where it is checked, not by every flow run that imports this module.
+    from tasks.planning.memory_model import memory_plan
+
     plan = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb, precomputed)
     for i in pending:
         mem = plan[i]["configured"]

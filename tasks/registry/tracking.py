@@ -51,6 +51,8 @@ __all__ = [
     "mlflow_uris",
     "model_description",
     "register_model",
+    "registered_pipeline",
+    "resolve_pipeline",
     "version_description",
 ]
 
@@ -523,3 +525,22 @@ def _pipeline_in(model_dir: Path) -> Path:
     spec = yaml.safe_load((model_dir / "MLmodel").read_text())
     rel = spec["flavors"]["python_function"]["artifacts"]["pipeline"]["path"]
     return model_dir / rel
+
+
+def resolve_pipeline(model: str, tracking_uri: str, root: Path) -> tuple[str, Path]:
+    """(identity, local pipeline folder) of a models:/ URI or an export folder.
+
+    Raises:
+        FileNotFoundError: a folder that holds no exported pipeline.
+        ValueError: a models:/ URI of the wrong form.
+    """
+    if model.startswith("models:/"):
+        ident, folder = registered_pipeline(tracking_uri, root, model)
+        return ident, Path(folder())
+    path = Path(model)
+    if not (path / "model_index.json").is_file():
+        raise MissingInput(
+            f"--model {model}: not an exported pipeline (no model_index.json); pass "
+            "models:/NAME@ALIAS, models:/NAME/VERSION or a folder written by `kiln train`"
+        )
+    return str(path.resolve()), path

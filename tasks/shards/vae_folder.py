@@ -18,7 +18,6 @@ from prefect.cache_policies import NO_CACHE
 
 from kiln_config import TrainConfig, VaeComponent
 from kiln_config.errors import MissingInput
-from models.components.vae_fit import ensure_fitted_vae, read_images
 from tasks.runtime.logs import task_logger
 from tasks.storage.layout import Layout
 
@@ -49,6 +48,7 @@ def fitted_vae_folder(vae: VaeComponent, root: str, version: str, resolutions: l
     """The folder of the VAE fitted on dataset `version` (trained now unless cached)."""
     # torch and diffusers load here, not when the flows import this module: a flow run that
     # never fits (a retrain with nothing new) starts seconds sooner.
+    from models.components.vae_fit import ensure_fitted_vae, read_images
 
     layout = Layout(Path(root))
     folders = stage_image_folders(layout, version, resolutions)

@@ -59,8 +59,6 @@ from prefect.cache_policies import NO_CACHE
 from data_quality.verdict import REJECTS_FILE, gate_for_sharding
 from kiln_config import CATALOG_COLUMNS, TokenizerConfig
 from kiln_config.errors import InputError, MissingInput
-from models.components.factory import build_tokenizer
-from models.data.tokenization import CaptionTokenizer
 from tasks.catalog.clean import read_clean, scan_clean
 from tasks.catalog.view import accepted_columns, view_versions
 from tasks.ingest.render import aspect_buckets, nearest_buckets, render_for_stages
@@ -106,7 +104,7 @@ _TOKENIZER_LOCK = threading.Lock()
 
 
 def _caption_tokenizer(spec: str):
-    """The loader's tokenizer (`models.data.tokenization.CaptionTokenizer`) for a TokenizerConfig
+    """The loader's tokenizer (`models.components.factory.caption_tokenizer`) for a TokenizerConfig
     as JSON; built once per process, whichever partition thread asks first."""
     with _TOKENIZER_LOCK:
         return _build_caption_tokenizer(spec)
@@ -114,7 +112,11 @@ def _caption_tokenizer(spec: str):
 
 @functools.lru_cache(maxsize=2)
 def _build_caption_tokenizer(spec: str):
-    return CaptionTokenizer(build_tokenizer(TokenizerConfig.model_validate_json(spec)))
+    # transformers and torch load here, in the process that tokenizes: the shard flow's own
+    # process and the conversion workers of shards without token ids never need them.
+    from models.components.factory import caption_tokenizer
+
+    return caption_tokenizer(TokenizerConfig.model_validate_json(spec))
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""`tasks.planning.budget.make_plan` with `measure_stage` replaced by a recorder: which validation
-split
-the plan asks the measurement for, and how it multiplies the measured cost out."""
+"""`tasks.planning.budget.make_plan` with `measure_stage` replaced by a recorder: which
+validation split the plan asks the measurement for, and how it multiplies the measured cost
+out."""
 
 from pathlib import Path
 
@@ -20,9 +20,7 @@ def recorded(monkeypatch):
         calls.append({"stage": i, "val_samples": val_samples, "local": local_processes})
         return {"img_per_s": 100.0, "val_forward_s": 0.001, "device": "cpu", "cpu_threads": 1}
 
-    import models.measure_throughput as mt
-
-    monkeypatch.setattr(mt, "measure_stage", fake_measure)
+    monkeypatch.setattr(plan_module, "measure_stage", fake_measure)
     return calls
 
 

@@ -270,7 +270,7 @@ def test_the_verdicts_pairs_are_found_exactly_even_when_the_high_hash_is_shared(
     import numpy as np
     import pandas as pd
 
-    import tasks.quality.validate as gate
+    import tasks.catalog.clean as gate
 
     rows = pd.DataFrame(
         {"source": ["s3://a"] * 500 + ["/b"] * 500, "key": [f"{i:05d}.jpg" for i in range(1000)]}

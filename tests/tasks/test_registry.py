@@ -7,6 +7,7 @@ import logging
 import pytest
 from mlflow.tracking import MlflowClient
 
+from data_quality.verdict import ValidateResult
 from kiln_config import EvaluateConfig
 from tasks.registry.tracking import (
     EXPERIMENT_DESCRIPTION,
@@ -18,18 +19,18 @@ from tasks.registry.tracking import (
 )
 
 KEY, KIND = EXPERIMENT_KIND
-SUMMARY = {
-    "ingest_id": "ing-1",
-    "listed": 60,
-    "clean": 50,
-    "rejected_ingest": 4,
-    "rejected_validate": 6,
-    "reject_fraction": 10 / 60,
-    "max_reject_fraction": 0.05,
-    "near_duplicates": 1,
-    "manifest_problems": 0,
-    "reasons": {"too_small": 6},
-}
+SUMMARY = ValidateResult(
+    ingest_id="ing-1",
+    listed=60,
+    clean=50,
+    rejected_ingest=4,
+    rejected_validate=6,
+    reject_fraction=10 / 60,
+    max_reject_fraction=0.05,
+    near_duplicates=1,
+    manifest_problems=0,
+    reasons={"too_small": 6},
+).to_dict()  # summary.json, as validate writes it
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,11 @@ import pytest
 
 from data_quality import external_sort
 from data_quality.suite import CrossCheck, RowCheck, apply_cross, cross_hits
-from data_quality.verdict_rows import (
-    FLAG_SCHEMA,
-    REJECT_SCHEMA,
-    resolve_hits,
-    write_quarantine,
-    write_rows,
-)
+from data_quality.verdict_rows import FLAG_SCHEMA, REJECT_SCHEMA, write_rows
 from kiln_config import IngestConfig, QualityConfig
 from tasks.catalog.view import read_part, read_view, view_parts
 from tasks.ingest.run import ingest_source
+from tasks.quality.verdict_tables import resolve_hits, write_quarantine
 from tasks.storage.layout import Layout
 
 

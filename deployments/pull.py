@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import flows
+
 __all__ = ["project_directory", "set_project_directory"]
 
 
@@ -25,8 +27,6 @@ def project_directory(override: str | None = None) -> Path:
     Raises:
         FileNotFoundError: The folder holds no `flows/pipeline.py`, with the fix.
     """
-    import flows
-
     path = Path(override) if override else Path(flows.__file__).resolve().parent.parent
     if not (path / "flows" / "pipeline.py").is_file():
         raise FileNotFoundError(
