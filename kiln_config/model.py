@@ -70,12 +70,11 @@ class VaeComponent(Component):
 class TokenizerConfig(Strict):
     """`builtin: bytes` builds a byte-level CLIP tokenizer offline; else load `pretrained`.
 
-    `words` (builtin only): words that become single tokens on top of the bytes, as a real
-    BPE vocabulary has its common words (the tiny preset lists the demo captions' words). The
-    merges are built from each word's end (`models.components.factory`), so a listed word is one token
-    wherever it stands alone, and also where it ends a longer word ("bored" is "b", "o",
-    "red"), as in any BPE vocabulary with only an end-of-word marker; elsewhere bytes stay
-    bytes."""
+    `words` (builtin only): words that become single tokens on top of the bytes, as a real BPE
+    vocabulary has its common words (the tiny preset lists the demo captions' words). The merges are
+    built from each word's end (`models.components.factory`), so a listed word is one token wherever
+    it stands alone, and also where it ends a longer word ("bored" is "b", "o", "red"), as in any
+    BPE vocabulary with only an end-of-word marker; elsewhere bytes stay bytes."""
 
     builtin: Literal["bytes"] | None = None
     pretrained: str | None = None

@@ -57,13 +57,13 @@ def measure_stage(
 ) -> dict:
     """Train `steps` optimizer steps of stage `stage_index` on synthetic data; return rates.
 
-    Without a GPU the steps run on the threads one of `local_processes` training processes
-    gets from `accelerate launch` (`models.training.cpu_threads`), so the rate is the one a launch sees.
+    Without a GPU the steps run on the threads one of `local_processes` training processes gets from
+    `accelerate launch` (`models.training.cpu_threads`), so the rate is the one a launch sees.
 
     `val_samples`: the validation images one process evaluates in the real run (its share of
     the split); the synthetic split has that many, up to `MAX_MEASURED_VAL`, because a pass
     has a fixed cost that a small split overstates per image (16 images measured 0.99 ms per
-    forward where the run's 64 took 0.72 ms: the validation estimate was 38% high).
+    forward where the run's 64 took 0.72 ms: a validation estimate 38% high).
 
     Returns img_per_s (this device), val_forward_s (one validation forward of one sample: the
     passes at the start and the end on a small synthetic split, the end's counted), mfu,
@@ -142,12 +142,12 @@ def _write_measured_data(
     validation split's size."""
     per_step = stage.global_batch(1)
     # Enough samples that the whole measurement is one epoch: an epoch boundary restarts
-    # the streaming iterator, which on a 2-batch set cost more than the steps (4x too slow).
+    # the streaming iterator, which on a 2-batch set costs more than the steps (4x too slow).
     write_synthetic_shards(tmp / "shards", stage.resolution, max(per_step * (steps + 2), 8))
     # A validation split of the run's size (one process's share, up to MAX_MEASURED_VAL;
     # else small): the passes at the start and the end give the cost of one
-    # validation forward, which the plan multiplies out (it had assumed a third of a
-    # training sample, 2.5x too much on a CPU).
+    # validation forward, which the plan multiplies out (a third of a training sample, the
+    # rule of thumb, is 2.5x too much on a CPU).
     n_val = min(cfg.val_max_samples, val_samples or max(8, stage.batch_size))
     n_val = max(1, min(n_val, MAX_MEASURED_VAL))
     write_synthetic_shards(tmp / "val", stage.resolution, n_val, seed=1)

@@ -2,13 +2,13 @@
 as a local folder laid out like the hub repo (`vae/`, `text_encoder/`, `tokenizer/`).
 
 `configs/sd2-base.yaml` loads the VAE, text encoder and tokenizer through `pretrained:` paths.
-On a machine that cannot download `stabilityai/stable-diffusion-2-base` (this one, CI, an
-air-gapped cluster before its weights arrive), this folder takes the hub id's place, loaded by
-the same `from_pretrained` calls (models/components/factory.py), so the real recipe runs end to end at its
-real size: the SD VAE (8x downsampling, scaling factor 0.18215) and an OpenCLIP-H-like text
-tower (width 1024, 16 heads, 23 layers, 77 tokens). The tokenizer is the byte-level CLIP BPE the
-tiny preset builds offline; its ids fit the real vocabulary size. Nothing here is trained: the
-weights only make shapes, memory and time real, not images.
+On a machine that cannot download `stabilityai/stable-diffusion-2-base` (this one, CI, an air-gapped
+cluster before its weights arrive), this folder takes the hub id's place, loaded by the same
+`from_pretrained` calls (models/components/factory.py), so the real recipe runs end to end at its
+real size: the SD VAE (8x downsampling, scaling factor 0.18215) and an OpenCLIP-H-like text tower
+(width 1024, 16 heads, 23 layers, 77 tokens). The tokenizer is the byte-level CLIP BPE the tiny
+preset builds offline; its ids fit the real vocabulary size. Nothing here is trained: the weights
+only make shapes, memory and time real, not images.
 
     python -m models.sd2_components --out /data/sd2-random [--text-layers 2] [--seed 0]
 

@@ -11,9 +11,10 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Two test workers share the cores (`make test`), each launching training processes of its
-# own: one thread per process (tests, `accelerate launch`es, `kiln plan`'s measurement;
-# models/training/cpu_threads.py) instead of every process claiming every core. Set before torch loads.
+# Two test workers share the cores (`make test`), each launching training processes of its own: one
+# thread per process (tests, `accelerate launch`es, `kiln plan`'s measurement;
+# models/training/cpu_threads.py) instead of every process claiming every core. Set before torch
+# loads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROMPTS = REPO / "tests" / "data" / "prompts.csv"  # 12 prompts of our own, DrawBench's columns
 

@@ -52,8 +52,8 @@ def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
 
 
 def test_no_flow_module_shadows_a_top_level_package():
-    """A worker loads an entrypoint by path, with flows/ first on sys.path: a flows/X.py named
-    like a package (flows/human_eval.py once hid human_eval/) breaks the deployment's imports."""
+    """A worker loads an entrypoint by path, with flows/ first on sys.path: a flows/X.py named like
+    a package (a flows/human_eval.py would hide human_eval/) breaks the deployment's imports."""
     packages = {p.name for p in REPO.iterdir() if (p / "__init__.py").is_file()}
     modules = {p.stem for p in REPO.glob("*.py")}
     for folder in ("flows", "deployments"):

@@ -1,10 +1,10 @@
 """The training loop's checkpoints: every `train.checkpoint_every` steps and at the last.
 
-`DueCheckpoint` saves Accelerate's state (models, optimizer, LR schedule, EMA, every rank's
-RNG) and the loader position and histories (`models.training.checkpoint.checkpoint_extra`) through the
-atomic `models.training.checkpoint.save_checkpoint`. It comes last among the step's callbacks but the
-fault injection: the checkpoint holds the validation of its step (a resume does not redo it)
-and follows the step's sample grid (a resume never skips one).
+`DueCheckpoint` saves Accelerate's state (models, optimizer, LR schedule, EMA, every rank's RNG) and
+the loader position and histories (`models.training.checkpoint.checkpoint_extra`) through the atomic
+`models.training.checkpoint.save_checkpoint`. It comes last among the step's callbacks but the fault
+injection: the checkpoint holds the validation of its step (a resume does not redo it) and follows
+the step's sample grid (a resume never skips one).
 """
 
 from __future__ import annotations

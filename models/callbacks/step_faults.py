@@ -1,7 +1,7 @@
 """The training loop's fault injection: a kill or a stall after an optimizer step.
 
-`StepFaults` fires the stage file's `"step_end"` fault point (`models.training.faults`) last among the
-step's callbacks, so a kill at step N leaves the checkpoint of step N behind when one was due,
+`StepFaults` fires the stage file's `"step_end"` fault point (`models.training.faults`) last among
+the step's callbacks, so a kill at step N leaves the checkpoint of step N behind when one was due,
 as a real crash right after it would.
 """
 

@@ -1,8 +1,8 @@
 """Build the UNet, VAE, text encoder, tokenizer and noise scheduler from a :class:`ModelConfig`.
 
 The UNet is always built from its config dict (Kiln trains it from scratch). The VAE and text
-encoder are frozen: built from a dict for the `tiny` preset (whose VAE the flows first fit on
-the data, `models/components/vae_fit.py`, and then load from its folder), or loaded from a local path or
+encoder are frozen: built from a dict for the `tiny` preset (whose VAE the flows first fit on the
+data, `models/components/vae_fit.py`, and then load from its folder), or loaded from a local path or
 hub id (`stabilityai/stable-diffusion-2-base` subfolders) for real runs. The `tiny` tokenizer is a
 byte-level CLIP BPE, written locally (so nothing is downloaded), whose only merges make the
 configured `words` single tokens.

@@ -1,10 +1,10 @@
 """Sample grids while a stage trains: fixed prompts (rows) by fixed seeds (columns).
 
-Every `train.sample_every` optimizer steps and at the end of each stage, the main process
-writes the pipeline exactly as the stage's export does (`models.components.export`, EMA weights when EMA
-is on) into a temporary folder, loads it as `kiln evaluate` does (`models.study_images`), and
-generates each (prompt, seed) image with its own seeded generator. A broken export, a wrong
-latent scale or an EMA swap that never happened shows in the grid long before the stage ends.
+Every `train.sample_every` optimizer steps and at the end of each stage, the main process writes the
+pipeline exactly as the stage's export does (`models.components.export`, EMA weights when EMA is on)
+into a temporary folder, loads it as `kiln evaluate` does (`models.evaluation.generate`), and
+generates each (prompt, seed) image with its own seeded generator. A broken export, a wrong latent
+scale or an EMA swap that never happened shows in the grid long before the stage ends.
 
 The grid is saved as `<stage dir>/samples/step-{step:06d}.png` and logged to the training
 run's MLflow run as a stepped image (key `samples/stage-{res}`), so the MLflow UI's image

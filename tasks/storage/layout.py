@@ -72,7 +72,7 @@ class Layout:
         return self.folder("shards") / version / f"{resolution}-val-latents-{encoder_key}"
 
     def vae_cache(self) -> Path:
-        """Fitted VAEs (`train.model.vae.fit`), one folder per key (models/components/vae_fit.py)."""
+        """Fitted VAEs (`train.model.vae.fit`), one folder per key (`models.components.vae_fit`)."""
         return self.root / "vae"
 
     def run(self, run_id: str) -> Path:

@@ -1,5 +1,5 @@
-"""The training loop's callbacks and fault points (models/callbacks/, models/training/faults.py), and
-the import graph of models/ without circles. The callbacks' effects on a real stage (held-out
+"""The training loop's callbacks and fault points (models/callbacks/, models/training/faults.py),
+and the import graph of models/ without circles. The callbacks' effects on a real stage (held-out
 loss, grids, divergence, checkpoints, kills) are tested through `accelerate launch` in
 test_train.py, test_heldout_loss.py and test_sample_grid.py."""
 

@@ -142,8 +142,9 @@ def _per_step(path, field):
 
 
 def _same_draws(clean, crashed):
-    """The contributors' exposure (tasks/catalog/dataset_lineage.py) of the resumed stage counts every
-    sample the final weights trained on once, as the uninterrupted stage's does, on every rank."""
+    """The contributors' exposure (tasks/catalog/dataset_lineage.py) of the resumed stage counts
+    every sample the final weights trained on once, as the uninterrupted stage's does, on every
+    rank."""
     from tasks.catalog.dataset_lineage import stage_draws
 
     logs = sorted(p.name for p in clean.glob("samples-rank*.jsonl"))

@@ -137,7 +137,7 @@ def test_a_catalog_that_failed_the_gate_is_sharded_only_with_the_override(tmp_pa
     assert lineage["quality_gate"]["passed"] is True
     assert lineage["quality_gate"]["overridden"] is False
 
-    # A catalog without a verdict (never validated by this version) is refused too.
+    # A catalog without a verdict (never validated) is refused too.
     (root / "catalog" / ing.ingest_id / "verdict.json").unlink()
     with pytest.raises(QualityGateError, match="no quality verdict.*--allow-failed-gate"):
         write_shards.fn(ShardsConfig(workers=1), str(root), ing.ingest_id, [32])
