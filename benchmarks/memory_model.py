@@ -1,6 +1,6 @@
 """The memory model (tasks/planning/memory_model.py, tasks/planning/activation_trace.py) beside
 measured CPU
-peaks: one real training step per case in a fresh process (tests/tasks/_measure_step_memory.py),
+peaks: one real training step per case in a fresh process (tests/tasks/planning/_measure_step_memory.py),
 the tiny UNet and one with the sd2-base widths, head counts and text width but fewer blocks.
 
 Parameters, gradients and AdamW state are compared byte for byte; activations as the predicted

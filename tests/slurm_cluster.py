@@ -3,7 +3,7 @@ two `slurmd` (n1, n2), every spool, state, pid and log path in one temporary fol
 
 Needs root and Debian's `slurmd slurmctld slurm-client munge` (`make test` installs them).
 The SLURM commands find the cluster through `SLURM_CONF` (`env()`); nothing global is
-changed. Used by tests/tasks/test_slurm.py and benchmarks/multinode.py.
+changed. Used by tests/tasks/launch/test_slurm.py and benchmarks/multinode.py.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class ActivationTrace:
         saved tensor and of the one that produced it (twice the largest). With checkpointing:
         the blocks' inputs, plus the largest block recomputed (which holds one of those two),
         plus the largest tensor once more. Both are calibrated against the measured CPU peaks
-        of tests/tasks/test_memory_model.py.
+        of tests/tasks/planning/test_memory_model.py.
 
         Under autocast, matmul and convolution outputs take 2 bytes per element. CUDA's
         autocast runs GroupNorm and LayerNorm in fp32, so what they save keeps 4 bytes

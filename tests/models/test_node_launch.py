@@ -1,6 +1,6 @@
 """The node entrypoint's mapping from what an engine gives a node to `accelerate launch` flags.
 
-SLURM's mapping runs for real inside `srun` on the test cluster (tests/tasks/test_slurm.py);
+SLURM's mapping runs for real inside `srun` on the test cluster (tests/tasks/launch/test_slurm.py);
 here: torchrun's `PET_*` variables (Kubeflow Trainer), flags, and every clear error.
 """
 

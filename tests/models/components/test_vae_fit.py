@@ -22,7 +22,7 @@ from models.components.vae_fit import (
     reconstruction_mse,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
 VAE_DICT = TINY["train"]["model"]["vae"]["config"]
 # Fewer steps than the preset's fit (400 x 16), so the test takes seconds, not a minute.

@@ -20,7 +20,7 @@ from models.train import build_callbacks
 from models.training.faults import POINTS, Faults
 from models.training.state import TrainContext
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(tmp_path, **faults) -> StageRun:

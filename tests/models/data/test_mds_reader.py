@@ -116,7 +116,7 @@ def test_ranks_agree_on_the_shared_memory_prefix_when_another_job_takes_one(tmp_
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     # A mount namespace of its own; outside root, inside a user namespace that maps to root.
     unshare = ["unshare", "--mount", "--propagation", "private"]
     if os.geteuid() != 0:
@@ -203,7 +203,7 @@ def test_a_prefix_taken_between_look_and_claim_is_looked_for_again(tmp_path):
     import sys
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = str(repo)
     got = {}

@@ -145,6 +145,6 @@ def test_a_prompt_set_is_named_drawbench_only_when_it_is(tmp_path, fake_hub, mon
     monkeypatch.delenv("KILN_DRAWBENCH_CSV", raising=False)
     kw = {"cache_dir": tmp_path / "kiln", "endpoint": endpoint, "hf_cache": str(tmp_path / "hf")}
     assert prompt_set_name(resolve_prompts(None, **kw)) == "DrawBench"
-    tiny = Path(__file__).resolve().parents[2] / "configs" / "prompts" / "tiny.csv"
+    tiny = Path(__file__).resolve().parents[3] / "configs" / "prompts" / "tiny.csv"
     assert prompt_set_name(tiny) == "tiny.csv"
     assert prompt_set_name(tmp_path / "gone.csv") == "gone.csv"

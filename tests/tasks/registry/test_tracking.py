@@ -141,7 +141,7 @@ def _tiny_export(dest) -> str:
     from kiln_config import load_config
     from models.components.factory import build_components, sampling_scheduler
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     comps = build_components(load_config(repo / "configs" / "tiny.yaml").train.model)
     StableDiffusionPipeline(
         vae=comps.vae,

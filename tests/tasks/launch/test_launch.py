@@ -181,7 +181,7 @@ def _launch_in_flow(run, retries, hang_timeout_s=None, topology=None):
     return one_stage(return_state=True)
 
 
-SINGLE = str(Path(__file__).resolve().parents[2] / "configs" / "accelerate" / "single.yaml")
+SINGLE = str(Path(__file__).resolve().parents[3] / "configs" / "accelerate" / "single.yaml")
 
 
 def _launch(topology: str, hang_timeout_s: float | None = None):

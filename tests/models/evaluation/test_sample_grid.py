@@ -15,7 +15,7 @@ from PIL import Image
 
 from kiln_config import StageRun, TrainConfig
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())
 DEMO_PROMPTS = TINY["train"]["sample_prompts"]
 

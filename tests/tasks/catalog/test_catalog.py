@@ -15,7 +15,7 @@ from tasks.storage.layout import Layout
 
 # Written by Kiln's chain-layout ingest (tests/data/chain_catalog/make.py): source a (12
 # files), source b (8), then a again with 3 files added and 1 removed.
-FIXTURE = Path(__file__).parents[1] / "data" / "chain_catalog"
+FIXTURE = Path(__file__).parents[2] / "data" / "chain_catalog"
 
 
 def _sorted(df: pd.DataFrame) -> pd.DataFrame:

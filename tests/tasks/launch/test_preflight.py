@@ -16,7 +16,7 @@ from tasks.launch.preflight import (
     checkpoint_bytes,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TOPO = REPO / "configs" / "accelerate"
 
 

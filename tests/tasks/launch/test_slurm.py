@@ -15,7 +15,7 @@ import yaml
 
 pytestmark = pytest.mark.integration  # a SLURM cluster, accelerate launches
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SINGLE = str(REPO / "configs" / "accelerate" / "single.yaml")
 DDP = str(REPO / "configs" / "accelerate" / "cpu-ddp-2.yaml")
 

@@ -46,7 +46,7 @@ def test_every_folder_under_the_root_is_a_layout_path(tmp_path):
 def test_no_path_under_the_root_is_built_outside_layout():
     """`<root> / "name"` appears only in tasks/storage/layout.py, so that the storage map is
     the one place that says where a step's output lives."""
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     by_hand = re.compile(r"""\broot\)* / f?["']""")
     found = [
         f"{path.relative_to(repo)}:{n}: {line.strip()}"

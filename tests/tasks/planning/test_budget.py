@@ -9,7 +9,7 @@ import pytest
 from kiln_config import load_config
 from tasks.planning import budget as plan_module
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

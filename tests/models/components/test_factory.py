@@ -13,7 +13,7 @@ from models.components.factory import (
     vae_scale_factor,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_byte_tokenizer_is_offline_and_lossless():

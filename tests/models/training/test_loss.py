@@ -10,7 +10,7 @@ from kiln_config import load_config
 from models.components.factory import build_components
 from models.training.loss import denoising_loss, diffusion_target, encode_batch, min_snr_weight
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 B = 8
 
 

@@ -16,7 +16,7 @@ from kiln_config import HealthCheckRun, KubernetesConfig, LaunchConfig, write_ru
 from tasks.launch.accelerate import ClusterJob
 from tasks.launch.kubernetes import KubernetesRejected, job_outcome, run_train_job, train_job
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 REST = [
     "--config_file",
     "configs/accelerate/single.yaml",

@@ -1,7 +1,7 @@
-"""The memory model against one real training step on CPU (tests/tasks/_measure_step_memory.py,
-a fresh process per case): parameters, gradients and AdamW state exactly; activations within
-25% of the measured rise of the process's peak resident memory, in fp32 and CPU bf16 autocast,
-with and without gradient checkpointing."""
+"""The memory model against one real training step on CPU
+(tests/tasks/planning/_measure_step_memory.py, a fresh process per case): parameters, gradients and
+AdamW state exactly; activations within 25% of the measured rise of the process's peak resident
+memory, in fp32 and CPU bf16 autocast, with and without gradient checkpointing."""
 
 import json
 import os
@@ -16,7 +16,7 @@ from kiln_config import load_config
 from tasks.planning.activation_trace import trace_activations, unet_parameter_count
 from tasks.planning.memory_model import Setup, stage_memory
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = yaml.safe_load((REPO / "configs" / "tiny.yaml").read_text())["train"]["model"]["unet"]
 SD2 = yaml.safe_load((REPO / "configs" / "sd2-base.yaml").read_text())["train"]["model"]["unet"]
 # The real recipe's widths, head counts and text width with fewer blocks.

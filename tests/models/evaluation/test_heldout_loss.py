@@ -19,7 +19,7 @@ from streaming import MDSWriter
 from kiln_config import StageRun, load_config
 from models.evaluation.heldout import _noise, build_validator, eval_timesteps, noise_seed
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 TINY = load_config(REPO / "configs" / "tiny.yaml").train
 
 

@@ -14,7 +14,7 @@ from tasks.catalog.clean import read_clean
 from tasks.ingest.run import ingest_source
 from tasks.quality.dup_search import dup_partitions_for
 from tasks.quality.validate import validate_catalog
-from tests.tasks.test_quality import RULES, _add_images, _outputs, _three_ingests
+from tests.tasks.quality.test_validate import RULES, _add_images, _outputs, _three_ingests
 
 
 def _same(a_root, b_root, ingest_id) -> None:

@@ -13,7 +13,7 @@ from kiln_config import load_config
 from models.components.factory import build_components, sampling_scheduler
 from models.data.tokenization import truncate_prompts
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 # Mostly words the tiny tokenizer does not list, so they are mostly bytes and the cut falls
 # inside "crimson" (the listed demo words are one token each, also where one ends a longer
 # word: "crimson" ends in "on"; kiln_config.TokenizerConfig).
