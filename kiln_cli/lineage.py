@@ -34,6 +34,14 @@ def _table(df) -> str:
         return df.to_string(index=False) if len(df) else "(none)"
 
 
+def _registry_lineage():
+    """`tasks.registry.model_lineage`, loaded by the two commands that read the registry: it
+    imports MLflow and Prefect (seconds), which the other commands do without."""
+    from tasks.registry import model_lineage
+
+    return model_lineage
+
+
 @click.group()
 def lineage() -> None:
     """Which images trained which model, and how often each contributor's were drawn."""
@@ -47,11 +55,8 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 
     KEY_OR_PATH is its catalog key (`00001.jpg`) or `<source>/<key>`.
     """
-    # The registry's lineage reads MLflow (seconds to import): loaded for this command.
-    from tasks.registry.model_lineage import image_lineage
-
     cfg = load_config(config_path, root)
-    found = image_lineage(
+    found = _registry_lineage().image_lineage(
         cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name, key_or_path, cfg.quality
     )
     click.echo(f"image {key_or_path}: in {len(found)} dataset version(s)")
@@ -70,11 +75,10 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 )
 def lineage_model(config_path: str, root: str | None, model_uri: str, csv_path: str | None) -> None:
     """What a registered version (models:/NAME/N or models:/NAME@ALIAS) trained on."""
-    # The registry's lineage reads MLflow (seconds to import): loaded for this command.
-    from tasks.registry.model_lineage import model_lineage
-
     cfg = load_config(config_path, root)
-    info = model_lineage(cfg.storage.root, cfg.tracking_uri, model_uri, cfg.quality)
+    info = _registry_lineage().model_lineage(
+        cfg.storage.root, cfg.tracking_uri, model_uri, cfg.quality
+    )
     aliases = f" ({', '.join(info['aliases'])})" if info["aliases"] else ""
     click.echo(
         f"{info['name']} version {info['version']}{aliases}: run {info['run_id']}, "

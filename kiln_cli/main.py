@@ -31,6 +31,7 @@ from kiln_cli.options import (
     KilnGroup,
     config_options,
     load_config,
+    study_for_model,
 )
 from kiln_cli.rate import compare, rate
 from kiln_config import redact_uri
@@ -275,9 +276,6 @@ def evaluate(config_path: str, root: str | None, run_id: str | None, model: str 
         _show(_run_step("evaluate", config_path, root, run_id=run_id)[1])
         return
     cfg = load_config(config_path, root, "evaluate")
-    # A flows module (Prefect, torch, MLflow): imported once the config has passed its checks.
-    from flows.human_evaluation import study_for_model
-
     study_id = study_for_model(cfg, model)
     _show({"study_id": study_id, "path": str(Layout(Path(cfg.storage.root)).study(study_id))})
 

@@ -27,6 +27,7 @@ __all__ = [
     "KilnGroup",
     "config_options",
     "load_config",
+    "study_for_model",
     "schema_default",
 ]
 
@@ -134,6 +135,15 @@ def load_config(
             config_path, root=root, source=source, overrides=_overrides()
         )
     return load_checked(config_path, checks, root=root, source=source, overrides=_overrides())
+
+
+def study_for_model(cfg: PipelineConfig, ref: str) -> str:
+    """The study id of a model given to `kiln evaluate --model` or `kiln compare`, generated
+    unless it exists (`flows.human_evaluation.study_for_model`)."""
+    # A flows module (Prefect, torch, MLflow): loaded when a command is given a model.
+    from flows.human_evaluation import study_for_model as study
+
+    return study(cfg, ref)
 
 
 def _expected(e: Exception) -> str | None:

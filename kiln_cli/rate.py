@@ -21,7 +21,7 @@ from human_eval.app import serve as run_app
 from human_eval.report import build_report
 from human_eval.store import RatingStore
 from human_eval.studies import create_comparison, is_model_ref, load_study
-from kiln_cli.options import ConfigDefault, config_options, load_config
+from kiln_cli.options import ConfigDefault, config_options, load_config, study_for_model
 from tasks.storage.layout import Layout
 
 __all__ = ["compare", "rate"]
@@ -81,9 +81,6 @@ def compare(
     cfg, store = _load(config_path, root, "evaluate" if any(models) else None)
     he = cfg.human_eval  # --raters-per-pair and --gold applied
     if any(models):
-        # A flows module (Prefect, torch, MLflow): imported when a side is a model.
-        from flows.human_evaluation import study_for_model
-
         study_a = study_for_model(cfg, study_a) if models[0] else study_a
         study_b = study_for_model(cfg, study_b) if models[1] else study_b
     studies = Layout(Path(cfg.storage.root)).folder("eval")

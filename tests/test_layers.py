@@ -107,3 +107,91 @@ def test_flows_and_the_command_line_import_no_ml_library():
         check=True,
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# Inside tasks/ and models/, subpackages import only those of a lower rank (or their own);
+# the modules at the top of tasks/ and models/ (models/' `-m` entry points) rank highest.
+RANKS = {
+    "tasks": {
+        "storage": 0,
+        "runtime": 0,
+        "planning": 0,
+        "catalog": 1,
+        "launch": 1,
+        "ingest": 2,
+        "quality": 2,
+        "registry": 2,
+        "shards": 3,
+        "evaluation": 3,
+    },
+    "models": {"data": 0, "components": 1, "training": 2, "evaluation": 3, "callbacks": 4},
+}
+
+
+def _part(layer: str, dotted: str) -> str:
+    """The subpackage of `layer` a module belongs to ("" for a module at the layer's top)."""
+    parts = dotted.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in RANKS[layer] else ""
+
+
+@pytest.mark.parametrize("layer", sorted(RANKS))
+def test_subpackages_import_only_lower_ones(layer):
+    ranks = {**RANKS[layer], "": max(RANKS[layer].values()) + 1}
+    for path in (REPO / layer).rglob("*.py"):
+        here = _part(layer, ".".join(path.relative_to(REPO).with_suffix("").parts))
+        for full in _imports(path):
+            if full.split(".")[0] != layer:
+                continue
+            there = _part(layer, full)
+            ok = there == here or ranks[there] < ranks[here]
+            assert ok, f"{path.relative_to(REPO)} ({here or 'top'}) imports {full}"
+
+
+# Kiln's own modules are imported at the top of a module, where the dependency shows. These
+# are the only imports made inside functions, each for a heavy third-party library at a
+# process edge (its reason is the comment beside it).
+LAZY = {
+    # The console script: the workers that ingest and shard spawn run it again.
+    ("kiln_cli/__init__.py", "kiln_cli.main"),
+    # Commands that need torch, MLflow or Prefect, loaded when they run.
+    ("kiln_cli/lineage.py", "tasks.registry"),
+    ("kiln_cli/main.py", "tasks.planning.budget"),
+    ("kiln_cli/main.py", "tasks.evaluation.generate"),
+    ("kiln_cli/options.py", "flows.human_evaluation"),
+    # Training processes never load MLflow for the served model's prompt cut.
+    ("models/data/tokenization.py", "kiln_pyfunc"),
+    # Tasks that run ML code in process: torch loads there, not with every flow.
+    ("tasks/evaluation/study_metrics.py", "models.evaluation.study_metrics"),
+    ("tasks/launch/preflight.py", "tasks.planning.memory_model"),
+    ("tasks/shards/vae_folder.py", "models.components.vae_fit"),
+    ("tasks/shards/write.py", "models.components.factory"),
+}
+
+
+def test_kiln_imports_sit_at_the_top_of_modules():
+    ours = (*OURS, "kiln_pyfunc")
+    found = set()
+    for path in _product_files():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names = [node.module]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                found |= {
+                    (path.relative_to(REPO).as_posix(), n) for n in names if n.split(".")[0] in ours
+                }
+    assert found == LAZY
+
+
+def test_the_formatter_owns_the_layout():
+    """No comment that turns the formatter off for a line or a block: ruff format lays out
+    every line (`make lint`)."""
+    for path in [*_product_files(), *(REPO / "tests").rglob("*.py")]:
+        text = path.read_text()
+        for marker in ("fmt" + ": skip", "fmt" + ": off"):  # not this file's own words
+            assert marker not in text, f"{path.relative_to(REPO)} has `# {marker}`"
