@@ -1,7 +1,7 @@
 """The memory model (tasks/planning/memory_model.py, tasks/planning/activation_trace.py) beside
-measured CPU
-peaks: one real training step per case in a fresh process (tests/tasks/planning/_measure_step_memory.py),
-the tiny UNet and one with the sd2-base widths, head counts and text width but fewer blocks.
+measured CPU peaks: one real training step per case in a fresh process
+(tests/tasks/planning/_measure_step_memory.py), the tiny UNet and one with the sd2-base widths, head
+counts and text width but fewer blocks.
 
 Parameters, gradients and AdamW state are compared byte for byte; activations as the predicted
 peak over the measured rise of the process's peak resident memory.
