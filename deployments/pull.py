@@ -1,11 +1,11 @@
 """Prefect pull steps for Kiln's deployments (`deployments/prefect.yaml`).
 
-A process worker runs each flow run in a fresh temporary folder unless a pull step moves it.
-The flows' entrypoints (`flows/pipeline.py:kiln_pipeline`) and the configs they are given
-(`configs/sd2-base.yaml`) are paths inside the project, so the run must start in the project
-folder. `set_project_directory` finds it without any setup: `KILN_PROJECT_DIR` when set (a
-checkout other than the installed one), else the checkout this `kiln` package is installed
-from (`make install` installs it in editable mode).
+A process worker runs each flow run in a fresh temporary folder unless a pull step moves it. The
+flows' entrypoints (`flows/entry.py:pipeline` and the other entries) and the configs they are given
+(`configs/sd2-base.yaml`) are paths inside the project, so the run must start in the project folder.
+`set_project_directory` finds it without any setup: `KILN_PROJECT_DIR` when set (a checkout other
+than the installed one), else the checkout this `kiln` package is installed from (`make install`
+installs it in editable mode).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The layer rule of DESIGN.md: imports point only down the table."""
+"""The layer rule (docs/architecture.md, "Layers"): imports point only down the table."""
 
 import ast
 from pathlib import Path

@@ -2,7 +2,7 @@
 
 `models.train` calls `denoising_loss` once per micro-batch. Every random draw (the noise, the
 timesteps, the VAE's latent sample) comes from torch's global RNG, so a seeded call is
-reproducible. The held-out validation loss (`models.heldout_loss`) uses the same pieces
+reproducible. The held-out validation loss (`models.evaluation.heldout`) uses the same pieces
 (`encode_latents`, `encode_text`, `diffusion_target`) with noise from its own seeded generators.
 """
 

@@ -1,4 +1,4 @@
-"""The Prefect artifact of a stage's newest sample grid (models/sample_grid.py writes the grids).
+"""The Prefect artifact of a stage's newest sample grid (`models.evaluation.sample_grid` draws it).
 
 Prefect's image artifacts and markdown images take a URL, and a browser refuses file:// from
 the Prefect UI, so the grid is shown from the MLflow server that holds it as the training

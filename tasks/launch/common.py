@@ -1,6 +1,7 @@
-"""What every launch backend shares: the launch errors, the processes a topology starts, a
-cluster job's description and the heartbeat watch. The local launch (`accelerate.py`) and the
-cluster backends (`slurm.py`, `kubernetes.py`) import it; it imports none of them.
+"""What every launch backend shares: the launch errors, a cluster job's description and the
+heartbeat watch (the processes a topology starts are `tasks.planning.topology`'s). The local launch
+(`accelerate.py`) and the cluster backends (`slurm.py`, `kubernetes.py`) import it; it imports none
+of them.
 """
 
 from __future__ import annotations
