@@ -51,7 +51,7 @@ def _case(unet: dict, batch: int, side: int, attention: str, ckpt: bool, precisi
     out = subprocess.run(
         [
             sys.executable,
-            str(REPO / "tests" / "tasks" / "_measure_step_memory.py"),
+            str(REPO / "tests" / "tasks" / "planning" / "_measure_step_memory.py"),
             json.dumps([unet, batch, side, 77, attention, ckpt, precision]),
         ],
         capture_output=True,

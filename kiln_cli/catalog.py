@@ -16,7 +16,7 @@ import json
 import click
 import duckdb
 
-from kiln_cli.options import CliError, config_options, load_config
+from kiln_cli.options import CliError, config_options, load_for_command
 from tasks.catalog.admin import compact, export, migrate, query, registered_versions, show
 
 __all__ = ["catalog"]
@@ -31,7 +31,7 @@ def catalog() -> None:
 @config_options
 def catalog_show(config_path: str, root: str | None) -> None:
     """The current table versions, rows by source and by quarantine reason, and history."""
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     click.echo(json.dumps(show(cfg.storage.root), indent=2, default=str))
 
 
@@ -47,7 +47,7 @@ def catalog_show(config_path: str, root: str | None) -> None:
 )
 def catalog_sql(config_path: str, root: str | None, statement: str, version: int | None) -> None:
     """Run a DuckDB STATEMENT over the tables `clean`, `accepted` and `quarantine`."""
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     try:
         result = query(cfg.storage.root, statement, version)
     except duckdb.Error as e:  # the user's statement
@@ -78,7 +78,7 @@ def catalog_export(
 ) -> None:
     """Write the clean view (accepted rows less the verdict's rejects) to OUT."""
 
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     n = export(cfg.storage.root, out, fmt, version)
     click.echo(f"wrote {n} rows to {out}")
 
@@ -96,7 +96,7 @@ def catalog_compact(config_path: str, root: str | None, retain_hours: float | No
     """Compact each table's small files, then vacuum files that no version younger than
     --retain-hours names, nor any version a registered model's dataset was cut from."""
 
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     hours = cfg.ingest.compact_retain_hours if retain_hours is None else retain_hours
     keep = registered_versions(cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name)
     click.echo(json.dumps(compact(cfg.storage.root, hours, keep), indent=2))
@@ -107,6 +107,6 @@ def catalog_compact(config_path: str, root: str | None, retain_hours: float | No
 def catalog_migrate(config_path: str, root: str | None) -> None:
     """Move a catalog written in the chain layout into the Delta tables (once)."""
 
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     done = migrate(cfg.storage.root)
     click.echo(f"migrated {len(done)} ingest(s)" if done else "nothing to migrate")

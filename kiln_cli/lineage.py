@@ -20,7 +20,7 @@ import click
 import pandas as pd
 
 from flows.steps import STEPS
-from kiln_cli.options import config_options, load_config
+from kiln_cli.options import config_options, load_for_command
 from tasks.catalog.takedown import read_keys_file, read_takedowns
 
 __all__ = ["lineage", "takedown"]
@@ -55,7 +55,7 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 
     KEY_OR_PATH is its catalog key (`00001.jpg`) or `<source>/<key>`.
     """
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     found = _registry_lineage().image_lineage(
         cfg.storage.root, cfg.tracking_uri, cfg.registry.model_name, key_or_path, cfg.quality
     )
@@ -75,7 +75,7 @@ def lineage_image(config_path: str, root: str | None, key_or_path: str) -> None:
 )
 def lineage_model(config_path: str, root: str | None, model_uri: str, csv_path: str | None) -> None:
     """What a registered version (models:/NAME/N or models:/NAME@ALIAS) trained on."""
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     info = _registry_lineage().model_lineage(
         cfg.storage.root, cfg.tracking_uri, model_uri, cfg.quality
     )
@@ -128,7 +128,7 @@ def takedown_add(
     ]
     if len(given) != 1:
         raise click.UsageError(f"give exactly one of --key, --contributor, --file (got {given})")
-    cfg = load_config(config_path, root, "takedown")
+    cfg = load_for_command(config_path, root, "takedown")
     wanted = list(keys) or (read_keys_file(keys_file) if keys_file else None)
     result = STEPS["takedown"].load_flow()(
         cfg, reason=reason, keys=wanted, contributor=contributor, by=by
@@ -140,5 +140,5 @@ def takedown_add(
 @config_options
 def takedown_list(config_path: str, root: str | None) -> None:
     """Every addition to the takedown list: when, who, why, and what."""
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     click.echo(_table(read_takedowns(cfg.storage.root)))

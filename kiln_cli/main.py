@@ -30,7 +30,7 @@ from kiln_cli.options import (
     ConfigDefault,
     KilnGroup,
     config_options,
-    load_config,
+    load_for_command,
     study_for_model,
 )
 from kiln_cli.rate import compare, rate
@@ -62,14 +62,14 @@ def _run_step(
     """Load and check the config once through the table's `step`, then run its flow on it.
 
     Before any flow run starts (and before Prefect is even imported), the schema is validated
-    and the step's input checks run (`kiln_cli.options.load_config`), so a typo or a missing
+    and the step's input checks run (`kiln_cli.options.load_for_command`), so a typo or a missing
     file never reaches Prefect. The flow gets the loaded config object, not the user's file,
     which may change while it runs.
 
     Returns:
         (the loaded config, the flow's result).
     """
-    cfg = load_config(config_path, root, step, source=source)
+    cfg = load_for_command(config_path, root, step, source=source)
     return cfg, STEPS[step].load_flow()(cfg, **kwargs)
 
 
@@ -222,7 +222,7 @@ def plan(
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
-    cfg = load_config(config_path, root, checks=("plan",))
+    cfg = load_for_command(config_path, root, checks=("plan",))
     try:
         result = make_plan(
             cfg.train,
@@ -275,7 +275,7 @@ def evaluate(config_path: str, root: str | None, run_id: str | None, model: str 
     if not model:
         _show(_run_step("evaluate", config_path, root, run_id=run_id)[1])
         return
-    cfg = load_config(config_path, root, "evaluate")
+    cfg = load_for_command(config_path, root, "evaluate")
     study_id = study_for_model(cfg, model)
     _show({"study_id": study_id, "path": str(Layout(Path(cfg.storage.root)).study(study_id))})
 
@@ -327,7 +327,7 @@ def generate(
     # MLflow and diffusers (seconds to import), for this command alone.
     from tasks.evaluation.generate import generate_pngs
 
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     ev = cfg.evaluate  # --steps and --guidance applied
     try:
         result = generate_pngs(
@@ -428,7 +428,7 @@ def _ui_env(port: int, env) -> dict[str, str]:
 @click.option("--port", default=5000, show_default=True, help="Port on 127.0.0.1.")
 def mlflow_ui(config_path: str, root: str | None, port: int) -> None:
     """Serve the MLflow UI (runs, metrics, registry) for the config's tracking URI."""
-    cfg = load_config(config_path, root)
+    cfg = load_for_command(config_path, root)
     raise SystemExit(_mlflow_ui(cfg.tracking_uri, port, runner=_stops_its_tree(subprocess.call)))
 
 
@@ -513,3 +513,7 @@ def _where(cfg, config_path: str, result: dict) -> None:
 
 for _command in (compare, rate, lineage, takedown, catalog):
     main.add_command(_command)
+
+
+if __name__ == "__main__":  # python -m kiln_cli.main, as python -m kiln_cli
+    main()

@@ -26,7 +26,7 @@ __all__ = [
     "ConfigDefault",
     "KilnGroup",
     "config_options",
-    "load_config",
+    "load_for_command",
     "study_for_model",
     "schema_default",
 ]
@@ -62,7 +62,7 @@ class ConfigDefault(click.Option):
     validated by the schema like the file's own; left out, the config's value applies, and
     the config's default is the schema's. `--help` shows the field and its schema default.
 
-    The option is not passed to the command: `load_config` applies it, and the command
+    The option is not passed to the command: `load_for_command` applies it, and the command
     reads the field from the config it returns.
     """
 
@@ -117,7 +117,7 @@ class _Bug(click.ClickException):
         )
 
 
-def load_config(
+def load_for_command(
     config_path: str,
     root: str | None,
     step: str | None = None,
@@ -129,12 +129,22 @@ def load_config(
     overrides applied (`--root`, `--source` and the command's `ConfigDefault` options), and,
     for a command that runs a `step` of the table (flows/steps.py), that step's inputs checked
     and its training lock refused as its deployment does (`tasks.inputs.load_checked`); for
-    another command, the inputs of `checks`."""
-    if step is not None:
-        return STEPS[step].load_config(
-            config_path, root=root, source=source, overrides=_overrides()
-        )
-    return load_checked(config_path, checks, root=root, source=source, overrides=_overrides())
+    another command, the inputs of `checks`.
+
+    Raises:
+        CliError: the config file cannot be read (a permission, a bad disk: the OS's message).
+        ValueError: both a step and checks of its own given (a bug in a command).
+    """
+    if step is not None and checks:
+        raise ValueError(f"step {step!r} checks its own inputs; got checks {checks} too")
+    try:
+        if step is not None:
+            return STEPS[step].load_config(
+                config_path, root=root, source=source, overrides=_overrides()
+            )
+        return load_checked(config_path, checks, root=root, source=source, overrides=_overrides())
+    except OSError as e:  # an unreadable file: ConfigError covers a missing or invalid one
+        raise CliError(str(e)) from e
 
 
 def study_for_model(cfg: PipelineConfig, ref: str) -> str:

@@ -21,7 +21,7 @@ from human_eval.app import serve as run_app
 from human_eval.report import build_report
 from human_eval.store import RatingStore
 from human_eval.studies import create_comparison, is_model_ref, load_study
-from kiln_cli.options import ConfigDefault, config_options, load_config, study_for_model
+from kiln_cli.options import ConfigDefault, config_options, load_for_command, study_for_model
 from tasks.storage.layout import Layout
 
 __all__ = ["compare", "rate"]
@@ -31,7 +31,7 @@ COMPARISON = click.option("--comparison", required=True, help="Comparison id (ki
 
 def _load(config_path: str, root: str | None, step: str | None = None):
     """(config, ratings store); the store closes however the command ends."""
-    cfg = load_config(config_path, root, step)
+    cfg = load_for_command(config_path, root, step)
     store = RatingStore.open(
         Layout(Path(cfg.storage.root)).ratings_db(), cfg.human_eval.database_url
     )

@@ -1,9 +1,10 @@
 """Images from an exported pipeline, as evaluation draws them: the prompts file, the pipeline
 loaded as `kiln evaluate` loads it, and one seeded generator per (prompt, seed) pair.
 
-The study script (`models.study_images`), the training loop's sample grids
-(`models.evaluation.sample_grid`) and `kiln generate` draw through these, so a grid shows what
-a study of the same prompts and seeds shows.
+The study script (`models.study_images`) and the training loop's sample grids
+(`models.evaluation.sample_grid`) draw through these, so a grid shows what a study of the same
+prompts and seeds shows; `kiln generate` draws with `generate_images` from the pipeline the
+served model loads (`kiln_pyfunc.load_pipeline`).
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ def _fid(
     study_dir: Path,
     cfg: EvalMetricsConfig,
     val_dir: Path,
+    val_published: bool,
     generate: Callable[[Path, Path], dict],
     feature: torch.nn.Module | None,
 ) -> dict:
@@ -86,7 +87,7 @@ def _fid(
         feature = load_inception(cfg.inception_weights)
         weights = {"weights": cfg.inception_weights, **files_sha256(cfg.inception_weights)}
         resize = FID_RESIZE
-    if not ((val_dir / "index.json").is_file() or (val_dir / "buckets.json").is_file()):
+    if not val_published:
         raise MetricUnavailable(
             f"no validation split at {val_dir}; re-run `kiln shard` with shards.val_fraction > 0"
         )
@@ -116,6 +117,7 @@ def study_metrics(
     items: list[dict],
     cfg: EvalMetricsConfig,
     val_dir: Path,
+    val_published: bool,
     generate: Callable[[Path, Path], dict],
     fid_feature: torch.nn.Module | None = None,
     log: logging.Logger | logging.LoggerAdapter | None = None,
@@ -127,6 +129,8 @@ def study_metrics(
         items: study.json's items.
         cfg: `evaluate.metrics`.
         val_dir: The validation split at the model's final resolution.
+        val_published: Whether that split is a complete dataset (else FID is skipped, saying
+            so).
         generate: Generates FID's images from the validation captions: given a prompts CSV
             and a folder, it returns the generation's record (`items`, `settings`).
         fid_feature: FID's feature extractor instead of the Inception weights (an nn.Module
@@ -138,7 +142,7 @@ def study_metrics(
     result: dict = {"study_id": study.name}
     steps = (
         ("clip_score", lambda: _clip(study, items, cfg.clip_model)),
-        ("fid", lambda: _fid(study, cfg, Path(val_dir), generate, fid_feature)),
+        ("fid", lambda: _fid(study, cfg, val_dir, val_published, generate, fid_feature)),
     )
     for name, run in steps:
         t0 = time.perf_counter()

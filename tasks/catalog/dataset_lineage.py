@@ -1,5 +1,6 @@
-"""Data lineage: which images a dataset version holds, how often training drew each, and
-which registered models saw a given image.
+"""Data lineage on the catalog's side: which images a dataset version holds and how often
+training drew each (the registry's side, which registered models saw an image, is
+`tasks.registry.model_lineage`).
 
 * A dataset version's rows (`dataset_rows`) are the keys its MDS datasets hold (every stage,
   training and held-out split), joined with the catalog view it was sharded from for their
@@ -12,9 +13,8 @@ which registered models saw a given image.
   appends those steps again; `stage_draws` keeps only the last attempt of every step, so the
   counts are the samples that the final weights were trained on.
 * `contributors_report` is the revenue-share table: per contributor, images, licenses, the
-  earliest license end and draws per stage; `register_lineage` logs it as a CSV on each
-  registered version's run, with tags a consumer reads (`kiln.earliest_license_end`,
-  `kiln.takedown.images`).
+  earliest license end and draws per stage, which the registry logs as a CSV on each
+  registered version's run (`tasks.registry.model_lineage.register_lineage`).
 
 Keys in the sample logs are catalog keys (the MDS `key` column, without the source); a key
 that two sources share counts toward the source ingested last.

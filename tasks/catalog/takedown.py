@@ -7,7 +7,8 @@ what is taken down, either one image (`source`, `key`) or a whole `contributor`,
 addition's `reason`, `by` (the user) and `at` (UTC time).
 
 The next validate quarantines the listed rows (reason `takedown`, data_quality/terms.py);
-`tasks.catalog.dataset_lineage.tag_takedowns` tags every registered version whose dataset holds one.
+`tasks.registry.model_lineage.tag_takedowns` tags every registered version whose dataset
+holds one.
 """
 
 from __future__ import annotations

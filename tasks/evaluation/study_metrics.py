@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from mlflow.tracking import MlflowClient
@@ -25,6 +26,10 @@ from kiln_config import EvalMetricsConfig
 from tasks.launch.accelerate import launch_generate
 from tasks.registry.tracking import artifacts_url
 from tasks.runtime.logs import task_logger
+from tasks.storage.layout import is_published
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["compute_study_metrics", "log_study_metrics", "metrics_lineage", "metrics_report"]
 
@@ -36,7 +41,7 @@ def compute_study_metrics(
     cfg: EvalMetricsConfig,
     val_dir: str,
     generate: dict,
-    fid_feature=None,
+    fid_feature: torch.nn.Module | None = None,
 ) -> dict:
     """CLIP score and FID of a study (`models.evaluation.study_metrics`); writes and returns
     `<study>/metrics.json`'s content.
@@ -61,8 +66,16 @@ def compute_study_metrics(
             generate["pipeline"], str(prompts), str(out), **generate["settings"]
         )
 
+    split = Path(val_dir)
     return study_metrics(
-        Path(study_dir), items, cfg, Path(val_dir), generated, fid_feature, task_logger(__name__)
+        Path(study_dir),
+        items,
+        cfg,
+        split,
+        is_published(split),
+        generated,
+        fid_feature,
+        task_logger(__name__),
     )
 
 

@@ -1,4 +1,4 @@
-"""Ingest's plan: a source's listing compared with the view, out of core.
+"""What an ingest changes: a source's listing compared with the view, out of core.
 
 Nothing here grows with the source in memory. The listing, the manifest's rows, this
 source's rows in the view and the run's items are staged as Parquet files in a folder under

@@ -426,18 +426,18 @@ def validate_catalog(
 ) -> ValidateResult:
     """Run the suite on the view after `ingest_id`; raise QualityGateError past the threshold.
 
-    Rows are checked a partition (`partition_rows`) at a time, `workers` partitions at once on
-    local threads, or on the Dask cluster at `dask_address`. The duplicate checks run in
-    `dup_partitions` hash-prefix partitions (tasks/quality/dup_search.py; None: one per about 500k
-    rows when more than one partition of rows is new, else 0: on the driver, whose memory then
-    holds the new rows' hashes and a row group of the old). When an earlier catalog of the
-    chain was validated under the same rules and no accepted row has left the view since,
-    only the rows ingested after it are checked, and compared with the others for duplicates:
-    their hashes come from the hash cache (data_quality/hash_cache.py) that the row checks
-    fill, and the quarantine is that verdict's merged with the new rows when nothing it was
-    built from changed (`_mergeable`). The licensing terms (data_quality/terms.py: the
-    takedown list, license ends) run on every row at every run and override the suite's
-    reason; they are not counted in the gate's reject fraction.
+    Rows are checked a partition (`partition_rows`) at a time, `workers` partitions at once on local
+    threads, or on the Dask cluster at `dask_address`. The duplicate checks run in `dup_partitions`
+    hash-prefix partitions (tasks/quality/dup_search.py; None: one per about 500k rows when more
+    than one partition of rows is new, else 0: on the driver, whose memory then holds the new rows'
+    hashes and a row group of the old). When an earlier catalog of the chain was validated under the
+    same rules and no accepted row has left the view since, only the rows ingested after it are
+    checked, and compared with the others for duplicates: their hashes come from the hash cache
+    (data_quality/hash_cache.py) that the row checks fill, and the quarantine is that verdict's
+    merged with the new rows when nothing it was built from changed
+    (`data_quality.incremental.mergeable_quarantine`). The licensing terms (data_quality/terms.py:
+    the takedown list, license ends) run on every row at every run and override the suite's reason;
+    they are not counted in the gate's reject fraction.
 
     Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
     `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
@@ -488,17 +488,22 @@ class _Scope:
         return self.layout.catalog(self.ingest_id)
 
 
-def _scope(layout: Layout, ingest_id: str, rules: QualityConfig) -> _Scope:
-    """The rows to validate, once the catalog is known to exist and its columns to hold what
-    the rules read."""
-    cat = layout.catalog(ingest_id)
-    if not (cat / "summary.json").is_file():
+def _kept_verdict(layout: Layout, ingest_id: str, rules: QualityConfig) -> tuple[str, dict | None]:
+    """(the suite's key, the earlier verdict whose checked rows this run keeps), once the
+    catalog is known to exist."""
+    if not (layout.catalog(ingest_id) / "summary.json").is_file():
         raise MissingInput(
             f"no catalog view for ingest {ingest_id} under {layout.root}: run `kiln ingest` first"
         )
     suite = suite_key(rules)
     links = [(link, layout.catalog(link["id"])) for link in chain(layout, ingest_id)]
-    base = reusable_verdict(links, suite)
+    return suite, reusable_verdict(links, suite)
+
+
+def _scope(
+    layout: Layout, ingest_id: str, rules: QualityConfig, suite: str, base: dict | None
+) -> _Scope:
+    """The rows to validate, once their columns are known to hold what the rules read."""
     parts = view_parts(layout, ingest_id, "accepted")
     columns = accepted_columns(layout, ingest_id, parts)
     if sum(p.rows for p in parts):
@@ -612,9 +617,11 @@ def _validate(
     """`validate_catalog`'s work, under the catalog writer's lock."""
     log = task_logger(__name__)
     layout = Layout(Path(root))
-    scope = _scope(layout, ingest_id, rules)
-    # An old verdict must never vouch for the rejects this run is about to write.
-    (scope.catalog / VERDICT_FILE).unlink(missing_ok=True)
+    suite, base = _kept_verdict(layout, ingest_id, rules)
+    # An old verdict must never vouch for the rejects this run is about to write, nor outlive
+    # a run that fails on the way (a column the rules need and the catalog lacks, say).
+    (layout.catalog(ingest_id) / VERDICT_FILE).unlink(missing_ok=True)
+    scope = _scope(layout, ingest_id, rules, suite, base)
     stage = scope.catalog / "validate-stage"  # the verdict's rows, as they are found
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()

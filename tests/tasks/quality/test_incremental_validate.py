@@ -17,7 +17,7 @@ from kiln_config import IngestConfig, QualityConfig
 from tasks.catalog.takedown import add_takedown
 from tasks.catalog.view import read_part, view_parts
 from tasks.ingest.run import ingest_source
-from tasks.quality import validate as gate
+from tasks.quality import validate
 from tasks.quality.dup_search import old_hash_batches
 from tasks.quality.validate import validate_catalog
 from tasks.storage.layout import Layout
@@ -29,13 +29,13 @@ RULES = QualityConfig(min_side=32, max_reject_fraction=0.5, drop_near_duplicates
 def merges(monkeypatch) -> list:
     """The earlier quarantine file each write_quarantine merged from (None: rebuilt)."""
     seen = []
-    real = gate.write_quarantine
+    real = validate.write_quarantine
 
     def spy(*args, base=None, **kwargs):
         seen.append(base)
         return real(*args, base=base, **kwargs)
 
-    monkeypatch.setattr(gate, "write_quarantine", spy)
+    monkeypatch.setattr(validate, "write_quarantine", spy)
     return seen
 
 

@@ -3,8 +3,9 @@ import json
 import pandas as pd
 import pytest
 
-from data_quality.verdict import QualityGateError
+from data_quality.verdict import QualityGateError, gate_for_sharding
 from kiln_config import IngestConfig, QualityConfig
+from kiln_config.errors import InputError
 from tasks.catalog.clean import read_clean
 from tasks.catalog.view import read_view, scan_view
 from tasks.ingest.run import ingest_source
@@ -35,6 +36,13 @@ def test_validate_quarantines_planted_items_and_builds_data_docs(tmp_path, demo_
     # Re-running replaces the validate rows instead of appending them again.
     validate_catalog.fn(str(root), ing.ingest_id, RULES)
     assert len(_quarantine(root, ing.ingest_id)) == len(q)
+    # A run that fails on the way leaves no verdict behind: the shard step refuses the catalog
+    # instead of trusting the one from before.
+    licensed = RULES.model_copy(update={"allowed_licenses": ["cc0"]})
+    with pytest.raises(InputError, match="no 'license' column"):
+        validate_catalog.fn(str(root), ing.ingest_id, licensed)
+    with pytest.raises(QualityGateError, match="has no quality verdict"):
+        gate_for_sharding(Layout(root).catalog(ing.ingest_id), ing.ingest_id)
 
 
 def test_gate_fails_with_a_reason_table_and_keeps_the_quarantine(tmp_path, demo_src):
