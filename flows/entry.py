@@ -21,7 +21,7 @@ from flows.promote import promote_flow, rollback_flow
 from flows.register import register_flow
 from flows.retrain import retrain_flow
 from flows.shard import shard_flow
-from flows.steps import STEPS
+from flows.steps import STEPS, check_id_params
 from flows.takedown import takedown_flow
 from flows.train import train_flow
 from flows.validate import validate_flow
@@ -43,7 +43,9 @@ __all__ = [
 
 
 def _run(step: str, config: str, **params):
-    """The typed flow's body of `step`, on the config at `config` loaded by the table."""
+    """The typed flow's body of `step`, on the config at `config` loaded by the table, once
+    its id parameters are known to name folders under the root."""
+    check_id_params(params)
     return STEPS[step].load_flow().fn(STEPS[step].load_config(config), **params)
 
 

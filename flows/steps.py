@@ -16,13 +16,33 @@ import the `kiln` console script again) all do without.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kiln_config import PipelineConfig
+from kiln_config import PipelineConfig, check_id
 from tasks.inputs import load_checked
 
-__all__ = ["STEPS", "Step"]
+__all__ = ["ID_PARAMS", "STEPS", "Step", "check_id_params"]
+
+# A step's parameters that name a folder under the root: checked (`kiln_config.check_id`)
+# by either door before anything runs, so that `--run-id ../../escape` is one line.
+ID_PARAMS = ("run_id", "ingest_id", "dataset_version", "study_id")
+
+
+def check_id_params(params: dict[str, Any], label: Callable[[str], str] = str) -> None:
+    """Raise on the first id parameter of `params` that is not one path component.
+
+    Args:
+        params: A step's parameters (None: not given).
+        label: How a message names a parameter (the CLI's `--run-id`, a deployment's `run_id`).
+
+    Raises:
+        InputError: naming the parameter and the value received.
+    """
+    for name in ID_PARAMS:
+        if params.get(name) is not None:
+            check_id(label(name), params[name])
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 import psutil
 
-from flows.steps import STEPS
+from flows.steps import STEPS, check_id_params
 from kiln_cli.catalog import catalog
 from kiln_cli.lineage import lineage, takedown
 from kiln_cli.options import (
@@ -69,6 +69,7 @@ def _run_step(
     Returns:
         (the loaded config, the flow's result).
     """
+    check_id_params(kwargs, lambda name: "--" + name.replace("_", "-"))
     cfg = load_for_command(config_path, root, step, source=source)
     return cfg, STEPS[step].load_flow()(cfg, **kwargs)
 

@@ -10,7 +10,9 @@ from kiln_config.base import (
     ConfigError,
     SecretUri,
     Strict,
+    check_id,
     is_remote,
+    redact_text,
     redact_uri,
     stable_hash,
 )
@@ -132,6 +134,8 @@ __all__ = [
     "load_config",
     "load_yaml_model",
     "read_yaml",
+    "check_id",
+    "redact_text",
     "redact_uri",
     "run_config",
     "stable_hash",

@@ -1,14 +1,15 @@
 """What every config section shares: the strict base model, the config error
 (`kiln_config/errors.py`), and the helpers the schema itself uses (hashing, URI checks,
-secrets masked in dumps).
+secrets masked in dumps and messages, the rule for ids that name folders).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Annotated, Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from pydantic import (
     BaseModel,
@@ -17,14 +18,16 @@ from pydantic import (
     SerializationInfo,
 )
 
-from kiln_config.errors import ConfigError
+from kiln_config.errors import ConfigError, InputError
 
 __all__ = [
     "ConfigError",
     "REVEAL_SECRETS",
     "SecretUri",
     "Strict",
+    "check_id",
     "is_remote",
+    "redact_text",
     "redact_uri",
     "stable_hash",
 ]
@@ -50,14 +53,26 @@ def is_remote(uri: str) -> bool:
     return "://" in uri
 
 
-def redact_uri(uri: str) -> str:
-    """`uri` with the secret of its userinfo masked, for anything shown or logged.
+# Query parameters that carry a secret (`?password=`, `?sslpassword=`, `?token=`...).
+_SECRET_PARAM = re.compile(r"pass|secret|token|key|credential|auth|signature", re.IGNORECASE)
 
-    Tracking URIs can hold database credentials (`postgresql://user:secret@host/db`) or, for an
-    http(s) server, a bare token as the user (`https://token@host`). Never raises: the netloc
-    is split as text, so a malformed port cannot turn a message into a traceback.
+
+def redact_uri(uri: str) -> str:
+    """`uri` with its secrets masked, for anything shown or logged: the password of its
+    userinfo, and the value of every query parameter that names one.
+
+    Tracking URIs can hold database credentials (`postgresql://user:secret@host/db`,
+    `postgresql://host/db?user=u&password=secret`) or, for an http(s) server, a bare token as
+    the user (`https://token@host`). Never raises: the netloc is split as text, so a
+    malformed port cannot turn a message into a traceback.
     """
     parts = urlsplit(uri)
+    if parts.query:
+        pairs = parse_qsl(parts.query, keep_blank_values=True)
+        if any(_SECRET_PARAM.search(k) for k, _ in pairs):
+            masked_q = [(k, "***" if _SECRET_PARAM.search(k) else v) for k, v in pairs]
+            parts = parts._replace(query=urlencode(masked_q, safe="*"))
+            uri = urlunsplit(parts)
     userinfo, at, hostport = parts.netloc.rpartition("@")
     if not at:
         return uri
@@ -69,6 +84,35 @@ def redact_uri(uri: str) -> str:
     else:
         return uri  # a database user name alone is no secret
     return urlunsplit(parts._replace(netloc=f"{masked}@{hostport}"))
+
+
+_URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
+
+
+def redact_text(text: str) -> str:
+    """`text` with every URI in it passed through `redact_uri`: for a message that quotes
+    what a user gave (a config value, a command line)."""
+    return _URI_IN_TEXT.sub(lambda m: redact_uri(m.group(0)), text)
+
+
+# An id that names a folder under the storage root (a run, an ingest, a dataset version, a
+# study, a comparison) or a file a download writes: letters, digits, `.`, `_` and `-`, not
+# starting with a dot, so that it is one path component and never `..` or hidden.
+_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
+
+
+def check_id(what: str, value: object) -> str:
+    """`value`, when it is an id that can name a folder; else an error naming `what`.
+
+    Raises:
+        InputError: one line naming `what` and the value received.
+    """
+    if isinstance(value, str) and _ID.fullmatch(value):
+        return value
+    raise InputError(
+        f"{what}: an id is letters, digits, '.', '_' and '-', 128 at most, not starting with "
+        f"'.' (received {value!r})"
+    )
 
 
 def _redact_in_json(uri: str, info: SerializationInfo) -> str:

@@ -14,7 +14,7 @@ from pydantic import (
     ValidationError,
 )
 
-from kiln_config.base import ConfigError
+from kiln_config.base import ConfigError, redact_text
 
 __all__ = ["apply_overrides", "format_validation_error", "load_yaml_model", "read_yaml"]
 
@@ -33,12 +33,23 @@ def format_validation_error(err: ValidationError, source: str) -> str:
             lines.append(f"  {own.group(1)}")
             continue
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        received = e.get("input")
-        shown = repr(received)
-        if len(shown) > 120:
-            shown = shown[:117] + "..."
-        lines.append(f"  {path}: {e['msg']} (received {shown})")
+        lines.append(f"  {path}: {e['msg']} (received {_shown(path, e.get('input'))})")
     return "\n".join(lines)
+
+
+# Field names whose values are credentials: a message never shows them.
+_SECRET_FIELD = re.compile(r"pass|secret|token|credential|api_?key|private", re.IGNORECASE)
+
+
+def _shown(path: str, value: Any) -> str:
+    """A received value as an error message shows it: a credential field's not at all, any
+    URI in it with its secrets masked (`redact_uri`: a misspelt `database_url` key holding
+    `postgresql://user:password@host/db` must not print the password), cut at 120
+    characters."""
+    if _SECRET_FIELD.search(path):
+        return "a value, not shown: the field holds a secret"
+    shown = redact_text(repr(value))
+    return shown[:117] + "..." if len(shown) > 120 else shown
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -115,4 +126,4 @@ def apply_overrides(config: BaseModel, overrides: dict[str, tuple[str, Any]]) ->
             type(section).__pydantic_validator__.validate_assignment(section, leaf, value)
         except ValidationError as e:
             msg = e.errors()[0]["msg"]
-            raise ConfigError(f"{label} ({name}): {msg} (received {value!r})") from None
+            raise ConfigError(f"{label} ({name}): {msg} (received {_shown(name, value)})") from None

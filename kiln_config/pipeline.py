@@ -257,14 +257,20 @@ def _snapshot_text(cfg: PipelineConfig) -> str:
 
 
 def write_snapshot(cfg: PipelineConfig, path: Path) -> Path:
-    """Write the loaded config (overrides applied, paths absolute) to `path`, atomically.
+    """Write the loaded config (overrides applied, paths absolute) to `path`, atomically,
+    readable by its owner alone (mode 600).
 
     Loading the snapshot gives the same config (and `config_hash`) from any directory, however
     the user's file changes afterwards.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(_snapshot_text(cfg))
+    # Owner-only from its first byte: the snapshot keeps the config's credentials in clear
+    # (a database URL's password), so that it loads back.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(_snapshot_text(cfg))
+    os.chmod(tmp, 0o600)  # an older file of the same name keeps its mode through O_CREAT
     tmp.replace(path)
     return path
 

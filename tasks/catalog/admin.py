@@ -31,6 +31,7 @@ import pyarrow.dataset as ds
 from deltalake.exceptions import DeltaError
 
 from data_quality.verdict import read_verdict
+from kiln_config import check_id
 from kiln_config.errors import InputError
 from tasks.catalog import legacy as catalog_legacy
 from tasks.catalog.view import (
@@ -191,7 +192,11 @@ def registered_versions(root: str, tracking_uri: str, model_name: str) -> dict[s
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
     layout, out = Layout(Path(root)), {}
     for mv in client.search_model_versions(f"name={sql_str(model_name)}"):
-        meta = layout.shards(str(mv.tags.get("dataset_version", ""))) / "shards.json"
+        version = mv.tags.get("dataset_version")
+        if not version:
+            continue  # not a version Kiln registered
+        tag = f"{mv.name} version {mv.version}'s dataset_version tag"
+        meta = layout.shards(check_id(tag, version)) / "shards.json"
         if not meta.is_file():
             continue
         for table, v in json.loads(meta.read_text()).get("catalog_versions", {}).items():

@@ -33,7 +33,7 @@ from tasks.catalog.dataset_lineage import (
     run_draws,
 )
 from tasks.catalog.takedown import takedown_set
-from tasks.registry.tracking import model_version
+from tasks.registry.tracking import model_version, tag_id
 from tasks.storage.layout import Layout
 
 __all__ = [
@@ -68,7 +68,7 @@ def model_lineage(
         ModelVersionNotFound: no such version.
     """
     mv = model_version(_client(tracking_uri), ref)
-    version, run_id = mv.tags.get("dataset_version"), mv.tags.get("run_id", "")
+    version, run_id = tag_id(mv, "dataset_version"), tag_id(mv, "run_id") or ""
     if not version:
         raise InputError(f"{ref}: the version has no dataset_version tag (not registered by Kiln)")
     rows = dataset_rows(root, version, rules)
@@ -154,7 +154,7 @@ def tag_takedowns(
     if not down:
         return out
     for mv in client.search_model_versions(f"name='{name}'"):
-        version = mv.tags.get("dataset_version")
+        version = tag_id(mv, "dataset_version")
         if not version or not (Layout(Path(root)).shards(version) / "shards.json").is_file():
             continue  # not Kiln's, or its dataset is not under this root
         rows = dataset_rows(root, version, rules)

@@ -29,7 +29,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 import kiln_pyfunc
-from kiln_config import EvaluateConfig
+from kiln_config import EvaluateConfig, check_id
 from kiln_config.errors import InputError, MissingInput, NotFound
 from kiln_pyfunc import KilnDiffusionModel, default_params, signature
 from tasks.runtime.logs import task_logger
@@ -53,6 +53,7 @@ __all__ = [
     "register_model",
     "registered_pipeline",
     "resolve_pipeline",
+    "tag_id",
     "version_description",
 ]
 
@@ -475,6 +476,18 @@ def model_version(client: MlflowClient, ref: str):
         raise ModelVersionNotFound(f"{ref} does not exist in the registry ({e.message})") from e
 
 
+def tag_id(mv, tag: str) -> str | None:
+    """A registered version's tag that names a folder under the root (`run_id`,
+    `dataset_version`); None when the version has none (not registered by Kiln).
+
+    Raises:
+        InputError: the tag is not one path component: whoever can write a version's tags
+            must not choose where Kiln reads or writes.
+    """
+    value = mv.tags.get(tag)
+    return check_id(f"{mv.name} version {mv.version}'s {tag} tag", value) if value else None
+
+
 def registered_pipeline(tracking_uri: str, root: Path, uri: str):
     """(identity, a callable giving the local pipeline folder) of a registered version.
 
@@ -490,7 +503,7 @@ def registered_pipeline(tracking_uri: str, root: Path, uri: str):
 
     mv = model_version(MlflowClient(tracking_uri, registry_uri=tracking_uri), uri)
     name = mv.name
-    run_id = mv.tags.get("run_id", "")
+    run_id = tag_id(mv, "run_id")
     run_json = Layout(Path(root)).run_record(run_id) if run_id else None
     if run_json is not None and run_json.is_file():
         export = json.loads(run_json.read_text()).get("export")
@@ -524,7 +537,13 @@ def _pipeline_in(model_dir: Path) -> Path:
 
     spec = yaml.safe_load((model_dir / "MLmodel").read_text())
     rel = spec["flavors"]["python_function"]["artifacts"]["pipeline"]["path"]
-    return model_dir / rel
+    folder = (model_dir / rel).resolve()
+    if not folder.is_relative_to(model_dir.resolve()):
+        raise InputError(
+            f"{model_dir / 'MLmodel'}: the pipeline artifact's path {rel!r} leaves the model's "
+            "folder; refusing to load it"
+        )
+    return folder
 
 
 def resolve_pipeline(model: str, tracking_uri: str, root: Path) -> tuple[str, Path]:

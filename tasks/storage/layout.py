@@ -5,6 +5,10 @@ step, run on its own, finds its input without being told. Two defaults under the
 the config's, since kiln_config is below this layer: the tracking store
 (`sqlite:///<root>/mlflow.db`, `PipelineConfig.tracking_uri`) and the streaming cache
 (`<root>/cache`, `shards.cache_dir`).
+
+Every id that names a folder here (an ingest, a dataset version, a run, a study, a comparison,
+a downloaded model) passes `kiln_config.check_id` first: one path component, never `..`, so
+that no id, from a command line, a deployment's parameters or a registry tag, leaves the root.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln_config import check_id
 from kiln_config.errors import MissingInput
 
 __all__ = ["Layout", "is_published", "new_run_id"]
@@ -42,41 +47,41 @@ class Layout:
         return self.root / kind
 
     def catalog(self, ingest_id: str) -> Path:
-        return self.folder("catalog") / ingest_id
+        return self.folder("catalog") / check_id("ingest id", ingest_id)
 
     def catalog_staging(self, ingest_id: str) -> Path:
         """Where an ingest stages its rows while it decodes (removed when it commits)."""
-        return self.folder("catalog") / f"{ingest_id}.staging"
+        return self.folder("catalog") / f"{check_id('ingest id', ingest_id)}.staging"
 
     def catalog_tables(self) -> Path:
         """The catalog's Delta tables, one folder each (tasks/catalog/view.py)."""
         return self.folder("catalog") / "tables"
 
     def quality(self, ingest_id: str) -> Path:
-        return self.root / "quality" / ingest_id
+        return self.root / "quality" / check_id("ingest id", ingest_id)
 
     def shards(self, version: str, resolution: int | None = None) -> Path:
-        base = self.folder("shards") / version
+        base = self.folder("shards") / check_id("dataset version", version)
         return base if resolution is None else base / str(resolution)
 
     def latents(self, version: str, resolution: int, encoder_key: str) -> Path:
         """Precomputed latents of a stage, for one set of frozen encoders."""
-        return self.folder("shards") / version / f"{resolution}-latents-{encoder_key}"
+        return self.shards(version) / f"{resolution}-latents-{encoder_key}"
 
     def val_shards(self, version: str, resolution: int) -> Path:
         """A stage's held-out validation split (never in the training shards)."""
-        return self.folder("shards") / version / f"{resolution}-val"
+        return self.shards(version) / f"{resolution}-val"
 
     def val_latents(self, version: str, resolution: int, encoder_key: str) -> Path:
         """Precomputed latents of a stage's validation split."""
-        return self.folder("shards") / version / f"{resolution}-val-latents-{encoder_key}"
+        return self.shards(version) / f"{resolution}-val-latents-{encoder_key}"
 
     def vae_cache(self) -> Path:
         """Fitted VAEs (`train.model.vae.fit`), one folder per key (`models.components.vae_fit`)."""
         return self.root / "vae"
 
     def run(self, run_id: str) -> Path:
-        return self.folder("runs") / run_id
+        return self.folder("runs") / check_id("run id", run_id)
 
     def run_record(self, run_id: str) -> Path:
         """The run's `run.json`: its stages, dataset version, MLflow run and export."""
@@ -104,7 +109,8 @@ class Layout:
 
     def registered_model(self, name: str, version: str | int) -> Path:
         """A registered version downloaded from the registry (tasks/registry/tracking.py)."""
-        return self.root / "models" / f"{name}-v{version}"
+        name = check_id("registered model name", name)
+        return self.root / "models" / check_id("registered model", f"{name}-v{version}")
 
     def stage(self, run_id: str, resolution: int) -> Path:
         return self.run(run_id) / f"stage-{resolution}"
@@ -116,10 +122,10 @@ class Layout:
     def dataset_rows(self, version: str) -> Path:
         """The rows a dataset version holds, with their licensing columns
         (tasks/catalog/dataset_lineage.py)."""
-        return self.folder("shards") / version / "rows.parquet"
+        return self.shards(version) / "rows.parquet"
 
     def study(self, study_id: str) -> Path:
-        return self.folder("eval") / study_id
+        return self.folder("eval") / check_id("study id", study_id)
 
     def ratings_db(self) -> Path:
         """The human evaluation's SQLite store when `human_eval.database_url` is unset."""
@@ -127,7 +133,7 @@ class Layout:
 
     def comparison(self, comparison_id: str) -> Path:
         """A human comparison's report, votes and chart (human_eval/report.py)."""
-        return self.root / "human_eval" / comparison_id
+        return self.root / "human_eval" / check_id("comparison id", comparison_id)
 
     def set_latest(self, kind: str, ident: str) -> None:
         path = self.folder(kind) / "LATEST"

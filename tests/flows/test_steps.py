@@ -13,6 +13,7 @@ from flows import entry
 from flows.steps import STEPS
 from kiln_cli.main import main
 from kiln_config import ConfigError
+from kiln_config.errors import InputError
 from tasks.storage.lock import RootBusy
 
 # The command that runs each step, with the arguments it requires.
@@ -117,3 +118,19 @@ def test_both_doors_refuse_a_training_step_while_the_root_trains(
     assert cli == str(deployment.value).splitlines()
     assert "another training run" in cli[0]
     assert sorted(s for s in STEPS if STEPS[s].exclusive) == ["pipeline", "train"]
+
+
+def test_both_doors_refuse_an_id_that_would_leave_the_root(tiny_config, tmp_path):
+    """`--run-id ../../escape` is one line naming the id, before anything runs, and nothing is
+    written outside the root (a deployment's `run_id` parameter the same)."""
+    outside = tmp_path / "escape"
+    cli = _cli_errors(["train", "--config", str(tiny_config), "--run-id", "../../escape"])
+    assert cli == [
+        "--run-id: an id is letters, digits, '.', '_' and '-', 128 at most, not starting "
+        "with '.' (received '../../escape')"
+    ]
+    with pytest.raises(InputError, match=r"^run_id: an id is .*'\.\./\.\./escape'"):
+        entry.train.fn(config=str(tiny_config), run_id="../../escape")
+    with pytest.raises(InputError, match=r"^ingest_id: "):
+        entry.validate.fn(config=str(tiny_config), ingest_id="..")
+    assert not outside.exists() and not (tmp_path / "root").exists()

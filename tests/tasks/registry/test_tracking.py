@@ -9,12 +9,14 @@ from mlflow.tracking import MlflowClient
 
 from data_quality.verdict import ValidateResult
 from kiln_config import EvaluateConfig
+from kiln_config.errors import InputError
 from tasks.registry.tracking import (
     EXPERIMENT_DESCRIPTION,
     EXPERIMENT_KIND,
     ensure_experiment,
     log_data_docs,
     mlflow_ui_url,
+    resolve_pipeline,
     version_description,
 )
 
@@ -232,3 +234,27 @@ def test_a_run_artifact_that_cannot_be_logged_is_a_warning(tmp_path, caplog):
             "stage-32",
         )
     assert ok is False and "stays on disk" in caplog.text
+
+
+def test_a_version_cannot_choose_where_kiln_reads_or_writes(tmp_path, tracking_uri):
+    """A registered version's `run_id` tag and its MLmodel's artifact path are the registry's
+    writers' words: one that leaves its folder is refused, naming it, before any file is
+    read or written through it."""
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    root = tmp_path / "root"
+    client.create_registered_model("escapes")
+    model = tmp_path / "model"
+    (model / "pipe").mkdir(parents=True)
+    (model / "MLmodel").write_text(
+        "flavors:\n  python_function:\n    artifacts:\n      pipeline:\n"
+        "        path: ../../../outside\n"
+    )
+    tagged = client.create_model_version("escapes", str(model), tags={"run_id": "../../runs-x"})
+    with pytest.raises(InputError, match=r"escapes version 1's run_id tag: .*'\.\./\.\./runs-x'"):
+        resolve_pipeline(f"models:/escapes/{tagged.version}", tracking_uri, root)
+    plain = client.create_model_version("escapes", str(model))
+    with pytest.raises(
+        InputError, match=r"path '\.\./\.\./\.\./outside' leaves the model's folder"
+    ):
+        resolve_pipeline(f"models:/escapes/{plain.version}", tracking_uri, root)
+    assert not (tmp_path / "outside").exists()

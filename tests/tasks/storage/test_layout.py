@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln_config.errors import InputError
 from tasks.storage.layout import Layout
 
 
@@ -65,3 +66,14 @@ def test_no_path_under_the_root_is_built_outside_layout():
         if by_hand.search(line)
     ]
     assert found == []
+
+
+@pytest.mark.parametrize("bad", ["../escape", "..", ".hidden", "a/b", "a\\b", "", "x" * 129, None])
+def test_an_id_that_is_not_one_path_component_is_refused(tmp_path, bad):
+    layout = Layout(tmp_path)
+    for build in (layout.run, layout.catalog, layout.shards, layout.study, layout.comparison):
+        with pytest.raises(InputError, match="an id is letters, digits"):
+            build(bad)
+    with pytest.raises(InputError):
+        layout.registered_model(bad, 1)
+    assert layout.run("run-20260101-000000.1_a") == tmp_path / "runs" / "run-20260101-000000.1_a"
