@@ -24,8 +24,8 @@ demo: $(STAMP)
 
 # After `make demo`: a second model, the tiny preset stopped early (configs/tiny-short.yaml), its
 # study on the same prompts, and a blind A/B comparison of the demo's model (A) with it (B).
-# Prints the rating links, then serves the rating app until Ctrl-C; the last lines say how to
-# read the result.
+# Prints the rating links and the admin link, then serves the rating app until Ctrl-C; the last
+# lines say how to read the result.
 # RATE_PORT: the app's port (default: the config's human_eval.port); GOLD: attention checks per
 # rater (default: the config's human_eval.gold_per_rater).
 RATERS ?= 1
@@ -40,6 +40,8 @@ demo-compare: $(STAMP)
 	echo "Rating links (one per rater; the app serves them below):"; \
 	$(BIN)/kiln rate invite --config $(CONFIG) --comparison $$cid --raters $(RATERS) \
 		$(if $(RATE_PORT),--port $(RATE_PORT)); \
+	echo "Admin page (the running result; a new link each time this target runs):"; \
+	$(BIN)/kiln rate admin-link --config $(CONFIG) --rotate $(if $(RATE_PORT),--port $(RATE_PORT)); \
 	echo "Vote on about 30 pairs (keys 1, 2, 3 and Enter), then in another terminal:"; \
 	echo "  $(BIN)/kiln rate report --config $(CONFIG) --comparison $$cid"; \
 	echo "and open kiln-data/human_eval/$$cid/preference.png. Ctrl-C stops the app."; \

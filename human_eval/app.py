@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import io
 import logging
-import secrets
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -84,7 +83,7 @@ def rater_from_token(token: str, store: RatingStore = Depends(_store)) -> Rater:
 
 def admin_from_token(token: str, store: RatingStore = Depends(_store)) -> None:
     """The admin token only: a rater token is 403 here (compared in constant time)."""
-    if not secrets.compare_digest(token.encode(), store.admin_token().encode()):
+    if not store.is_admin(token):
         raise HTTPException(status_code=403, detail="admin token required")
 
 

@@ -9,11 +9,17 @@ re-sending after a server crash) into a no-op instead of a second vote.
 On SQLite every transaction starts with `BEGIN IMMEDIATE`: the write lock is taken up front,
 so the assignment of the next task (count the pair's votes, then insert the task) cannot race
 with another rater's, and a writer waits (`busy_timeout`) instead of failing on an upgrade.
+
+Rater and admin tokens are stored as their SHA-256 only: a copy of the database (a backup, a
+dump handed to an analyst) holds no working link. The SQLite file is its owner's alone (mode
+600).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import os
 import random
 import secrets
 import threading
@@ -54,6 +60,7 @@ __all__ = [
     "Task",
     "Vote",
     "sqlite_url",
+    "token_hash",
 ]
 
 QUESTIONS = ("quality", "alignment")
@@ -113,7 +120,7 @@ class Rater(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     comparison_id: Mapped[str] = mapped_column(ForeignKey("comparisons.id"), index=True)
     pseudonym: Mapped[str] = mapped_column(String(32))
-    token: Mapped[str] = mapped_column(String(64), unique=True)
+    token: Mapped[str] = mapped_column(String(64), unique=True)  # its SHA-256 (`token_hash`)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime, default=_now)
 
 
@@ -153,10 +160,24 @@ class Meta(Base):
 
 
 def sqlite_url(path: str | Path) -> str:
-    """`sqlite:///<path>` for the SQLite file `path` (its folder is created)."""
+    """`sqlite:///<path>` for the SQLite file `path`: its folder created, the file created
+    (or kept) readable by its owner alone; SQLite gives its journal files the same mode."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    os.chmod(path, 0o600)
     return f"sqlite:///{path}"
+
+
+def token_hash(token: str) -> str:
+    """What the store keeps of a rater or admin token: its SHA-256, in hex."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+# Meta keys: the admin token's hash, and the mark of a store whose tokens are hashes (a store
+# written before it holds them in clear, and `_hash_tokens` converts it once).
+_ADMIN = "admin_token_sha256"
+_TOKENS_HASHED = "tokens_sha256"
 
 
 def _sqlite_engine(url: str) -> Engine:
@@ -205,6 +226,21 @@ class RatingStore:
         self._totals: dict[str, int] = {}
         self._raters: dict[str, Rater] = {}
         self._lock = threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
+        self._hash_tokens()
+
+    def _hash_tokens(self) -> None:
+        """Replace clear tokens with their hashes, once, in a store written before tokens
+        were hashed: its links keep working, and the file stops holding them."""
+        with self.session() as s:
+            if s.get(Meta, _TOKENS_HASHED) is not None:
+                return
+            for rater in s.scalars(select(Rater)):
+                rater.token = token_hash(rater.token)
+            clear = s.get(Meta, "admin_token")
+            if clear is not None:
+                s.add(Meta(key=_ADMIN, value=token_hash(clear.value)))
+                s.delete(clear)
+            s.add(Meta(key=_TOKENS_HASHED, value="1"))
 
     @classmethod
     def open(cls, path: str | Path, url: str | None = None) -> RatingStore:
@@ -305,7 +341,8 @@ class RatingStore:
     # --- raters and tokens -------------------------------------------------------------
 
     def add_raters(self, comparison_id: str, n: int) -> list[tuple[str, str]]:
-        """Invite `n` raters: [(pseudonym, token)]; tokens are unguessable (token_urlsafe)."""
+        """Invite `n` raters: [(pseudonym, token)]; tokens are unguessable (token_urlsafe),
+        returned here once and kept only as their hashes."""
         if self.comparison(comparison_id) is None:
             raise NotFound(f"no comparison {comparison_id!r}; create it with `kiln compare`")
         out = []
@@ -313,29 +350,44 @@ class RatingStore:
             start = s.scalar(select(func.count()).where(Rater.comparison_id == comparison_id))
             for i in range(n):
                 pseudonym, token = f"r{start + i + 1:03d}", secrets.token_urlsafe(24)
-                s.add(Rater(comparison_id=comparison_id, pseudonym=pseudonym, token=token))
+                s.add(
+                    Rater(comparison_id=comparison_id, pseudonym=pseudonym, token=token_hash(token))
+                )
                 out.append((pseudonym, token))
         return out
 
     def rater(self, token: str) -> Rater | None:
         """The rater of a token. Found raters are memoised (a token never changes hands), so
         a request does not queue for the write lock just to check its link."""
-        if token not in self._raters:
+        key = token_hash(token)
+        if key not in self._raters:
             with self.session() as s:
-                rater = s.scalar(select(Rater).where(Rater.token == token))
+                rater = s.scalar(select(Rater).where(Rater.token == key))
             if rater is None:
                 return None
-            self._raters[token] = rater
-        return self._raters[token]
+            self._raters[key] = rater
+        return self._raters[key]
 
-    def admin_token(self) -> str:
-        """The admin token: created once, kept across restarts, never a rater token."""
+    def new_admin_token(self, *, rotate: bool = False) -> str | None:
+        """A new admin token, when the store has none or `rotate` replaces the one it has (its
+        link stops working); None when one exists and is kept. Only its hash is stored, so a
+        link is shown once, when it is made."""
         with self.session() as s:
-            row = s.get(Meta, "admin_token")
+            row = s.get(Meta, _ADMIN)
+            if row is not None and not rotate:
+                return None
+            token = secrets.token_urlsafe(24)
             if row is None:
-                row = Meta(key="admin_token", value=secrets.token_urlsafe(24))
-                s.add(row)
-            return row.value
+                s.add(Meta(key=_ADMIN, value=token_hash(token)))
+            else:
+                row.value = token_hash(token)
+            return token
+
+    def is_admin(self, token: str) -> bool:
+        """Whether `token` is the admin token (compared as hashes, in constant time)."""
+        with self.session() as s:
+            row = s.get(Meta, _ADMIN)
+        return row is not None and secrets.compare_digest(token_hash(token), row.value)
 
     def image_path(self, comparison_id: str, image_id: str) -> str | None:
         with self.session() as s:

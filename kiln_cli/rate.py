@@ -2,7 +2,8 @@
 
     kiln compare --config C --a STUDY --b STUDY          -> prints the comparison id
     kiln rate invite --config C --comparison ID --raters N   -> one link per rater
-    kiln rate serve --config C                            -> the rating app + admin link
+    kiln rate serve --config C                            -> the rating app
+    kiln rate admin-link --config C [--rotate]            -> the admin page's link
     kiln rate report --config C --comparison ID           -> <root>/human_eval/ID/
 
 A study is `kiln evaluate` output: an id under `<root>/eval/` or a study folder. Like every
@@ -21,7 +22,13 @@ from human_eval.app import serve as run_app
 from human_eval.report import build_report
 from human_eval.store import RatingStore
 from human_eval.studies import create_comparison, is_model_ref, load_study
-from kiln_cli.options import ConfigDefault, config_options, load_for_command, study_for_model
+from kiln_cli.options import (
+    CliError,
+    ConfigDefault,
+    config_options,
+    load_for_command,
+    study_for_model,
+)
 from tasks.storage.layout import Layout
 
 __all__ = ["compare", "rate"]
@@ -110,11 +117,12 @@ def rate() -> None:
 @click.option("--host", cls=ConfigDefault, field="human_eval.host", help="Listen address.")
 @click.option("--port", type=int, cls=ConfigDefault, field="human_eval.port", help="Port.")
 def serve(config_path: str, root: str | None) -> None:
-    """Serve the rating pages; prints the admin link (never part of a rater link)."""
+    """Serve the rating pages (the links: `kiln rate invite` and `kiln rate admin-link`)."""
     cfg, store = _load(config_path, root)
     host, port = cfg.human_eval.host, cfg.human_eval.port  # --host and --port applied
+    # No token is printed: a service's output lands in its logs.
     click.echo(f"Rating app at http://{host}:{port}/rate/<token> (kiln rate invite)")
-    click.echo(f"Admin page: http://{host}:{port}/admin/{store.admin_token()}")
+    click.echo(f"Admin page at http://{host}:{port}/admin/<token> (kiln rate admin-link)")
     he = cfg.human_eval  # the admin page's running result: the report's settings
     run_app(
         store,
@@ -124,6 +132,27 @@ def serve(config_path: str, root: str | None) -> None:
         n_resamples=he.bootstrap_resamples,
         seed=he.seed,
     )
+
+
+@rate.command("admin-link")
+@config_options
+@click.option("--rotate", is_flag=True, help="Replace the admin link; the old one stops working.")
+@click.option("--host", cls=ConfigDefault, field="human_eval.host", help="Host in the link.")
+@click.option(
+    "--port", type=int, cls=ConfigDefault, field="human_eval.port", help="Port in the link."
+)
+def admin_link(config_path: str, root: str | None, rotate: bool) -> None:
+    """Print the admin page's link: made the first time; with --rotate, a new one replaces
+    it. The store keeps only its hash, so an existing link cannot be shown again."""
+    cfg, store = _load(config_path, root)
+    token = store.new_admin_token(rotate=rotate)
+    if token is None:
+        raise CliError(
+            "an admin link exists, and only its hash is stored: pass --rotate to make a new "
+            "one (the old link stops working)"
+        )
+    host, port = cfg.human_eval.host, cfg.human_eval.port  # --host and --port applied
+    click.echo(f"http://{host}:{port}/admin/{token}")
 
 
 @rate.command()

@@ -311,7 +311,7 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
     watchdog.start()
     lines: list[str] = []
     try:
-        while not any(ln.startswith("Admin page: ") for ln in lines):
+        while not any(ln.startswith("Admin page at ") for ln in lines):
             line = proc.stdout.readline()
             assert line, "make demo-compare ended early:\n" + "".join(lines[-60:])
             lines.append(line)

@@ -163,6 +163,8 @@ def test_a_snapshot_loads_to_the_same_config_from_anywhere(tmp_path, monkeypatch
     assert again == cfg and config_hash(again) == config_hash(cfg)
     assert yaml.safe_load(snap.read_text())["storage"]["root"] == str(tmp_path / "r")
     assert config_hash(cfg) == stable_hash(yaml.safe_load(snap.read_text()), 16)
+    # It keeps the config's credentials in clear, so that it loads back: its owner's alone.
+    assert snap.stat().st_mode & 0o777 == 0o600
 
 
 def test_redact_uri_masks_only_the_password():
@@ -175,6 +177,30 @@ def test_redact_uri_masks_only_the_password():
     assert redact_uri("postgresql://kiln@db/mlflow") == "postgresql://kiln@db/mlflow"
     assert redact_uri("postgresql://kiln:pw@db:notaport/m") == "postgresql://kiln:***@db:notaport/m"
     assert redact_uri("postgresql://kiln:p@ss@[::1]:5432/m") == "postgresql://kiln:***@[::1]:5432/m"
+    assert redact_uri("postgresql://db/m?user=kiln&password=s3cret&sslmode=require") == (
+        "postgresql://db/m?user=kiln&password=***&sslmode=require"
+    )
+    assert redact_uri("https://h/api?token=t0k&x=1") == "https://h/api?token=***&x=1"
+
+
+def test_a_config_error_never_prints_a_secret(tmp_path):
+    """A misspelt key holding a database URL, or a credential field with a bad value: the
+    error line names the field, never the password."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"base: {REPO / 'configs' / 'tiny.yaml'}\n"
+        "human_eval:\n  databse_url: postgresql://kiln:s3cret-pw@db.internal/ratings\n"
+        "registry:\n  tracking_uri: https://mlflow.internal/?password=s3cret-pw\n"
+        "  secret_token: s3cret-pw\n"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "s3cret-pw" not in str(e.value)
+    assert "human_eval.databse_url: Extra inputs are not permitted (received " in str(e.value)
+    assert "'postgresql://kiln:***@db.internal/ratings'" in str(e.value)
+    assert "registry.secret_token: Extra inputs are not permitted (received a value, not " in (
+        str(e.value)
+    )
 
 
 # -- check_inputs: every input a step needs, checked before any flow starts -------------------

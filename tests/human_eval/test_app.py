@@ -74,7 +74,7 @@ def test_admin_page_needs_the_admin_token(app_server):
     base, store = app_server["base"], app_server["store"]
     rater = app_server["tokens"][0]
     assert httpx.get(f"{base}/admin/{rater}").status_code == 403
-    admin = store.admin_token()
+    admin = store.new_admin_token(rotate=True)
     assert admin not in app_server["tokens"]
     page = httpx.get(f"{base}/admin/{admin}")
     assert page.status_code == 200

@@ -54,10 +54,8 @@ def served(tmp_path, make_config):
     invite = runner.invoke(cli, ["rate", "invite", *common, "--comparison", cid, "--raters", "1"])
     link = re.search(r"http://\S+", invite.stdout).group(0)
     port = data["human_eval"]["port"]
+    admin = runner.invoke(cli, ["rate", "admin-link", *common]).stdout.strip()
     proc, _ = start_server(["kiln_cli", "rate", "serve", *common], port)
-    admin = (
-        f"http://127.0.0.1:{port}/admin/{RatingStore.open(Layout(root).ratings_db()).admin_token()}"
-    )
     yield {
         "link": link,
         "root": root,

@@ -33,7 +33,14 @@ def _run(*args):
 
 
 def test_every_command_has_help():
-    for path in (["compare"], ["rate"], ["rate", "serve"], ["rate", "invite"], ["rate", "report"]):
+    for path in (
+        ["compare"],
+        ["rate"],
+        ["rate", "serve"],
+        ["rate", "invite"],
+        ["rate", "admin-link"],
+        ["rate", "report"],
+    ):
         result = _run(*path, "--help")
         assert result.exit_code == 0, result.output
         cmd = cli
@@ -214,3 +221,32 @@ def test_compare_names_a_folder_that_is_neither_a_pipeline_nor_a_study(setup, tm
     assert by_folder.exit_code == 0, by_folder.output
     missing = _run("compare", *common, "--a", "run-a-1111", "--b", "run-z-9999")
     assert missing.exit_code == 1 and "no study 'run-z-9999'" in missing.output
+
+
+def test_links_are_shown_once_and_the_store_keeps_their_hashes(setup):
+    """A rater's and the admin's token work as links, but the database file holds neither;
+    the admin link is made once, replaced by --rotate (the old one stops working)."""
+    config, root = setup
+    common = ["--config", config, "--root", root]
+    made = _run("compare", *common, "--a", "run-a-1111", "--b", "run-b-2222", "--gold", "2")
+    assert made.exit_code == 0, made.output
+    cid = made.stdout.split()[-1]
+    link = _run("rate", "invite", *common, "--comparison", cid, "--raters", "1").stdout
+    rater = link.strip().rsplit("/", 1)[1]
+    first = _run("rate", "admin-link", *common, "--port", "9000")
+    assert first.exit_code == 0 and first.stdout.startswith("http://127.0.0.1:9000/admin/")
+    again = CliRunner().invoke(cli, ["rate", "admin-link", *common])
+    assert again.exit_code == 1
+    assert again.output == (
+        "kiln: error: an admin link exists, and only its hash is stored: pass --rotate to make "
+        "a new one (the old link stops working)\n"
+    )
+    rotated = _run("rate", "admin-link", *common, "--rotate").stdout.strip()
+    old, new = first.stdout.strip().rsplit("/", 1)[1], rotated.rsplit("/", 1)[1]
+    db = Layout(root).ratings_db()
+    store = RatingStore.open(db)
+    assert store.rater(rater) is not None and store.is_admin(new) and not store.is_admin(old)
+    store.close()
+    data = db.read_bytes()
+    assert all(t.encode() not in data for t in (rater, old, new)), "no token in the file"
+    assert db.stat().st_mode & 0o777 == 0o600

@@ -21,7 +21,7 @@ def _store(root):
 def test_database_is_sqlite_in_wal_mode_under_the_root(two_studies):
     root, _, _ = two_studies
     store = _store(root)
-    store.admin_token()
+    store.new_admin_token()
     assert sqlite_url(Layout(root).ratings_db()).endswith("human_eval/ratings.db")
     con = sqlite3.connect(root / "human_eval" / "ratings.db")
     assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -174,3 +174,32 @@ def test_progress_counts_at_most_k_votes_a_pair(two_studies):
             )
     done, target = store.progress(cid)
     assert (done, target) == (1, len(store.pairs(cid)))
+
+
+def test_a_store_with_clear_tokens_keeps_its_links_and_drops_the_tokens(tmp_path):
+    """A ratings database written before tokens were hashed: opened once, its rater and
+    admin links keep working and the file no longer holds them."""
+    db = tmp_path / "ratings.db"
+    con = sqlite3.connect(db)
+    con.executescript(
+        """
+        CREATE TABLE comparisons (id VARCHAR(64) PRIMARY KEY, study_a VARCHAR(200),
+            study_b VARCHAR(200), model_a VARCHAR(500), model_b VARCHAR(500),
+            raters_per_pair INTEGER, gold_per_rater INTEGER, created_at DATETIME);
+        CREATE TABLE raters (id INTEGER PRIMARY KEY, comparison_id VARCHAR(64),
+            pseudonym VARCHAR(32), token VARCHAR(64) UNIQUE, created_at DATETIME);
+        CREATE TABLE meta (key VARCHAR(64) PRIMARY KEY, value TEXT);
+        INSERT INTO comparisons VALUES ('cmp-1', 'a', 'b', '', '', 3, 0, '2026-01-01');
+        INSERT INTO raters VALUES (1, 'cmp-1', 'r001', 'clear-rater-token', '2026-01-01');
+        INSERT INTO meta VALUES ('admin_token', 'clear-admin-token');
+        """
+    )
+    con.commit()
+    con.close()
+    store = RatingStore.open(db)
+    assert store.rater("clear-rater-token").pseudonym == "r001"
+    assert store.is_admin("clear-admin-token") and not store.is_admin("clear-rater-token")
+    store.close()
+    RatingStore.open(db).close()  # converted once: a second open changes nothing
+    assert b"clear-rater-token" not in db.read_bytes()
+    assert b"clear-admin-token" not in db.read_bytes()
