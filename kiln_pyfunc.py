@@ -11,6 +11,10 @@ longer than the text encoder reads is cut first (`truncate_prompts`); the output
 given. On CUDA the pipeline runs in bfloat16 (float16 where bf16 is unsupported); on CPU in
 float32.
 
+One request cannot take the GPU: a request is refused, naming the param, past `LIMITS` (a
+height or width that is not 0 or a multiple of 8 from 64 to 2048, more than 200 steps, a batch
+over 16) or past `MAX_ROWS` prompts; a client sends more rows in several requests.
+
 This module is the only Kiln code a registered model ships (`code_paths`), under a name no
 consumer's package can shadow: it imports nothing else from Kiln.
 """
@@ -23,10 +27,15 @@ from typing import TYPE_CHECKING
 
 import mlflow.pyfunc
 import pandas as pd
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 __all__ = [
+    "LIMITS",
+    "MAX_ROWS",
     "SERVING_PARAMS",
     "KilnDiffusionModel",
+    "checked_params",
     "default_params",
     "load_pipeline",
     "signature",
@@ -41,6 +50,42 @@ log = logging.getLogger("kiln.pyfunc")
 SERVING_PARAMS = {"seed": 0, "height": 0, "width": 0, "batch_size": 4}
 """The params no config section holds: they belong to serving (height and width 0: the
 model's own size)."""
+
+
+LIMITS = {
+    "num_inference_steps": (1, 200),
+    "guidance_scale": (0.0, 50.0),
+    "seed": (0, 2**31 - 1),
+    "height": (0, 2048),  # 0, or a multiple of 8 from 64
+    "width": (0, 2048),
+    "batch_size": (1, 16),
+}
+"""Each param's allowed range; a request outside it is refused."""
+
+MAX_ROWS = 64
+"""Prompts in one request at most."""
+
+
+def checked_params(params: dict, rows: int) -> dict:
+    """`params` when every value is within `LIMITS` and `rows` within `MAX_ROWS`.
+
+    Raises:
+        ValueError: naming the first param out of range, its range and the value received.
+    """
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"a request holds 1 to {MAX_ROWS} prompts, got {rows}")
+    for name, (low, high) in LIMITS.items():
+        value = params[name]
+        if not low <= value <= high:
+            raise ValueError(f"params.{name} must be in [{low}, {high}], got {value}")
+    for name in ("height", "width"):
+        value = params[name]
+        if value and (value < 64 or value % 8):
+            raise ValueError(
+                f"params.{name} must be 0 (the model's own size) or a multiple of 8 from 64, "
+                f"got {value}"
+            )
+    return params
 
 
 def default_params(num_inference_steps: int, guidance_scale: float) -> dict[str, int | float]:
@@ -118,11 +163,14 @@ class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
             )
             raise ValueError(f"predict needs a DataFrame with a 'prompt' column; got {got}")
         p = {**self.defaults, **(params or {})}
+        p = {k: (float(v) if k == "guidance_scale" else int(v)) for k, v in p.items()}
         prompts = [str(x) for x in model_input["prompt"].tolist()]
-        size = {k: int(p[k]) for k in ("height", "width") if int(p[k]) > 0}
-        batch = int(p["batch_size"])
-        if batch < 1:
-            raise ValueError(f"params.batch_size must be at least 1, got {batch}")
+        try:
+            checked_params(p, len(prompts))
+        except ValueError as e:  # the scoring server answers 400 with the message
+            raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
+        size = {k: p[k] for k in ("height", "width") if p[k] > 0}
+        batch = p["batch_size"]
         fed = truncate_prompts(self.pipe.tokenizer, prompts)
         images = []
         for start in range(0, len(prompts), batch):
@@ -130,9 +178,9 @@ class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
             idx = range(start, min(start + batch, len(prompts)))
             images += self.pipe(
                 [fed[i] for i in idx],
-                num_inference_steps=int(p["num_inference_steps"]),
-                guidance_scale=float(p["guidance_scale"]),
-                generator=[torch.Generator("cpu").manual_seed(int(p["seed"]) + i) for i in idx],
+                num_inference_steps=p["num_inference_steps"],
+                guidance_scale=p["guidance_scale"],
+                generator=[torch.Generator("cpu").manual_seed(p["seed"] + i) for i in idx],
                 **size,
             ).images
         rows = []

@@ -8,13 +8,15 @@ prompt, its category and two images labelled A (left) and B (right); which study
 image is never on the page, and left/right is drawn per task and stored with the vote. Images
 are served by an unguessable id looked up in the database, so no URL part ever reaches the
 file system, and as a PNG encoded afresh from the pixels: no file time (Last-Modified, ETag),
-text, EXIF or time chunk tells two studies apart. The form posts as
-application/x-www-form-urlencoded, parsed here (no python-multipart needed); a page works
-without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
+text, EXIF or time chunk tells two studies apart; each file is encoded once and kept (a
+bounded cache). The form posts as application/x-www-form-urlencoded, parsed here (no
+python-multipart needed) within a few KiB and fields (`MAX_FORM_BYTES`, `MAX_FORM_FIELDS`); a
+page works without JavaScript, and `static/rate.js` adds the keyboard (1/2/3, Enter).
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 from pathlib import Path
@@ -53,6 +55,12 @@ SECURITY_HEADERS = {
 }
 
 
+# A vote is a task id and two answers: a body or a field count past these is no vote.
+MAX_FORM_BYTES = 4096
+MAX_FORM_FIELDS = 16
+
+
+@functools.lru_cache(maxsize=128)  # an image is encoded once, whichever task shows it
 def blind_png(path: str | Path) -> bytes:
     """The image's pixels as a new RGB PNG with the same encoder settings for every image.
 
@@ -88,9 +96,27 @@ def admin_from_token(token: str, store: RatingStore = Depends(_store)) -> None:
 
 
 async def form_fields(request: Request) -> dict[str, str]:
-    """An urlencoded form body as {field: last value}."""
-    body = (await request.body()).decode("utf-8", errors="replace")
-    return {k: v[-1] for k, v in parse_qs(body, keep_blank_values=True).items()}
+    """An urlencoded form body as {field: last value}, read no further than `MAX_FORM_BYTES`
+    (413 past it, whatever Content-Length says) and parsed into `MAX_FORM_FIELDS` fields at
+    most (400 past them)."""
+    too_big = HTTPException(status_code=413, detail=f"a vote is at most {MAX_FORM_BYTES} bytes")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > MAX_FORM_BYTES:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise too_big
+    try:
+        fields = parse_qs(
+            body.decode("utf-8", errors="replace"),
+            keep_blank_values=True,
+            max_num_fields=MAX_FORM_FIELDS,
+        )
+    except ValueError as e:  # more fields than a vote has
+        raise HTTPException(status_code=400, detail=f"not a vote: {e}") from e
+    return {k: v[-1] for k, v in fields.items()}
 
 
 def _rating_router(templates: Jinja2Templates) -> APIRouter:

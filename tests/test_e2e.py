@@ -387,6 +387,28 @@ def test_served_model_answers_a_rest_request_with_a_png(pipeline_run, tmp_path):
         img = Image.open(io.BytesIO(base64.b64decode(row["image"])))
         assert img.format == "PNG" and img.size == (row["width"], row["height"]) == (64, 64)
         print(f"served model: one prompt, 2 steps, {latency:.2f}s")
+        # One client cannot take the GPU: a request past the limits is refused, and says why.
+        for params, why in (
+            ({"height": 4096}, "params.height must be in [0, 2048], got 4096"),
+            ({"width": 100}, "params.width must be 0 (the model's own size) or a multiple of 8"),
+            ({"num_inference_steps": 1000}, "params.num_inference_steps must be in [1, 200]"),
+        ):
+            r = httpx.post(
+                f"{base}/invocations",
+                json={
+                    "dataframe_split": {"columns": ["prompt"], "data": [["x"]]},
+                    "params": params,
+                },
+                timeout=60,
+            )
+            assert r.status_code == 400 and why in r.json()["message"], r.text[:2000]
+        rows = [["x"]] * 65
+        r = httpx.post(
+            f"{base}/invocations",
+            json={"dataframe_split": {"columns": ["prompt"], "data": rows}},
+            timeout=60,
+        )
+        assert r.status_code == 400 and "1 to 64 prompts, got 65" in r.json()["message"]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -152,3 +152,29 @@ def test_duplicate_submission_is_a_no_op(app_server):
         other = app_server["tokens"][1]
         assert client.post(f"{base}/rate/{other}/vote", data=form).status_code == 404
     assert store.count_votes() == before + 2
+
+
+def test_a_vote_body_past_its_bounds_is_refused_and_counts_nothing(app_server):
+    """A vote is a task id and two answers: a body over 4 KiB is 413 (with or without a
+    Content-Length), a form with more fields than a vote has is 400, and neither votes."""
+    base, store = app_server["base"], app_server["store"]
+    token = app_server["tokens"][2]
+    url = f"{base}/rate/{token}/vote"
+    form_type = {"Content-Type": "application/x-www-form-urlencoded"}
+    before = store.count_votes()
+    with httpx.Client() as client:
+        _, task_id = _task(client, base, token)
+        vote = f"task_id={task_id}&quality=left&alignment=right"
+        big = client.post(url, content=vote + "&pad=" + "x" * 8192, headers=form_type)
+        assert big.status_code == 413 and "at most 4096 bytes" in big.text
+
+        def chunks():  # no Content-Length: the server must stop reading by itself
+            yield vote.encode()
+            for _ in range(64):
+                yield b"&pad=" + b"x" * 1024
+
+        streamed = client.post(url, content=chunks(), headers=form_type)
+        assert streamed.status_code == 413
+        many = client.post(url, content=vote + "".join(f"&f{i}=1" for i in range(40)))
+        assert many.status_code == 400 and "not a vote" in many.text
+    assert store.count_votes() == before
