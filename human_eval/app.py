@@ -6,8 +6,9 @@ Routers per concern: rating pages, images, admin; access checks are dependencies
 (`rater_from_token`, `admin_from_token`), so no handler can forget one. A rater sees the
 prompt, its category and two images labelled A (left) and B (right); which study made which
 image is never on the page, and left/right is drawn per task and stored with the vote. Images
-are served by an unguessable id looked up in the database, so no URL part ever reaches the
-file system, and as a PNG encoded afresh from the pixels: no file time (Last-Modified, ETag),
+are served under ids of their own task (`RatingStore.task_image_id`), looked up in the
+database, so no URL part ever reaches the file system and no URL repeats across tasks, and as
+a PNG encoded afresh from the pixels: no file time (Last-Modified, ETag),
 text, EXIF or time chunk tells two studies apart; each file is encoded once and kept (a
 bounded cache). The form posts as application/x-www-form-urlencoded, parsed here (no
 python-multipart needed) within a few KiB and fields (`MAX_FORM_BYTES`, `MAX_FORM_FIELDS`); a
@@ -158,7 +159,7 @@ def _rating_router(templates: Jinja2Templates) -> APIRouter:
     def image(
         image_id: str, rater: Rater = Depends(rater_from_token), store=Depends(_store)
     ) -> Response:
-        path = store.image_path(rater.comparison_id, image_id)
+        path = store.task_image_path(rater, image_id)
         if path is None:
             raise HTTPException(status_code=404, detail="no such image")
         # Not a FileResponse: its Last-Modified and ETag come from the file's time and size.

@@ -10,6 +10,11 @@ On SQLite every transaction starts with `BEGIN IMMEDIATE`: the write lock is tak
 so the assignment of the next task (count the pair's votes, then insert the task) cannot race
 with another rater's, and a writer waits (`busy_timeout`) instead of failing on an upgrade.
 
+A rater never sees an image under the same URL twice: each task's two images are served
+under ids of that task (an HMAC of the task and the side, with the store's secret), so a URL
+says nothing of which study an image belongs to, nor that two tasks show the same file. The
+gold positions of a rater come from the same secret, not from its public sequential id.
+
 Rater and admin tokens are stored as their SHA-256 only: a copy of the database (a backup, a
 dump handed to an analyst) holds no working link. The SQLite file is its owner's alone (mode
 600).
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import hmac
 import os
 import random
 import secrets
@@ -178,6 +184,8 @@ def token_hash(token: str) -> str:
 # written before it holds them in clear, and `_hash_tokens` converts it once).
 _ADMIN = "admin_token_sha256"
 _TOKENS_HASHED = "tokens_sha256"
+# The store's secret: the ids images are served under, and the raters' gold positions.
+_SECRET = "secret"
 
 
 def _sqlite_engine(url: str) -> Engine:
@@ -227,6 +235,24 @@ class RatingStore:
         self._raters: dict[str, Rater] = {}
         self._lock = threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
         self._hash_tokens()
+        self._secret = self._store_secret()
+
+    def _store_secret(self) -> bytes:
+        """The store's secret, made once and kept across restarts."""
+        with self.session() as s:
+            row = s.get(Meta, _SECRET)
+            if row is None:
+                row = Meta(key=_SECRET, value=secrets.token_hex(32))
+                s.add(row)
+            return bytes.fromhex(row.value)
+
+    def _keyed(self, message: str) -> str:
+        return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
+
+    def task_image_id(self, task_id: int, side: str) -> str:
+        """The id a task's `left` or `right` image is served under: its own, in no other
+        task, and the same at every reload of the task."""
+        return self._keyed(f"image:{task_id}:{side}")[:32]
 
     def _hash_tokens(self) -> None:
         """Replace clear tokens with their hashes, once, in a store written before tokens
@@ -389,10 +415,21 @@ class RatingStore:
             row = s.get(Meta, _ADMIN)
         return row is not None and secrets.compare_digest(token_hash(token), row.value)
 
-    def image_path(self, comparison_id: str, image_id: str) -> str | None:
+    def task_image_path(self, rater: Rater, image_id: str) -> str | None:
+        """The file behind an image id of one of the rater's tasks; None for any other id
+        (another rater's, a guess, a path)."""
         with self.session() as s:
-            img = s.get(Image, image_id)
-            return img.path if img is not None and img.comparison_id == comparison_id else None
+            rows = s.execute(
+                select(Task.id, Task.left, Pair.image_a, Pair.image_b)
+                .join(Pair, Pair.id == Task.pair_id)
+                .where(Task.rater_id == rater.id)
+            ).all()
+            for task_id, left, image_a, image_b in rows:
+                for side in ("left", "right"):
+                    if hmac.compare_digest(self.task_image_id(task_id, side), image_id):
+                        shown = image_a if (side == "left") == (left == "a") else image_b
+                        return s.get(Image, shown).path
+        return None
 
     # --- assignment and votes ----------------------------------------------------------
 
@@ -400,8 +437,8 @@ class RatingStore:
         """The rater's open task, else a new one; None when nothing is left for them.
 
         A reload shows the same task (same left/right). A new task is a gold pair at the
-        rater's gold positions (seeded by the rater id), else a pair they have not seen among
-        those with the fewest votes plus live tasks, while it has fewer than K.
+        rater's gold positions (drawn from the store's secret), else a pair they have not seen
+        among those with the fewest votes plus live tasks, while it has fewer than K.
         """
         rng = rng or random.Random()
         with self.session() as s:
@@ -417,7 +454,7 @@ class RatingStore:
                 s.add(task)
                 s.flush()
             pair = s.get(Pair, task.pair_id)
-            left, right = (pair.image_a, pair.image_b)[:: 1 if task.left == "a" else -1]
+            left, right = self.task_image_id(task.id, "left"), self.task_image_id(task.id, "right")
             return ServedTask(task.id, pair.prompt, pair.category, left, right, done, total)
 
     def _total(self, s: Session, cmp: Comparison) -> int:
@@ -436,9 +473,11 @@ class RatingStore:
         mine = (Pair.comparison_id == cmp.id) & Pair.id.not_in(seen)
         golds = list(s.scalars(select(Pair.id).where(mine, Pair.gold).order_by(Pair.id)))
         total = self._total(s, cmp)
-        # The rater's gold positions: spread at random, the same at every visit.
+        # The rater's gold positions: spread at random, the same at every visit, and drawn
+        # from the store's secret (a rater id is sequential: public).
         k = min(cmp.gold_per_rater, total)
-        positions = set(random.Random(rater.id).sample(range(total), k))
+        seed = int(self._keyed(f"gold:{rater.id}")[:16], 16)
+        positions = set(random.Random(seed).sample(range(total), k))
         if golds and done in positions:
             return s.get(Pair, rng.choice(golds))
         # A pair's load: its answered tasks plus those served recently and still open.

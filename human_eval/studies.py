@@ -138,9 +138,13 @@ def create_comparison(
 ) -> tuple[str, bool]:
     """Create (or find) the comparison of study A with study B.
 
-    Gold pairs: `gold` items of A whose B side is A's image of a *different* prompt, so the
-    alignment answer is known. The id is `name`, else a hash of the studies and settings, so
-    asking twice finds the same comparison.
+    Gold pairs: `gold` items whose two images come from one study, chosen at random for each
+    gold pair: its image of the item's prompt, and its image of a *different* prompt, so the
+    alignment answer is known. Were every gold pair A's, a rater who met an image of a gold
+    pair again in a regular pair would know which side is A.
+
+    The id is `name`, else a hash of the studies and settings, so asking twice finds the same
+    comparison.
 
     Returns:
         (comparison id, whether it was created now).
@@ -198,8 +202,9 @@ def _gold_pairs(items: list[dict], n: int, rng: random.Random) -> list[dict]:
         )
     out = []
     for it in rng.sample(items, n):
+        side = rng.choice("ab")  # the study this gold pair shows, both images
         other = rng.choice([o for o in items if o["prompt"] != it["prompt"]])
-        out.append({**it, "path_b": other["path_a"]})
+        out.append({**it, "path_a": it[f"path_{side}"], "path_b": other[f"path_{side}"]})
     return out
 
 

@@ -131,9 +131,9 @@ def test_images_by_id_only(app_server):
         status, body = _raw_get(base, target)
         assert status == 404, (target, status)
         assert b"root:" not in body
-    # Another rater's image ids work only within their comparison: same one here, so 200.
+    # An image id is its task's: another rater of the same comparison gets nothing with it.
     other = app_server["tokens"][0]
-    assert httpx.get(f"{base}/rate/{other}/image/{ids[1]}").status_code == 200
+    assert httpx.get(f"{base}/rate/{other}/image/{ids[1]}").status_code == 404
 
 
 def test_duplicate_submission_is_a_no_op(app_server):

@@ -15,17 +15,27 @@ import re
 import struct
 import time
 import zlib
+from collections import Counter
 
 import httpx
 import numpy as np
 import pytest
 from PIL import Image, PngImagePlugin
 
-from human_eval.store import RatingStore, sqlite_url
+from human_eval.app import blind_png
+from human_eval.store import Pair, RatingStore, Task, sqlite_url
 from human_eval.studies import create_comparison, load_study
 from tasks.storage.layout import Layout
 
-from .conftest import PROMPTS, free_port, serve_argv, start_server, stop, write_study
+from .conftest import (
+    PROMPTS,
+    free_port,
+    many_prompts,
+    serve_argv,
+    start_server,
+    stop,
+    write_study,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -103,7 +113,7 @@ def test_both_images_of_a_task_look_the_same_to_the_browser(two_days):
         ids = re.findall(rf'src="/rate/{token}/image/([^"]+)"', page.text)
         assert len(ids) == 2 and ids[0] != ids[1]
         for image_id in ids:  # an opaque random id: no study, model, file name or size
-            assert re.fullmatch(r"[A-Za-z0-9_-]{16}", image_id), image_id
+            assert re.fullmatch(r"[0-9a-f]{32}", image_id), image_id
             for part in ["study", "1111", "2222", "run-", "0000", ".png"]:
                 assert part not in image_id, image_id
         left, right = (client.get(f"{base}/rate/{token}/image/{i}") for i in ids)
@@ -135,3 +145,77 @@ def test_both_images_of_a_task_look_the_same_to_the_browser(two_days):
         for p in sorted((two_days["old"] / "images").glob("*.png"))
     ]
     assert any(np.array_equal(served, src) for src in sources)
+
+
+def test_a_rater_who_walks_every_task_cannot_tell_which_side_is_a(tmp_path):
+    """Two studies of 12 prompts, 12 attention checks, one rater who sees every task: no image
+    URL comes back in a second task, and the images that do (the same pixels under new ids)
+    come from both studies, since each attention check shows a study drawn at random."""
+    root = tmp_path / "root"
+    prompts = many_prompts(12)
+    a = write_study(root, "study-a-1111", prompts=prompts, model="run-a")
+    b = write_study(root, "study-b-2222", prompts=prompts, colour=(40, 40, 200), model="run-b")
+    store = RatingStore(sqlite_url(Layout(root).ratings_db()))
+    cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=1, gold=12)
+    [(_, token)] = store.add_raters(cid, 1)
+    study_of = {
+        blind_png(path): folder.name
+        for folder in (a, b)
+        for path in sorted((folder / "images").glob("*.png"))
+    }
+    port = free_port()
+    proc, base = start_server(serve_argv(root, port), port)
+    urls, shown = [], Counter()
+    try:
+        with httpx.Client() as client:
+            while True:
+                page = client.get(f"{base}/rate/{token}")
+                ids = re.findall(rf'src="/rate/{token}/image/([^"]+)"', page.text)
+                if not ids:
+                    assert "Thank you" in page.text
+                    break
+                urls += ids
+                for image_id in ids:
+                    body = client.get(f"{base}/rate/{token}/image/{image_id}").content
+                    shown[(study_of[body], body)] += 1
+                task_id = re.search(r'name="task_id" value="(\d+)"', page.text).group(1)
+                form = {"task_id": task_id, "quality": "tie", "alignment": "tie"}
+                client.post(f"{base}/rate/{token}/vote", data=form)
+    finally:
+        stop(proc)
+        store.close()
+    assert len(urls) == 2 * 24, "every pair and every attention check, once"
+    assert len(set(urls)) == len(urls), "no image URL is served in two tasks"
+    again = {study for (study, _), n in shown.items() if n > 1}
+    assert again == {"study-a-1111", "study-b-2222"}
+
+
+def test_gold_positions_come_from_the_stores_secret_not_the_rater_id(tmp_path):
+    """The same comparison and the same rater ids in two stores: the attention checks fall at
+    other positions (a rater id is sequential, so positions drawn from it were predictable)."""
+
+    def gold_positions(db) -> list[list[int]]:
+        root = tmp_path / "root"
+        if not (root / "eval").is_dir():
+            write_study(root, "study-a-1111", prompts=many_prompts(12), model="run-a")
+            write_study(root, "study-b-2222", prompts=many_prompts(12), colour=(9, 9, 9))
+        store = RatingStore(sqlite_url(db))
+        studies = [load_study(f"study-{x}", root / "eval") for x in ("a-1111", "b-2222")]
+        cid, _ = create_comparison(store, *studies, raters_per_pair=3, gold=6)
+        out = []
+        for rater in (store.rater(t) for _, t in store.add_raters(cid, 3)):
+            positions = []
+            for i in range(12 + 6):  # every pair, then every attention check
+                task = store.next_task(rater)
+                with store.session() as s:
+                    gold = s.get(Pair, s.get(Task, task.task_id).pair_id).gold
+                if gold:
+                    positions.append(i)
+                store.record_vote(rater, task.task_id, {"quality": "tie", "alignment": "tie"})
+            out.append(positions)
+        store.close()
+        return out
+
+    first, second = gold_positions(tmp_path / "one.db"), gold_positions(tmp_path / "two.db")
+    assert all(len(p) == 6 for p in first + second)
+    assert first != second

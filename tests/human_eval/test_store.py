@@ -2,10 +2,11 @@
 
 import random
 import sqlite3
+from pathlib import Path
 
 import pytest
 
-from human_eval.store import RatingStore, sqlite_url
+from human_eval.store import Image, RatingStore, sqlite_url
 from human_eval.studies import StudyMismatch, create_comparison, load_study
 from tasks.storage.layout import Layout
 
@@ -38,10 +39,14 @@ def test_comparison_is_created_once(two_studies):
     assert create_comparison(store, sa, sb, raters_per_pair=2, gold=2) == (cid, False)
     pairs = store.pairs(cid)
     assert sum(not p.gold for p in pairs) == 8 and sum(p.gold for p in pairs) == 2
-    for p in pairs:
-        assert p.image_a != p.image_b
-        assert store.image_path(cid, p.image_a).startswith(str(a))
-        assert store.image_path("other", p.image_a) is None
+    with store.session() as s:
+        for p in pairs:
+            path_a, path_b = s.get(Image, p.image_a).path, s.get(Image, p.image_b).path
+            assert path_a != path_b
+            if p.gold:  # both sides from one study: its image of the prompt, and of another
+                assert Path(path_a).parents[1] == Path(path_b).parents[1]
+            else:
+                assert path_a.startswith(str(a)) and path_b.startswith(str(b))
 
 
 @pytest.mark.parametrize(
