@@ -48,12 +48,14 @@ demo-compare: $(STAMP)
 	$(BIN)/kiln rate serve --config $(CONFIG) $(if $(RATE_PORT),--port $(RATE_PORT))
 
 # Debian packages the tests use, installed when missing, where apt-get exists: Chromium for the
-# rating app's browser test (Playwright's own browser download needs the network), and SLURM
-# with munge for the two-node cluster the multi-node tests start on loopback.
+# rating app's browser test (Playwright's own browser download needs the network), SLURM with
+# munge for the two-node cluster the multi-node tests start on loopback, and PostgreSQL for
+# the private server the ratings store's tests start.
 CHROMIUM ?= /usr/bin/chromium
 system-packages:
 	@missing=""; \
 	[ -x $(CHROMIUM) ] || missing="$$missing chromium"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	for b in slurmd slurmctld sbatch munged; do command -v $$b >/dev/null 2>&1 || \
 		PATH="$$PATH:/usr/sbin" command -v $$b >/dev/null 2>&1 || { \
 		missing="$$missing slurmd slurmctld slurm-client munge"; break; }; done; \

@@ -8,7 +8,10 @@ re-sending after a server crash) into a no-op instead of a second vote.
 
 On SQLite every transaction starts with `BEGIN IMMEDIATE`: the write lock is taken up front,
 so the assignment of the next task (count the pair's votes, then insert the task) cannot race
-with another rater's, and a writer waits (`busy_timeout`) instead of failing on an upgrade.
+with another rater's, and a writer waits (`busy_timeout`) instead of failing on an upgrade. On
+a server database (PostgreSQL, at READ COMMITTED) the assignment takes a row lock on its
+comparison first (`SELECT ... FOR UPDATE`), so two page loads at once, of one rater or of
+several, are assigned one after the other; a unique-key clash that still happens is retried.
 
 A rater never sees an image under the same URL twice: each task's two images are served
 under ids of that task (an HMAC of the task and the side, with the store's secret), so a URL
@@ -441,8 +444,19 @@ class RatingStore:
         among those with the fewest votes plus live tasks, while it has fewer than K.
         """
         rng = rng or random.Random()
+        for attempt in range(3):
+            try:
+                return self._next_task(rater, rng)
+            except IntegrityError:  # a (rater, pair) taken meanwhile: assign again
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _next_task(self, rater: Rater, rng: random.Random) -> ServedTask | None:
         with self.session() as s:
-            cmp = s.get(Comparison, rater.comparison_id)
+            # The comparison's row lock serialises its assignments (a no-op on SQLite, whose
+            # transactions already hold the write lock).
+            cmp = s.get(Comparison, rater.comparison_id, with_for_update=True)
             task = s.scalar(select(Task).where(Task.rater_id == rater.id, ~Task.answered))
             done = s.scalar(select(func.count()).where(Task.rater_id == rater.id, Task.answered))
             total = self._total(s, cmp)

@@ -482,3 +482,55 @@ def slurm(tmp_path_factory):
         pytest.fail(f"no SLURM cluster can start here: {why}")
     with mod.SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
         yield cluster
+
+
+def _postgres_bin() -> Path:
+    """Debian's PostgreSQL programs (the newest installed version)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: int(p.parts[-3]))
+    if not found:
+        pytest.fail("PostgreSQL is not installed: `make test` installs Debian's postgresql")
+    return found[-1].parent
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A private PostgreSQL server on 127.0.0.1 for the session: Debian's, started with
+    `initdb` and `pg_ctl` in a folder of its own (as the `postgres` user when the tests run as
+    root, which PostgreSQL refuses to run as). Yields `create(name) -> SQLAlchemy URL`, which
+    makes a database of its own for a test."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    import psycopg
+
+    bin_dir = _postgres_bin()
+    # Not under pytest's tmp_path: its folders are the test user's alone, and the server runs
+    # as `postgres`.
+    base = Path(tempfile.mkdtemp(prefix="kiln-postgres-"))
+    as_postgres = []
+    if os.geteuid() == 0:
+        shutil.chown(base, "postgres", "postgres")
+        as_postgres = ["runuser", "-u", "postgres", "--"]
+    data, port = base / "data", _free_port()
+    subprocess.run(
+        [*as_postgres, str(bin_dir / "initdb"), "-D", str(data), "-U", "kiln", "--auth=trust"],
+        check=True,
+        capture_output=True,
+    )
+    options = f"-k {base} -p {port} -c listen_addresses=127.0.0.1 -c fsync=off"
+    start = [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(base / "server.log"), "-w"]
+    subprocess.run([*as_postgres, *start, "-o", options, "start"], check=True, capture_output=True)
+    server = f"127.0.0.1:{port}"
+
+    def create(name: str) -> str:
+        with psycopg.connect(f"postgresql://kiln@{server}/postgres", autocommit=True) as con:
+            con.execute(f'CREATE DATABASE "{name}"')
+        return f"postgresql+psycopg://kiln@{server}/{name}"
+
+    try:
+        yield create
+    finally:
+        stop = [str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]
+        subprocess.run([*as_postgres, *stop], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
