@@ -11,9 +11,12 @@ longer than the text encoder reads is cut first (`truncate_prompts`); the output
 given. On CUDA the pipeline runs in bfloat16 (float16 where bf16 is unsupported); on CPU in
 float32.
 
-One request cannot take the GPU: a request is refused, naming the param, past `LIMITS` (a
+One request cannot take the GPU: a request is refused, naming what is over, past `LIMITS` (a
 height or width that is not 0 or a multiple of 8 from 64 to 2048, more than 200 steps, a batch
-over 16) or past `MAX_ROWS` prompts; a client sends more rows in several requests.
+over 16), past `MAX_ROWS` prompts or `MAX_PROMPT_CHARS` characters a prompt, or past the work
+one request may ask for (`MAX_WORK`: prompts x steps x pixels, 64 images of 50 steps at 512
+px) and one pipeline call may hold (`MAX_BATCH_PIXELS`: 16 images at 512 px); a client sends
+more in several requests.
 
 This module is the only Kiln code a registered model ships (`code_paths`), under a name no
 consumer's package can shadow: it imports nothing else from Kiln.
@@ -32,7 +35,10 @@ from mlflow.protos.databricks_pb2 import INVALID_PARAMETER_VALUE
 
 __all__ = [
     "LIMITS",
+    "MAX_BATCH_PIXELS",
+    "MAX_PROMPT_CHARS",
     "MAX_ROWS",
+    "MAX_WORK",
     "SERVING_PARAMS",
     "KilnDiffusionModel",
     "checked_params",
@@ -55,7 +61,7 @@ model's own size)."""
 LIMITS = {
     "num_inference_steps": (1, 200),
     "guidance_scale": (0.0, 50.0),
-    "seed": (0, 2**31 - 1),
+    "seed": (0, 2**63 - 1),
     "height": (0, 2048),  # 0, or a multiple of 8 from 64
     "width": (0, 2048),
     "batch_size": (1, 16),
@@ -64,16 +70,32 @@ LIMITS = {
 
 MAX_ROWS = 64
 """Prompts in one request at most."""
+MAX_PROMPT_CHARS = 2000
+"""Characters of one prompt at most (the text encoder reads 77 tokens of it)."""
+MAX_BATCH_PIXELS = 16 * 512 * 512
+"""Pixels one pipeline call denoises at once (`batch_size` images), at most."""
+MAX_WORK = 64 * 50 * 512 * 512
+"""Prompts x steps x pixels of one request, at most."""
 
 
-def checked_params(params: dict, rows: int) -> dict:
-    """`params` when every value is within `LIMITS` and `rows` within `MAX_ROWS`.
+def checked_params(params: dict, prompts: list[str], native_side: int) -> dict:
+    """`params` when every value is within `LIMITS`, the prompts within `MAX_ROWS` and
+    `MAX_PROMPT_CHARS`, and the request within `MAX_BATCH_PIXELS` and `MAX_WORK`.
+
+    Args:
+        params: The request's params, every default filled in.
+        prompts: Its prompts.
+        native_side: The model's own image side (the size of a height or width of 0).
 
     Raises:
-        ValueError: naming the first param out of range, its range and the value received.
+        ValueError: naming the first value out of range, its range and the value received.
     """
+    rows = len(prompts)
     if not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"a request holds 1 to {MAX_ROWS} prompts, got {rows}")
+    longest = max(len(p) for p in prompts)
+    if longest > MAX_PROMPT_CHARS:
+        raise ValueError(f"a prompt holds {MAX_PROMPT_CHARS} characters at most, got {longest}")
     for name, (low, high) in LIMITS.items():
         value = params[name]
         if not low <= value <= high:
@@ -85,6 +107,19 @@ def checked_params(params: dict, rows: int) -> dict:
                 f"params.{name} must be 0 (the model's own size) or a multiple of 8 from 64, "
                 f"got {value}"
             )
+    pixels = (params["height"] or native_side) * (params["width"] or native_side)
+    if params["batch_size"] * pixels > MAX_BATCH_PIXELS:
+        raise ValueError(
+            f"params.batch_size x height x width must be at most {MAX_BATCH_PIXELS} pixels (16 "
+            f"images at 512 px), got {params['batch_size']} x {pixels}"
+        )
+    work = rows * params["num_inference_steps"] * pixels
+    if work > MAX_WORK:
+        raise ValueError(
+            f"prompts x num_inference_steps x pixels must be at most {MAX_WORK} (64 images of 50 "
+            f"steps at 512 px), got {rows} x {params['num_inference_steps']} x {pixels}: send "
+            "fewer prompts a request"
+        )
     return params
 
 
@@ -165,8 +200,9 @@ class KilnDiffusionModel(mlflow.pyfunc.PythonModel):
         p = {**self.defaults, **(params or {})}
         p = {k: (float(v) if k == "guidance_scale" else int(v)) for k, v in p.items()}
         prompts = [str(x) for x in model_input["prompt"].tolist()]
+        unet, scale = self.pipe.unet.config, self.pipe.vae_scale_factor
         try:
-            checked_params(p, len(prompts))
+            checked_params(p, prompts, int(unet.sample_size) * int(scale))
         except ValueError as e:  # the scoring server answers 400 with the message
             raise MlflowException(str(e), error_code=INVALID_PARAMETER_VALUE) from e
         size = {k: p[k] for k in ("height", "width") if p[k] > 0}

@@ -163,7 +163,7 @@ def human_eval_flow(
     he, r = cfg.human_eval, cfg.storage.root
     k = raters_per_pair or he.raters_per_pair
     n_gold = he.gold_per_rater if gold is None else gold
-    cid = create_comparison_task(r, he.database_url, study_a, study_b, k, n_gold, name, he.seed)
+    cid = create_comparison_task(r, he.database_url, study_a, study_b, k, n_gold, name)
     wait = wait_for_votes(r, he.database_url, cid, wait_s, poll_s)
     report = report_task(
         r, he.database_url, cid, he.min_gold_accuracy, he.bootstrap_resamples, he.seed

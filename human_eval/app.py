@@ -61,8 +61,15 @@ MAX_FORM_BYTES = 4096
 MAX_FORM_FIELDS = 16
 
 
-@functools.lru_cache(maxsize=128)  # an image is encoded once, whichever task shows it
 def blind_png(path: str | Path) -> bytes:
+    """The image's pixels as a new RGB PNG (`_encoded`), encoded once per version of the file
+    (its path, size and modification time), whichever task shows it."""
+    st = Path(path).stat()
+    return _encoded(str(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _encoded(path: str, size: int, mtime_ns: int) -> bytes:
     """The image's pixels as a new RGB PNG with the same encoder settings for every image.
 
     The pixels go through a bare array into a new image, so nothing of the file's `info`

@@ -25,11 +25,13 @@ dump handed to an analyst) holds no working link. The SQLite file is its owner's
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import hmac
 import os
 import random
+import re
 import secrets
 import threading
 from collections.abc import Iterator
@@ -173,9 +175,17 @@ def sqlite_url(path: str | Path) -> str:
     (or kept) readable by its owner alone; SQLite gives its journal files the same mode."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
-    os.chmod(path, 0o600)
+    _owner_only(path)
     return f"sqlite:///{path}"
+
+
+def _owner_only(path: Path) -> None:
+    """Create the SQLite file `path` readable by its owner alone, or make it so; a file of
+    another user's is left as it is (its owner decides)."""
+    if path.parent.is_dir():
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        with contextlib.suppress(PermissionError):
+            os.chmod(path, 0o600)
 
 
 def token_hash(token: str) -> str:
@@ -204,6 +214,8 @@ def _sqlite_engine(url: str) -> Engine:
         cur.execute("PRAGMA synchronous=FULL")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA busy_timeout=60000")
+        # Freed pages are zeroed: a token replaced by its hash leaves no trace in the file.
+        cur.execute("PRAGMA secure_delete=ON")
         cur.close()
 
     @event.listens_for(engine, "begin")
@@ -231,6 +243,8 @@ class RatingStore:
 
     def __init__(self, url: str):
         self.url = url
+        if url.startswith("sqlite:///"):  # a database_url naming a file: its owner's alone
+            _owner_only(Path(url.removeprefix("sqlite:///")))
         self.engine = _sqlite_engine(url) if url.startswith("sqlite") else create_engine(url)
         Base.metadata.create_all(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
@@ -241,13 +255,25 @@ class RatingStore:
         self._secret = self._store_secret()
 
     def _store_secret(self) -> bytes:
-        """The store's secret, made once and kept across restarts."""
-        with self.session() as s:
-            row = s.get(Meta, _SECRET)
-            if row is None:
-                row = Meta(key=_SECRET, value=secrets.token_hex(32))
-                s.add(row)
-            return bytes.fromhex(row.value)
+        """The store's secret, made once and kept across restarts (two servers starting on a
+        new store at once: the second reads the first's)."""
+        for attempt in range(2):
+            try:
+                with self.session() as s:
+                    row = s.get(Meta, _SECRET)
+                    if row is None:
+                        row = Meta(key=_SECRET, value=secrets.token_hex(32))
+                        s.add(row)
+                    return bytes.fromhex(row.value)
+            except IntegrityError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def keyed_random(self, label: str) -> random.Random:
+        """A generator seeded by the store's secret and `label`: draws that the repository,
+        the config and the studies do not give away."""
+        return random.Random(int(self._keyed(label)[:16], 16))
 
     def _keyed(self, message: str) -> str:
         return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
@@ -259,8 +285,9 @@ class RatingStore:
 
     def _hash_tokens(self) -> None:
         """Replace clear tokens with their hashes, once, in a store written before tokens
-        were hashed: its links keep working, and the file stops holding them."""
-        with self.session() as s:
+        were hashed: its links keep working, and the file stops holding them. Two servers
+        starting at once: the second's transaction fails on the mark and finds it done."""
+        with contextlib.suppress(IntegrityError), self.session() as s:
             if s.get(Meta, _TOKENS_HASHED) is not None:
                 return
             for rater in s.scalars(select(Rater)):
@@ -376,6 +403,7 @@ class RatingStore:
             raise NotFound(f"no comparison {comparison_id!r}; create it with `kiln compare`")
         out = []
         with self.session() as s:
+            s.get(Comparison, comparison_id, with_for_update=True)  # one invite at a time
             start = s.scalar(select(func.count()).where(Rater.comparison_id == comparison_id))
             for i in range(n):
                 pseudonym, token = f"r{start + i + 1:03d}", secrets.token_urlsafe(24)
@@ -421,6 +449,8 @@ class RatingStore:
     def task_image_path(self, rater: Rater, image_id: str) -> str | None:
         """The file behind an image id of one of the rater's tasks; None for any other id
         (another rater's, a guess, a path)."""
+        if not re.fullmatch(r"[0-9a-f]{32}", image_id):
+            return None
         with self.session() as s:
             rows = s.execute(
                 select(Task.id, Task.left, Pair.image_a, Pair.image_b)

@@ -134,7 +134,6 @@ def create_comparison(
     raters_per_pair: int,
     gold: int,
     name: str | None = None,
-    seed: int = 0,
 ) -> tuple[str, bool]:
     """Create (or find) the comparison of study A with study B.
 
@@ -178,7 +177,9 @@ def create_comparison(
         }
         for ia, ib in matched
     ]
-    gold_rows = _gold_pairs(items, gold, random.Random(seed))
+    # Which items, which study and which other prompt: drawn from the store's secret, so the
+    # repository, the config and the studies do not say which study a check shows.
+    gold_rows = _gold_pairs(items, gold, store.keyed_random(f"gold:{cid}"))
     store.add_comparison(
         cid,
         study_a=a.study_id,

@@ -99,7 +99,6 @@ def compare(
         raters_per_pair=he.raters_per_pair,
         gold=he.gold_per_rater,
         name=name,
-        seed=he.seed,
     )
     click.echo(
         f"{'created' if created else 'exists:'} {a.study_id} (A) vs {b.study_id} (B)", err=True

@@ -26,6 +26,7 @@ __all__ = [
     "SecretUri",
     "Strict",
     "check_id",
+    "is_id",
     "is_remote",
     "redact_text",
     "redact_uri",
@@ -54,7 +55,7 @@ def is_remote(uri: str) -> bool:
 
 
 # Query parameters that carry a secret (`?password=`, `?sslpassword=`, `?token=`...).
-_SECRET_PARAM = re.compile(r"pass|secret|token|key|credential|auth|signature", re.IGNORECASE)
+_SECRET_PARAM = re.compile(r"pass|pwd|secret|token|key|credential|auth|sig", re.IGNORECASE)
 
 
 def redact_uri(uri: str) -> str:
@@ -64,9 +65,13 @@ def redact_uri(uri: str) -> str:
     Tracking URIs can hold database credentials (`postgresql://user:secret@host/db`,
     `postgresql://host/db?user=u&password=secret`) or, for an http(s) server, a bare token as
     the user (`https://token@host`). Never raises: the netloc is split as text, so a
-    malformed port cannot turn a message into a traceback.
+    malformed port cannot turn a message into a traceback, and a URI `urlsplit` refuses (an
+    unclosed `[`) is shown as its scheme alone.
     """
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return uri.partition("://")[0] + "://***"
     if parts.query:
         pairs = parse_qsl(parts.query, keep_blank_values=True)
         if any(_SECRET_PARAM.search(k) for k, _ in pairs):
@@ -101,13 +106,18 @@ def redact_text(text: str) -> str:
 _ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 
 
+def is_id(value: object) -> bool:
+    """Whether `value` is an id that can name a folder (`check_id`'s rule)."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
 def check_id(what: str, value: object) -> str:
     """`value`, when it is an id that can name a folder; else an error naming `what`.
 
     Raises:
         InputError: one line naming `what` and the value received.
     """
-    if isinstance(value, str) and _ID.fullmatch(value):
+    if is_id(value):
         return value
     raise InputError(
         f"{what}: an id is letters, digits, '.', '_' and '-', 128 at most, not starting with "

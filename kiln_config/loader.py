@@ -48,8 +48,19 @@ def _shown(path: str, value: Any) -> str:
     characters."""
     if _SECRET_FIELD.search(path):
         return "a value, not shown: the field holds a secret"
-    shown = redact_text(repr(value))
+    shown = repr(_redacted(value))
     return shown[:117] + "..." if len(shown) > 120 else shown
+
+
+def _redacted(value: Any) -> Any:
+    """`value` with every string in it (mappings and lists included) through `redact_text`."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {k: _redacted(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_redacted(v) for v in value)
+    return value
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -82,10 +82,16 @@ class HealthCheckRun(Strict):
 
 
 def write_run_file(run: Strict, path: Path) -> Path:
-    """Write a launched process's run file (a `StageRun`, `PrecomputeRun`, ...) atomically;
-    the module loads it back with `load_yaml_model` to the same values."""
+    """Write a launched process's run file (a `StageRun`, `PrecomputeRun`, ...) atomically,
+    readable by its owner alone; the module loads it back with `load_yaml_model` to the same
+    values."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
+    # Owner-only, as the run's config snapshot: a run file names the tracking store, whose
+    # URI can hold a database password.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
+    os.chmod(tmp, 0o600)
     tmp.replace(path)
     return path

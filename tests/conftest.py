@@ -494,10 +494,11 @@ def _postgres_bin() -> Path:
 
 @pytest.fixture(scope="session")
 def postgres():
-    """A private PostgreSQL server on 127.0.0.1 for the session: Debian's, started with
-    `initdb` and `pg_ctl` in a folder of its own (as the `postgres` user when the tests run as
-    root, which PostgreSQL refuses to run as). Yields `create(name) -> SQLAlchemy URL`, which
-    makes a database of its own for a test."""
+    """A private PostgreSQL server for the session: Debian's, started with `initdb` and
+    `pg_ctl` in a folder of its own (as the `postgres` user when the tests run as root, which
+    PostgreSQL refuses to run as), listening on a Unix socket in that folder only (no TCP: its
+    trust authentication reaches no other user). Yields `create(name) -> SQLAlchemy URL`,
+    which makes a database of its own for a test."""
     import shutil
     import subprocess
     import tempfile
@@ -512,21 +513,20 @@ def postgres():
     if os.geteuid() == 0:
         shutil.chown(base, "postgres", "postgres")
         as_postgres = ["runuser", "-u", "postgres", "--"]
-    data, port = base / "data", _free_port()
+    data = base / "data"
     subprocess.run(
         [*as_postgres, str(bin_dir / "initdb"), "-D", str(data), "-U", "kiln", "--auth=trust"],
         check=True,
         capture_output=True,
     )
-    options = f"-k {base} -p {port} -c listen_addresses=127.0.0.1 -c fsync=off"
+    options = f"-k {base} -c listen_addresses='' -c fsync=off"
     start = [str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(base / "server.log"), "-w"]
     subprocess.run([*as_postgres, *start, "-o", options, "start"], check=True, capture_output=True)
-    server = f"127.0.0.1:{port}"
 
     def create(name: str) -> str:
-        with psycopg.connect(f"postgresql://kiln@{server}/postgres", autocommit=True) as con:
-            con.execute(f'CREATE DATABASE "{name}"')
-        return f"postgresql+psycopg://kiln@{server}/{name}"
+        with psycopg.connect(host=str(base), user="kiln", dbname="postgres", autocommit=True) as c:
+            c.execute(f'CREATE DATABASE "{name}"')
+        return f"postgresql+psycopg://kiln@/{name}?host={base}"
 
     try:
         yield create

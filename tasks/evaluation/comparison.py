@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from human_eval.report import build_report
 from human_eval.store import QUESTIONS, RatingStore
 from human_eval.studies import create_comparison, load_study
+from kiln_config import is_id
 from tasks.registry.tracking import artifacts_url
 from tasks.storage.layout import Layout
 
@@ -38,7 +39,6 @@ def create_comparison_task(
     k: int,
     gold: int,
     name: str | None,
-    seed: int,
 ) -> str:
     """Create (or find) the comparison; idempotent, so a retried flow reuses it."""
     layout = Layout(Path(root))
@@ -50,7 +50,6 @@ def create_comparison_task(
             raters_per_pair=k,
             gold=gold,
             name=name,
-            seed=seed,
         )
     get_run_logger().info("comparison %s %s", cid, "created" if created else "exists")
     return cid
@@ -141,8 +140,9 @@ def log_to_mlflow(tracking_uri: str, model_name: str, root: str, report: dict) -
     """
     from mlflow.tracking import MlflowClient
 
-    run_json = Layout(Path(root)).run_record(report["model_a"])
-    if not run_json.is_file():
+    model_a = report["model_a"]
+    run_json = Layout(Path(root)).run_record(model_a) if is_id(model_a) else None
+    if run_json is None or not run_json.is_file():
         get_run_logger().warning(
             "study A's model %r is not a training run under %s: nothing logged to MLflow",
             report["model_a"],

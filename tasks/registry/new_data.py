@@ -91,7 +91,9 @@ def _trained_run(layout: Layout) -> tuple[str | None, dict]:
 def _trained_catalog(layout: Layout) -> tuple[str | None, str | None]:
     """(run id, ingest id) of the newest training run that exported, or (None, None)."""
     run_id, record = _trained_run(layout)
-    shards = layout.shards(record.get("dataset_version", "")) / "shards.json"
+    if not record.get("dataset_version"):  # nothing trained yet
+        return run_id, None
+    shards = layout.shards(record["dataset_version"]) / "shards.json"
     ingest = json.loads(shards.read_text()).get("ingest_id") if shards.is_file() else None
     return run_id, ingest
 

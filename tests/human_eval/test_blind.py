@@ -148,15 +148,16 @@ def test_both_images_of_a_task_look_the_same_to_the_browser(two_days):
 
 
 def test_a_rater_who_walks_every_task_cannot_tell_which_side_is_a(tmp_path):
-    """Two studies of 12 prompts, 12 attention checks, one rater who sees every task: no image
+    """Two studies of 20 prompts, 20 attention checks, one rater who sees every task: no image
     URL comes back in a second task, and the images that do (the same pixels under new ids)
-    come from both studies, since each attention check shows a study drawn at random."""
+    come from both studies, since each attention check shows a study drawn at random (all 20
+    from one study: a chance of one in 2^19)."""
     root = tmp_path / "root"
-    prompts = many_prompts(12)
+    prompts = many_prompts(20)
     a = write_study(root, "study-a-1111", prompts=prompts, model="run-a")
     b = write_study(root, "study-b-2222", prompts=prompts, colour=(40, 40, 200), model="run-b")
     store = RatingStore(sqlite_url(Layout(root).ratings_db()))
-    cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=1, gold=12)
+    cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=1, gold=20)
     [(_, token)] = store.add_raters(cid, 1)
     study_of = {
         blind_png(path): folder.name
@@ -184,7 +185,7 @@ def test_a_rater_who_walks_every_task_cannot_tell_which_side_is_a(tmp_path):
     finally:
         stop(proc)
         store.close()
-    assert len(urls) == 2 * 24, "every pair and every attention check, once"
+    assert len(urls) == 2 * 40, "every pair and every attention check, once"
     assert len(set(urls)) == len(urls), "no image URL is served in two tasks"
     again = {study for (study, _), n in shown.items() if n > 1}
     assert again == {"study-a-1111", "study-b-2222"}

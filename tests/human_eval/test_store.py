@@ -205,6 +205,9 @@ def test_a_store_with_clear_tokens_keeps_its_links_and_drops_the_tokens(tmp_path
     assert store.rater("clear-rater-token").pseudonym == "r001"
     assert store.is_admin("clear-admin-token") and not store.is_admin("clear-rater-token")
     store.close()
-    RatingStore.open(db).close()  # converted once: a second open changes nothing
+    again = RatingStore.open(db)  # converted once: a second open changes nothing
+    assert again.rater("clear-rater-token").pseudonym == "r001"
+    assert again.is_admin("clear-admin-token")
+    again.close()
     assert b"clear-rater-token" not in db.read_bytes()
     assert b"clear-admin-token" not in db.read_bytes()
