@@ -78,7 +78,6 @@ def retrain_flow(config: PipelineConfig, event_root: str | None = None) -> dict:
         he.raters_per_pair,
         he.gold_per_rater,
         None,
-        he.seed,
     )
     log.info(
         "candidate %s v%s vs %s: comparison %s is open",

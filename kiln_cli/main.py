@@ -201,8 +201,32 @@ def train(
     default=None,
     help="Per-device img/s of stage 1 (other stages scaled by FLOPs per sample).",
 )
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Another team's nodes: GPUs on each (each stage's world: its num_machines times this).",
+)
+@click.option(
+    "--gpu-memory-gb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Memory of each GPU in GB (default launch.gpu_memory_gb).",
+)
+@click.option(
+    "--inter-node-gbps",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Network bandwidth of each node in Gbit/s (default launch.inter_node_gbps).",
+)
 def plan(
-    config_path: str, root: str | None, measure_steps: int | None, img_per_s: float | None
+    config_path: str,
+    root: str | None,
+    measure_steps: int | None,
+    img_per_s: float | None,
+    gpus_per_node: int | None,
+    gpu_memory_gb: float | None,
+    inter_node_gbps: float | None,
 ) -> None:
     """Print each stage's steps, samples, wall time, GPU-hours and cost, and the total; its
     memory per GPU by component (and what to change where it does not fit launch.gpu_memory_gb),
@@ -224,17 +248,22 @@ def plan(
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
     cfg = load_for_command(config_path, root, checks=("plan",))
+    given = {"gpu_memory_gb": gpu_memory_gb, "inter_node_gbps": inter_node_gbps}
+    launch = cfg.launch.model_copy(update={k: v for k, v in given.items() if v is not None})
+    worlds = stage_processes(launch, cfg.train)
+    if gpus_per_node:
+        worlds = [s.num_machines * gpus_per_node for s in cfg.train.stages]
     try:
         result = make_plan(
             cfg.train,
-            stage_processes(cfg.launch, cfg.train),
-            cfg.launch.gpu_hour_usd,
+            worlds,
+            launch.gpu_hour_usd,
             img_per_s=img_per_s,
             measure_steps=measure_steps,
             val_samples=_val_samples(cfg),
-            processes_per_machine=processes_per_machine(cfg.launch),
+            processes_per_machine=gpus_per_node or processes_per_machine(launch),
         )
-        memory_and_scale(result, cfg.train, cfg.launch, cfg.shards.precompute)
+        memory_and_scale(result, cfg.train, launch, cfg.shards.precompute, gpus_per_node)
     except OSError as e:  # an unreadable topology or shards.json
         raise CliError(str(e)) from e
     save_plan(result, Layout(Path(cfg.storage.root)).plan())

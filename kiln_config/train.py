@@ -41,6 +41,12 @@ class StageConfig(Strict):
         "kubernetes); each runs the backend's gpus_per_node processes, else launch."
         "num_processes or the topology's count.",
     )
+    gradient_checkpointing: bool | None = Field(
+        None,
+        description="Recompute each ResNet and transformer block's activations in the backward "
+        "pass for this stage (less memory, about a third more compute); null: "
+        "train.gradient_checkpointing.",
+    )
 
     def global_batch(self, processes: int) -> int:
         """Samples per optimizer step over `processes` training processes: the micro-batch,
@@ -86,6 +92,12 @@ class TrainConfig(Strict):
         description="Dtype of the EMA's copy of the UNet. bfloat16 halves it (1.7 GB instead "
         "of 3.5 GB for SD2-base); each update is computed in float32 and rounded "
         "stochastically (models/components/ema.py).",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each ResNet and transformer block's activations in the backward "
+        "pass (less activation memory, about a third more compute per step); a stage's own "
+        "gradient_checkpointing overrides it. `kiln plan` shows both.",
     )
     init_from: Literal["ema", "raw"] = "ema"
     init_from_model: str | None = Field(
@@ -197,6 +209,11 @@ class TrainConfig(Strict):
                     "split the sample order across them"
                 )
         return self
+
+    def checkpointing(self, stage_index: int) -> bool:
+        """Whether stage `stage_index` trains with gradient checkpointing."""
+        own = self.stages[stage_index].gradient_checkpointing
+        return self.gradient_checkpointing if own is None else own
 
     def canonical_nodes(self) -> int:
         """Streaming's canonical node count for every stage of this run."""

@@ -90,6 +90,8 @@ def build_models(run: StageRun, accelerator: Accelerator):
     # Default sampling size of the export: this stage's resolution.
     comps.unet.register_to_config(sample_size=stage.resolution // vae_scale_factor(comps.vae))
     comps.unet.train()
+    if cfg.checkpointing(run.stage_index):
+        comps.unet.enable_gradient_checkpointing()
     if cfg.attention == "eager":
         # Plain matmul-softmax attention; the default processor calls torch's SDPA kernels.
         from diffusers.models.attention_processor import AttnProcessor

@@ -21,6 +21,7 @@ from kiln_config import (
 )
 from tasks.evaluation.prompts import PromptsUnavailable, resolve_prompts
 from tasks.launch.kubernetes import KubernetesRejected, check_kubernetes
+from tasks.launch.preflight import HealthCheckError, check_memory, declares_gpus
 from tasks.launch.slurm import SlurmError, check_slurm
 from tasks.storage.lock import RootBusy, busy_reason
 from tasks.storage.objects import ProbeError, Storage
@@ -39,7 +40,7 @@ __all__ = [
 # The inputs each step needs before it starts; `check_inputs` checks them for the given steps.
 STEP_INPUTS = {
     "ingest": ("source",),
-    "train": ("topology", "tracking", "cluster"),
+    "train": ("topology", "tracking", "cluster", "memory"),
     "plan": ("topology",),
     "evaluate": ("topology", "prompts"),
     "register": ("tracking",),
@@ -83,6 +84,13 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
         try:  # a client configuration, and the runtime the TrainJobs refer to
             check_kubernetes(cfg.launch.kubernetes)
         except KubernetesRejected as e:
+            raise ConfigError(str(e)) from e
+    if "memory" in need and declares_gpus(cfg.launch):  # every stage fits the GPUs it names
+        try:
+            check_memory(
+                cfg.train, cfg.launch, list(range(len(cfg.train.stages))), cfg.shards.precompute
+            )
+        except HealthCheckError as e:
             raise ConfigError(str(e)) from e
     if "prompts" in need:  # readable now, not after training
         prompts_file(cfg)

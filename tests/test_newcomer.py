@@ -372,3 +372,22 @@ def test_make_demo_compare_serves_a_blind_comparison_with_a_clear_winner(clone, 
     print(json.dumps(summary, indent=1))
     assert summary["alignment"]["votes"] == 36
     assert summary["alignment"]["ci_low"] > 0.5, "A, the demo's model, clearly preferred"
+
+
+def test_a_stage_over_the_declared_gpu_memory_fails_before_ingest(clone, kiln, tmp_path, demo):
+    """A run on GPUs this machine does not have: the memory model checks every stage from the
+    config before anything is ingested, and the error is the line to paste."""
+    topology = str(clone / "configs" / "accelerate" / "multi-gpu.yaml")
+    prompts = str(clone / "configs" / "prompts" / "tiny.csv")
+    cfg = _config(
+        clone,
+        tmp_path,
+        launch={"accelerate_config": topology, "gpu_memory_gb": 0.045},
+        evaluate={"prompts_csv": prompts},
+    )
+    args = ("--config", str(cfg), "--source", str(demo), "--root", str(tmp_path / "r"))
+    line = _one_error_line(kiln("run", *args))
+    assert line.startswith("stage 2 (48px): the memory model puts a step at"), line
+    assert "over launch.gpu_memory_gb 0.045" in line
+    assert "replace train.stages[1] with  - {resolution: 48, batch_size: 8" in line
+    assert not (tmp_path / "r").exists(), "nothing ran"

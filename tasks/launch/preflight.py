@@ -1,9 +1,10 @@
 """Pre-flight health check before training launches: fail in seconds, with a clear message.
 
 Before any of these, before anything is launched or submitted, `stage_feasibility` fails a
-stage that cannot run as configured (a dataset smaller than one batch across its processes; on
-GPUs, a step the memory model says does not fit `launch.gpu_memory_gb`). Such a failure is
-deterministic, so it is raised once, never retried.
+stage that cannot run as configured (a dataset smaller than one global batch; on GPUs, a step
+the memory model says does not fit `launch.gpu_memory_gb`). Such a failure is deterministic,
+so it is raised once, never retried. The memory half needs only the config: `kiln run` and
+`kiln train` check it before ingesting anything (`tasks.inputs.check_inputs`).
 
 Checks, in order of cost:
 
@@ -36,9 +37,11 @@ __all__ = [
     "check_collective",
     "check_disk",
     "check_gpus",
+    "check_memory",
     "check_stages",
     "check_storage",
     "checkpoint_bytes",
+    "declares_gpus",
     "preflight",
     "stage_feasibility",
 ]
@@ -205,23 +208,31 @@ def check_stages(
         if s.resolution not in stage_stats or train.mix:
             continue  # no count (check_storage names a missing dataset); a mix is resampled
         have = _stage_samples(stage_stats[s.resolution])
-        need = s.batch_size * world
+        need = s.global_batch(world)
         if have < need:
             raise HealthCheckError(
                 f"stage {i + 1} ({s.resolution}px): its dataset has {have} training samples, "
-                f"fewer than one batch of {s.batch_size} per process on {world} processes "
-                f"({need}); add images, lower train.stages.{i}.batch_size (raising "
-                "gradient_accumulation_steps keeps the global batch) or train on fewer processes"
+                f"fewer than one global batch of {need} ({s.batch_size} per process x "
+                f"{s.gradient_accumulation_steps} accumulated x {world} processes): no "
+                f"optimizer step could complete an epoch; add images, lower "
+                f"train.stages.{i}.batch_size or gradient_accumulation_steps, or train on "
+                "fewer processes"
             )
     if on_gpu:
-        _check_memory(train, launch, worlds, pending, precomputed)
+        check_memory(train, launch, pending, precomputed)
 
 
-def _check_memory(train, launch, worlds, pending, precomputed) -> None:
+def check_memory(
+    train: TrainConfig, launch: LaunchConfig, pending: list[int], precomputed: bool = False
+) -> None:
+    """Raise HealthCheckError for the first pending stage whose step the memory model puts
+    over `launch.gpu_memory_gb`, naming the YAML to paste (`kiln plan`'s cheapest change).
+    Reads the config alone: a machine without a GPU checks the GPUs it will rent."""
     # The memory model traces the UNet on the meta device with torch (2 s to import): loaded
-    # on a GPU machine, where it is checked, not by every flow run that imports this module.
+    # where a run declares GPUs, not by every flow run that imports this module.
     from tasks.planning.memory_model import memory_plan
 
+    worlds = stage_processes(launch, train)
     plan = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb, precomputed)
     for i in pending:
         mem = plan[i]["configured"]
@@ -229,10 +240,24 @@ def _check_memory(train, launch, worlds, pending, precomputed) -> None:
             s = train.stages[i]
             raise HealthCheckError(
                 f"stage {i + 1} ({s.resolution}px): the memory model puts a step at "
-                f"{mem['total'] / 1e9:.1f} GB per GPU ({mem['setup']}, batch {s.batch_size}), "
+                f"{mem['total'] / 1e9:.3g} GB per GPU ({mem['setup']}, batch {s.batch_size}), "
                 f"over launch.gpu_memory_gb {launch.gpu_memory_gb:g}; "
                 f"{plan[i]['recommendation']['text']} (`kiln plan` shows every component)"
             )
+
+
+def declares_gpus(launch: LaunchConfig) -> bool:
+    """Whether the stages train on GPUs: a topology without `use_cpu`, and GPUs: the
+    backend's `gpus_per_node` on a cluster; on one machine, a GPU topology (MULTI_GPU or
+    FSDP, checked from the config on a machine that has none yet) or this machine's GPUs."""
+    topology = yaml.safe_load(Path(launch.accelerate_config).read_text()) or {}
+    if topology.get("use_cpu"):
+        return False
+    if launch.backend != "local":
+        gpus = {"slurm": launch.slurm.gpus_per_node, "kubernetes": launch.kubernetes.gpus_per_node}
+        return bool(gpus[launch.backend])
+    kind = str(topology.get("distributed_type", "NO")).upper()
+    return kind in ("MULTI_GPU", "FSDP") or cuda_available()
 
 
 @task(name="stage-feasibility", cache_policy=NO_CACHE, retries=0)
@@ -243,13 +268,9 @@ def stage_feasibility(
     pending: list[int],
     precomputed: bool = False,
 ) -> None:
-    """`check_stages` before anything is launched: the GPU memory check when the stages train
-    on GPUs (a topology without `use_cpu`, and GPUs: this machine's for a local launch, the
-    backend's `gpus_per_node` on a cluster)."""
-    topology = yaml.safe_load(Path(launch.accelerate_config).read_text()) or {}
-    gpus = {"slurm": launch.slurm.gpus_per_node, "kubernetes": launch.kubernetes.gpus_per_node}
-    has_gpus = cuda_available() if launch.backend == "local" else bool(gpus[launch.backend])
-    on_gpu = has_gpus and not topology.get("use_cpu")
+    """`check_stages` before anything is launched: every pending stage's dataset against its
+    global batch, and its GPU memory when the run declares GPUs (`declares_gpus`)."""
+    on_gpu = declares_gpus(launch)
     check_stages(train, launch, stage_stats, pending, on_gpu, precomputed)
     task_logger(__name__).info(
         "every pending stage fits its dataset%s", " and GPU memory" if on_gpu else ""

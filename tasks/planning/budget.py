@@ -18,8 +18,8 @@ from kiln_config.errors import InputError
 from models.measure_throughput import measure_stage
 from models.training.flops import train_flops_per_sample
 from tasks.planning.activation_trace import unet_parameter_count
-from tasks.planning.memory_model import memory_plan
-from tasks.planning.scale_model import stage_scaling
+from tasks.planning.memory_model import GB, Setup, encoder_params, memory_plan, stage_memory
+from tasks.planning.scale_model import global_batch_scaling, stage_scaling
 from tasks.planning.topology import processes_per_machine, topology_setup
 
 __all__ = [
@@ -193,26 +193,49 @@ def save_plan(plan: dict, path: Path) -> None:
 SCALE_NODES = (1, 2, 4, 8, 16)
 
 
-def memory_and_scale(plan: dict, train: TrainConfig, launch, precomputed: bool) -> dict:
-    """Add each stage's GPU memory (`tasks.planning.memory_model`) and scaling over `SCALE_NODES`
-    nodes (`tasks.planning.scale_model`) to `plan`, in its configured topology."""
+def memory_and_scale(
+    plan: dict, train: TrainConfig, launch, precomputed: bool, per_node: int | None = None
+) -> dict:
+    """Add each stage's GPU memory (`tasks.planning.memory_model`) and scaling over
+    `SCALE_NODES` nodes (`tasks.planning.scale_model`) to `plan`, in its configured topology:
+    at the per-GPU batch as written (`scaling`: the global batch grows with the nodes) and at
+    the global batch as written (`scaling_global`: each GPU's share shrinks; its micro-batch
+    and accumulation are derived and its memory checked at each point). `per_node`: GPUs per
+    node, when not the launch's."""
     worlds = [p["processes"] for p in plan["stages"]]
     memory = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb, precomputed)
     strategy, precision = topology_setup(launch.accelerate_config)
     n_params = _unet_params(train)
-    per_node = processes_per_machine(launch)
-    for p, mem, s in zip(plan["stages"], memory, train.stages, strict=True):
+    per_node = per_node or processes_per_machine(launch)
+    network = {
+        "strategy": strategy,
+        "half": precision in ("bf16", "fp16"),
+        "inter_node_gbps": launch.inter_node_gbps,
+    }
+    counts = {"encoders": encoder_params(train), "unet_params": n_params}
+    for i, (p, mem, s) in enumerate(zip(plan["stages"], memory, train.stages, strict=True)):
         p["memory"] = mem
+        nodes = sorted({*SCALE_NODES, s.num_machines})
+        rate = p["img_per_s_per_device"]
         p["scaling"] = stage_scaling(
-            n_params,
-            p["img_per_s_per_device"],
-            s.batch_size,
-            s.gradient_accumulation_steps,
-            sorted({*SCALE_NODES, s.num_machines}),
-            per_node,
-            strategy=strategy,
-            half=precision in ("bf16", "fp16"),
-            inter_node_gbps=launch.inter_node_gbps,
+            n_params, rate, s.batch_size, s.gradient_accumulation_steps, nodes, per_node, **network
+        )
+
+        def fits(batch: int, world: int, i: int = i) -> float | None:
+            setup = Setup(
+                strategy,
+                train.checkpointing(i),
+                precision,
+                world,
+                launch.gpu_memory_gb,
+                precomputed,
+            )
+            m = stage_memory(train, i, setup, batch_size=batch, **counts)
+            return m.total / GB if m.fits else None
+
+        p["global_batch"] = s.global_batch(p["processes"])
+        p["scaling_global"] = global_batch_scaling(
+            n_params, rate, p["global_batch"], nodes, per_node, fits, **network
         )
     plan["gpu_memory_gb"] = launch.gpu_memory_gb
     plan["inter_node_gbps"] = launch.inter_node_gbps
@@ -254,6 +277,7 @@ def format_memory(plan: dict) -> str:
         rec = p["memory"]["recommendation"]
         if rec:
             rows.append(f"{'':>6} change: {rec['text']}")
+            rows += [f"{'':>6}     or: {alt['text']}" for alt in rec.get("alternatives", [])]
         if p["memory"]["unknown_encoders"]:
             notes.append(", ".join(p["memory"]["unknown_encoders"]))
     if notes:
@@ -275,4 +299,33 @@ def format_memory(plan: dict) -> str:
                 f"{s['traffic_gb']:>10.2f} {s['compute_s']:>10.3f} {s['comm_s']:>8.3f} "
                 f"{s['step_s']:>8.3f} {s['efficiency']:>10.2%}"
             )
+    rows += ["", *_format_global(plan)]
     return "\n".join(rows)
+
+
+def _format_global(plan: dict) -> list[str]:
+    """The scaling table at each stage's global batch as written."""
+    rows = [
+        "scaling at each stage's global batch as written (each GPU's share shrinks with the "
+        "nodes; micro-batch x accumulation derived, memory checked at each point)"
+    ]
+    head = (
+        f"{'stage':>6} {'global':>6} {'nodes':>5} {'GPUs':>5} {'per GPU':>7} {'micro x acc':>11} "
+        f"{'GB':>6} {'step s':>8} {'img/s':>10} {'efficiency':>10}"
+    )
+    rows += [head, "-" * len(head)]
+    for p in plan["stages"]:
+        for s in p["scaling_global"]:
+            lead = (
+                f"{p['resolution']:>5}px {p['global_batch']:>6} {s['nodes']:>5} "
+                f"{s['processes']:>5} {s['per_device']:>7}"
+            )
+            if not s["split"]:
+                rows.append(f"{lead}  {s['reason']}")
+                continue
+            rows.append(
+                f"{lead} {str(s['micro_batch']) + ' x ' + str(s['accumulation']):>11} "
+                f"{s['memory_gb']:>6.1f} {s['step_s']:>8.3f} {s['img_per_s']:>10,.1f} "
+                f"{s['efficiency']:>10.2%}"
+            )
+    return rows

@@ -29,6 +29,7 @@ from tasks.planning.activation_trace import trace_activations, unet_parameter_co
 from tasks.planning.topology import topology_setup
 
 __all__ = [
+    "CHECKPOINTING_COST",
     "GB",
     "Setup",
     "StageMemory",
@@ -36,6 +37,7 @@ __all__ = [
     "memory_plan",
     "recommend",
     "encoder_params",
+    "stage_line",
     "stage_memory",
 ]
 
@@ -203,6 +205,12 @@ def stage_memory(
     )
 
 
+# Step time of each lever, by the plan's own model: a training sample is a forward and a
+# backward (about three forwards); checkpointing runs each block's forward again in the
+# backward pass. A smaller micro-batch with more accumulation does the same FLOPs per sample.
+CHECKPOINTING_COST = 4 / 3
+
+
 def _smaller_batch(train: TrainConfig, i: int, setup: Setup, **counts) -> tuple | None:
     """The largest per-process batch below the stage's that divides it and fits, with the
     accumulation that keeps the global batch; None if even a batch of 1 does not fit."""
@@ -215,59 +223,95 @@ def _smaller_batch(train: TrainConfig, i: int, setup: Setup, **counts) -> tuple 
     return None
 
 
+def stage_line(train: TrainConfig, i: int, **changes) -> str:
+    """Stage `i`'s entry of `train.stages` with `changes`, as a YAML line to paste in its
+    place (only the fields that differ from their defaults, as a user writes them)."""
+    import yaml
+
+    entry = {**train.stages[i].model_dump(exclude_defaults=True), **changes}
+    entry = {k: v for k, v in entry.items() if v is not None}
+    flow = yaml.safe_dump(entry, default_flow_style=True, sort_keys=False, width=10**6)
+    return "- " + flow.strip()
+
+
+def _option(change: str, mem: StageMemory, cost: float, paste: str, **extra) -> dict:
+    return {
+        "change": change,
+        "memory": mem.as_dict(),
+        "step_time_factor": round(cost, 4),
+        "paste": paste,
+        "text": (
+            f"{mem.total / GB:.3g} GB per GPU, step time +{cost - 1:.0%} by the plan's model; "
+            f"{paste}"
+        ),
+        **extra,
+    }
+
+
 def _options(train: TrainConfig, i: int, setup: Setup, **counts) -> list[dict]:
-    """Every change that makes stage `i` fit, in the order of `recommend`."""
+    """Every change that makes stage `i` fit, cheapest first by the plan's step-time
+    estimate (a tie keeps this order: a smaller micro-batch, FSDP, checkpointing, both)."""
     out = []
-    if setup.strategy == "ddp" and not train.ema.enabled:  # Kiln's EMA needs whole params
-        fsdp = stage_memory(train, i, Setup(**{**asdict(setup), "strategy": "fsdp"}), **counts)
-        if fsdp.fits:
-            out.append(
-                {
-                    "change": "fsdp",
-                    "memory": fsdp.as_dict(),
-                    "text": (
-                        "use FSDP SHARD_GRAD_OP (configs/accelerate/fsdp.yaml): "
-                        f"{fsdp.total / GB:.1f} GB per GPU"
-                    ),
-                }
-            )
-    ckpt = stage_memory(train, i, Setup(**{**asdict(setup), "checkpointing": True}), **counts)
-    if ckpt.fits:
-        out.append(
-            {
-                "change": "gradient_checkpointing",
-                "memory": ckpt.as_dict(),
-                "text": (
-                    f"gradient checkpointing: {ckpt.total / GB:.1f} GB per GPU (no setting "
-                    "switches it on: unet.enable_gradient_checkpointing() in models/train.py)"
-                ),
-            }
-        )
     smaller = _smaller_batch(train, i, setup, **counts)
     if smaller:
         b, accum, mem = smaller
-        text = (
-            f"train.stages.{i}.batch_size {b} with gradient_accumulation_steps {accum} "
-            f"(global batch unchanged): {mem.total / GB:.1f} GB per GPU"
-        )
+        line = stage_line(train, i, batch_size=b, gradient_accumulation_steps=accum)
         out.append(
-            {
-                "change": "batch_size",
-                "batch_size": b,
-                "gradient_accumulation_steps": accum,
-                "memory": mem.as_dict(),
-                "text": text,
-            }
+            _option(
+                "batch_size",
+                mem,
+                1.0,
+                f"replace train.stages[{i}] with  {line}  (global batch unchanged)",
+                batch_size=b,
+                gradient_accumulation_steps=accum,
+            )
         )
-    return out
+    if setup.strategy == "ddp" and not train.ema.enabled:  # Kiln's EMA needs whole params
+        fsdp = stage_memory(train, i, Setup(**{**asdict(setup), "strategy": "fsdp"}), **counts)
+        if fsdp.fits:
+            paste = "launch: {accelerate_config: configs/accelerate/fsdp.yaml}  (SHARD_GRAD_OP)"
+            out.append(_option("fsdp", fsdp, 1.0, paste))
+    if not setup.checkpointing:
+        on = Setup(**{**asdict(setup), "checkpointing": True})
+        ckpt = stage_memory(train, i, on, **counts)
+        if ckpt.fits:
+            line = stage_line(train, i, gradient_checkpointing=True)
+            out.append(
+                _option(
+                    "gradient_checkpointing",
+                    ckpt,
+                    CHECKPOINTING_COST,
+                    f"replace train.stages[{i}] with  {line}",
+                )
+            )
+        elif both := _smaller_batch(train, i, on, **counts):
+            b, accum, mem = both
+            line = stage_line(
+                train,
+                i,
+                batch_size=b,
+                gradient_accumulation_steps=accum,
+                gradient_checkpointing=True,
+            )
+            out.append(
+                _option(
+                    "gradient_checkpointing+batch_size",
+                    mem,
+                    CHECKPOINTING_COST,
+                    f"replace train.stages[{i}] with  {line}  (global batch unchanged)",
+                    batch_size=b,
+                    gradient_accumulation_steps=accum,
+                )
+            )
+    return sorted(out, key=lambda o: o["step_time_factor"])  # stable: ties keep their order
 
 
 def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
-    """What to change for stage `i` to fit: the first that fits of FSDP SHARD_GRAD_OP (only
-    with EMA off: the training script refuses EMA under FSDP), gradient checkpointing, and a
-    smaller per-process batch with more accumulation (same global batch). When the first is
-    not a setting (checkpointing), the text names the settings change that fits too; every
-    option that fits is under `alternatives`."""
+    """What to change for stage `i` to fit: the cheapest by the plan's step-time estimate of
+    a smaller per-process batch with more accumulation (same global batch), FSDP
+    SHARD_GRAD_OP (only with EMA off: the training script refuses EMA under FSDP), gradient
+    checkpointing, and checkpointing with a smaller batch. Each is YAML to paste (`paste`);
+    every other option that fits is under `alternatives`."""
     options = _options(train, i, setup, **counts)
     if not options:
         stage = train.stages[i]
@@ -281,8 +325,6 @@ def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
         }
     first = dict(options[0])
     first["alternatives"] = options[1:]
-    if first["change"] == "gradient_checkpointing" and options[1:]:
-        first["text"] += "; or " + options[-1]["text"]
     return first
 
 
@@ -302,7 +344,8 @@ def memory_plan(
     }
     out = []
     for i, world in enumerate(worlds):
-        base = Setup(strategy, False, precision, world, gpu_memory_gb, precomputed)
+        ckpt = train.checkpointing(i)
+        base = Setup(strategy, ckpt, precision, world, gpu_memory_gb, precomputed)
         mem = stage_memory(train, i, base, **counts)
         setups = {}
         for s, ck in (("ddp", False), ("ddp", True), ("fsdp", False), ("fsdp", True)):

@@ -20,7 +20,9 @@ traffic stays on NVLink and is taken as hidden. Efficiency is compute over step 
 
 from __future__ import annotations
 
-__all__ = ["BUCKET_BYTES", "fit_loopback", "stage_scaling"]
+from collections.abc import Callable
+
+__all__ = ["BUCKET_BYTES", "fit_loopback", "global_batch_scaling", "stage_scaling"]
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 _BACKWARD_SHARE = 2 / 3
@@ -88,6 +90,70 @@ def stage_scaling(
                 "exposed_s": round(exposed, 4),
                 "step_s": round(step, 4),
                 "efficiency": round(compute / step, 4),
+            }
+        )
+    return out
+
+
+def global_batch_scaling(
+    n_params: int,
+    img_per_s_per_device: float,
+    global_batch: int,
+    nodes: list[int],
+    per_node: int,
+    fits: Callable[[int, int], float | None],
+    **network,
+) -> list[dict]:
+    """Step time and efficiency at each node count with the global batch held as written:
+    each GPU's share of it shrinks as nodes are added, so less compute hides the same
+    gradient traffic. At each point the per-GPU micro-batch is the largest divisor of that
+    share that fits memory, and accumulation makes up the rest.
+
+    Efficiency is compute over step time at the per-GPU rate given (taken as independent of
+    the micro-batch: a GPU fed a very small batch runs below it, which this leaves out).
+
+    Args:
+        n_params: UNet parameters.
+        img_per_s_per_device: One GPU's training rate (samples per second).
+        global_batch: Samples per optimizer step, all GPUs together.
+        nodes: Node counts to predict.
+        per_node: GPUs per node.
+        fits: `fits(micro_batch, world)`: that micro-batch's memory per GPU in GB when it fits
+            at that world size, else None.
+        **network: `stage_scaling`'s strategy, half, inter_node_gbps, collective_latency_s.
+
+    Returns:
+        Per node count: `stage_scaling`'s fields plus the per-GPU samples, micro-batch,
+        accumulation, memory (GB) and the global rate; `split: False` (and no timings) where
+        the global batch does not divide evenly over the GPUs or no micro-batch fits.
+    """
+    out = []
+    for n in nodes:
+        world = n * per_node
+        share, rest = divmod(global_batch, world)
+        base = {"nodes": n, "processes": world, "per_device": share}
+        micro, gb = None, None
+        if share and not rest:
+            for b in range(share, 0, -1):
+                if share % b == 0 and (gb := fits(b, world)) is not None:
+                    micro = b
+                    break
+        if micro is None:
+            reason = "does not split evenly" if rest or not share else "no micro-batch fits"
+            out.append({**base, "split": False, "reason": reason})
+            continue
+        row = stage_scaling(
+            n_params, img_per_s_per_device, micro, share // micro, [n], per_node, **network
+        )[0]
+        out.append(
+            {
+                **base,
+                **row,
+                "split": True,
+                "micro_batch": micro,
+                "accumulation": share // micro,
+                "memory_gb": round(gb, 2),
+                "img_per_s": round(global_batch / row["step_s"], 2),
             }
         )
     return out

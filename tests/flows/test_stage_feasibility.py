@@ -10,7 +10,9 @@ from kiln_config import load_config
 from tasks.launch.preflight import HealthCheckError
 
 
-def test_a_dataset_smaller_than_one_batch_fails_before_any_launch(tiny_shards, tmp_path):
+def test_a_dataset_smaller_than_one_global_batch_fails_before_any_launch(tiny_shards, tmp_path):
+    """Stage 3's micro-batch fits its dataset, but not its global batch (micro-batch times
+    accumulation): the run fails before stage 1 starts, naming stage 3."""
     from flows.train import train_flow
 
     cfg_path, root, version = tiny_shards
@@ -18,12 +20,14 @@ def test_a_dataset_smaller_than_one_batch_fails_before_any_launch(tiny_shards, t
     shutil.copytree(root, mine)  # the session's shards stay untouched
     cfg = yaml.safe_load(cfg_path.read_text())
     cfg["storage"]["root"] = str(mine)
-    cfg["train"]["stages"][0]["batch_size"] = 1000
-    path = tmp_path / "big-batch.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    res = cfg["train"]["stages"][0]["resolution"]
+    last = cfg["train"]["stages"][-1]
+    res = last["resolution"]
     samples = yaml.safe_load((mine / "shards" / version / "shards.json").read_text())["stages"]
     have = samples[str(res)]["samples"]
+    last["batch_size"] = have // 2  # one micro-batch fits the dataset...
+    last["gradient_accumulation_steps"] = 4  # ...its global batch does not
+    path = tmp_path / "big-batch.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
     before = _listing(mine)
     state = train_flow(load_config(path), return_state=True)
@@ -31,9 +35,10 @@ def test_a_dataset_smaller_than_one_batch_fails_before_any_launch(tiny_shards, t
     err = state.result(raise_on_failure=False)
     assert isinstance(err, HealthCheckError)
     msg = str(err)
-    assert f"stage 1 ({res}px): its dataset has {have} training samples" in msg
-    assert "fewer than one batch of 1000 per process on 1 processes (1000)" in msg
-    assert "train.stages.0.batch_size" in msg
+    need = have // 2 * 4
+    assert f"stage 3 ({res}px): its dataset has {have} training samples" in msg
+    assert f"fewer than one global batch of {need} ({have // 2} per process x 4 accumulated" in msg
+    assert "train.stages.2.batch_size" in msg
     # Nothing was started: no new run folder (no stage.yaml, no launch), no VAE fitted.
     assert _listing(mine) == before
     # One task ran, once: the check; no stage task (no launch), no retry.
@@ -62,7 +67,8 @@ def _task_runs(flow_run_id):
 
 
 def test_check_stages_names_the_memory_that_does_not_fit():
-    """On GPUs the memory model is checked too: the sd2-base recipe's 512 px stage on 80 GB."""
+    """On GPUs the memory model is checked too: the sd2-base recipe's 512 px stage at its
+    old per-GPU batch of 64 on 80 GB; the message carries the line to paste."""
     from pathlib import Path
 
     from kiln_config import load_config
@@ -71,9 +77,12 @@ def test_check_stages_names_the_memory_that_does_not_fit():
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(repo / "configs" / "sd2-base.yaml")
     stats = {s.resolution: {"samples": 10**6} for s in cfg.train.stages}
-    check_stages(cfg.train, cfg.launch, stats, [0], on_gpu=False)  # dataset only: passes
+    check_stages(cfg.train, cfg.launch, stats, [0, 1, 2], on_gpu=True)  # as shipped: fits
+    cfg.train.stages[1].batch_size, cfg.train.stages[1].gradient_accumulation_steps = 64, 1
+    check_stages(cfg.train, cfg.launch, stats, [0, 1], on_gpu=False)  # dataset only: passes
     with pytest.raises(HealthCheckError) as err:
         check_stages(cfg.train, cfg.launch, stats, [0, 1], on_gpu=True)
     msg = str(err.value)
-    assert "stage 2 (512px): the memory model puts a step at" in msg
+    assert "stage 2 (512px): the memory model puts a step at 95.7 GB per GPU" in msg
     assert "over launch.gpu_memory_gb 80" in msg
+    assert "replace train.stages[1] with  - {resolution: 512, batch_size: 32" in msg
