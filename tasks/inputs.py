@@ -20,8 +20,8 @@ from kiln_config import (
     redact_uri,
 )
 from tasks.evaluation.prompts import PromptsUnavailable, resolve_prompts
+from tasks.launch.gpu_fit import HealthCheckError, check_memory, declares_gpus
 from tasks.launch.kubernetes import KubernetesRejected, check_kubernetes
-from tasks.launch.preflight import HealthCheckError, check_memory, declares_gpus
 from tasks.launch.slurm import SlurmError, check_slurm
 from tasks.storage.lock import RootBusy, busy_reason
 from tasks.storage.objects import ProbeError, Storage
@@ -85,7 +85,8 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
             check_kubernetes(cfg.launch.kubernetes)
         except KubernetesRejected as e:
             raise ConfigError(str(e)) from e
-    if "memory" in need and declares_gpus(cfg.launch):  # every stage fits the GPUs it names
+    # Every stage fits the GPUs the config names (a machine without them checks too).
+    if "memory" in need and declares_gpus(cfg.launch, probe=False):
         try:
             check_memory(
                 cfg.train, cfg.launch, list(range(len(cfg.train.stages))), cfg.shards.precompute

@@ -46,6 +46,7 @@ from tasks.launch.common import (
     LaunchRejected,
     StageDiverged,
 )
+from tasks.launch.gpu_fit import cuda_available
 from tasks.launch.gpu_limit import gpu_slot
 from tasks.launch.kubernetes import run_train_job
 from tasks.launch.slurm import run_slurm_job
@@ -100,13 +101,6 @@ def accelerate_command(
         threads = cpu_threads_per_process(local_processes(accelerate_config, num_processes))
         cmd += ["--num_cpu_threads_per_process", str(threads)]
     return cmd + ["-m", module, *args]
-
-
-def cuda_available() -> bool:
-    """Whether this machine's torch sees a GPU (the launch and the health check ask)."""
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -4,7 +4,7 @@ Before any of these, before anything is launched or submitted, `stage_feasibilit
 stage that cannot run as configured (a dataset smaller than one global batch; on GPUs, a step
 the memory model says does not fit `launch.gpu_memory_gb`). Such a failure is deterministic,
 so it is raised once, never retried. The memory half needs only the config: `kiln run` and
-`kiln train` check it before ingesting anything (`tasks.inputs.check_inputs`).
+`kiln train` check it before ingesting anything (`tasks.launch.gpu_fit`).
 
 Checks, in order of cost:
 
@@ -27,8 +27,9 @@ import yaml
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from kiln_config import HealthCheckRun, KilnError, LaunchConfig, TrainConfig, write_run_file
+from kiln_config import HealthCheckRun, LaunchConfig, TrainConfig, write_run_file
 from tasks.launch.accelerate import LaunchError, cuda_available, launch_module
+from tasks.launch.gpu_fit import HealthCheckError, check_memory, declares_gpus
 from tasks.planning.topology import stage_processes, topology_processes
 from tasks.runtime.logs import task_logger
 
@@ -37,18 +38,12 @@ __all__ = [
     "check_collective",
     "check_disk",
     "check_gpus",
-    "check_memory",
     "check_stages",
     "check_storage",
     "checkpoint_bytes",
-    "declares_gpus",
     "preflight",
     "stage_feasibility",
 ]
-
-
-class HealthCheckError(KilnError, RuntimeError):
-    """The machine or cluster is not fit to start this training run."""
 
 
 def check_gpus(accelerate_config: str, num_processes: int | None, visible: int | None = None):
@@ -220,44 +215,6 @@ def check_stages(
             )
     if on_gpu:
         check_memory(train, launch, pending, precomputed)
-
-
-def check_memory(
-    train: TrainConfig, launch: LaunchConfig, pending: list[int], precomputed: bool = False
-) -> None:
-    """Raise HealthCheckError for the first pending stage whose step the memory model puts
-    over `launch.gpu_memory_gb`, naming the YAML to paste (`kiln plan`'s cheapest change).
-    Reads the config alone: a machine without a GPU checks the GPUs it will rent."""
-    # The memory model traces the UNet on the meta device with torch (2 s to import): loaded
-    # where a run declares GPUs, not by every flow run that imports this module.
-    from tasks.planning.memory_model import memory_plan
-
-    worlds = stage_processes(launch, train)
-    plan = memory_plan(train, launch.accelerate_config, worlds, launch.gpu_memory_gb, precomputed)
-    for i in pending:
-        mem = plan[i]["configured"]
-        if not mem["fits"]:
-            s = train.stages[i]
-            raise HealthCheckError(
-                f"stage {i + 1} ({s.resolution}px): the memory model puts a step at "
-                f"{mem['total'] / 1e9:.3g} GB per GPU ({mem['setup']}, batch {s.batch_size}), "
-                f"over launch.gpu_memory_gb {launch.gpu_memory_gb:g}; "
-                f"{plan[i]['recommendation']['text']} (`kiln plan` shows every component)"
-            )
-
-
-def declares_gpus(launch: LaunchConfig) -> bool:
-    """Whether the stages train on GPUs: a topology without `use_cpu`, and GPUs: the
-    backend's `gpus_per_node` on a cluster; on one machine, a GPU topology (MULTI_GPU or
-    FSDP, checked from the config on a machine that has none yet) or this machine's GPUs."""
-    topology = yaml.safe_load(Path(launch.accelerate_config).read_text()) or {}
-    if topology.get("use_cpu"):
-        return False
-    if launch.backend != "local":
-        gpus = {"slurm": launch.slurm.gpus_per_node, "kubernetes": launch.kubernetes.gpus_per_node}
-        return bool(gpus[launch.backend])
-    kind = str(topology.get("distributed_type", "NO")).upper()
-    return kind in ("MULTI_GPU", "FSDP") or cuda_available()
 
 
 @task(name="stage-feasibility", cache_policy=NO_CACHE, retries=0)

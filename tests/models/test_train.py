@@ -372,6 +372,21 @@ def _same_export(a, b):
 
 
 @pytest.mark.integration
+def test_gradient_checkpointing_trains_the_same_losses(tmp_path, tiny_shards, clean_run):
+    """The clean 4-step stage again with train.gradient_checkpointing: every block's
+    activations recomputed in the backward pass give the same losses (1e-6 relative) and
+    weights within float32 rounding."""
+    out = tmp_path / "ckpt"
+    _launch(_short_stage(*tiny_shards, out, gradient_checkpointing=True))
+    on, off = (json.loads((d / "manifest.json").read_text())["losses"] for d in (out, clean_run))
+    assert len(on) == len(off) == 4
+    assert on == pytest.approx(off, rel=1e-6)
+    wa = load_file(out / "final-raw" / "unet" / "diffusion_pytorch_model.safetensors")
+    wb = load_file(clean_run / "final-raw" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.allclose(wa[k], wb[k], rtol=1e-5, atol=1e-6) for k in wa)
+
+
+@pytest.mark.integration
 def test_diverged_stage_fails_and_stays_failed(tmp_path, tiny_shards):
     """The loss goes NaN at step 4 (a checkpoint step): the launch fails naming the step and
     the last finite loss, exports nothing, checkpoints nothing of the NaN state, and a
