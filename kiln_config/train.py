@@ -26,6 +26,9 @@ __all__ = [
 ]
 
 
+Sharding = Literal["ddp", "shard_grad_op", "full_shard"]
+
+
 class StageConfig(Strict):
     resolution: int = Field(gt=0)
     batch_size: int = Field(gt=0, description="Per-process micro-batch size.")
@@ -46,6 +49,9 @@ class StageConfig(Strict):
         description="Recompute each ResNet and transformer block's activations in the backward "
         "pass for this stage (less memory, about a third more compute); null: "
         "train.gradient_checkpointing.",
+    )
+    sharding: Sharding | None = Field(
+        None, description="This stage's sharding of the UNet; null: train.sharding."
     )
 
     def global_batch(self, processes: int) -> int:
@@ -98,6 +104,13 @@ class TrainConfig(Strict):
         description="Recompute each ResNet and transformer block's activations in the backward "
         "pass (less activation memory, about a third more compute per step); a stage's own "
         "gradient_checkpointing overrides it. `kiln plan` shows both.",
+    )
+    sharding: Sharding = Field(
+        "ddp",
+        description="How the UNet's training state is spread over the processes: ddp (each "
+        "holds all of it), shard_grad_op (FSDP: gradients and AdamW state sharded) or "
+        "full_shard (FSDP: parameters sharded too); a stage's own sharding overrides it. "
+        "models/components/sharding.py.",
     )
     init_from: Literal["ema", "raw"] = "ema"
     init_from_model: str | None = Field(
@@ -214,6 +227,10 @@ class TrainConfig(Strict):
         """Whether stage `stage_index` trains with gradient checkpointing."""
         own = self.stages[stage_index].gradient_checkpointing
         return self.gradient_checkpointing if own is None else own
+
+    def stage_sharding(self, stage_index: int) -> str:
+        """Stage `stage_index`'s sharding: its own, else `train.sharding`."""
+        return self.stages[stage_index].sharding or self.sharding
 
     def canonical_nodes(self) -> int:
         """Streaming's canonical node count for every stage of this run."""

@@ -34,6 +34,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
+from torch.distributed.tensor import DTensor
 
 from kiln_config import StageRun, load_yaml_model
 from kiln_config.errors import InputError
@@ -46,6 +47,7 @@ from models.callbacks.step_faults import StepFaults
 from models.components.ema import EMA_DTYPES, KilnEMA
 from models.components.export import export_stage, state_dict_sha256
 from models.components.factory import Components, build_components, vae_scale_factor
+from models.components.sharding import full_parameters, is_sharded, shard_unet
 from models.data.loader import build_loader, precomputed_columns
 from models.data.stale_streaming_files import clean_stale_streaming
 from models.evaluation.heldout import build_validator
@@ -105,26 +107,15 @@ def build_models(run: StageRun, accelerator: Accelerator):
     # The frozen encoders run in the training dtype; only the UNet holds fp32 master weights.
     comps.vae.to(accelerator.device, dtype=weight_dtype)
     comps.text_encoder.to(accelerator.device, dtype=weight_dtype)
-    optimizer = torch.optim.AdamW(
-        comps.unet.parameters(),
-        lr=stage.learning_rate,
-        weight_decay=cfg.weight_decay,
-        fused=fused_adamw(accelerator, cfg.channels_last),
-    )
-    # Prepared schedulers step once per process per optimizer step, hence the scaling.
-    lr_scheduler = get_scheduler(
-        "cosine" if stage.lr_scheduler == "cosine" else "constant_with_warmup",
-        optimizer=optimizer,
-        num_warmup_steps=stage.warmup_steps * accelerator.num_processes,
-        num_training_steps=stage.max_steps * accelerator.num_processes,
-    )
+    sharding = _sharding(run, accelerator)
     ema = None
     if cfg.ema.enabled and accelerator.distributed_type == DistributedType.FSDP:
         raise InputError(
             "train.ema.enabled is not supported with an FSDP topology: the EMA would track "
-            "each rank's parameter shards. Disable EMA for FSDP, or use DDP (multi-gpu.yaml)."
+            "each rank's parameter shards. Set train.sharding (Kiln's FSDP keeps a whole EMA) "
+            "with a DDP topology (multi-gpu.yaml), or disable EMA."
         )
-    if cfg.ema.enabled:
+    if cfg.ema.enabled:  # from the whole weights, before any sharding
         ema = KilnEMA(
             comps.unet.parameters(),
             dtype=EMA_DTYPES[cfg.ema_dtype],
@@ -139,8 +130,46 @@ def build_models(run: StageRun, accelerator: Accelerator):
     if accelerator.is_main_process:  # lineage: the weights this stage starts from, exactly
         init = {"init_from": run.init_from_dir, "unet_sha256": state_dict_sha256(comps.unet)}
         Path(run.output_dir, "init.json").write_text(json.dumps(init, indent=2))
-    comps.unet, optimizer, lr_scheduler = accelerator.prepare(comps.unet, optimizer, lr_scheduler)
+    if sharding != "ddp":
+        comps.unet.to(accelerator.device)
+        shard_unet(comps.unet, sharding, accelerator.device, weight_dtype)
+    optimizer = torch.optim.AdamW(
+        comps.unet.parameters(),
+        lr=stage.learning_rate,
+        weight_decay=cfg.weight_decay,
+        fused=fused_adamw(accelerator, cfg.channels_last) and sharding == "ddp",
+    )
+    # Prepared schedulers step once per process per optimizer step, hence the scaling; the
+    # sharded path's is not prepared (models/components/sharding.py) and steps once.
+    steps_per = accelerator.num_processes if sharding == "ddp" else 1
+    lr_scheduler = get_scheduler(
+        "cosine" if stage.lr_scheduler == "cosine" else "constant_with_warmup",
+        optimizer=optimizer,
+        num_warmup_steps=stage.warmup_steps * steps_per,
+        num_training_steps=stage.max_steps * steps_per,
+    )
+    if sharding == "ddp":
+        comps.unet, optimizer, lr_scheduler = accelerator.prepare(
+            comps.unet, optimizer, lr_scheduler
+        )
     return comps, optimizer, lr_scheduler, ema, weight_dtype
+
+
+def _sharding(run: StageRun, accelerator: Accelerator) -> str:
+    """The stage's `train.sharding`, as it applies: `ddp` on one process (nothing to shard)."""
+    sharding = run.train.stage_sharding(run.stage_index)
+    if sharding == "ddp" or accelerator.num_processes == 1:
+        return "ddp"
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise InputError(
+            f"train.sharding {sharding} shards the UNet itself: launch it with a DDP topology "
+            "(multi-gpu.yaml, cpu-ddp-2.yaml), not an FSDP one"
+        )
+    if run.train.compile:
+        raise InputError(f"train.compile is not supported with train.sharding {sharding}")
+    if accelerator.mixed_precision == "fp16":  # no gradient scaler on the sharded path
+        raise InputError(f"train.sharding {sharding} trains in bf16 or fp32, not fp16")
+    return sharding
 
 
 def build_dataloader(run: StageRun, comps: Components):
@@ -209,8 +238,9 @@ def train_loop(ctx: TrainContext, checkpoints: bool = True) -> TrainState:
             log_keys(state.step, batch)
             if not accelerator.sync_gradients:
                 continue  # a gradient-accumulation micro-batch: no optimizer step yet
-            if ctx.ema is not None:
-                ctx.ema.step(ctx.comps.unet.parameters())
+            if ctx.ema is not None:  # a whole copy: from the gathered weights when sharded
+                unet = ctx.comps.unet
+                ctx.ema.step(full_parameters(unet) if is_sharded(unet) else unet.parameters())
             state.step += 1
             window.steps += 1
             ctx.sink.heartbeat(state.step)
@@ -236,18 +266,22 @@ def train_step(ctx: TrainContext, batch: dict, step: int) -> tuple[torch.Tensor,
         stepped the optimizer and the accelerator reports it, else None.
     """
     accelerator, cfg, grad_norm = ctx.accelerator, ctx.run.train, None
+    sharded = is_sharded(ctx.comps.unet)
     with accelerator.accumulate(ctx.comps.unet):
         loss = denoising_loss(ctx.comps, batch, ctx.weight_dtype, accelerator.device, cfg)
         loss = ctx.faults.at("loss", loss, step=step + 1)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
             norm = accelerator.clip_grad_norm_(ctx.comps.unet.parameters(), cfg.max_grad_norm)
+            if isinstance(norm, DTensor):  # the sharded gradients' norm, reduced over ranks
+                norm = norm.full_tensor()
             grad_norm = None if norm is None else float(norm)
         # Inside `accumulate`, Accelerate's prepared optimizer and scheduler only act on the
-        # micro-batch that syncs the gradients.
-        ctx.optimizer.step()
-        ctx.lr_scheduler.step()
-        ctx.optimizer.zero_grad(set_to_none=True)
+        # micro-batch that syncs the gradients; the sharded path's are not prepared.
+        if accelerator.sync_gradients or not sharded:
+            ctx.optimizer.step()
+            ctx.lr_scheduler.step()
+            ctx.optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
 

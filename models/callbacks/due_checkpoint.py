@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from models.callbacks.base import Callback, StepEnd
-from models.training.checkpoint import checkpoint_extra, save_checkpoint
+from models.training.checkpoint import checkpoint_extra, save_checkpoint, sharded_parts
 
 if TYPE_CHECKING:
     from models.training.metrics import MetricsWindow
@@ -36,4 +36,5 @@ class DueCheckpoint(Callback):
             state.step,
             checkpoint_extra(ctx, state),
             cfg.keep_checkpoints,
+            sharded_parts(ctx),
         )

@@ -23,6 +23,7 @@ from diffusers import StableDiffusionPipeline
 from diffusers.training_utils import EMAModel
 
 from models.components.factory import Components, sampling_scheduler
+from models.components.sharding import is_sharded, local_tensor, whole_unet
 
 __all__ = [
     "check_identical_weights",
@@ -78,7 +79,8 @@ def state_dict_sha256(module: torch.nn.Module) -> str:
 
 
 def _param_checksum(module: torch.nn.Module) -> float:
-    return float(sum(p.detach().double().sum().item() for p in module.parameters()))
+    """The sum of this process's weights (its own shards when the UNet is sharded)."""
+    return float(sum(local_tensor(p.detach()).double().sum().item() for p in module.parameters()))
 
 
 def check_identical_weights(checksums: list[float]) -> None:
@@ -163,6 +165,11 @@ def _agreed_unet(accelerator, comps, faults) -> tuple[torch.nn.Module | None, li
         RuntimeError: when DDP ranks hold different weights.
     """
     unet = accelerator.unwrap_model(comps.unet)
+    if is_sharded(unet):  # Kiln's FSDP: the shards' checksums; the whole UNet on the main one
+        sums = accelerator.gather(
+            torch.tensor([_param_checksum(unet)], device=accelerator.device, dtype=torch.float64)
+        )
+        return whole_unet(unet, everywhere=False), [float(x) for x in sums.cpu().tolist()]
     faults.at("weights", unet, rank=accelerator.process_index)
     # Every rank reports a checksum of its weights: DDP must have kept them identical.
     sums = accelerator.gather(

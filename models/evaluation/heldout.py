@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from accelerate.utils import DistributedType
 
 from kiln_config.errors import InputError, MissingInput
+from models.components.sharding import is_sharded, whole_unet
 from models.data.collation import KilnCollate
 from models.data.images import width_height
 from models.data.loader import (
@@ -295,6 +296,8 @@ class Validator:
         device = self.accelerator.device
         fsdp = self._fsdp()
         unet = self.comps.unet if fsdp else self.accelerator.unwrap_model(self.comps.unet)
+        if is_sharded(unet):  # Kiln's FSDP: every rank evaluates its share on a whole copy
+            unet = whole_unet(unet)
         out = {}
         with _rng_untouched(device), torch.no_grad():
             was_training = unet.training

@@ -31,6 +31,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from kiln_config import EvaluateConfig, StageRun
 from models.components.export import export_unet, write_pipeline
+from models.components.sharding import is_sharded, whole_unet
 from models.evaluation.generate import generate_images, load_pipeline
 
 __all__ = [
@@ -69,9 +70,11 @@ def sample_grid(
     # goes off alone. No other collective runs until the barrier below.
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     full_state = accelerator.get_state_dict(comps.unet) if fsdp else None
+    # Kiln's FSDP (models/components/sharding.py): a whole copy on the main process.
+    whole = whole_unet(comps.unet, everywhere=False) if is_sharded(comps.unet) else None
     path = None
     if accelerator.is_main_process:
-        unet = accelerator.unwrap_model(comps.unet)
+        unet = whole if whole is not None else accelerator.unwrap_model(comps.unet)
         path = _write_grid(run, accelerator.device, comps, unet, ema, step, full_state, sink)
     accelerator.wait_for_everyone()
     return path

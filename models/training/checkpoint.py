@@ -21,6 +21,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from models.components.sharding import is_sharded, load_sharded_state, save_sharded_state
 from models.training.state import TrainContext, TrainState
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "load_checkpoint",
     "resume",
     "save_checkpoint",
+    "sharded_parts",
 ]
 
 log = logging.getLogger(__name__)
@@ -52,9 +54,16 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 
 
 def save_checkpoint(
-    accelerator: Accelerator, ckpt_root: Path, step: int, extra: dict, keep: int
+    accelerator: Accelerator,
+    ckpt_root: Path,
+    step: int,
+    extra: dict,
+    keep: int,
+    sharded: tuple | None = None,
 ) -> Path:
-    """Save on every rank (each writes its own RNG state), publish on the main one."""
+    """Save on every rank (each writes its own RNG state), publish on the main one.
+    `sharded`: the sharded UNet, its optimizer and LR schedule, which Accelerate does not hold
+    (`models.components.sharding`): gathered whole into the same folder."""
     final = ckpt_root / f"step-{step:08d}"
     tmp = ckpt_root / f"step-{step:08d}.tmp"
     if accelerator.is_main_process:
@@ -62,6 +71,8 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if sharded is not None:
+        save_sharded_state(tmp, *sharded, is_main=accelerator.is_main_process)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **extra}))
@@ -73,10 +84,21 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(accelerator: Accelerator, path: Path) -> dict:
-    """Restore Accelerate's state from `path` and return the Kiln state (step, loader, extras)."""
+def load_checkpoint(accelerator: Accelerator, path: Path, sharded: tuple | None = None) -> dict:
+    """Restore Accelerate's state from `path` (and the sharded UNet, optimizer and LR schedule
+    of `sharded`) and return the Kiln state (step, loader, extras)."""
     accelerator.load_state(str(path))
+    if sharded is not None:
+        load_sharded_state(path, *sharded)
     return json.loads((path / STATE_FILE).read_text())
+
+
+def sharded_parts(ctx: TrainContext) -> tuple | None:
+    """The UNet, optimizer and LR schedule a checkpoint saves itself when the UNet is sharded
+    (`models.components.sharding`); None when Accelerate holds them."""
+    if not is_sharded(ctx.comps.unet):
+        return None
+    return ctx.comps.unet, ctx.optimizer, ctx.lr_scheduler
 
 
 def resume(ctx: TrainContext) -> TrainState:
@@ -85,7 +107,7 @@ def resume(ctx: TrainContext) -> TrainState:
     path = latest_checkpoint(ctx.out / "checkpoints")
     if path is None:
         return TrainState()
-    saved = load_checkpoint(ctx.accelerator, path)
+    saved = load_checkpoint(ctx.accelerator, path, sharded_parts(ctx))
     # The loss history and the last window's metrics feed the manifest (final loss, plan vs
     # actual); a launch that resumes at max_steps logs nothing new.
     state = TrainState(
