@@ -9,8 +9,8 @@ FSDP up only on top of a GPU state, so on CPU (gloo) its plugin silently gives D
   gathered parameters from the forward to the backward pass (ZeRO-2: gradients and AdamW state
   sharded), `full_shard` frees them after each unit's forward and gathers them again for the
   backward (ZeRO-3: parameters sharded too);
-- in bf16/fp16 the units compute in that dtype and reduce gradients in fp32
-  (`MixedPrecisionPolicy`), beside fp32 master shards;
+- in bf16 the units gather parameters, compute and reduce gradients in bf16
+  (`MixedPrecisionPolicy`, as Accelerate's plugin does), beside fp32 master shards;
 - the sharded UNet, its AdamW and LR schedule are not `prepare`d (Accelerate would wrap the
   UNet in DDP): the training step gates the optimizer on `sync_gradients` itself;
 - the EMA keeps a whole copy of the UNet, updated from the gathered weights after each step;
@@ -68,10 +68,8 @@ def shard_unet(unet, strategy: str, device: torch.device, weight_dtype: torch.dt
     """
     world = torch.distributed.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
-    mp = MixedPrecisionPolicy(
-        param_dtype=None if weight_dtype == torch.float32 else weight_dtype,
-        reduce_dtype=torch.float32,
-    )
+    half = None if weight_dtype == torch.float32 else weight_dtype
+    mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=half)
     reshard = strategy == "full_shard"
     for block in [*unet.down_blocks, unet.mid_block, *unet.up_blocks]:
         if block is not None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -86,6 +86,21 @@ def _meta_unet(unet_cfg: dict[str, Any]):
 def unet_parameter_count(unet_cfg: dict[str, Any]) -> int:
     """Exact parameter count of the UNet built from `unet_cfg`, on the meta device."""
     return sum(p.numel() for p in _meta_unet(unet_cfg).parameters())
+
+
+@lru_cache(maxsize=16)
+def _fsdp_units(unet_json: str) -> tuple[int, int]:
+    unet = _meta_unet(json.loads(unet_json))
+    blocks = [b for b in (*unet.down_blocks, unet.mid_block, *unet.up_blocks) if b is not None]
+    in_blocks = sum(p.numel() for b in blocks for p in b.parameters())
+    total = sum(p.numel() for p in unet.parameters())
+    return total - in_blocks, max(sum(p.numel() for p in b.parameters()) for b in blocks)
+
+
+def fsdp_units(unet_cfg: dict[str, Any]) -> tuple[int, int]:
+    """(parameters outside the blocks, parameters of the largest block) of the UNet as Kiln's
+    FSDP wraps it (models/components/sharding.py: each down, mid and up block a unit)."""
+    return _fsdp_units(json.dumps(unet_cfg, sort_keys=True))
 
 
 class _EfficientAttention(torch.autograd.Function):
@@ -210,7 +225,11 @@ def trace_activations(
     Returns:
         The saved bytes, in fp32, with and without gradient checkpointing.
     """
-    return _trace(json.dumps(unet_cfg, sort_keys=True), batch, latent_side, seq_len, attention)
+    # Every tensor autograd saves has the batch as its first dimension, so one sample's trace
+    # times the batch is the batch's, byte for byte (tests/tasks/planning/test_memory_model.py);
+    # a plan asks for many batch sizes and traces each resolution once.
+    one = _trace(json.dumps(unet_cfg, sort_keys=True), 1, latent_side, seq_len, attention)
+    return ActivationTrace(*(batch * v for v in astuple(one)))
 
 
 @lru_cache(maxsize=64)

@@ -18,7 +18,14 @@ from kiln_config.errors import InputError
 from models.measure_throughput import measure_stage
 from models.training.flops import train_flops_per_sample
 from tasks.planning.activation_trace import unet_parameter_count
-from tasks.planning.memory_model import GB, Setup, encoder_params, memory_plan, stage_memory
+from tasks.planning.memory_model import (
+    GB,
+    Setup,
+    encoder_params,
+    memory_plan,
+    stage_memory,
+    stage_strategy,
+)
 from tasks.planning.scale_model import global_batch_scaling, stage_scaling
 from tasks.planning.topology import processes_per_machine, topology_setup
 
@@ -207,35 +214,34 @@ def memory_and_scale(
     strategy, precision = topology_setup(launch.accelerate_config)
     n_params = _unet_params(train)
     per_node = per_node or processes_per_machine(launch)
-    network = {
-        "strategy": strategy,
-        "half": precision in ("bf16", "fp16"),
-        "inter_node_gbps": launch.inter_node_gbps,
-    }
+    half = precision in ("bf16", "fp16")
+    network = {"half": half, "inter_node_gbps": launch.inter_node_gbps}
     counts = {"encoders": encoder_params(train), "unet_params": n_params}
     for i, (p, mem, s) in enumerate(zip(plan["stages"], memory, train.stages, strict=True)):
         p["memory"] = mem
         nodes = sorted({*SCALE_NODES, s.num_machines})
         rate = p["img_per_s_per_device"]
+        kind = stage_strategy(train, i, strategy)
         p["scaling"] = stage_scaling(
-            n_params, rate, s.batch_size, s.gradient_accumulation_steps, nodes, per_node, **network
+            n_params,
+            rate,
+            s.batch_size,
+            s.gradient_accumulation_steps,
+            nodes,
+            per_node,
+            strategy=kind,
+            **network,
         )
 
-        def fits(batch: int, world: int, i: int = i) -> float | None:
-            setup = Setup(
-                strategy,
-                train.checkpointing(i),
-                precision,
-                world,
-                launch.gpu_memory_gb,
-                precomputed,
-            )
+        def fits(batch: int, world: int, i: int = i, kind: str = kind) -> float | None:
+            ckpt = train.checkpointing(i)
+            setup = Setup(kind, ckpt, precision, world, launch.gpu_memory_gb, precomputed)
             m = stage_memory(train, i, setup, batch_size=batch, **counts)
             return m.total / GB if m.fits else None
 
         p["global_batch"] = s.global_batch(p["processes"])
         p["scaling_global"] = global_batch_scaling(
-            n_params, rate, p["global_batch"], nodes, per_node, fits, **network
+            n_params, rate, p["global_batch"], nodes, per_node, fits, strategy=kind, **network
         )
     plan["gpu_memory_gb"] = launch.gpu_memory_gb
     plan["inter_node_gbps"] = launch.inter_node_gbps

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kiln_config import Component, TrainConfig
-from tasks.planning.activation_trace import trace_activations, unet_parameter_count
+from tasks.planning.activation_trace import fsdp_units, trace_activations, unet_parameter_count
 from tasks.planning.topology import topology_setup
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "encoder_params",
     "stage_line",
     "stage_memory",
+    "stage_strategy",
 ]
 
 GB = 1e9
@@ -50,7 +51,7 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class Setup:
     """How a stage runs: sharding, checkpointing, precision, world size and GPU memory."""
 
-    strategy: str = "ddp"  # ddp | fsdp (SHARD_GRAD_OP)
+    strategy: str = "ddp"  # ddp | fsdp (SHARD_GRAD_OP) | full_shard
     checkpointing: bool = False
     mixed_precision: str = "bf16"  # no | bf16 | fp16 (the accelerate config's)
     world: int = 1
@@ -59,7 +60,8 @@ class Setup:
 
     @property
     def label(self) -> str:
-        """`ddp`, `ddp+ckpt`, `fsdp` or `fsdp+ckpt`."""
+        """The strategy (`ddp`, `fsdp` for SHARD_GRAD_OP, `full_shard`), `+ckpt` with
+        gradient checkpointing."""
         return self.strategy + ("+ckpt" if self.checkpointing else "")
 
 
@@ -135,9 +137,20 @@ def _vae_factor(train: TrainConfig) -> int:
     return 2 ** (blocks - 1)
 
 
-def _state_bytes(n: int, setup: Setup, ema_b: int) -> dict[str, int]:
+def _state_bytes(n: int, setup: Setup, ema_b: int, units: tuple[int, int]) -> dict[str, int]:
     """Parameters, gradients, optimizer state, EMA and communication buffers per GPU."""
     half = setup.mixed_precision in ("bf16", "fp16")
+    if setup.strategy == "full_shard":  # FULL_SHARD: fp32 shards; a unit gathered at a time
+        root, block = units
+        compute = 2 if half else 4
+        return {
+            # the root's own parameters, the block computing and the next one prefetched
+            "parameters": -(-n * 4 // setup.world) + (root + 2 * block) * compute,
+            "gradients": -(-n * 4 // setup.world) + block * 4,  # one block's before its reduce
+            "optimizer": -(-n * _ADAMW_STATE // setup.world),
+            "ema": n * ema_b,
+            "comm_buffers": 0,
+        }
     if setup.strategy == "fsdp":  # SHARD_GRAD_OP: whole compute-dtype params, fp32 shard
         return {
             "parameters": n * (2 if half else 4) + -(-n * 4 // setup.world),
@@ -180,7 +193,8 @@ def stage_memory(
     stage = train.stages[stage_index]
     batch = batch_size or stage.batch_size
     n = unet_params if unet_params is not None else unet_parameter_count(train.model.unet)
-    state = _state_bytes(n, setup, ema_bytes_per_param(train))
+    units = fsdp_units(train.model.unet) if setup.strategy == "full_shard" else (0, 0)
+    state = _state_bytes(n, setup, ema_bytes_per_param(train), units)
     seq = train.model.tokenizer.model_max_length
     side = max(1, stage.resolution // _vae_factor(train))
     trace = trace_activations(train.model.unet, batch, side, seq, train.attention)
@@ -266,11 +280,13 @@ def _options(train: TrainConfig, i: int, setup: Setup, **counts) -> list[dict]:
                 gradient_accumulation_steps=accum,
             )
         )
-    if setup.strategy == "ddp" and not train.ema.enabled:  # Kiln's EMA needs whole params
-        fsdp = stage_memory(train, i, Setup(**{**asdict(setup), "strategy": "fsdp"}), **counts)
-        if fsdp.fits:
-            paste = "launch: {accelerate_config: configs/accelerate/fsdp.yaml}  (SHARD_GRAD_OP)"
-            out.append(_option("fsdp", fsdp, 1.0, paste))
+    if setup.strategy == "ddp" and setup.world > 1:  # Kiln's FSDP (train.sharding)
+        for name, strategy in (("shard_grad_op", "fsdp"), ("full_shard", "full_shard")):
+            mem = stage_memory(train, i, Setup(**{**asdict(setup), "strategy": strategy}), **counts)
+            if mem.fits:
+                line = stage_line(train, i, sharding=name)
+                out.append(_option(name, mem, 1.0, f"replace train.stages[{i}] with  {line}"))
+                break  # FULL_SHARD only where SHARD_GRAD_OP does not fit: it gathers twice
     if not setup.checkpointing:
         on = Setup(**{**asdict(setup), "checkpointing": True})
         ckpt = stage_memory(train, i, on, **counts)
@@ -308,8 +324,8 @@ def _options(train: TrainConfig, i: int, setup: Setup, **counts) -> list[dict]:
 
 def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
     """What to change for stage `i` to fit: the cheapest by the plan's step-time estimate of
-    a smaller per-process batch with more accumulation (same global batch), FSDP
-    SHARD_GRAD_OP (only with EMA off: the training script refuses EMA under FSDP), gradient
+    a smaller per-process batch with more accumulation (same global batch), Kiln's FSDP
+    (`sharding: shard_grad_op`, else `full_shard`; more than one process), gradient
     checkpointing, and checkpointing with a smaller batch. Each is YAML to paste (`paste`);
     every other option that fits is under `alternatives`."""
     options = _options(train, i, setup, **counts)
@@ -326,6 +342,13 @@ def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
     first = dict(options[0])
     first["alternatives"] = options[1:]
     return first
+
+
+def stage_strategy(train: TrainConfig, i: int, topology_strategy: str) -> str:
+    """Stage `i`'s strategy for the memory and scale models: its `train.sharding` (Kiln's
+    FSDP: `fsdp` for shard_grad_op, `full_shard`), else the topology's (`ddp` or `fsdp`)."""
+    sharding = train.stage_sharding(i)
+    return {"shard_grad_op": "fsdp", "full_shard": "full_shard"}.get(sharding, topology_strategy)
 
 
 def memory_plan(
@@ -345,10 +368,12 @@ def memory_plan(
     out = []
     for i, world in enumerate(worlds):
         ckpt = train.checkpointing(i)
-        base = Setup(strategy, ckpt, precision, world, gpu_memory_gb, precomputed)
+        base = Setup(
+            stage_strategy(train, i, strategy), ckpt, precision, world, gpu_memory_gb, precomputed
+        )
         mem = stage_memory(train, i, base, **counts)
         setups = {}
-        for s, ck in (("ddp", False), ("ddp", True), ("fsdp", False), ("fsdp", True)):
+        for s, ck in [(s, ck) for s in ("ddp", "fsdp", "full_shard") for ck in (False, True)]:
             other = Setup(s, ck, precision, world, gpu_memory_gb, precomputed)
             setups[other.label] = stage_memory(train, i, other, **counts).total
         out.append(

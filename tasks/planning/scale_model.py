@@ -32,9 +32,11 @@ def _traffic_bytes(n_params: int, strategy: str, world: int, half: bool) -> floa
     """Bytes each node's link carries per optimizer step."""
     if world <= 1:
         return 0.0
+    dtype = 2 if half else 4
     if strategy == "fsdp":
-        dtype = 2 if half else 4
         return 2 * (world - 1) / world * n_params * dtype  # reduce-scatter + all-gather
+    if strategy == "full_shard":  # an all-gather for the forward and again for the backward
+        return 3 * (world - 1) / world * n_params * dtype
     return 2 * (world - 1) / world * n_params * 4  # ring all-reduce of fp32 gradients
 
 
@@ -60,7 +62,7 @@ def stage_scaling(
         accumulation: Micro-batches per optimizer step.
         nodes: Node counts to predict.
         per_node: Processes (GPUs) per node.
-        strategy: `ddp` or `fsdp` (SHARD_GRAD_OP).
+        strategy: `ddp`, `fsdp` (SHARD_GRAD_OP) or `full_shard`.
         half: bf16/fp16 compute (FSDP's collectives in the compute dtype).
         inter_node_gbps: Each node's network bandwidth, Gbit/s.
         collective_latency_s: Fixed cost of each collective.
@@ -134,10 +136,15 @@ def global_batch_scaling(
         base = {"nodes": n, "processes": world, "per_device": share}
         micro, gb = None, None
         if share and not rest:
-            for b in range(share, 0, -1):
-                if share % b == 0 and (gb := fits(b, world)) is not None:
-                    micro = b
-                    break
+            # Memory grows with the micro-batch: bisect the divisors for the largest that fits.
+            divisors = [b for b in range(1, share + 1) if share % b == 0]
+            lo, hi = 0, len(divisors) - 1
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if (got := fits(divisors[mid], world)) is not None:
+                    micro, gb, lo = divisors[mid], got, mid + 1
+                else:
+                    hi = mid - 1
         if micro is None:
             reason = "does not split evenly" if rest or not share else "no micro-batch fits"
             out.append({**base, "split": False, "reason": reason})

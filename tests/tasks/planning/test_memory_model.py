@@ -108,6 +108,17 @@ def test_sharding_buckets_and_ema_by_setup():
     assert fsdp.parameters == 2 * n + -(-4 * n // 8)
     assert (fsdp.gradients, fsdp.optimizer) == (-(-4 * n // 8), -(-8 * n // 8))
     assert fsdp.comm_buffers == 0 and fsdp.activations == ddp.activations
+    # FULL_SHARD (Kiln's train.sharding): fp32 shards of everything; the root's own
+    # parameters and two blocks (one computing, one prefetched) gathered in bf16, and one
+    # block's gradients before their reduce-scatter.
+    from tasks.planning.activation_trace import fsdp_units
+
+    root, block = fsdp_units(TINY)
+    assert 0 < root < block < n
+    full = stage_memory(train, 0, Setup("full_shard", False, "bf16", world=8, precomputed=True))
+    assert full.parameters == -(-4 * n // 8) + (root + 2 * block) * 2
+    assert full.gradients == -(-4 * n // 8) + 4 * block
+    assert full.optimizer == fsdp.optimizer and full.comm_buffers == 0
     ckpt = stage_memory(train, 0, Setup("ddp", True, "bf16", world=8, precomputed=True))
     assert ckpt.activations < ddp.activations
     no_ema = train.model_copy(update={"ema": train.ema.model_copy(update={"enabled": False})})
@@ -153,3 +164,14 @@ def test_encoders_in_a_local_folder_are_counted_and_a_hub_id_is_not(tmp_path):
         }
     )
     assert encoder_params(train.model_copy(update={"model": hub}))["text_encoder"] is None
+
+
+def test_a_batch_traces_as_that_many_single_samples():
+    """What autograd saves scales with the batch exactly, so the planner traces one sample
+    per resolution: traced whole at a batch of 3, the figures are three single samples'."""
+    import json
+
+    from tasks.planning.activation_trace import _trace
+
+    whole = _trace(json.dumps(SD2_REDUCED, sort_keys=True), 3, 16, 77, "eager")
+    assert whole == trace_activations(SD2_REDUCED, 3, 16, 77, "eager")
