@@ -223,6 +223,16 @@ class TrainConfig(Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _sharding_compiles_not(self) -> TrainConfig:
+        sharded = [i for i in range(len(self.stages)) if self.stage_sharding(i) != "ddp"]
+        if self.compile and sharded:
+            raise ValueError(
+                f"train.compile is not supported with train.sharding (stage {sharded[0] + 1} "
+                f"shards with {self.stage_sharding(sharded[0])}): set one of them off"
+            )
+        return self
+
     def checkpointing(self, stage_index: int) -> bool:
         """Whether stage `stage_index` trains with gradient checkpointing."""
         own = self.stages[stage_index].gradient_checkpointing

@@ -22,6 +22,7 @@ with the same message, before it resumes anything. To train the stage again, fix
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -86,7 +87,9 @@ def fused_adamw(accelerator, channels_last: bool) -> bool:
 
 
 def build_models(run: StageRun, accelerator: Accelerator):
-    """Components, optimizer, LR schedule and EMA; the UNet and optimizer are `prepare`d."""
+    """Components, optimizer, LR schedule and EMA. Under DDP the UNet, optimizer and schedule
+    are `prepare`d; under `train.sharding` the UNet is sharded instead and none of them is
+    (models/components/sharding.py)."""
     stage, cfg = run.stage, run.train
     comps = build_components(cfg.model, seed=cfg.seed, init_unet_from=run.init_from_dir)
     # Default sampling size of the export: this stage's resolution.
@@ -169,6 +172,8 @@ def _sharding(run: StageRun, accelerator: Accelerator) -> str:
         raise InputError(f"train.compile is not supported with train.sharding {sharding}")
     if accelerator.mixed_precision == "fp16":  # no gradient scaler on the sharded path
         raise InputError(f"train.sharding {sharding} trains in bf16 or fp32, not fp16")
+    if run.faults.desync_rank is not None:  # shards differ by design: nothing to compare
+        raise InputError(f"faults.desync_rank is not supported with train.sharding {sharding}")
     return sharding
 
 
@@ -268,7 +273,10 @@ def train_step(ctx: TrainContext, batch: dict, step: int) -> tuple[torch.Tensor,
     accelerator, cfg, grad_norm = ctx.accelerator, ctx.run.train, None
     sharded = is_sharded(ctx.comps.unet)
     with accelerator.accumulate(ctx.comps.unet):
-        loss = denoising_loss(ctx.comps, batch, ctx.weight_dtype, accelerator.device, cfg)
+        if sharded:  # reduce-scatter on the micro-batch that steps only; autocast as prepare's
+            ctx.comps.unet.set_requires_gradient_sync(accelerator.sync_gradients)
+        with accelerator.autocast() if sharded else contextlib.nullcontext():
+            loss = denoising_loss(ctx.comps, batch, ctx.weight_dtype, accelerator.device, cfg)
         loss = ctx.faults.at("loss", loss, step=step + 1)
         accelerator.backward(loss)
         if accelerator.sync_gradients:
@@ -380,8 +388,9 @@ def _metrics_window(ctx: TrainContext, perf: dict) -> MetricsWindow:
 
 def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, sink) -> dict:
     pre = precomputed_columns(run.shards)  # precomputed work is not training FLOPs
+    unet = accelerator.unwrap_model(comps.unet)
     flops = train_flops_per_sample(
-        dict(accelerator.unwrap_model(comps.unet).config),
+        dict(unet.config),
         vae=None if "latent_mean" in pre else comps.vae,
         text_encoder=None if "text_hidden" in pre else comps.text_encoder,
         resolution=run.stage.resolution,
@@ -396,6 +405,10 @@ def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, si
         "peak_flops_total": peak * accelerator.num_processes,
         "peak_source": source,
         "precision": accelerator.mixed_precision,
+        "gradient_checkpointing": accelerator.unwrap_model(comps.unet).is_gradient_checkpointing,
+        "sharding": "ddp"
+        if not is_sharded(comps.unet)
+        else run.train.stage_sharding(run.stage_index),
     }
     sink.event("perf", **perf)
     log.info(

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import yaml
+
 from kiln_config import (
     ConfigError,
     PipelineConfig,
@@ -165,11 +167,25 @@ def _probe_source(cfg: PipelineConfig) -> list[str]:
 def _check_topology(cfg: PipelineConfig) -> list[str]:
     path = cfg.launch.accelerate_config
     if Path(path).is_file():
-        return []
+        return _check_sharding(cfg, yaml.safe_load(Path(path).read_text()) or {})
     return [
         f"launch.accelerate_config: file not found (received {path!r}); set it to a topology "
         f"such as configs/accelerate/single.yaml"
     ]
+
+
+def _check_sharding(cfg: PipelineConfig, topology: dict) -> list[str]:
+    """`train.sharding` shards the UNet itself: on a DDP topology, in bf16 or fp32."""
+    train = cfg.train
+    sharded = [i for i in range(len(train.stages)) if train.stage_sharding(i) != "ddp"]
+    if not sharded:
+        return []
+    where = f"train.sharding: stage {sharded[0] + 1} shards with {train.stage_sharding(sharded[0])}"
+    if str(topology.get("distributed_type", "NO")).upper() == "FSDP":
+        return [f"{where}, which needs a DDP topology (multi-gpu.yaml), not an FSDP one"]
+    if str(topology.get("mixed_precision", "no")) == "fp16":
+        return [f"{where}, which trains in bf16 or fp32: the topology's fp16 is not supported"]
+    return []
 
 
 def tracking_folder(uri: str) -> Path | None:

@@ -9,14 +9,19 @@ FSDP up only on top of a GPU state, so on CPU (gloo) its plugin silently gives D
   gathered parameters from the forward to the backward pass (ZeRO-2: gradients and AdamW state
   sharded), `full_shard` frees them after each unit's forward and gathers them again for the
   backward (ZeRO-3: parameters sharded too);
-- in bf16 the units gather parameters, compute and reduce gradients in bf16
-  (`MixedPrecisionPolicy`, as Accelerate's plugin does), beside fp32 master shards;
+- in bf16 the units gather parameters and reduce gradients in bf16 (`MixedPrecisionPolicy`),
+  beside fp32 master shards, and the forward runs under autocast, as Accelerate's plugin has
+  it (norms and softmax in fp32);
+- with gradient accumulation, gradients are reduce-scattered on the micro-batch that steps
+  only (`set_requires_gradient_sync`);
 - the sharded UNet, its AdamW and LR schedule are not `prepare`d (Accelerate would wrap the
   UNet in DDP): the training step gates the optimizer on `sync_gradients` itself;
-- the EMA keeps a whole copy of the UNet, updated from the gathered weights after each step;
+- the EMA keeps a whole copy of the UNet, updated from the gathered weights after each step
+  (an fp32 all-gather per step, parameter by parameter);
 - a checkpoint holds the gathered (whole) UNet, AdamW state and LR schedule in
-  `sharded_state.pt` beside Accelerate's RNG states and EMA; loading it shards it again, so a
-  resume needs the same world size but nothing of the old sharding;
+  `sharded_state.pt` beside Accelerate's RNG states and EMA; every rank loads it and keeps its
+  shards, so a resume needs the same world size; a stage resumes under the sharding it was
+  checkpointed with (DDP or sharded), and says so otherwise;
 - validation, sample grids and the export work on a whole UNet gathered from the shards, so
   the export is the same diffusers pipeline as under DDP and a stage trained one way starts
   the next stage trained the other.
@@ -93,18 +98,20 @@ def full_parameters(unet: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def whole_unet(unet: torch.nn.Module, everywhere: bool = True) -> torch.nn.Module | None:
-    """A plain (unsharded) copy of the sharded UNet, in fp32 on its device, the global RNG left
-    where it was. A collective: every rank calls it. With `everywhere` every rank gets one,
-    else the main process only (the others get None)."""
+    """A plain (unsharded) copy of the sharded UNet, in fp32 on its device (default attention
+    processors and memory layout), the global RNG left where it was. A collective: every rank
+    calls it. With `everywhere` every rank gets one, else the main process only (the others
+    get None)."""
     opts = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
     state = get_model_state_dict(unet, options=opts)
     if not state:
         return None
     device = next(iter(local_tensor(p) for p in unet.parameters())).device
-    # Building the module draws initial weights: the training RNG must not move.
-    with torch.random.fork_rng(devices=[]):
+    # Built on the meta device (no initial weights drawn: the training RNG does not move),
+    # then given the gathered tensors.
+    with torch.device("meta"):
         plain = plain_class(unet).from_config(unet.config)
-    plain.load_state_dict(state)
+    plain.load_state_dict(state, assign=True)
     return plain.to(device)
 
 

@@ -33,6 +33,7 @@ stage with the same `Validator` (a bootstrap CI on its gap, and a command line).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import random
@@ -296,10 +297,13 @@ class Validator:
         device = self.accelerator.device
         fsdp = self._fsdp()
         unet = self.comps.unet if fsdp else self.accelerator.unwrap_model(self.comps.unet)
-        if is_sharded(unet):  # Kiln's FSDP: every rank evaluates its share on a whole copy
+        sharded = is_sharded(unet)
+        if sharded:  # Kiln's FSDP: every rank evaluates its share on a whole copy
             unet = whole_unet(unet)
         out = {}
-        with _rng_untouched(device), torch.no_grad():
+        # The whole copy is a plain module: autocast as the prepared UNet's forward has it.
+        amp = self.accelerator.autocast() if sharded else contextlib.nullcontext()
+        with _rng_untouched(device), torch.no_grad(), amp:
             was_training = unet.training
             unet.eval()
             try:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
+from kiln_config.errors import InputError
+from models.components.sharding import STATE_FILE as SHARDED_FILE
 from models.components.sharding import is_sharded, load_sharded_state, save_sharded_state
 from models.training.state import TrainContext, TrainState
 
@@ -87,6 +89,15 @@ def save_checkpoint(
 def load_checkpoint(accelerator: Accelerator, path: Path, sharded: tuple | None = None) -> dict:
     """Restore Accelerate's state from `path` (and the sharded UNet, optimizer and LR schedule
     of `sharded`) and return the Kiln state (step, loader, extras)."""
+    if (sharded is not None) != (path / SHARDED_FILE).is_file():
+        raise InputError(
+            f"{path} was written under "
+            + ("DDP" if sharded is not None else "train.sharding (sharded_state.pt)")
+            + ", and this launch trains the stage "
+            + ("sharded" if sharded is not None else "under DDP")
+            + ": finish the stage with the sharding it started with (train.sharding, or the "
+            "stage's own), or remove its checkpoints/ folder to start it again"
+        )
     accelerator.load_state(str(path))
     if sharded is not None:
         load_sharded_state(path, *sharded)

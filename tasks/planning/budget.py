@@ -221,7 +221,7 @@ def memory_and_scale(
         p["memory"] = mem
         nodes = sorted({*SCALE_NODES, s.num_machines})
         rate = p["img_per_s_per_device"]
-        kind = stage_strategy(train, i, strategy)
+        kind = stage_strategy(train, i, strategy, p["processes"])
         p["scaling"] = stage_scaling(
             n_params,
             rate,
@@ -233,8 +233,8 @@ def memory_and_scale(
             **network,
         )
 
-        def fits(batch: int, world: int, i: int = i, kind: str = kind) -> float | None:
-            ckpt = train.checkpointing(i)
+        def fits(batch: int, world: int, i: int = i) -> float | None:
+            ckpt, kind = train.checkpointing(i), stage_strategy(train, i, strategy, world)
             setup = Setup(kind, ckpt, precision, world, launch.gpu_memory_gb, precomputed)
             m = stage_memory(train, i, setup, batch_size=batch, **counts)
             return m.total / GB if m.fits else None

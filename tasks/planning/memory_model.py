@@ -146,7 +146,8 @@ def _state_bytes(n: int, setup: Setup, ema_b: int, units: tuple[int, int]) -> di
         return {
             # the root's own parameters, the block computing and the next one prefetched
             "parameters": -(-n * 4 // setup.world) + (root + 2 * block) * compute,
-            "gradients": -(-n * 4 // setup.world) + block * 4,  # one block's before its reduce
+            # one block's, in the compute dtype, before its reduce-scatter
+            "gradients": -(-n * 4 // setup.world) + block * compute,
             "optimizer": -(-n * _ADAMW_STATE // setup.world),
             "ema": n * ema_b,
             "comm_buffers": 0,
@@ -280,7 +281,9 @@ def _options(train: TrainConfig, i: int, setup: Setup, **counts) -> list[dict]:
                 gradient_accumulation_steps=accum,
             )
         )
-    if setup.strategy == "ddp" and setup.world > 1:  # Kiln's FSDP (train.sharding)
+    # Kiln's FSDP (train.sharding): on more than one process, not with compile or fp16.
+    sharding_ok = setup.world > 1 and not train.compile and setup.mixed_precision != "fp16"
+    if setup.strategy == "ddp" and sharding_ok:
         for name, strategy in (("shard_grad_op", "fsdp"), ("full_shard", "full_shard")):
             mem = stage_memory(train, i, Setup(**{**asdict(setup), "strategy": strategy}), **counts)
             if mem.fits:
@@ -344,10 +347,13 @@ def recommend(train: TrainConfig, i: int, setup: Setup, **counts) -> dict:
     return first
 
 
-def stage_strategy(train: TrainConfig, i: int, topology_strategy: str) -> str:
+def stage_strategy(train: TrainConfig, i: int, topology_strategy: str, world: int) -> str:
     """Stage `i`'s strategy for the memory and scale models: its `train.sharding` (Kiln's
-    FSDP: `fsdp` for shard_grad_op, `full_shard`), else the topology's (`ddp` or `fsdp`)."""
+    FSDP: `fsdp` for shard_grad_op, `full_shard`; on one process it shards nothing and trains
+    as DDP would), else the topology's (`ddp` or `fsdp`)."""
     sharding = train.stage_sharding(i)
+    if world == 1 and sharding != "ddp":
+        return "ddp"
     return {"shard_grad_op": "fsdp", "full_shard": "full_shard"}.get(sharding, topology_strategy)
 
 

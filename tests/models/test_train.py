@@ -150,6 +150,18 @@ def test_fsdp_trains_the_losses_of_ddp_and_resumes_exactly(ddp_run, fsdp_runs):
     events = [json.loads(x) for x in (full / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events if e.get("event") == "resumed"] == [2]
     _same_export(grad_op, full)
+    # Within float32 rounding of DDP's weights after 4 AdamW steps.
+    for sub in ("final-raw/unet", "final/unet"):
+        mine = load_file(grad_op / sub / "diffusion_pytorch_model.safetensors")
+        theirs = load_file(ddp_run / sub / "diffusion_pytorch_model.safetensors")
+        assert all(torch.allclose(mine[k], theirs[k], rtol=1e-3, atol=1e-5) for k in theirs), sub
+    perf = [
+        json.loads(x)
+        for d in (grad_op, full)
+        for x in (d / "metrics.jsonl").read_text().splitlines()
+        if '"event": "perf"' in x
+    ]
+    assert {p["sharding"] for p in perf} == {"shard_grad_op", "full_shard"}
     # The gathered AdamW state of the last checkpoint, tensor for tensor.
     sa, sb = (
         torch.load(d / "checkpoints" / "step-00000004" / "sharded_state.pt", weights_only=False)
@@ -172,7 +184,7 @@ def test_fsdp_trains_the_losses_of_ddp_and_resumes_exactly(ddp_run, fsdp_runs):
 @pytest.mark.integration
 @pytest.mark.parametrize("sharding", ["full_shard", "ddp"], ids=["ddp-to-fsdp", "fsdp-to-ddp"])
 def test_the_next_stage_starts_from_the_last_one_whatever_each_sharding(
-    tmp_path, tiny_shards, ddp_run, fsdp_runs, sharding
+    tmp_path, tiny_shards, ddp_run, request, sharding
 ):
     """The export does not depend on the sharding: a DDP stage's export starts a FULL_SHARD
     stage 2, and an FSDP stage's export starts a DDP one, each from exactly the exported EMA
@@ -182,10 +194,18 @@ def test_the_next_stage_starts_from_the_last_one_whatever_each_sharding(
     from models.components.export import state_dict_sha256
 
     cfg_path, root, version = tiny_shards
-    before = ddp_run if sharding == "full_shard" else fsdp_runs[0]
+    before = ddp_run if sharding == "full_shard" else request.getfixturevalue("fsdp_runs")[0]
     cfg = load_config(cfg_path)
-    stages = [*cfg.train.stages[:1], cfg.train.stages[1].model_copy(update={"max_steps": 1})]
+    two = {
+        "max_steps": 2,
+        "batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "lr_scheduler": "cosine",
+        "warmup_steps": 0,
+    }
+    stages = [*cfg.train.stages[:1], cfg.train.stages[1].model_copy(update=two)]
     out = tmp_path / "next"
+    val = root / "shards" / version / f"{stages[1].resolution}-val"
     stage_yaml = _stage(
         cfg_path,
         root,
@@ -194,14 +214,24 @@ def test_the_next_stage_starts_from_the_last_one_whatever_each_sharding(
         stage_index=1,
         stages=stages,
         sharding=sharding,
-        run_opts={"init_from_dir": str(before / "final")},
+        log_every=1,
+        val_max_samples=4,
+        val_timesteps=1,
+        run_opts={"init_from_dir": str(before / "final"), "val_shards": str(val)},
     )
-    _launch(stage_yaml, "cpu-ddp-2.yaml")
+    # The sharded one in bf16: autocast around the sharded forward and the gathered copy.
+    bf16 = ("--mixed_precision", "bf16") if sharding != "ddp" else ()
+    _launch(stage_yaml, "cpu-ddp-2.yaml", extra=bf16)
     init = json.loads((out / "init.json").read_text())
     exported = UNet2DConditionModel.from_pretrained(before / "final" / "unet")
     assert init["unet_sha256"] == state_dict_sha256(exported)
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["final_step"] == 1 and manifest["num_processes"] == 2
+    assert manifest["final_step"] == 2 and manifest["num_processes"] == 2
+    assert [v["step"] for v in manifest["val_history"]] == [0, 2]
+    # Two micro-batches per step: the cosine schedule stepped once per optimizer step.
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert lr[1] == pytest.approx(stages[1].learning_rate / 2) and lr[2] == pytest.approx(0)
 
 
 @pytest.mark.integration
@@ -498,6 +528,9 @@ def test_gradient_checkpointing_trains_the_same_losses(tmp_path, tiny_shards, cl
     weights within float32 rounding."""
     out = tmp_path / "ckpt"
     _launch(_short_stage(*tiny_shards, out, gradient_checkpointing=True))
+    for d, on in ((out, True), (clean_run, False)):
+        rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+        assert next(r for r in rows if r.get("event") == "perf")["gradient_checkpointing"] is on
     on, off = (json.loads((d / "manifest.json").read_text())["losses"] for d in (out, clean_run))
     assert len(on) == len(off) == 4
     assert on == pytest.approx(off, rel=1e-6)

@@ -110,14 +110,14 @@ def test_sharding_buckets_and_ema_by_setup():
     assert fsdp.comm_buffers == 0 and fsdp.activations == ddp.activations
     # FULL_SHARD (Kiln's train.sharding): fp32 shards of everything; the root's own
     # parameters and two blocks (one computing, one prefetched) gathered in bf16, and one
-    # block's gradients before their reduce-scatter.
+    # block's bf16 gradients before their reduce-scatter.
     from tasks.planning.activation_trace import fsdp_units
 
     root, block = fsdp_units(TINY)
     assert 0 < root < block < n
     full = stage_memory(train, 0, Setup("full_shard", False, "bf16", world=8, precomputed=True))
     assert full.parameters == -(-4 * n // 8) + (root + 2 * block) * 2
-    assert full.gradients == -(-4 * n // 8) + 4 * block
+    assert full.gradients == -(-4 * n // 8) + 2 * block
     assert full.optimizer == fsdp.optimizer and full.comm_buffers == 0
     ckpt = stage_memory(train, 0, Setup("ddp", True, "bf16", world=8, precomputed=True))
     assert ckpt.activations < ddp.activations
