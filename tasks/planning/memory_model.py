@@ -374,9 +374,8 @@ def memory_plan(
     out = []
     for i, world in enumerate(worlds):
         ckpt = train.checkpointing(i)
-        base = Setup(
-            stage_strategy(train, i, strategy), ckpt, precision, world, gpu_memory_gb, precomputed
-        )
+        kind = stage_strategy(train, i, strategy, world)
+        base = Setup(kind, ckpt, precision, world, gpu_memory_gb, precomputed)
         mem = stage_memory(train, i, base, **counts)
         setups = {}
         for s, ck in [(s, ck) for s in ("ddp", "fsdp", "full_shard") for ck in (False, True)]:

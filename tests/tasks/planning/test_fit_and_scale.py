@@ -38,8 +38,9 @@ def test_kiln_plan_fits_every_stage_of_every_preset(preset, tmp_path):
 
 def test_the_line_to_paste_fits_at_the_same_global_batch():
     """sd2-base's 512 px stage at a per-GPU batch of 64 (95.7 GB): the cheapest change is
-    the smaller micro-batch (no extra compute by the plan's model), checkpointing (+33%) the
-    alternative; pasting either line into the config makes the stage fit."""
+    the smaller micro-batch (no extra compute by the plan's model), then FULL_SHARD (SHARD_GRAD_OP
+    is 80.2 GB), then checkpointing (+33%); pasting any of the lines into the config makes the
+    stage fit."""
     cfg = load_config(REPO / "configs" / "sd2-base.yaml")
     cfg.train.stages[1].batch_size, cfg.train.stages[1].gradient_accumulation_steps = 64, 1
     topology = str(REPO / cfg.launch.accelerate_config)
@@ -47,8 +48,8 @@ def test_the_line_to_paste_fits_at_the_same_global_batch():
     rec = plan[1]["recommendation"]
     assert not plan[1]["configured"]["fits"]
     options = [rec, *rec["alternatives"]]
-    assert [o["change"] for o in options] == ["batch_size", "gradient_checkpointing"]
-    assert [o["step_time_factor"] for o in options] == [1.0, pytest.approx(4 / 3, abs=1e-4)]
+    assert [o["change"] for o in options] == ["batch_size", "full_shard", "gradient_checkpointing"]
+    assert [o["step_time_factor"] for o in options] == [1.0, 1.0, pytest.approx(4 / 3, abs=1e-4)]
     for option in options:
         line = option["paste"].split("  ")[1]  # "replace train.stages[1] with  - {...}"
         (entry,) = yaml.safe_load(line)
@@ -98,3 +99,16 @@ def test_a_global_batch_that_does_not_split_is_named():
     assert (rows[0]["micro_batch"], rows[0]["accumulation"]) == (4, 3)
     assert (rows[1]["micro_batch"], rows[1]["accumulation"]) == (3, 2)  # 6 = 3 x 2
     assert rows[2]["reason"] == "does not split evenly"  # 96 over 128 GPUs
+
+
+def test_the_plan_follows_train_sharding():
+    """A stage's `sharding` is what the memory model counts; on one process Kiln trains it as
+    DDP (nothing to shard), and so does the plan."""
+    cfg = load_config(REPO / "configs" / "sd2-base.yaml")
+    cfg.train.stages[2].sharding = "full_shard"
+    topology = str(REPO / cfg.launch.accelerate_config)
+    eight = memory_plan(cfg.train, topology, [8, 8, 8], 80.0, precomputed=False)
+    assert [m["configured"]["setup"] for m in eight] == ["ddp", "ddp", "full_shard"]
+    assert eight[2]["configured"]["total"] < eight[1]["configured"]["total"]
+    one = memory_plan(cfg.train, topology, [1, 1, 1], 80.0, precomputed=False)
+    assert one[2]["configured"]["setup"] == "ddp"
