@@ -82,6 +82,7 @@ from kiln_config.train import (
     StageRun,
     StreamMix,
     TrainConfig,
+    sharding_conflict,
 )
 
 __all__ = [
@@ -125,6 +126,7 @@ __all__ = [
     "Strict",
     "TokenizerConfig",
     "TrainConfig",
+    "sharding_conflict",
     "VaeComponent",
     "VaeFitConfig",
     "config_hash",

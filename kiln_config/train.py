@@ -23,10 +23,21 @@ __all__ = [
     "StageRun",
     "StreamMix",
     "TrainConfig",
+    "sharding_conflict",
 ]
 
 
 Sharding = Literal["ddp", "shard_grad_op", "full_shard"]
+
+
+def sharding_conflict(distributed_type: str, mixed_precision: str) -> str | None:
+    """Why `train.sharding` cannot run on a topology of this distributed type and mixed
+    precision, or None: Kiln shards the UNet itself, on a DDP topology, in bf16 or fp32."""
+    if str(distributed_type).upper() == "FSDP":
+        return "needs a DDP topology (multi-gpu.yaml, cpu-ddp-2.yaml), not an FSDP one"
+    if str(mixed_precision) == "fp16":
+        return "trains in bf16 or fp32, not fp16 (no gradient scaler on the sharded path)"
+    return None
 
 
 class StageConfig(Strict):

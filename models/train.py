@@ -37,7 +37,7 @@ from accelerate.utils import DistributedType, set_seed
 from diffusers.optimization import get_scheduler
 from torch.distributed.tensor import DTensor
 
-from kiln_config import StageRun, load_yaml_model
+from kiln_config import StageRun, load_yaml_model, sharding_conflict
 from kiln_config.errors import InputError
 from models.callbacks import Callbacks, StepEnd
 from models.callbacks.divergence_check import DivergenceCheck
@@ -163,15 +163,10 @@ def _sharding(run: StageRun, accelerator: Accelerator) -> str:
     sharding = run.train.stage_sharding(run.stage_index)
     if sharding == "ddp" or accelerator.num_processes == 1:
         return "ddp"
-    if accelerator.distributed_type == DistributedType.FSDP:
-        raise InputError(
-            f"train.sharding {sharding} shards the UNet itself: launch it with a DDP topology "
-            "(multi-gpu.yaml, cpu-ddp-2.yaml), not an FSDP one"
-        )
-    if run.train.compile:
-        raise InputError(f"train.compile is not supported with train.sharding {sharding}")
-    if accelerator.mixed_precision == "fp16":  # no gradient scaler on the sharded path
-        raise InputError(f"train.sharding {sharding} trains in bf16 or fp32, not fp16")
+    # The launch's own topology and precision (a launch flag may differ from the config's file).
+    why = sharding_conflict(accelerator.distributed_type.value, accelerator.mixed_precision)
+    if why is not None:
+        raise InputError(f"train.sharding {sharding} {why}")
     if run.faults.desync_rank is not None:  # shards differ by design: nothing to compare
         raise InputError(f"faults.desync_rank is not supported with train.sharding {sharding}")
     return sharding
@@ -405,10 +400,8 @@ def _perf_measure(run: StageRun, accelerator: Accelerator, comps: Components, si
         "peak_flops_total": peak * accelerator.num_processes,
         "peak_source": source,
         "precision": accelerator.mixed_precision,
-        "gradient_checkpointing": accelerator.unwrap_model(comps.unet).is_gradient_checkpointing,
-        "sharding": "ddp"
-        if not is_sharded(comps.unet)
-        else run.train.stage_sharding(run.stage_index),
+        "gradient_checkpointing": unet.is_gradient_checkpointing,
+        "sharding": run.train.stage_sharding(run.stage_index) if is_sharded(unet) else "ddp",
     }
     sink.event("perf", **perf)
     log.info(

@@ -20,6 +20,7 @@ from kiln_config import (
     is_remote,
     load_config,
     redact_uri,
+    sharding_conflict,
 )
 from tasks.evaluation.prompts import PromptsUnavailable, resolve_prompts
 from tasks.launch.gpu_fit import HealthCheckError, check_memory, declares_gpus
@@ -180,12 +181,15 @@ def _check_sharding(cfg: PipelineConfig, topology: dict) -> list[str]:
     sharded = [i for i in range(len(train.stages)) if train.stage_sharding(i) != "ddp"]
     if not sharded:
         return []
-    where = f"train.sharding: stage {sharded[0] + 1} shards with {train.stage_sharding(sharded[0])}"
-    if str(topology.get("distributed_type", "NO")).upper() == "FSDP":
-        return [f"{where}, which needs a DDP topology (multi-gpu.yaml), not an FSDP one"]
-    if str(topology.get("mixed_precision", "no")) == "fp16":
-        return [f"{where}, which trains in bf16 or fp32: the topology's fp16 is not supported"]
-    return []
+    why = sharding_conflict(
+        topology.get("distributed_type", "NO"), topology.get("mixed_precision", "no")
+    )
+    if why is None:
+        return []
+    stage = sharded[0]
+    return [
+        f"train.sharding: stage {stage + 1} shards with {train.stage_sharding(stage)}, which {why}"
+    ]
 
 
 def tracking_folder(uri: str) -> Path | None:

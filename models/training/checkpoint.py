@@ -89,13 +89,12 @@ def save_checkpoint(
 def load_checkpoint(accelerator: Accelerator, path: Path, sharded: tuple | None = None) -> dict:
     """Restore Accelerate's state from `path` (and the sharded UNet, optimizer and LR schedule
     of `sharded`) and return the Kiln state (step, loader, extras)."""
-    if (sharded is not None) != (path / SHARDED_FILE).is_file():
+    written = "train.sharding" if (path / SHARDED_FILE).is_file() else "DDP"
+    now = "train.sharding" if sharded is not None else "DDP"
+    if written != now:
         raise InputError(
-            f"{path} was written under "
-            + ("DDP" if sharded is not None else "train.sharding (sharded_state.pt)")
-            + ", and this launch trains the stage "
-            + ("sharded" if sharded is not None else "under DDP")
-            + ": finish the stage with the sharding it started with (train.sharding, or the "
+            f"{path} was written under {written} and this launch trains the stage under {now}: "
+            "finish the stage with the sharding it started with (train.sharding, or the "
             "stage's own), or remove its checkpoints/ folder to start it again"
         )
     accelerator.load_state(str(path))

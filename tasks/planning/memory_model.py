@@ -24,6 +24,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import yaml
+
 from kiln_config import Component, TrainConfig
 from tasks.planning.activation_trace import fsdp_units, trace_activations, unet_parameter_count
 from tasks.planning.topology import topology_setup
@@ -241,8 +243,6 @@ def _smaller_batch(train: TrainConfig, i: int, setup: Setup, **counts) -> tuple 
 def stage_line(train: TrainConfig, i: int, **changes) -> str:
     """Stage `i`'s entry of `train.stages` with `changes`, as a YAML line to paste in its
     place (only the fields that differ from their defaults, as a user writes them)."""
-    import yaml
-
     entry = {**train.stages[i].model_dump(exclude_defaults=True), **changes}
     entry = {k: v for k, v in entry.items() if v is not None}
     flow = yaml.safe_dump(entry, default_flow_style=True, sort_keys=False, width=10**6)

@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 from safetensors.torch import load_file
 
 from kiln_config import StageRun, load_config
+from models.components.export import state_dict_sha256
 from tasks.catalog.dataset_lineage import stage_draws
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,37 +62,13 @@ def _keys(out, rank):
     ]
 
 
-@pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory, tiny_shards):
-    """Two CPU processes over gloo, 4 steps of 4 images a rank, with validation mid-stage too
-    (each rank evaluates its share, EMA swapped in and out). Read by two tests."""
+def _two_rank_stage(tiny_shards, out, faults=None, **opts):
+    """4 steps of 4 images a rank on the first stage, validated at steps 0, 2 and 4 on 6
+    held-out images (each rank its share, EMA swapped in and out)."""
     cfg_path, root, version = tiny_shards
-    out = tmp_path_factory.mktemp("ddp") / "stage"
     cfg = load_config(cfg_path)
     stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
     val = root / "shards" / version / "32-val"  # the shard step's held-out split
-    stage_yaml = _stage(
-        cfg_path,
-        root,
-        version,
-        out,
-        stages=stages,
-        log_sample_keys=True,
-        eval_every=2,
-        val_max_samples=6,
-        val_timesteps=2,
-        run_opts={"val_shards": str(val)},
-    )
-    _launch(stage_yaml, "cpu-ddp-2.yaml")
-    return out
-
-
-def _sharded_stage(tiny_shards, out, sharding, faults=None):
-    """ddp_run's stage under Kiln's FSDP, checkpointed at every step (the gathered state)."""
-    cfg_path, root, version = tiny_shards
-    cfg = load_config(cfg_path)
-    stages = [cfg.train.stages[0].model_copy(update={"max_steps": 4, "batch_size": 4})]
-    val = root / "shards" / version / "32-val"
     return _stage(
         cfg_path,
         root,
@@ -101,11 +79,30 @@ def _sharded_stage(tiny_shards, out, sharding, faults=None):
         eval_every=2,
         val_max_samples=6,
         val_timesteps=2,
+        run_opts={"val_shards": str(val), "faults": faults or {}},
+        **opts,
+    )
+
+
+@pytest.fixture(scope="module")
+def ddp_run(tmp_path_factory, tiny_shards):
+    """`_two_rank_stage` on two CPU processes over gloo under DDP. Read by several tests."""
+    out = tmp_path_factory.mktemp("ddp") / "stage"
+    _launch(_two_rank_stage(tiny_shards, out), "cpu-ddp-2.yaml")
+    return out
+
+
+def _sharded_stage(tiny_shards, out, sharding, faults=None):
+    """ddp_run's stage under Kiln's FSDP, checkpointed at every step (the gathered state) and
+    logged at every step."""
+    return _two_rank_stage(
+        tiny_shards,
+        out,
+        faults,
         sharding=sharding,
         checkpoint_every=1,
         keep_checkpoints=4,
         log_every=1,
-        run_opts={"val_shards": str(val), "faults": faults or {}},
     )
 
 
@@ -175,8 +172,6 @@ def test_fsdp_trains_the_losses_of_ddp_and_resumes_exactly(ddp_run, fsdp_runs):
     raw = load_file(grad_op / "final-raw" / "unet" / "diffusion_pytorch_model.safetensors")
     assert raw.keys() == sa["model"].keys()
     assert all(torch.equal(raw[k], sa["model"][k]) for k in raw)
-    from diffusers import StableDiffusionPipeline
-
     pipe = StableDiffusionPipeline.from_pretrained(grad_op / "final")
     assert type(pipe.unet).__name__ == "UNet2DConditionModel"
 
@@ -189,10 +184,6 @@ def test_the_next_stage_starts_from_the_last_one_whatever_each_sharding(
     """The export does not depend on the sharding: a DDP stage's export starts a FULL_SHARD
     stage 2, and an FSDP stage's export starts a DDP one, each from exactly the exported EMA
     weights (the init record's digest), and trains."""
-    from diffusers import UNet2DConditionModel
-
-    from models.components.export import state_dict_sha256
-
     cfg_path, root, version = tiny_shards
     before = ddp_run if sharding == "full_shard" else request.getfixturevalue("fsdp_runs")[0]
     cfg = load_config(cfg_path)

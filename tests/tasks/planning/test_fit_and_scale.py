@@ -2,12 +2,14 @@
 gets a line to paste that makes it fit at the same global batch; and the scaling model at a
 fixed global batch holds against the one published SD2 curve (mosaicml/diffusion)."""
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
+from kiln_cli.main import main
 from kiln_config import load_config
 from tasks.planning.activation_trace import unet_parameter_count
 from tasks.planning.memory_model import GB, Setup, memory_plan, stage_memory
@@ -19,10 +21,6 @@ PRESETS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_kiln_plan_fits_every_stage_of_every_preset(preset, tmp_path):
-    import json
-
-    from kiln_cli.main import main
-
     root = tmp_path / "root"
     args = ["plan", "--config", str(REPO / "configs" / preset), "--root", str(root)]
     out = CliRunner().invoke(main, [*args, "--img-per-s", "100"])

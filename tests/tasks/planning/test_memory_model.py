@@ -13,7 +13,12 @@ import pytest
 import yaml
 
 from kiln_config import load_config
-from tasks.planning.activation_trace import trace_activations, unet_parameter_count
+from tasks.planning.activation_trace import (
+    _trace,
+    fsdp_units,
+    trace_activations,
+    unet_parameter_count,
+)
 from tasks.planning.memory_model import Setup, stage_memory
 
 REPO = Path(__file__).resolve().parents[3]
@@ -111,8 +116,6 @@ def test_sharding_buckets_and_ema_by_setup():
     # FULL_SHARD (Kiln's train.sharding): fp32 shards of everything; the root's own
     # parameters and two blocks (one computing, one prefetched) gathered in bf16, and one
     # block's bf16 gradients before their reduce-scatter.
-    from tasks.planning.activation_trace import fsdp_units
-
     root, block = fsdp_units(TINY)
     assert 0 < root < block < n
     full = stage_memory(train, 0, Setup("full_shard", False, "bf16", world=8, precomputed=True))
@@ -169,9 +172,5 @@ def test_encoders_in_a_local_folder_are_counted_and_a_hub_id_is_not(tmp_path):
 def test_a_batch_traces_as_that_many_single_samples():
     """What autograd saves scales with the batch exactly, so the planner traces one sample
     per resolution: traced whole at a batch of 3, the figures are three single samples'."""
-    import json
-
-    from tasks.planning.activation_trace import _trace
-
     whole = _trace(json.dumps(SD2_REDUCED, sort_keys=True), 3, 16, 77, "eager")
     assert whole == trace_activations(SD2_REDUCED, 3, 16, 77, "eager")
