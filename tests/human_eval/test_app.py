@@ -92,8 +92,10 @@ def test_page_is_blind_and_escapes_the_prompt(app_server):
             if task_id is None:
                 assert "Thank you" in text
                 break
+            # Image ids are HMAC hex digests: any digit run may occur in them by chance.
+            ids_hidden = re.sub(r"/[0-9a-f]{24,}\b", "/<image id>", text.replace(token, "<t>"))
             for secret in ["run-alpha", "run-beta", "1111", "2222", "/models/", "eval/"]:
-                assert secret not in text
+                assert secret not in ids_hidden
             assert "<img src=x" not in text
             seen_xss |= "&lt;img src=x onerror=alert(1)&gt;" in text
             assert "Which image better represents the text caption?" in text

@@ -104,9 +104,13 @@ def test_compare_invite_report(setup):
     for name in ("report.json", "votes.csv", "preference.png"):
         assert (root / "human_eval" / cid / name).is_file()
     # The one vote counts unless its task was a gold check (those never enter the rates).
-    gold = store.votes(cid)[0]["gold"]
+    # Gold positions and sides come from the store's secret: "left" on a gold pair is right
+    # only where A was drawn on the left, and a wrong one excludes the rater.
+    votes = store.votes(cid)
+    gold = votes[0]["gold"]
     assert summary["quality"]["votes"] == (0 if gold else 1)
-    assert summary["raters_excluded"] == 0
+    wrong = [v for v in votes if v["gold"] and v["question"] == "alignment" and v["answer"] != "a"]
+    assert summary["raters_excluded"] == (1 if wrong else 0)
 
 
 def test_clear_errors(setup):
