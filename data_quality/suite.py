@@ -46,6 +46,7 @@ __all__ = [
     "apply_cross",
     "build_suite",
     "check_rows",
+    "content_columns_needed",
     "cross_catalog",
     "cross_hits",
     "derive",
@@ -69,6 +70,11 @@ REASONS = {
     "extreme_aspect": "long/short side ratio above quality.max_aspect_ratio",
     "license_not_allowed": "license not in quality.allowed_licenses",
     "low_aesthetic": "aesthetic score below quality.min_aesthetic (or missing)",
+    "unsafe": "unsafe probability (NudeNet) above quality.max_unsafe",
+    "caption_language": "caption's language not in quality.allowed_languages",
+    "low_clip_score": "image-caption CLIP cosine below quality.min_clip_score",
+    "semantic_duplicate": "CLIP embedding within quality.semantic_duplicate_similarity of an "
+    "earlier image of its cluster (SemDeDup; earliest ingest kept)",
     "duplicate_sha256": "exact byte duplicate of an earlier file (earliest ingest kept)",
     "near_duplicate": "perceptual-hash near-duplicate of an earlier image",
 }
@@ -126,7 +132,7 @@ def build_suite(rules: QualityConfig, columns: set[str]):
             meta={"reason": "caption_too_long"},
         ),
     ]
-    if rules.min_ascii_ratio is not None:
+    if rules.min_ascii_ratio is not None and rules.allowed_languages is None:
         exps.append(
             e.ExpectColumnValuesToBeBetween(
                 column="ascii_ratio",
@@ -152,12 +158,44 @@ def build_suite(rules: QualityConfig, columns: set[str]):
                 meta={"reason": "license_not_allowed"},
             )
         )
-    if rules.min_aesthetic is not None and rules.aesthetic_column in columns:
+    if rules.min_aesthetic is not None and (
+        rules.aesthetic_column in columns or rules.aesthetic_head is not None
+    ):
         exps.append(
             e.ExpectColumnValuesToBeBetween(
                 column=rules.aesthetic_column,
                 min_value=rules.min_aesthetic,
                 meta={"reason": "low_aesthetic"},
+            )
+        )
+    # The content rules (data_quality/content/): their columns are joined from the content
+    # store before the checks (tasks/quality/content.py).
+    if rules.max_unsafe is not None:
+        exps.append(
+            e.ExpectColumnValuesToBeBetween(
+                column="unsafe", max_value=rules.max_unsafe, meta={"reason": "unsafe"}
+            )
+        )
+    if rules.allowed_languages is not None:
+        exps.append(
+            e.ExpectColumnValuesToBeInSet(
+                column="caption_language",
+                value_set=[*rules.allowed_languages, "und"],
+                meta={"reason": "caption_language"},
+            )
+        )
+    if rules.min_clip_score is not None:
+        exps.append(
+            e.ExpectColumnValuesToBeBetween(
+                column="clip_score",
+                min_value=rules.min_clip_score,
+                meta={"reason": "low_clip_score"},
+            )
+        )
+    if rules.semantic_duplicate_similarity is not None:
+        exps.append(
+            e.ExpectColumnValuesToBeNull(
+                column="semantic_duplicate_of", meta={"reason": "semantic_duplicate"}
             )
         )
     exps.append(
@@ -198,6 +236,22 @@ def check_columns(columns, rules: QualityConfig) -> None:
             f"quality.allowed_licenses is set but the catalog has no {rules.license_column!r} "
             f"column; add it to ingest.metadata_columns (columns: {list(columns)})"
         )
+
+
+def content_columns_needed(rules: QualityConfig) -> list[str]:
+    """The columns the content rules of `rules` read (joined from the content store)."""
+    need = []
+    if rules.max_unsafe is not None:
+        need.append("unsafe")
+    if rules.allowed_languages is not None:
+        need.append("caption_language")
+    if rules.min_clip_score is not None:
+        need.append("clip_score")
+    if rules.semantic_duplicate_similarity is not None:
+        need.append("semantic_duplicate_of")
+    if rules.min_aesthetic is not None and rules.aesthetic_head is not None:
+        need.append(rules.aesthetic_column)
+    return need
 
 
 def _strings(col: pd.Series) -> pa.Array:
@@ -340,6 +394,12 @@ def check_rows(
     """The row-local expectations on `df`, by columns; GX validates the same rows for counts,
     and a disagreement raises. With `hashes`, also the rows' `hash_columns`."""
     check_columns(df.columns, rules)
+    lacking = [c for c in content_columns_needed(rules) if c not in df.columns]
+    if lacking:
+        raise ValueError(
+            f"the content rules read {lacking}, which the rows lack: join them first "
+            "(tasks/quality/content.py content_columns, as `kiln validate` does)"
+        )
     df = derive(df.reset_index(drop=True))
     vdf = _gx_frame(df.assign(duplicate_of=None, near_duplicate_of=None), rules)
     exps = _expectations(rules, vdf.columns)

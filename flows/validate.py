@@ -44,6 +44,8 @@ def validate_flow(
             config.quality,
             allow_failed_gate=allow_failed_gate,
             dask_address=config.execution.dask_address,
+            launch=config.launch,
+            endpoint_url=config.storage.endpoint_url,
         )
         return result.to_dict()
     finally:

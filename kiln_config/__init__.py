@@ -69,6 +69,7 @@ from kiln_config.pipeline import (
     write_snapshot,
 )
 from kiln_config.runs import (
+    EmbedRun,
     HealthCheckRun,
     PrecomputeRun,
     StudyRun,
@@ -109,6 +110,7 @@ __all__ = [
     "NotFound",
     "PROJECT_DIR",
     "PipelineConfig",
+    "EmbedRun",
     "PrecomputeRun",
     "QualityConfig",
     "REVEAL_SECRETS",

@@ -121,9 +121,89 @@ class QualityConfig(BaseModel):
         False, description="Quarantine near-duplicates (else they are only flagged)."
     )
     max_reject_fraction: float = Field(0.2, ge=0, le=1)
+    # Content rules (data_quality/content/): scores stored once per image content hash and
+    # per caption, so a changed threshold re-decides without recomputing.
+    max_unsafe: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Quarantine images whose unsafe probability (NudeNet's packaged detector: "
+        "the highest score of an exposed-body class) is above this; null: off.",
+    )
+    allowed_languages: list[str] | None = Field(
+        None,
+        description="ISO 639-1 codes a caption's language (Lingua's packaged models) must be "
+        "one of; a caption whose language is not clear (quality.min_language_confidence) "
+        "passes. Replaces min_ascii_ratio when set. Null: off.",
+    )
+    min_language_confidence: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Below this confidence in its top language (Lingua's share among about 30 "
+        "candidates) a caption's language is 'und' (undetermined) and passes the language "
+        "rule: short captions are often ambiguous ('a cat': Romanian at 0.18).",
+    )
+    clip_model: str | None = Field(
+        None,
+        description="Local folder of a CLIP model (transformers save_pretrained: config, "
+        "weights, processor files) whose embeddings the clip_score, aesthetic and "
+        "semantic-duplicate rules read; computed by an accelerate launch (launch.*).",
+    )
+    min_clip_score: float | None = Field(
+        None,
+        ge=-1,
+        le=1,
+        description="Image-caption cosine similarity below which a row is quarantined "
+        "(DataComp and LAION-2B: 0.28 with ViT-B/32); needs clip_model.",
+    )
+    aesthetic_head: str | None = Field(
+        None,
+        description="Local file (.safetensors or .pt) of a LAION-style linear aesthetic head "
+        "(weight [1, D], bias [1]) on clip_model's normalised image embedding; fills the "
+        "aesthetic column where the source has none, for min_aesthetic.",
+    )
+    semantic_duplicate_similarity: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="SemDeDup: an image whose CLIP embedding has at least this cosine "
+        "similarity with an earlier image's of its k-means cluster is quarantined "
+        "(semantic_duplicate); the earliest ingested is kept. Needs clip_model.",
+    )
+    semantic_clusters: int | None = Field(
+        None,
+        gt=0,
+        description="k-means clusters of SemDeDup; null: about sqrt(rows / 4), at least 1.",
+    )
+    embed_batch_size: int = Field(64, gt=0, description="Images per forward pass of the embedder.")
+
+    @field_validator("allowed_languages")
+    @classmethod
+    def _iso_codes(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        bad = [c for c in v if not (isinstance(c, str) and len(c) == 2 and c.isalpha())]
+        if bad or not v:
+            raise ValueError(f"expected ISO 639-1 codes such as ['en', 'de'] (received {v!r})")
+        return [c.lower() for c in v]
+
+    @property
+    def needs_clip(self) -> bool:
+        """Whether a rule reads CLIP embeddings."""
+        return (
+            self.min_clip_score is not None
+            or self.semantic_duplicate_similarity is not None
+            or (self.aesthetic_head is not None and self.min_aesthetic is not None)
+        )
 
     @model_validator(mode="after")
     def _bounds(self) -> QualityConfig:
+        if self.needs_clip and self.clip_model is None:
+            raise ValueError(
+                "quality.min_clip_score, semantic_duplicate_similarity and aesthetic_head read "
+                "CLIP embeddings: set quality.clip_model to a local CLIP folder"
+            )
         if self.max_caption_chars < self.min_caption_chars:
             raise ValueError(
                 f"max_caption_chars ({self.max_caption_chars}) is below min_caption_chars "

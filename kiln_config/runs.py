@@ -19,7 +19,20 @@ from kiln_config.base import Strict
 from kiln_config.evaluate import EvaluateConfig
 from kiln_config.train import StageConfig, TrainConfig
 
-__all__ = ["HealthCheckRun", "PrecomputeRun", "StudyRun", "write_run_file"]
+__all__ = ["EmbedRun", "HealthCheckRun", "PrecomputeRun", "StudyRun", "write_run_file"]
+
+
+class EmbedRun(Strict):
+    """Everything one `accelerate launch -m models.embed_content` needs."""
+
+    clip_model: str = Field(description="Local CLIP folder (quality.clip_model).")
+    images: str = Field(
+        description="Parquet of the images to embed: key (sha256), source, object, offset, length."
+    )
+    captions: str = Field(description="Parquet of the captions to embed: key (sha256), caption.")
+    out_dir: str = Field(description="Folder of the embedding parts, one per batch.")
+    batch_size: int = Field(64, ge=1, description="Images or captions per forward pass.")
+    endpoint_url: str | None = Field(None, description="S3 endpoint of the sources, if any.")
 
 
 class PrecomputeRun(Strict):

@@ -14,7 +14,6 @@ of the weights it used and the resize that fed the network, since both move the 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 from collections.abc import Iterable, Iterator
@@ -26,6 +25,7 @@ from PIL import Image
 
 from kiln_config.errors import KilnError
 from models.data.mds_reader import release_shared_memory
+from tasks.storage.digests import files_sha256
 
 __all__ = [
     "FID_RESIZE",
@@ -50,29 +50,6 @@ FID_RESIZE = "bilinear, antialias=True, to 299x299 (torchmetrics FrechetInceptio
 
 class MetricUnavailable(KilnError, RuntimeError):
     """A metric cannot run here (weights missing or unloadable); the message names the fix."""
-
-
-def files_sha256(path: str | Path) -> dict:
-    """The sha256 of a weights file, or of each file of a folder plus one digest over them
-    (of the sorted `relpath sha256` lines), so a changed file anywhere changes `sha256`."""
-    path = Path(path)
-    if path.is_file():
-        return {"sha256": _file_sha256(path)}
-    files = {
-        p.relative_to(path).as_posix(): _file_sha256(p)
-        for p in sorted(path.rglob("*"))
-        if p.is_file() and ".cache" not in p.relative_to(path).parts
-    }
-    joined = "".join(f"{k} {v}\n" for k, v in files.items())
-    return {"sha256": hashlib.sha256(joined.encode()).hexdigest(), "files": files}
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def load_clip(name_or_path: str):

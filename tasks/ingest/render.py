@@ -16,6 +16,7 @@ __all__ = [
     "aspect_buckets",
     "nearest_bucket",
     "nearest_buckets",
+    "read_image",
     "render_for_stages",
     "resize_center_crop",
     "resize_crop",
@@ -83,6 +84,21 @@ def nearest_buckets(widths, heights, buckets: list[tuple]) -> list[tuple[int, in
     # The area term is far below any gap between two buckets' log ratios: it only breaks ties.
     best = np.argmin(np.abs(logs - ratios) - areas * 1e-15, axis=1)
     return [tuple(buckets[i]) for i in best]
+
+
+def read_image(row, endpoint_url: str | None) -> Image.Image:
+    """One catalog row's image (`row.source`, `.object`, `.offset`, `.length`; offset -1: the
+    whole object), decoded as RGB with its EXIF rotation applied."""
+    store = worker_storage(row.source, endpoint_url)
+    offset = int(row.offset)
+    data = (
+        store.read_bytes(row.object)
+        if offset < 0
+        else store.read_range(row.object, offset, int(row.length))
+    )
+    Image.MAX_IMAGE_PIXELS = None  # ingest already enforced the pixel limit
+    with Image.open(io.BytesIO(data)) as img:
+        return to_rgb(ImageOps.exif_transpose(img))
 
 
 def render_for_stages(job: tuple) -> dict:

@@ -69,7 +69,7 @@ from data_quality.verdict_rows import (
     stage_rejects,
     write_rows,
 )
-from kiln_config import QualityConfig
+from kiln_config import LaunchConfig, QualityConfig
 from kiln_config.errors import MissingInput
 from tasks.catalog.takedown import takedown_set
 from tasks.catalog.view import (
@@ -81,6 +81,12 @@ from tasks.catalog.view import (
     table_path,
     view_parts,
     view_versions,
+)
+from tasks.quality.content import (
+    ContentScores,
+    content_columns,
+    score_content,
+    semantic_duplicates,
 )
 from tasks.quality.dup_search import dup_partitions_for, old_hash_batches, partitioned_cross
 from tasks.quality.verdict_tables import (
@@ -116,13 +122,16 @@ def check_partition(
     hash_parts: int = 0,
     stage_path: str | None = None,
     cache: str | None = None,
+    content: ContentScores | None = None,
 ) -> RowCheck:
     """The row-local rules on some row groups of one ingest's rows (a retry rewrites what it
     wrote; on a Dask worker, the root must be mounted at the same path). With `hash_path`, the
     rows' hashes go to that file for the partitioned duplicate search instead of the result;
     with `stage_path`, the rejected rows go to that file and the result keeps their `pos`;
-    with `cache`, the hashes are also kept there for later validates (hash_cache.py)."""
-    check = check_rows(read_part(part, columns, row_groups), rules)
+    with `cache`, the hashes are also kept there for later validates (hash_cache.py); with
+    `content`, the content rules' scores are joined from the content store first."""
+    rows = content_columns(read_part(part, columns, row_groups), rules, content)
+    check = check_rows(rows, rules)
     if cache:
         meta = pq.ParquetFile(part.path).metadata
         try:
@@ -162,6 +171,7 @@ def _run_checks(
     hash_dir: Path | None = None,
     hash_parts: int = 0,
     cache: Path | None = None,
+    content: ContentScores | None = None,
 ) -> tuple[list, pd.DataFrame]:
     """check_partition over `tasks`, in order; at most `workers` partitions in flight locally,
     so that memory stays a few partitions whatever the catalog's size. Each writes its
@@ -189,6 +199,7 @@ def _run_checks(
                 "rules": rules,
                 "stage_path": str(stage / f"rows-{i:06d}.parquet"),
                 "cache": str(cache) if cache else None,
+                "content": content,
             }
             if hash_dir is not None:
                 args.update(hash_path=str(hash_dir / f"{i:06d}.parquet"), hash_parts=hash_parts)
@@ -294,6 +305,7 @@ def _find(
     dask_address: str | None,
     partition_rows: int,
     cache: Path | None = None,
+    content: ContentScores | None = None,
 ) -> tuple[RowCheck, dict]:
     """The row-local rules on the new rows (their rejects staged; their hashes kept in the hash
     `cache`) and the duplicate checks against the whole view, reading the old rows' hashes
@@ -320,6 +332,7 @@ def _find(
             hash_dir,
             dup_partitions,
             cache,
+            content,
         )
         new = _merge(checks, old_rows, sample)
         new.hashes = None
@@ -423,6 +436,8 @@ def validate_catalog(
     workers: int = 2,
     partition_rows: int = PARTITION_ROWS,
     dup_partitions: int | None = None,
+    launch: LaunchConfig | None = None,
+    endpoint_url: str | None = None,
 ) -> ValidateResult:
     """Run the suite on the view after `ingest_id`; raise QualityGateError past the threshold.
 
@@ -438,6 +453,12 @@ def validate_catalog(
     (`data_quality.incremental.mergeable_quarantine`). The licensing terms (data_quality/terms.py:
     the takedown list, license ends) run on every row at every run and override the suite's reason;
     they are not counted in the gate's reject fraction.
+
+    The content rules (quality.max_unsafe, allowed_languages, min_clip_score, the aesthetic
+    head, semantic_duplicate_similarity) read scores that tasks/quality/content.py computes
+    for the rows to check before their checks, and keeps once per image and caption: the CLIP
+    embeddings by an accelerate launch with `launch`; `endpoint_url` is the sources' S3
+    endpoint, where the images are read from.
 
     Writes, in `catalog/<ingest_id>/`, `rejects.parquet` (the rows this step quarantined),
     `near_duplicates.parquet` (near-duplicates kept), `docs_sample.parquet` and then
@@ -465,6 +486,8 @@ def validate_catalog(
             workers=workers,
             partition_rows=partition_rows,
             dup_partitions=dup_partitions,
+            launch=launch,
+            endpoint_url=endpoint_url,
         )
 
 
@@ -508,7 +531,11 @@ def _scope(
     columns = accepted_columns(layout, ingest_id, parts)
     if sum(p.rows for p in parts):
         check_columns(columns, rules)
-    if rules.min_aesthetic is not None and rules.aesthetic_column not in columns:
+    if (
+        rules.min_aesthetic is not None
+        and rules.aesthetic_column not in columns
+        and rules.aesthetic_head is None
+    ):
         task_logger(__name__).warning(
             "quality.min_aesthetic set, but no %r column: check skipped", rules.aesthetic_column
         )
@@ -535,6 +562,8 @@ def _verdict_rows(
     workers: int,
     dask_address: str | None,
     partition_rows: int,
+    launch: LaunchConfig | None = None,
+    endpoint_url: str | None = None,
 ) -> tuple[ValidateResult, dict]:
     """The checks of the new rows and the duplicate search, then every row of the verdict and
     the Data Docs written; returns the result and what the verdict file records besides."""
@@ -544,6 +573,24 @@ def _verdict_rows(
     )
     cache = hash_cache.cache_folder(layout.folder("catalog"))
     hash_cache.prune(cache, table_path(layout, "accepted"))
+    content = score_content(
+        str(layout.root),
+        scope.new_parts,
+        rules,
+        launch=launch,
+        endpoint_url=endpoint_url,
+        threads=max(1, workers),
+    )
+    if content is not None and rules.semantic_duplicate_similarity is not None:
+        content = semantic_duplicates(
+            scope.parts,
+            scope.old_rows,
+            rules,
+            content,
+            stage / "semantic.parquet",
+            workers=workers,
+            dask_address=dask_address,
+        )
     new, hits = _find(
         scope.parts,
         scope.old_parts,
@@ -558,6 +605,7 @@ def _verdict_rows(
         dask_address=dask_address,
         partition_rows=partition_rows,
         cache=cache,
+        content=content,
     )
     counts = dict(base["counts"]) if base else {}
     for r, n in {**new.counts, **hits["counts"]}.items():
@@ -565,7 +613,9 @@ def _verdict_rows(
     rows = scope.old_rows + new.rows
     sample = _bounded_sample([base["sample"] if base else None, new.sample])
     if not len(sample) and rows:
-        first = read_part(scope.parts[0], scope.columns, [0]).head(3)
+        first = content_columns(
+            read_part(scope.parts[0], scope.columns, [0]).head(3), rules, content
+        )
         sample = check_rows(first, rules, gx_check=False, hashes=False).sample
     near = int(base.get("near_duplicates", 0) if base else 0) + hits["near_duplicates"]
     qdir = layout.quality(ingest_id)
@@ -613,6 +663,8 @@ def _validate(
     workers: int,
     partition_rows: int,
     dup_partitions: int | None,
+    launch: LaunchConfig | None,
+    endpoint_url: str | None,
 ) -> ValidateResult:
     """`validate_catalog`'s work, under the catalog writer's lock."""
     log = task_logger(__name__)
@@ -634,6 +686,8 @@ def _validate(
             workers=workers,
             dask_address=dask_address,
             partition_rows=partition_rows,
+            launch=launch,
+            endpoint_url=endpoint_url,
         )
     finally:
         shutil.rmtree(stage, ignore_errors=True)

@@ -18,7 +18,6 @@ from kiln_config import (
     EvalMetricsConfig,
     EvaluateConfig,
     LaunchConfig,
-    TokenizerConfig,
     load_config,
 )
 from models.evaluation.image_metrics import (
@@ -30,46 +29,11 @@ from models.evaluation.image_metrics import (
 )
 from tasks.evaluation.contact_sheet import THUMB, write_contact_sheets
 from tasks.evaluation.study_metrics import compute_study_metrics, metrics_report
+from tests.content_fixtures import tiny_clip
 
 REPO = Path(__file__).resolve().parents[2]
 
 # -- tiny components -------------------------------------------------------------------------
-
-
-def _tiny_clip(folder: Path) -> Path:
-    """A random CLIP model (1 layer per tower, 32-px images) and an offline processor: the
-    project's byte-level tokenizer and a CLIP image processor, saved like a hub folder."""
-    from transformers import CLIPConfig, CLIPImageProcessor, CLIPModel, CLIPProcessor
-
-    from models.components.factory import build_tokenizer
-
-    text = dict(
-        vocab_size=514,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=77,
-        bos_token_id=512,
-        eos_token_id=513,
-        pad_token_id=513,
-    )
-    vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=32,
-        patch_size=8,
-    )
-    torch.manual_seed(0)
-    CLIPModel(
-        CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
-    ).save_pretrained(folder)
-    tok = build_tokenizer(TokenizerConfig(builtin="bytes", model_max_length=77))
-    ip = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=ip, tokenizer=tok).save_pretrained(folder)
-    return folder
 
 
 class TinyFeatures(torch.nn.Module):
@@ -121,7 +85,7 @@ def _random_images(n: int, size: tuple[int, int], seed: int) -> list[Image.Image
 
 
 def test_clip_score_matches_a_direct_computation(tmp_path):
-    folder = _tiny_clip(tmp_path / "clip")
+    folder = tiny_clip(tmp_path / "clip")
     images = _random_images(5, (40, 48), seed=0)
     prompts = [f"a red circle above {i} blue squares" for i in range(5)]
     model, processor = load_clip(str(folder))
@@ -266,7 +230,7 @@ def test_evaluate_writes_contact_sheets_and_logs_clip_score(
     from flows.train import train_flow
 
     root, version = _root_with_val_split(tmp_path, tiny_shards)
-    clip = _tiny_clip(tmp_path / "clip")
+    clip = tiny_clip(tmp_path / "clip")
     missing = tmp_path / "no-inception.pth"
     cfg = make_config(
         tmp_path / "c.yaml",

@@ -1,0 +1,421 @@
+"""The content rules' scores for `kiln validate`: computed once, stored, then joined to rows.
+
+`score_content` runs before the row checks, on the rows a validate checks: what the content
+store (data_quality/content/store.py) lacks is computed and appended, the unsafe probability
+and the caption language here (CPU: NudeNet's ONNX session on a few threads, Lingua), the
+CLIP embeddings by an accelerate launch (models/embed_content.py, `launch.*`: GPU work where
+there are GPUs). `semantic_duplicates` then runs SemDeDup over the view's image embeddings, a
+cluster per task (local threads or the Dask cluster). `content_columns` joins the stored
+scores onto a partition's rows for the expectations: `unsafe`, `caption_language`,
+`clip_score`, the predicted aesthetic score (where the source has no column of its own) and
+`semantic_duplicate_of`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from data_quality.content import language, semdedup, store, unsafe
+from data_quality.content.clip import AestheticHead, clip_scores
+from kiln_config import EmbedRun, LaunchConfig, QualityConfig, write_run_file
+from kiln_config.errors import InputError
+from tasks.catalog.view import ViewPart, read_part
+from tasks.ingest.render import read_image
+from tasks.launch.accelerate import launch_module
+from tasks.runtime.logs import task_logger
+from tasks.runtime.runners import partition_runner
+from tasks.storage.digests import files_sha256
+
+__all__ = [
+    "CONTENT_COLUMNS",
+    "ContentScores",
+    "clip_scorer",
+    "content_columns",
+    "has_content_rules",
+    "score_content",
+    "semantic_duplicates",
+]
+
+CONTENT_COLUMNS = (
+    "unsafe",
+    "caption_language",
+    "clip_score",
+    "semantic_duplicate_of",
+)
+_WHERE = ["source", "object", "offset", "length"]
+
+
+def has_content_rules(rules: QualityConfig) -> bool:
+    return rules.max_unsafe is not None or rules.allowed_languages is not None or rules.needs_clip
+
+
+def clip_scorer(clip_model: str) -> str:
+    """The content store's name for a CLIP folder's embeddings: its files' digest.
+
+    Raises:
+        InputError: no folder there.
+    """
+    path = Path(clip_model).expanduser()
+    if not (path / "config.json").is_file():
+        raise InputError(
+            f"quality.clip_model: no CLIP folder at {path} (config.json, weights and processor "
+            "files, as save_pretrained writes them); stage it there (docs/operations.md)"
+        )
+    return "clip-" + files_sha256(path)["sha256"][:16]
+
+
+@dataclass
+class ContentScores:
+    """Where a validate's partitions find the content scores (picklable, for Dask)."""
+
+    catalog: str  # <root>/catalog
+    clip: str | None  # clip_scorer of quality.clip_model, when a rule reads CLIP
+    semantic: str | None  # Parquet of the semantic duplicates found, when that rule is on
+
+
+def _rows(parts: list[ViewPart], columns: list[str]) -> pd.DataFrame:
+    frames = [read_part(p, columns) for p in parts]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
+
+
+def _unsafe(table: Path, rows: pd.DataFrame, endpoint_url: str | None, threads: int) -> int:
+    todo = rows.drop_duplicates("sha256")
+    have = set(store.read(table, unsafe.SCORER, todo["sha256"])["key"])
+    todo = todo[~todo["sha256"].isin(have)]
+    if not len(todo):
+        return 0
+    det = unsafe.detector()
+
+    def score(chunk: pd.DataFrame) -> np.ndarray:
+        return det.scores([read_image(r, endpoint_url) for r in chunk.itertuples()])
+
+    chunks = [todo.iloc[s : s + 256] for s in range(0, len(todo), 256)]
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for chunk, scores in zip(chunks, pool.map(score, chunks), strict=True):
+            store.append(table, chunk["sha256"], unsafe.SCORER, scores=scores)
+    return len(todo)
+
+
+def _languages(table: Path, rows: pd.DataFrame, rules: QualityConfig) -> int:
+    caps = rows[["caption"]].assign(ckey=store.caption_keys(rows["caption"])).dropna()
+    caps = caps.drop_duplicates("ckey")
+    have = set(store.read(table, language.SCORER, caps["ckey"])["key"])
+    caps = caps[~caps["ckey"].isin(have)]
+    for s in range(0, len(caps), 100_000):
+        chunk = caps.iloc[s : s + 100_000]
+        codes, conf = language.detect(chunk["caption"].tolist(), rules.allowed_languages)
+        store.append(table, chunk["ckey"], language.SCORER, scores=conf, labels=codes)
+    return len(caps)
+
+
+def _embed(
+    root: Path,
+    rows: pd.DataFrame,
+    rules: QualityConfig,
+    scorer: str,
+    launch: LaunchConfig,
+    endpoint_url: str | None,
+) -> dict:
+    """The CLIP embeddings the store lacks, by an accelerate launch; returns counts."""
+    images_t, captions_t = (
+        store.table_dir(root, store.IMAGES),
+        store.table_dir(root, store.CAPTIONS),
+    )
+    imgs = rows.drop_duplicates("sha256")
+    imgs = imgs[~imgs["sha256"].isin(set(store.read(images_t, scorer, imgs["sha256"])["key"]))]
+    caps = pd.DataFrame(columns=["key", "caption"])
+    if rules.min_clip_score is not None:
+        caps = rows[["caption"]].assign(key=store.caption_keys(rows["caption"])).dropna()
+        caps = caps.drop_duplicates("key")
+        caps = caps[~caps["key"].isin(set(store.read(captions_t, scorer, caps["key"])["key"]))]
+    if not len(imgs) and not len(caps):
+        return {"images": 0, "captions": 0}
+    work = root / "content-embed" / scorer
+    work.mkdir(parents=True, exist_ok=True)  # kept across a failed launch: its parts resume
+    imgs.rename(columns={"sha256": "key"})[["key", *_WHERE]].to_parquet(work / "images.parquet")
+    caps[["key", "caption"]].to_parquet(work / "captions.parquet")
+    run = EmbedRun(
+        clip_model=str(Path(rules.clip_model).expanduser()),
+        images=str(work / "images.parquet"),
+        captions=str(work / "captions.parquet"),
+        out_dir=str(work / "parts"),
+        batch_size=rules.embed_batch_size,
+        endpoint_url=endpoint_url,
+    )
+    launch_module(
+        launch,
+        "models.embed_content",
+        ["--config", str(write_run_file(run, work / "embed.yaml"))],
+        workdir=work,
+        name="embed-content",
+    )
+    for kind, table in (("images", images_t), ("captions", captions_t)):
+        files = sorted((work / "parts").glob(f"{kind}-*.parquet"))
+        if files:
+            t = pa.concat_tables([pq.read_table(f) for f in files])
+            emb = np.stack(t["embedding"].to_numpy(zero_copy_only=False)).astype(np.float32)
+            store.append(table, t["key"].to_pylist(), scorer, embeddings=emb)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"images": len(imgs), "captions": len(caps)}
+
+
+def score_content(
+    root: str,
+    parts: list[ViewPart],
+    rules: QualityConfig,
+    *,
+    launch: LaunchConfig | None,
+    endpoint_url: str | None = None,
+    threads: int = 2,
+) -> ContentScores | None:
+    """Compute and store the content scores that the rows of `parts` lack; None when no
+    content rule is on.
+
+    Raises:
+        InputError: a CLIP rule is on and no launch settings were given, or the CLIP folder
+            or aesthetic head is missing.
+    """
+    if not has_content_rules(rules):
+        return None
+    log = task_logger(__name__)
+    catalog = Path(root) / "catalog"
+    rows = _rows(parts, ["sha256", "caption", *_WHERE])
+    images_t, captions_t = (
+        store.table_dir(catalog, store.IMAGES),
+        store.table_dir(catalog, store.CAPTIONS),
+    )
+    if rules.max_unsafe is not None:
+        n = _unsafe(images_t, rows, endpoint_url, threads)
+        log.info("content: unsafe probability of %d new images (%s)", n, unsafe.SCORER)
+    if rules.allowed_languages is not None:
+        n = _languages(captions_t, rows, rules)
+        log.info("content: language of %d new captions (%s)", n, language.SCORER)
+    scorer = None
+    if rules.needs_clip:
+        scorer = clip_scorer(rules.clip_model)
+        if rules.aesthetic_head is not None:
+            AestheticHead.load(rules.aesthetic_head)  # a missing head fails before the launch
+        if launch is None:
+            raise InputError("the CLIP content rules need launch settings (launch.*)")
+        got = _embed(catalog, rows, rules, scorer, launch, endpoint_url)
+        log.info("content: embedded %d images and %d captions (%s)", *got.values(), scorer)
+    return ContentScores(str(catalog), scorer, None)
+
+
+def content_columns(df: pd.DataFrame, rules: QualityConfig, scores: ContentScores | None):
+    """`df` with the content columns its rules read, joined from the store.
+
+    Raises:
+        RuntimeError: a row has no stored score (the scores were not computed first).
+    """
+    if scores is None:
+        return df
+    catalog = Path(scores.catalog)
+    images_t = store.table_dir(catalog, store.IMAGES)
+    captions_t = store.table_dir(catalog, store.CAPTIONS)
+    out = {}
+
+    def joined(table, scorer, keys, what):
+        got = store.read(table, scorer, keys)
+        at = pd.Index(got["key"]).get_indexer(pd.Series(keys, dtype=object))
+        missing = (at < 0) & pd.notna(pd.Series(keys, dtype=object)).to_numpy()
+        if missing.any():
+            raise RuntimeError(
+                f"content store has no {what} ({scorer}) for {int(missing.sum())} rows: "
+                "score_content must run before the row checks"
+            )
+        return got, at
+
+    sha = df["sha256"].to_numpy(object)
+    ckeys = store.caption_keys(df["caption"])
+    if rules.max_unsafe is not None:
+        got, at = joined(images_t, unsafe.SCORER, sha, "unsafe probability")
+        out["unsafe"] = np.where(at >= 0, got["score"].to_numpy(float)[np.maximum(at, 0)], np.nan)
+    if rules.allowed_languages is not None:
+        got, at = joined(captions_t, language.SCORER, ckeys, "caption language")
+        code = got["label"].to_numpy(object)[np.maximum(at, 0)]
+        conf = got["score"].to_numpy(float)[np.maximum(at, 0)]
+        lang = np.where(conf >= rules.min_language_confidence, code, language.UNDETERMINED)
+        out["caption_language"] = np.where(at >= 0, lang, None)
+    if scores.clip is not None:
+        got, at = joined(images_t, scores.clip, sha, "CLIP image embedding")
+        img = got.attrs["embedding"][at]
+        if rules.min_clip_score is not None:
+            cgot, cat = joined(captions_t, scores.clip, ckeys, "CLIP caption embedding")
+            txt = cgot.attrs["embedding"][np.maximum(cat, 0)]
+            out["clip_score"] = np.where(cat >= 0, np.round(clip_scores(img, txt), 4), np.nan)
+        if (
+            rules.aesthetic_head is not None
+            and rules.min_aesthetic is not None
+            and rules.aesthetic_column not in df.columns
+        ):
+            head = AestheticHead.load(rules.aesthetic_head)
+            out[rules.aesthetic_column] = np.round(head.scores(img), 4)
+    if rules.semantic_duplicate_similarity is not None:
+        sem = pd.read_parquet(scores.semantic) if scores.semantic else None
+        of = pd.Series(None, index=df.index, dtype=object)
+        if sem is not None and len(sem):
+            uid = df["source"].astype(str).str.rstrip("/") + "/" + df["key"].astype(str)
+            at = pd.Index(sem["uid"]).get_indexer(uid)
+            vals = sem["semantic_duplicate_of"].to_numpy(object)
+            of = pd.Series(np.where(at >= 0, vals[np.maximum(at, 0)], None), index=df.index)
+        out["semantic_duplicate_of"] = of.to_numpy(object)
+    return df.assign(**out)
+
+
+@task(name="semantic-cluster", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def cluster_task(folder: str, first_new: int, similarity: float) -> pd.DataFrame:
+    """SemDeDup within one cluster's members (`folder`: its part of the assignment)."""
+    t = pads.dataset(folder, format="parquet").to_table()
+    t = t.sort_by("pos")
+    emb = np.stack(t["embedding"].to_numpy(zero_copy_only=False)).astype(np.float32)
+    pos = t["pos"].to_numpy()
+    sha = t["sha256"].to_numpy(zero_copy_only=False)
+    hit, of, cos = semdedup.cluster_duplicates(emb, pos, first_new, similarity, keys=sha)
+    uid = t["uid"].to_numpy(zero_copy_only=False)
+    at = pd.Index(pos)
+    return pd.DataFrame(
+        {
+            "uid": uid[at.get_indexer(hit)],
+            "semantic_duplicate_of": uid[at.get_indexer(of)],
+            "semantic_similarity": cos,
+        }
+    )
+
+
+def semantic_duplicates(
+    parts: list[ViewPart],
+    first_new: int,
+    rules: QualityConfig,
+    scores: ContentScores,
+    out: Path,
+    *,
+    workers: int,
+    dask_address: str | None,
+) -> ContentScores:
+    """SemDeDup over the view (`parts`, in priority order) for the rows at positions from
+    `first_new`: each row's cluster (the centroids fitted once and kept in
+    `<catalog>/content-centroids/`), then one task per cluster that has new rows. Writes the
+    duplicates found to `out` (uid, semantic_duplicate_of, semantic_similarity)."""
+    if rules.semantic_duplicate_similarity is None:
+        return scores
+    catalog = Path(scores.catalog)
+    images_t = store.table_dir(catalog, store.IMAGES)
+    total = sum(p.rows for p in parts)
+    centroids = _centroids(catalog, parts, rules, scores.clip, images_t, total, first_new)
+    work = out.with_suffix(".clusters")
+    shutil.rmtree(work, ignore_errors=True)
+    pos, todo = 0, set()
+
+    def batches():
+        nonlocal pos
+        for p in parts:
+            for g in range(p.row_groups):
+                df = read_part(p, ["source", "key", "sha256"], [g])
+                got = store.read(images_t, scores.clip, df["sha256"])
+                at = pd.Index(got["key"]).get_indexer(df["sha256"])
+                emb = got.attrs["embedding"][at]
+                cl = semdedup.assign(emb, centroids)
+                n = len(df)
+                positions = np.arange(pos, pos + n)
+                todo.update(cl[positions >= first_new].tolist())
+                pos += n
+                uid = df["source"].astype(str).str.rstrip("/") + "/" + df["key"].astype(str)
+                yield pa.record_batch(
+                    {
+                        "cluster": pa.array(cl, pa.int32()),
+                        "pos": pa.array(positions, pa.int64()),
+                        "uid": pa.array(uid.tolist(), pa.string()),
+                        "sha256": pa.array(df["sha256"].tolist(), pa.string()),
+                        "embedding": pa.array(list(emb), pa.list_(pa.float32())),
+                    }
+                )
+
+    schema = pa.schema(
+        [
+            ("cluster", pa.int32()),
+            ("pos", pa.int64()),
+            ("uid", pa.string()),
+            ("sha256", pa.string()),
+            ("embedding", pa.list_(pa.float32())),
+        ]
+    )
+    pads.write_dataset(
+        batches(),
+        work,
+        schema=schema,
+        format="parquet",
+        partitioning=pads.partitioning(pa.schema([("cluster", pa.int32())]), flavor="hive"),
+        existing_data_behavior="overwrite_or_ignore",
+    )
+    found = []
+    with partition_runner(workers, dask_address) as runner:
+        futures = [
+            runner.submit(
+                cluster_task,
+                {
+                    "folder": str(work / f"cluster={c}"),
+                    "first_new": first_new,
+                    "similarity": rules.semantic_duplicate_similarity,
+                },
+            )
+            for c in sorted(todo)
+        ]
+        found = [f.result() for f in futures]
+    shutil.rmtree(work, ignore_errors=True)
+    hits = (
+        pd.concat(found, ignore_index=True)
+        if found
+        else pd.DataFrame({"uid": [], "semantic_duplicate_of": [], "semantic_similarity": []})
+    )
+    hits.to_parquet(out, index=False)
+    task_logger(__name__).info(
+        "content: %d semantic duplicates among %d rows checked (%d clusters searched of %d)",
+        len(hits),
+        total - first_new,
+        len(todo),
+        len(centroids),
+    )
+    return ContentScores(scores.catalog, scores.clip, str(out))
+
+
+def _centroids(catalog, parts, rules, scorer, images_t, total, first_new) -> np.ndarray:
+    """The kept centroids for `scorer`, or new ones fitted on a sample of the view's images
+    when there are none, when k changed, or when the view has grown past 4x the rows they
+    were fitted on and no earlier verdict is kept (`first_new` 0)."""
+    folder = catalog / "content-centroids"
+    path, meta_path = folder / f"{scorer}.npy", folder / f"{scorer}.json"
+    k = rules.semantic_clusters or semdedup.default_clusters(total)
+    if path.is_file() and meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        same_k = meta["k"] == min(k, meta["rows"]) or rules.semantic_clusters is None
+        if same_k and (first_new > 0 or total <= 4 * meta["rows"]):
+            return np.load(path)
+    rng = np.random.default_rng(0)
+    want = semdedup.SAMPLE_PER_CLUSTER * k
+    keys = []
+    for p in parts:
+        df = read_part(p, ["sha256"])
+        take = min(len(df), max(1, int(want * len(df) / max(total, 1))))
+        keys.append(df["sha256"].to_numpy(object)[rng.choice(len(df), take, replace=False)])
+    sample = store.read(images_t, scorer, np.concatenate(keys) if keys else [])
+    emb = sample.attrs["embedding"]
+    if emb is None or not len(emb):
+        raise RuntimeError(f"no CLIP embeddings ({scorer}) stored for the view's images")
+    centroids = semdedup.fit_centroids(emb, k)
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(path, centroids)
+    meta_path.write_text(json.dumps({"k": len(centroids), "rows": total}))
+    return centroids

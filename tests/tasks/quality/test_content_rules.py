@@ -1,0 +1,153 @@
+"""The content rules through `kiln validate`'s task: the packaged unsafe detector and language
+models on a small labelled set, and the CLIP rules with a random CLIP saved to a local folder
+(the real loading code and accelerate launch), on pictures with planted near-copies."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from data_quality.content import language, store, unsafe
+from kiln_config import IngestConfig, LaunchConfig, QualityConfig
+from kiln_config.errors import InputError
+from tasks.catalog.view import read_view
+from tasks.ingest.run import ingest_source
+from tasks.quality.content import clip_scorer
+from tasks.quality.validate import validate_catalog
+from tasks.storage.layout import Layout
+from tests.content_fixtures import near_copies, palette_image, tiny_clip, write_source
+
+LAUNCH = LaunchConfig(accelerate_config="configs/accelerate/single.yaml", gpu_limit=None)
+
+
+def _quarantine(root, ingest_id) -> dict:
+    q = pd.read_parquet(root / "quality" / ingest_id / "quarantine.parquet")
+    return dict(zip(q["key"], q["reason"], strict=True))
+
+
+def _rows(root, table: str) -> int:
+    path = root / "catalog" / "tables" / table
+    return len(store.read(path, unsafe.SCORER)) + len(store.read(path, language.SCORER))
+
+
+def test_unsafe_and_language_rules_with_the_packaged_models(tmp_path):
+    captions = {
+        "en-0": "a red square on a white background, studio photo",
+        "en-1": "a green field under a bright sky with a few clouds",
+        "en-2": "a blue wall painted with a soft gradient of light",
+        "short": "a cat",  # ambiguous: undetermined, passes
+        "de": "eine gelbe Wand im Licht der untergehenden Sonne",
+        "es": "una pared amarilla bajo la luz del sol de la tarde",
+        "fr": "un mur violet dans la lumière douce du matin",
+        "en-3": "a black and white photograph of an empty room",
+    }
+    src = write_source(
+        tmp_path / "src",
+        [(name, palette_image(i), cap) for i, (name, cap) in enumerate(captions.items())],
+    )
+    root = tmp_path / "root"
+    ing = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
+    rules = QualityConfig(max_unsafe=1.0, allowed_languages=["en"], max_reject_fraction=0.9)
+    res = validate_catalog.fn(str(root), ing.ingest_id, rules)
+    reasons = _quarantine(root, ing.ingest_id)
+    assert {k: v for k, v in reasons.items()} == {
+        "de.png": "caption_language",
+        "es.png": "caption_language",
+        "fr.png": "caption_language",
+    }
+    kinds = {e["reason"] for e in res.expectations}
+    assert {"unsafe", "caption_language"} <= kinds
+    assert "caption_not_ascii" not in kinds, "the language rule replaces the ASCII heuristic"
+
+    # Scores are stored once per image hash and caption; every image passed at 1.0. Set the
+    # threshold just under the highest score: that image alone goes, with no score recomputed.
+    view = read_view(Layout(root), ing.ingest_id)[0]
+    got = store.read(root / "catalog/tables/content_images", unsafe.SCORER, view["sha256"])
+    assert len(got) == len(view) and got["score"].between(0, 1).all()
+    worst = got.loc[got["score"].idxmax()]
+    stored = _rows(root, "content_images") + _rows(root, "content_captions")
+    stricter = rules.model_copy(update={"max_unsafe": float(worst["score"]) - 1e-6})
+    res = validate_catalog.fn(str(root), ing.ingest_id, stricter)
+    flagged = view.loc[view["sha256"] == worst["key"], "key"].item()
+    assert _quarantine(root, ing.ingest_id)[flagged] == "unsafe"
+    assert _rows(root, "content_images") + _rows(root, "content_captions") == stored
+    assert res.reasons["unsafe"] == 1
+
+
+def test_clip_rules_group_planted_near_copies_and_score_alignment(tmp_path):
+    clip = tiny_clip(tmp_path / "clip")
+    head = tmp_path / "aesthetic.safetensors"
+    torch.manual_seed(1)
+    save_file({"weight": torch.randn(1, 16), "bias": torch.tensor([5.0])}, head)
+    originals = [
+        (f"orig-{i}", palette_image(i), f"a shaded colour field number {i}") for i in range(6)
+    ]
+    copies = [
+        (f"z-copy-{i}-{kind}", img, f"a shaded colour field number {i}, {kind}")
+        for i in (0, 1)
+        for kind, img in near_copies(palette_image(i)).items()
+    ]
+    src = write_source(tmp_path / "src", originals + copies)
+    root = tmp_path / "root"
+    ing = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
+    rules = QualityConfig(
+        clip_model=str(clip),
+        min_clip_score=-1.0,
+        semantic_duplicate_similarity=0.99,
+        semantic_clusters=2,
+        aesthetic_head=str(head),
+        min_aesthetic=-100.0,
+        max_reject_fraction=0.9,
+    )
+    validate_catalog.fn(str(root), ing.ingest_id, rules, launch=LAUNCH)
+    q = pd.read_parquet(root / "quality" / ing.ingest_id / "quarantine.parquet")
+    semantic = q[q["reason"] == "semantic_duplicate"]
+    # Of each group the earliest in the catalog's order (ingest, then key) stays: the originals.
+    assert set(semantic["key"]) == {f"{name}.png" for name, _, _ in copies}
+    for key, detail in zip(semantic["key"], semantic["detail"], strict=True):
+        original = f"orig-{key.split('-')[2]}.png"
+        assert detail.endswith(f"/{original}'"), (key, detail)
+
+    # The scores are stored: the CLIP score and the aesthetic head re-decide from them.
+    scorer = clip_scorer(str(clip))
+    images = store.read(root / "catalog/tables/content_images", scorer)
+    captions = store.read(root / "catalog/tables/content_captions", scorer)
+    assert len(images) == 12 and images.attrs["embedding"].shape == (12, 16)
+    assert len(captions) == 12
+    norms = np.linalg.norm(images.attrs["embedding"], axis=1)
+    assert np.allclose(norms, 1, atol=1e-4)
+    sample = pd.read_parquet(root / "catalog" / ing.ingest_id / "docs_sample.parquet")
+    scores = sample["clip_score"].dropna()
+    assert len(scores) and scores.between(-1, 1).all()
+    median = float(np.median(scores))
+    strict = rules.model_copy(
+        update={"min_clip_score": median, "semantic_duplicate_similarity": None}
+    )
+    res = validate_catalog.fn(str(root), ing.ingest_id, strict, launch=LAUNCH)
+    assert res.reasons.get("low_clip_score", 0) >= 1
+    assert len(store.read(root / "catalog/tables/content_images", scorer)) == 12
+
+    # An incremental ingest: a new near-copy joins its original's group against the kept
+    # centroids, a new distinct picture does not.
+    write_source(
+        src,
+        [
+            ("late-copy", near_copies(palette_image(3))["jpeg"], "a shaded colour field, again"),
+            ("late-new", palette_image(7), "a shaded cyan colour field"),
+        ],
+    )
+    ing2 = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
+    validate_catalog.fn(str(root), ing2.ingest_id, rules, launch=LAUNCH)
+    reasons = _quarantine(root, ing2.ingest_id)
+    assert reasons["late-copy.png"] == "semantic_duplicate"
+    assert "late-new.png" not in reasons
+
+
+def test_clip_rules_name_what_is_missing(tmp_path):
+    with pytest.raises(ValueError, match="set quality.clip_model"):
+        QualityConfig(min_clip_score=0.28)
+    with pytest.raises(ValueError, match="ISO 639-1"):
+        QualityConfig(allowed_languages=["english"])
+    with pytest.raises(InputError, match="no CLIP folder"):
+        clip_scorer(str(tmp_path / "nowhere"))
