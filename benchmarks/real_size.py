@@ -153,6 +153,11 @@ def write_config(
         "max_reject_fraction": 0.25,
         "allowed_licenses": None,
         "min_aesthetic": None,
+        # No CLIP weights ship in a package; the offline content rules stay on.
+        "clip_model": None,
+        "min_clip_score": None,
+        "aesthetic_head": None,
+        "semantic_duplicate_similarity": None,
     }
     # 40-128 px demo images; 0.3 lets the 192 px stage take (upscaled) images from 58 px.
     cfg["shards"] |= {

@@ -170,6 +170,9 @@ def _write_tiny_config(
         "log_every": 5,
     }
     cfg["evaluate"]["num_inference_steps"] = 4
+    # The preset's content rules load Lingua (about 2 s and 600 MB a process) and NudeNet:
+    # tests/tasks/quality/test_content_rules.py and the newcomer's `make demo` test run them.
+    cfg["quality"] |= {"max_unsafe": None, "allowed_languages": None}
     for dotted, value in overrides.items():
         node = cfg
         *parents, leaf = dotted.split(".")

@@ -72,7 +72,8 @@ def _detector(codes: tuple[str, ...]):
         from kiln_config.errors import InputError
 
         raise InputError(
-            "quality.allowed_languages needs Lingua: pip install 'kiln[content]' (or unset it)"
+            "quality.allowed_languages needs Lingua: pip install lingua-language-detector "
+            "(a dependency of Kiln), or unset it"
         ) from e
     with _LOCK:
         if codes not in _DETECTORS:

@@ -8,8 +8,7 @@ right with black, resize to 320 x 320, RGB scaled to [0, 1].
 
 The `nudenet` wheel (3.4.2) and its model ship under the GNU AGPL-3.0 (the wheel's LICENSE
 file; its metadata says MIT): running it inside a team's own pipeline does not distribute it,
-but a team that ships Kiln with it to others must honour the AGPL. It is an optional extra
-(`pip install kiln[content]`).
+but a team that ships Kiln with it to others must honour the AGPL.
 """
 
 from __future__ import annotations
@@ -85,7 +84,8 @@ class UnsafeDetector:
             from kiln_config.errors import InputError
 
             raise InputError(
-                "quality.max_unsafe needs NudeNet: pip install 'kiln[content]' (or unset it)"
+                "quality.max_unsafe needs NudeNet: pip install nudenet (a dependency of "
+                "Kiln), or unset it"
             ) from e
         from pathlib import Path
 

@@ -28,8 +28,10 @@ from urllib.parse import unquote
 import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as ds
+from deltalake import DeltaTable
 from deltalake.exceptions import DeltaError
 
+from data_quality.content import store as content_store
 from data_quality.verdict import read_verdict
 from kiln_config import check_id
 from kiln_config.errors import InputError
@@ -106,8 +108,36 @@ def show(root: str) -> dict:
         "table_versions": versions,
         "accepted_by_source": counts["accepted"],
         "quarantined_by_reason": counts["quarantine"],
+        "content": _content_summary(layout),
         "history": history,
     }
+
+
+def _content_summary(layout: Layout) -> dict:
+    """Per content table and scorer: rows, and the score's quartiles where there is one
+    (data_quality/content/store.py)."""
+    out = {}
+    for table in (content_store.IMAGES, content_store.CAPTIONS):
+        path = content_store.table_dir(layout.folder("catalog"), table)
+        if not (path / "_delta_log").is_dir():
+            continue
+        t = (
+            DeltaTable(str(path))
+            .to_pyarrow_dataset()
+            .to_table(columns=["scorer", "score", "label"])
+        )
+        df = t.to_pandas()
+        per = {}
+        for scorer, g in df.groupby("scorer"):
+            entry = {"rows": len(g)}
+            if g["score"].notna().any():
+                q = g["score"].quantile([0, 0.5, 0.99, 1]).round(4)
+                entry["score"] = dict(zip(["min", "median", "p99", "max"], q.tolist(), strict=True))
+            if g["label"].notna().any():
+                entry["labels"] = g["label"].value_counts().head(10).to_dict()
+            per[scorer] = entry
+        out[table] = per
+    return out
 
 
 def _connect(root: str, version: int | None):
@@ -137,6 +167,10 @@ def _connect(root: str, version: int | None):
     if absent:
         nulls = "".join(f', NULL::VARCHAR AS "{c.replace(chr(34), chr(34) * 2)}"' for c in absent)
         con.execute(f"CREATE VIEW accepted AS SELECT *{nulls} FROM accepted_data")
+    for table in (content_store.IMAGES, content_store.CAPTIONS):
+        path = content_store.table_dir(layout.folder("catalog"), table)
+        if (path / "_delta_log").is_dir():
+            con.register(table, DeltaTable(str(path)).to_pyarrow_dataset())
     rejects = _verdict_rejects(layout)
     con.register("rejects", rejects)
     con.execute(
