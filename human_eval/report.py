@@ -7,7 +7,9 @@ Writes `<root>/human_eval/<comparison>/{report.json, votes.csv, preference.png}`
   and prompts behind it;
 - Krippendorff's alpha (nominal) per question, with the number of pairs it used;
 - the raters left out for gold accuracy below `min_gold_accuracy`, and how many;
-- with three or more models among the store's comparisons, a Bradley-Terry ranking.
+- with three or more models among the store's comparisons, a Bradley-Terry ranking;
+- given automatic scores of each pair's two images (`proxies`: the configured CLIP's score,
+  the aesthetic head's), each proxy's agreement with the raters (`proxy_agreement`).
 
 Gold pairs (attention checks) never enter the rates: their B side is another prompt's image.
 """
@@ -38,6 +40,7 @@ __all__ = [
     "gold_accuracy",
     "plot_preference",
     "preference_figure",
+    "proxy_agreement",
     "ranking",
     "summarize",
     "summarize_comparison",
@@ -250,6 +253,57 @@ def preference_figure(report: dict):
     return fig
 
 
+def proxy_agreement(
+    votes: list[dict],
+    pair_scores: dict[int, tuple[float, float]],
+    *,
+    min_gold_accuracy: float,
+    n_resamples: int,
+    seed: int,
+) -> dict:
+    """How often an automatic score picks the raters' winner, per question.
+
+    A pair counts when its kept votes lean one way (A's mean score is not 0.5) and the proxy
+    scores its two images differently (`pair_scores`: pair id -> (A's, B's)); the proxy
+    agrees when the higher-scoring image is the one the raters preferred. Returns, per
+    question, the share of agreeing pairs with a 95% bootstrap interval over prompts, the
+    pairs counted and those left out as ties. A proxy whose interval stays above 0.5 tracks
+    these raters; one around 0.5 does not.
+    """
+    excluded = excluded_raters(votes, min_gold_accuracy)
+    kept = [
+        v
+        for v in votes
+        if not v["gold"] and v["rater"] not in excluded and v["pair_id"] in pair_scores
+    ]
+    out = {}
+    for q in QUESTIONS:
+        by_pair: dict[int, list[str]] = defaultdict(list)
+        prompt_of = {}
+        for v in kept:
+            if v["question"] == q:
+                by_pair[v["pair_id"]].append(v["answer"])
+                prompt_of[v["pair_id"]] = v["prompt_index"]
+        agree, prompts, ties = [], [], 0
+        for pid, answers in by_pair.items():
+            human = float(scores_of(answers).mean())
+            a, b = pair_scores[pid]
+            if human == 0.5 or a == b:
+                ties += 1
+                continue
+            agree.append(float((human > 0.5) == (a > b)))
+            prompts.append(prompt_of[pid])
+        low, high = bootstrap_ci(np.array(agree), prompts, n_resamples=n_resamples, seed=seed)
+        out[q] = {
+            "agreement": float(np.mean(agree)) if agree else float("nan"),
+            "ci_low": low,
+            "ci_high": high,
+            "pairs": len(agree),
+            "ties_skipped": ties,
+        }
+    return out
+
+
 def _pairs_of(store: RatingStore, comparison_id: str) -> dict:
     """`summarize`'s view of a comparison's regular pairs: their ids and categories."""
     pairs = [p for p in store.pairs(comparison_id) if not p.gold]
@@ -274,8 +328,10 @@ def build_report(
     min_gold_accuracy: float,
     n_resamples: int,
     seed: int,
+    proxies: dict[str, dict[int, tuple[float, float]]] | None = None,
 ) -> dict:
-    """Write report.json, votes.csv and preference.png for a comparison into `out_dir`.
+    """Write report.json, votes.csv and preference.png for a comparison into `out_dir`; with
+    `proxies` (name -> pair id -> the two images' scores), each one's `proxy_agreement`.
 
     Raises:
         KeyError: no such comparison (the message lists the ones there are).
@@ -303,6 +359,17 @@ def build_report(
             votes=votes,
         ),
     }
+    if proxies:
+        report["proxy_agreement"] = {
+            name: proxy_agreement(
+                votes,
+                scores,
+                min_gold_accuracy=min_gold_accuracy,
+                n_resamples=n_resamples,
+                seed=seed,
+            )
+            for name, scores in proxies.items()
+        }
     bt = ranking(store, min_gold_accuracy=min_gold_accuracy, n_resamples=n_resamples, seed=seed)
     if bt is not None:
         report["bradley_terry"] = bt

@@ -632,6 +632,14 @@ class RatingStore:
         with self.session() as s:
             return list(s.scalars(select(Pair).where(Pair.comparison_id == comparison_id)))
 
+    def image_paths(self, comparison_id: str) -> dict[str, str]:
+        """Image id -> file path, for every image of a comparison (the report's proxies)."""
+        with self.session() as s:
+            rows = s.execute(
+                select(Image.id, Image.path).where(Image.comparison_id == comparison_id)
+            )
+            return dict(rows.all())
+
     def raters(self, comparison_id: str) -> list[Rater]:
         with self.session() as s:
             return list(s.scalars(select(Rater).where(Rater.comparison_id == comparison_id)))

@@ -29,6 +29,8 @@ from kiln_cli.options import (
     load_for_command,
     study_for_model,
 )
+from kiln_config.errors import KilnError
+from tasks.evaluation.proxy_scores import pair_proxy_scores
 from tasks.storage.layout import Layout
 
 __all__ = ["compare", "rate"]
@@ -181,6 +183,13 @@ def report(config_path: str, root: str | None, comparison: str) -> None:
     cfg, store = _load(config_path, root)
     he = cfg.human_eval
     out = Layout(Path(cfg.storage.root)).comparison(comparison)
+    proxies, skipped = None, None
+    clip = cfg.evaluate.metrics.clip_model  # quality.clip_model unless set apart
+    if clip is not None:
+        try:
+            proxies = pair_proxy_scores(store, comparison, clip, cfg.quality.aesthetic_head)
+        except KilnError as e:  # no CLIP there: the report without its proxies, and why
+            skipped = str(e)
     result = build_report(
         store,
         comparison,
@@ -188,11 +197,16 @@ def report(config_path: str, root: str | None, comparison: str) -> None:
         min_gold_accuracy=he.min_gold_accuracy,
         n_resamples=he.bootstrap_resamples,
         seed=he.seed,
+        proxies=proxies,
     )
     summary = {
         q: {k: v["overall"][k] for k in ("pref", "ci_low", "ci_high", "tie_share", "votes")}
         for q, v in result["questions"].items()
     }
     summary["raters_excluded"] = result["raters"]["excluded"]
+    if "proxy_agreement" in result:  # each automatic score against the raters
+        summary["proxy_agreement"] = result["proxy_agreement"]
+    elif skipped:
+        summary["proxy_agreement"] = {"skipped": skipped}
     summary["outputs"] = result["outputs"]
     click.echo(json.dumps(summary, indent=2, default=str))

@@ -32,7 +32,9 @@ class EvalMetricsConfig(Strict):
     weights are not configured or not found."""
 
     clip_model: str | None = Field(
-        None, description="CLIP model for CLIP score: a local folder or a hub id (transformers)."
+        None,
+        description="CLIP model for CLIP score: a local folder or a hub id (transformers); "
+        "default quality.clip_model, the CLIP that curated the data.",
     )
     inception_weights: str | None = Field(
         None, description="Local path of the FID Inception weights (torch-fidelity's .pth)."

@@ -117,6 +117,13 @@ class PipelineConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _one_clip_for_curation_and_evaluation(self) -> PipelineConfig:
+        # The study's CLIP score reads the CLIP that curated the data unless told otherwise.
+        if self.evaluate.metrics.clip_model is None and self.quality.clip_model is not None:
+            self.evaluate.metrics.clip_model = self.quality.clip_model
+        return self
+
+    @model_validator(mode="after")
     def _buckets_fit_the_stages(self) -> PipelineConfig:
         stages = [s.resolution for s in self.train.stages]
         for r in self.shards.bucket_stages or []:

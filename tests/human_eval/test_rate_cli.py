@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import click
 import pytest
@@ -254,3 +255,42 @@ def test_links_are_shown_once_and_the_store_keeps_their_hashes(setup):
     data = db.read_bytes()
     assert all(t.encode() not in data for t in (rater, old, new)), "no token in the file"
     assert db.stat().st_mode & 0o777 == 0o600
+
+
+def test_report_sets_the_curation_clip_against_the_raters(setup, tmp_path):
+    """With quality.clip_model set, `kiln rate report` prints each proxy's agreement with
+    the votes (the CLIP score, and the aesthetic head's) and its interval."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tests.content_fixtures import tiny_clip
+
+    config, root = setup
+    head = tmp_path / "aesthetic.safetensors"
+    save_file({"weight": torch.ones(1, 16), "bias": torch.zeros(1)}, head)
+    data = yaml.safe_load(Path(config).read_text())
+    data["quality"] |= {
+        "clip_model": str(tiny_clip(tmp_path / "clip")),
+        "aesthetic_head": str(head),
+    }
+    Path(config).write_text(yaml.safe_dump(data))
+    common = ["--config", config, "--root", root]
+    cid = _run("compare", *common, "--a", "run-a-1111", "--b", "run-b-2222", "--gold", "0")
+    cid = cid.stdout.strip().splitlines()[-1]
+    token = re.findall(
+        r"/rate/([\w-]{32})$",
+        _run("rate", "invite", *common, "--comparison", cid, "--raters", "1").stdout,
+        re.M,
+    )[0]
+    store = RatingStore.open(Layout(root).ratings_db())
+    rater = store.rater(token)
+    while (task := store.next_task(rater)) is not None:
+        store.record_vote(rater, task.task_id, {"quality": "left", "alignment": "right"})
+    report = _run("rate", "report", *common, "--comparison", cid)
+    assert report.exit_code == 0, report.output
+    proxies = json.loads(report.stdout)["proxy_agreement"]
+    assert set(proxies) == {"clip_score", "aesthetic"}
+    for name, per_question in proxies.items():
+        for q, cell in per_question.items():
+            assert cell["pairs"] + cell["ties_skipped"] == 8, (name, q, cell)
+            assert 0 <= cell["ci_low"] <= cell["agreement"] <= cell["ci_high"] <= 1, cell

@@ -172,3 +172,30 @@ def test_a_comparison_without_votes_reports_no_votes_everywhere(tmp_path):
         assert len(cells) == 6
         assert all(c["pref"] is None and c["note"] == "no votes" for c in cells)
     assert (tmp_path / "out" / "preference.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_proxy_agreement_known_answer():
+    from human_eval.report import proxy_agreement
+
+    def vote(pair, prompt, answer, rater="r1"):
+        return {
+            "pair_id": pair,
+            "prompt_index": prompt,
+            "answer": answer,
+            "question": "quality",
+            "gold": False,
+            "rater": rater,
+        }
+
+    votes = [
+        *(vote(1, 0, a, r) for a, r in (("a", "r1"), ("a", "r2"), ("b", "r3"))),  # A wins
+        *(vote(2, 1, a, r) for a, r in (("b", "r1"), ("b", "r2"))),  # B wins
+        *(vote(3, 2, a, r) for a, r in (("a", "r1"), ("b", "r2"))),  # a tie: left out
+        vote(4, 3, "a"),  # the proxy cannot tell the images apart: left out
+    ]
+    scores = {1: (0.3, 0.1), 2: (0.5, 0.2), 3: (0.9, 0.1), 4: (0.2, 0.2)}
+    got = proxy_agreement(votes, scores, min_gold_accuracy=0.0, n_resamples=200, seed=0)
+    q = got["quality"]
+    assert (q["agreement"], q["pairs"], q["ties_skipped"]) == (0.5, 2, 2)
+    assert 0.0 <= q["ci_low"] <= 0.5 <= q["ci_high"] <= 1.0
+    assert got["alignment"]["pairs"] == 0  # no alignment votes: no number, not a zero
