@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from distributed import LocalCluster
 from safetensors.torch import save_file
 
 from data_quality.content import language, store, unsafe
@@ -138,7 +139,14 @@ def test_clip_rules_group_planted_near_copies_and_score_alignment(tmp_path):
         ],
     )
     ing2 = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
-    validate_catalog.fn(str(root), ing2.ingest_id, rules, launch=LAUNCH)
+    # SemDeDup's cluster tasks on a Dask cluster, as with execution.dask_address.
+    with LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None
+    ) as cluster:
+        validate_catalog.fn(
+            str(root), ing2.ingest_id, rules, launch=LAUNCH, dask_address=cluster.scheduler_address
+        )
+        assert "cluster_task" in cluster.scheduler.task_prefixes, "SemDeDup ran on Dask"
     reasons = _quarantine(root, ing2.ingest_id)
     assert reasons["late-copy.png"] == "semantic_duplicate"
     assert "late-new.png" not in reasons

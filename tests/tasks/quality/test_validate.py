@@ -235,7 +235,10 @@ def test_a_dask_cluster_validates_and_plans_like_one_machine(tmp_path, demo_src)
     root, ids = _three_ingests(tmp_path, demo_src)
     dask_root = tmp_path / "dask"
     shutil.copytree(root, dask_root)
-    rules = RULES.model_copy(update={"drop_near_duplicates": True})
+    # The offline content rules too: scored on the driver, joined in the partitions.
+    rules = RULES.model_copy(
+        update={"drop_near_duplicates": True, "max_unsafe": 0.6, "allowed_languages": ["en"]}
+    )
     shards = ShardsConfig(val_fraction=0.2, workers=1)
     local = validate_catalog.fn(str(root), ids[2], rules)
     local_plan = write_shards.fn(shards, str(root), ids[2], [32, 64], dry_run=True)
