@@ -42,6 +42,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))  # content_fixtures: the tests' tiny CLIP and copies
 
 OTHER_LANGUAGES = [
     "una foto de un perro en la playa al atardecer",
@@ -62,9 +63,8 @@ def _cpu() -> float:
 
 def _corpus(src: Path, n: int, seed: int) -> dict:
     """Demo images with planted near-copies and other-language captions (in place)."""
+    from content_fixtures import near_copies
     from PIL import Image
-
-    from tests.content_fixtures import near_copies
 
     rng = random.Random(seed)
     lines = (src / "metadata.jsonl").read_text().splitlines()
@@ -181,12 +181,12 @@ def main() -> None:
     p.add_argument("--large", type=int, default=1600, help="Rows of the larger catalog.")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    from content_fixtures import tiny_clip
     from prefect.testing.utilities import prefect_test_harness
     from safetensors.torch import save_file
 
     from kiln_config import LaunchConfig, load_config
     from kiln_demo.data import write_demo_dataset
-    from tests.content_fixtures import tiny_clip
 
     work = Path(tempfile.mkdtemp(prefix="kiln-content-bench-"))
     clip = tiny_clip(work / "clip")

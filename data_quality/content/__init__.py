@@ -12,3 +12,16 @@
 tasks/quality/content.py runs them for `kiln validate`; models/embed_content.py is the
 accelerate launch that computes the CLIP embeddings.
 """
+
+from importlib import metadata
+
+__all__ = ["package_version"]
+
+
+def package_version(name: str) -> str:
+    """An installed distribution's version ("missing" without it): part of a scorer's name,
+    so that a new version scores again."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "missing"

@@ -11,9 +11,10 @@ short captions ("a cat") are often ambiguous.
 from __future__ import annotations
 
 import threading
-from importlib import metadata
 
 import numpy as np
+
+from data_quality.content import package_version
 
 __all__ = ["CANDIDATES", "SCORER", "UNDETERMINED", "detect"]
 
@@ -52,14 +53,7 @@ CANDIDATES = [
 ]
 
 
-def _version() -> str:
-    try:
-        return metadata.version("lingua-language-detector")
-    except metadata.PackageNotFoundError:
-        return "missing"
-
-
-SCORER = f"lingua-{_version()}-{len(CANDIDATES)}"
+SCORER = f"lingua-{package_version('lingua-language-detector')}-{len(CANDIDATES)}"
 
 _DETECTORS: dict[tuple[str, ...], object] = {}
 _LOCK = threading.Lock()

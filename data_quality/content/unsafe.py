@@ -14,10 +14,11 @@ but a team that ships Kiln with it to others must honour the AGPL.
 from __future__ import annotations
 
 import threading
-from importlib import metadata
 
 import numpy as np
 from PIL import Image
+
+from data_quality.content import package_version
 
 __all__ = ["SCORER", "UNSAFE_CLASSES", "UnsafeDetector", "detector", "preprocess"]
 
@@ -53,14 +54,7 @@ UNSAFE_CLASSES = (
 SIZE = 320
 
 
-def _version() -> str:
-    try:
-        return metadata.version("nudenet")
-    except metadata.PackageNotFoundError:
-        return "missing"
-
-
-SCORER = f"nudenet-{_version()}-320n"
+SCORER = f"nudenet-{package_version('nudenet')}-320n"
 """Names the detector whose scores the content store holds: a new version scores again."""
 
 

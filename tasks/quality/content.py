@@ -55,6 +55,7 @@ CONTENT_COLUMNS = (
     "semantic_duplicate_of",
 )
 _WHERE = ["source", "object", "offset", "length"]
+_COMMIT_ROWS = 50_000
 
 
 def has_content_rules(rules: QualityConfig) -> bool:
@@ -101,10 +102,21 @@ def _unsafe(table: Path, rows: pd.DataFrame, endpoint_url: str | None, threads: 
     def score(chunk: pd.DataFrame) -> np.ndarray:
         return det.scores([read_image(r, endpoint_url) for r in chunk.itertuples()])
 
+    # Scored 256 images a task; committed every `_COMMIT_ROWS`, so that a crash loses at most
+    # that much work and the table's log stays short.
     chunks = [todo.iloc[s : s + 256] for s in range(0, len(todo), 256)]
+    keys, scores = [], []
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        for chunk, scores in zip(chunks, pool.map(score, chunks), strict=True):
-            store.append(table, chunk["sha256"], unsafe.SCORER, scores=scores)
+        for chunk, got in zip(chunks, pool.map(score, chunks), strict=True):
+            keys.append(chunk["sha256"].to_numpy(object))
+            scores.append(got)
+            if sum(map(len, keys)) >= _COMMIT_ROWS:
+                store.append(
+                    table, np.concatenate(keys), unsafe.SCORER, scores=np.concatenate(scores)
+                )
+                keys, scores = [], []
+    if keys:
+        store.append(table, np.concatenate(keys), unsafe.SCORER, scores=np.concatenate(scores))
     return len(todo)
 
 
@@ -113,8 +125,8 @@ def _languages(table: Path, rows: pd.DataFrame, rules: QualityConfig) -> int:
     caps = caps.drop_duplicates("ckey")
     have = set(store.read(table, language.SCORER, caps["ckey"])["key"])
     caps = caps[~caps["ckey"].isin(have)]
-    for s in range(0, len(caps), 100_000):
-        chunk = caps.iloc[s : s + 100_000]
+    for s in range(0, len(caps), _COMMIT_ROWS):
+        chunk = caps.iloc[s : s + _COMMIT_ROWS]
         codes, conf = language.detect(chunk["caption"].tolist(), rules.allowed_languages)
         store.append(table, chunk["ckey"], language.SCORER, scores=conf, labels=codes)
     return len(caps)
@@ -309,11 +321,11 @@ def semantic_duplicates(
     `first_new`: each row's cluster (the centroids fitted once and kept in
     `<catalog>/content-centroids/`), then one task per cluster that has new rows. Writes the
     duplicates found to `out` (uid, semantic_duplicate_of, semantic_similarity)."""
-    if rules.semantic_duplicate_similarity is None:
-        return scores
+    total = sum(p.rows for p in parts)
+    if rules.semantic_duplicate_similarity is None or total <= first_new:
+        return scores  # no rule, or no row to check: nothing found
     catalog = Path(scores.catalog)
     images_t = store.table_dir(catalog, store.IMAGES)
-    total = sum(p.rows for p in parts)
     centroids = _centroids(catalog, parts, rules, scores.clip, images_t, total, first_new)
     work = out.with_suffix(".clusters")
     shutil.rmtree(work, ignore_errors=True)

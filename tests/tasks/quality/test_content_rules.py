@@ -159,3 +159,44 @@ def test_clip_rules_name_what_is_missing(tmp_path):
         QualityConfig(allowed_languages=["english"])
     with pytest.raises(InputError, match="no CLIP folder"):
         clip_scorer(str(tmp_path / "nowhere"))
+
+
+def test_the_embedding_launch_resumes_by_batch(tmp_path):
+    """A relaunch (models.embed_content, in-process here) writes only the batches missing."""
+    from kiln_config import EmbedRun, write_run_file
+    from models.embed_content import main
+
+    src = write_source(
+        tmp_path / "src", [(f"p{i}", palette_image(i), f"colour {i}") for i in range(3)]
+    )
+    images = pd.DataFrame(
+        {
+            "key": [f"k{i}" for i in range(3)],
+            "source": str(src),
+            "object": [f"p{i}.png" for i in range(3)],
+            "offset": -1,
+            "length": 0,
+        }
+    )
+    images.to_parquet(tmp_path / "images.parquet")
+    pd.DataFrame({"key": ["c0"], "caption": ["colour 0"]}).to_parquet(tmp_path / "caps.parquet")
+    run = EmbedRun(
+        clip_model=str(tiny_clip(tmp_path / "clip")),
+        images=str(tmp_path / "images.parquet"),
+        captions=str(tmp_path / "caps.parquet"),
+        out_dir=str(tmp_path / "parts"),
+        batch_size=1,
+    )
+    config = write_run_file(run, tmp_path / "embed.yaml")
+    main(["--config", str(config)])
+    parts = sorted((tmp_path / "parts").glob("*.parquet"))
+    assert [p.name for p in parts] == [
+        "captions-000000.parquet",
+        *(f"images-{b:06d}.parquet" for b in range(3)),
+    ]
+    before = {p.name: p.stat().st_mtime_ns for p in parts}
+    (tmp_path / "parts" / "images-000001.parquet").unlink()
+    main(["--config", str(config)])
+    after = {p.name: p.stat().st_mtime_ns for p in sorted((tmp_path / "parts").glob("*.parquet"))}
+    assert after.keys() == before.keys()
+    assert {n for n in after if after[n] != before[n]} == {"images-000001.parquet"}
