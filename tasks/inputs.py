@@ -43,6 +43,7 @@ __all__ = [
 # The inputs each step needs before it starts; `check_inputs` checks them for the given steps.
 STEP_INPUTS = {
     "ingest": ("source",),
+    "validate": ("content",),
     "train": ("topology", "tracking", "cluster", "memory"),
     "plan": ("topology",),
     "evaluate": ("topology", "prompts"),
@@ -65,7 +66,11 @@ def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
     need = {check for step in steps for check in STEP_INPUTS.get(step, ())}
     if "shard" in steps and cfg.shards.precompute:  # precompute launches on the topology
         need.add("topology")
+    if "content" in need and cfg.quality.needs_clip:  # the embeddings launch on it too
+        need.add("topology")
     errors = []
+    if "content" in need:
+        errors += _check_content(cfg)
     if "source" in need:
         errors += _check_source_local(cfg)
     if "topology" in need:
@@ -163,6 +168,28 @@ def _probe_source(cfg: PipelineConfig) -> list[str]:
     except ValueError as e:  # an unsupported scheme, an S3 URI without a bucket
         return [f"ingest.source: {e} ({SOURCE_FIX})"]
     return []
+
+
+def _check_content(cfg: PipelineConfig) -> list[str]:
+    """The content rules' local weights are there, and their languages are Lingua's."""
+    q, errors = cfg.quality, []
+    if q.clip_model is not None and not (Path(q.clip_model).expanduser() / "config.json").is_file():
+        errors.append(
+            f"quality.clip_model: no CLIP folder at {q.clip_model} (config.json, weights and "
+            "processor files from save_pretrained); docs/operations.md, 'Curation by content'"
+        )
+    if q.aesthetic_head is not None and not Path(q.aesthetic_head).expanduser().is_file():
+        errors.append(
+            f"quality.aesthetic_head: no file at {q.aesthetic_head}; stage LAION's linear head "
+            "for the CLIP there (docs/operations.md, 'Curation by content')"
+        )
+    if q.allowed_languages is not None:
+        from lingua import IsoCode639_1  # a compiled module: imported when the rule is on
+
+        unknown = [c for c in q.allowed_languages if not hasattr(IsoCode639_1, c.upper())]
+        if unknown:
+            errors.append(f"quality.allowed_languages: Lingua has no language {unknown}")
+    return errors
 
 
 def _check_topology(cfg: PipelineConfig) -> list[str]:

@@ -200,3 +200,26 @@ def test_the_embedding_launch_resumes_by_batch(tmp_path):
     after = {p.name: p.stat().st_mtime_ns for p in sorted((tmp_path / "parts").glob("*.parquet"))}
     assert after.keys() == before.keys()
     assert {n for n in after if after[n] != before[n]} == {"images-000001.parquet"}
+
+
+def test_kiln_validate_names_missing_weights_before_it_starts(tmp_path, make_config):
+    from kiln_config import ConfigError, load_config
+    from tasks.inputs import check_inputs
+
+    path = make_config(
+        tmp_path / "c.yaml",
+        tmp_path / "root",
+        tmp_path,
+        **{
+            "quality.clip_model": str(tmp_path / "no-clip"),
+            "quality.min_clip_score": 0.28,
+            "quality.aesthetic_head": str(tmp_path / "no-head.pth"),
+            "quality.allowed_languages": ["en", "xx"],
+        },
+    )
+    with pytest.raises(ConfigError) as e:
+        check_inputs(load_config(path), ("validate",))
+    msg = str(e.value)
+    assert "quality.clip_model: no CLIP folder" in msg
+    assert "quality.aesthetic_head: no file" in msg
+    assert "Lingua has no language ['xx']" in msg
