@@ -219,10 +219,11 @@ SAMPLE = 20  # failing rows per expectation kept for the Data Docs
 _SUITE_FORMAT = 2  # part of `suite_key`: bump when a rule's meaning changes
 
 
-def suite_key(rules: QualityConfig) -> str:
-    """Identifies the rules a verdict was reached under: rows checked under the same key are
-    not checked again."""
-    blob = json.dumps([_SUITE_FORMAT, rules.model_dump(mode="json")], sort_keys=True)
+def suite_key(rules: QualityConfig, scorers: tuple[str, ...] = ()) -> str:
+    """Identifies the rules a verdict was reached under, with the models that scored the
+    content rules (`scorers`: a new model's scores are other scores): rows checked under the
+    same key are not checked again."""
+    blob = json.dumps([_SUITE_FORMAT, rules.model_dump(mode="json"), *scorers], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -183,13 +183,15 @@ def report(config_path: str, root: str | None, comparison: str) -> None:
     cfg, store = _load(config_path, root)
     he = cfg.human_eval
     out = Layout(Path(cfg.storage.root)).comparison(comparison)
-    proxies, skipped = None, None
+    proxies, skipped = None, {}
     clip = cfg.evaluate.metrics.clip_model  # quality.clip_model unless set apart
-    if clip is not None:
+    if clip is not None and store.comparison(comparison) is not None:
         try:
-            proxies = pair_proxy_scores(store, comparison, clip, cfg.quality.aesthetic_head)
+            proxies, skipped = pair_proxy_scores(
+                store, comparison, clip, cfg.quality.aesthetic_head
+            )
         except KilnError as e:  # no CLIP there: the report without its proxies, and why
-            skipped = str(e)
+            skipped = {"clip_score": str(e)}
     result = build_report(
         store,
         comparison,
@@ -204,9 +206,10 @@ def report(config_path: str, root: str | None, comparison: str) -> None:
         for q, v in result["questions"].items()
     }
     summary["raters_excluded"] = result["raters"]["excluded"]
-    if "proxy_agreement" in result:  # each automatic score against the raters
-        summary["proxy_agreement"] = result["proxy_agreement"]
-    elif skipped:
-        summary["proxy_agreement"] = {"skipped": skipped}
+    if "proxy_agreement" in result or skipped:  # each automatic score against the raters
+        summary["proxy_agreement"] = {
+            **result.get("proxy_agreement", {}),
+            **{name: {"skipped": why} for name, why in skipped.items()},
+        }
     summary["outputs"] = result["outputs"]
     click.echo(json.dumps(summary, indent=2, default=str))

@@ -63,6 +63,12 @@ def embed_captions(model, processor, captions: list[str]) -> np.ndarray:
     )
 
 
+def _input_side(processor) -> int | None:
+    """The side the CLIP processor resizes to (a JPEG need not decode larger)."""
+    size = getattr(processor.image_processor, "size", None) or {}
+    return size.get("shortest_edge") or size.get("height")
+
+
 def _write(out: Path, keys, emb: np.ndarray) -> None:
     table = pa.table(
         {
@@ -85,7 +91,8 @@ def _run(accelerator, run: EmbedRun, model, processor, kind: str, frame: pd.Data
             continue
         batch = frame.iloc[start : start + size]
         if kind == "images":
-            images = [read_image(r, run.endpoint_url) for r in batch.itertuples()]
+            side = _input_side(processor)
+            images = [read_image(r, run.endpoint_url, side) for r in batch.itertuples()]
             emb = embed_images(model, processor, images)
         else:
             emb = embed_captions(model, processor, batch["caption"].tolist())

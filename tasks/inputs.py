@@ -6,6 +6,7 @@ returned, and the step that needs it sets it on its own copy (`with_prompts`).
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from urllib.parse import urlparse
 
 import yaml
 
+from data_quality.content.clip import AestheticHead
 from kiln_config import (
     ConfigError,
     PipelineConfig,
@@ -22,6 +24,7 @@ from kiln_config import (
     redact_uri,
     sharding_conflict,
 )
+from kiln_config.errors import InputError
 from tasks.evaluation.prompts import PromptsUnavailable, resolve_prompts
 from tasks.launch.gpu_fit import HealthCheckError, check_memory, declares_gpus
 from tasks.launch.kubernetes import KubernetesRejected, check_kubernetes
@@ -183,6 +186,17 @@ def _check_content(cfg: PipelineConfig) -> list[str]:
             f"quality.aesthetic_head: no file at {q.aesthetic_head}; stage LAION's linear head "
             "for the CLIP there (docs/operations.md, 'Curation by content')"
         )
+    if not errors and q.aesthetic_head is not None and q.clip_model is not None:
+        try:  # the head must be the one fitted on this CLIP's embedding width
+            width = json.loads((Path(q.clip_model).expanduser() / "config.json").read_text())
+            dim = len(AestheticHead.load(q.aesthetic_head).weight)
+            if width.get("projection_dim") not in (None, dim):
+                errors.append(
+                    f"quality.aesthetic_head expects {dim}-d embeddings; quality.clip_model "
+                    f"gives {width['projection_dim']}-d: use the head of that CLIP"
+                )
+        except (InputError, ValueError, OSError) as e:
+            errors.append(str(e))
     if q.allowed_languages is not None:
         from lingua import IsoCode639_1  # a compiled module: imported when the rule is on
 

@@ -10,13 +10,14 @@ short captions ("a cat") are often ambiguous.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 
 import numpy as np
 
 from data_quality.content import package_version
 
-__all__ = ["CANDIDATES", "SCORER", "UNDETERMINED", "detect"]
+__all__ = ["CANDIDATES", "UNDETERMINED", "detect", "scorer"]
 
 UNDETERMINED = "und"
 # The widespread written languages of web-scale caption sets (ISO 639-1).
@@ -53,7 +54,13 @@ CANDIDATES = [
 ]
 
 
-SCORER = f"lingua-{package_version('lingua-language-detector')}-{len(CANDIDATES)}"
+def scorer(extra: list[str] | None = None) -> str:
+    """The content store's name for the languages `detect` tells apart with `extra`: another
+    candidate set (or Lingua version) labels again."""
+    codes = sorted({*CANDIDATES, *(extra or [])})
+    digest = hashlib.sha256(" ".join(codes).encode()).hexdigest()[:8]
+    return f"lingua-{package_version('lingua-language-detector')}-{len(codes)}-{digest}"
+
 
 _DETECTORS: dict[tuple[str, ...], object] = {}
 _LOCK = threading.Lock()

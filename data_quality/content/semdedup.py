@@ -9,10 +9,11 @@ the member farthest from the centroid; Kiln keeps the earliest so that verdicts 
 a catalog grows.) A pair that k-means splits between two clusters is not found: SemDeDup's
 trade for comparing within clusters only.
 
-Incremental: `fit_centroids` runs once, on the first catalog it sees (or when the row count
-has grown past `refit_growth` times the fit's); later runs assign their new rows to those
-centroids and compare each only with the earlier members of its cluster (`duplicates`), so
-the work per run follows the new rows. Each cluster is one task (`cluster_duplicates`): the
+Incremental: `fit_centroids` runs once, on the first catalog it sees (tasks/quality/content.py
+keeps the centroids, and fits again when a full validate finds the view grown fourfold);
+later runs assign their rows to those centroids and compare each new row only with the
+earlier members of its cluster (`cluster_duplicates`), so the search per run follows the new
+rows. Each cluster is one task (`cluster_duplicates`): the
 driver holds the cluster ids, and a worker holds one cluster's embeddings at a time.
 """
 
@@ -71,30 +72,45 @@ def cluster_duplicates(
     first_new: int,
     similarity: float,
     keys: np.ndarray | None = None,
+    eligible: np.ndarray | None = None,
+    block: int = 4096,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The semantic duplicates among one cluster's members: `embeddings` in priority order,
     at catalog `positions`; only members at positions >= `first_new` are judged (the others
-    were judged before). Members with the same `keys` (content hashes: exact copies, which the
-    exact-duplicate rule names) never match each other. Returns (positions judged duplicate,
-    the position of the first earlier member each matches, the cosine), a block of rows at a
-    time."""
+    were judged before). A member matches an earlier one whose cosine reaches `similarity`,
+    except one with the same `keys` (content hash: an exact copy, which the exact-duplicate
+    rule names) and one that is not `eligible` (rejected by another rule: a near-copy of a
+    rejected image is not its duplicate). Returns (positions judged duplicate, the position of
+    the first earlier member each matches, the cosine), `block` x `block` similarities at a
+    time, so memory does not grow with the cluster."""
     x = np.ascontiguousarray(embeddings, np.float32)
+    n = len(x)
+    keys = np.arange(n) if keys is None else np.asarray(keys)
+    eligible = np.ones(n, bool) if eligible is None else np.asarray(eligible, bool)
     new = np.flatnonzero(positions >= first_new)
     hit, of, cos = [], [], []
-    for s in range(0, len(new), 1024):
-        q = new[s : s + 1024]
-        sims = x[q] @ x[: q[-1]].T if q[-1] else np.zeros((len(q), 0), np.float32)
-        # only earlier members count: mask each row's own and later columns
-        cols = np.arange(sims.shape[1])
-        ok = (sims >= similarity) & (cols[None, :] < q[:, None])
-        if keys is not None:
-            ok &= keys[: sims.shape[1]][None, :] != keys[q][:, None]
-        any_ = ok.any(axis=1)
-        first = ok.argmax(axis=1)
-        rows = np.flatnonzero(any_)
-        hit.append(positions[q[rows]])
-        of.append(positions[first[rows]])
-        cos.append(sims[rows, first[rows]])
+    for s in range(0, len(new), block):
+        q = new[s : s + block]
+        first = np.full(len(q), -1, np.int64)
+        best = np.zeros(len(q), np.float32)
+        for c in range(0, int(q[-1]), block):
+            cols = np.arange(c, min(c + block, int(q[-1])))
+            open_ = first < 0
+            if not open_.any():
+                break
+            sims = x[q[open_]] @ x[cols].T
+            ok = (sims >= similarity) & (cols[None, :] < q[open_][:, None])
+            ok &= keys[cols][None, :] != keys[q[open_]][:, None]
+            ok &= eligible[cols][None, :]
+            found = ok.any(axis=1)
+            at = ok.argmax(axis=1)
+            rows = np.flatnonzero(open_)[found]
+            first[rows] = cols[at[found]]
+            best[rows] = sims[found, at[found]]
+        done = first >= 0
+        hit.append(positions[q[done]])
+        of.append(positions[first[done]])
+        cos.append(best[done])
     if not hit:
         return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.float32)
     return np.concatenate(hit), np.concatenate(of), np.concatenate(cos).astype(np.float32)

@@ -16,6 +16,7 @@ from PIL import Image
 
 from data_quality.content.clip import AestheticHead, clip_scores
 from human_eval.store import RatingStore
+from kiln_config.errors import InputError
 
 __all__ = ["pair_proxy_scores"]
 
@@ -26,9 +27,14 @@ def pair_proxy_scores(
     clip_model: str,
     aesthetic_head: str | None = None,
     batch_size: int = 32,
-) -> dict[str, dict[int, tuple[float, float]]]:
-    """{"clip_score": {pair id: (A's, B's)}, "aesthetic": ... (with a head)} over the
-    comparison's regular pairs."""
+) -> tuple[dict[str, dict[int, tuple[float, float]]], dict[str, str]]:
+    """({"clip_score": {pair id: (A's, B's)}, "aesthetic": ... (with a head)} over the
+    comparison's regular pairs, {proxy: why it was skipped}): a head that does not load or
+    fit the CLIP skips the aesthetic proxy alone.
+
+    Raises:
+        MetricUnavailable: the CLIP does not load.
+    """
     # torch, transformers and streaming load here, when a report has a CLIP to run, not with
     # every `kiln rate` command.
     from models.embed_content import embed_captions, embed_images
@@ -53,10 +59,16 @@ def pair_proxy_scores(
         t = np.stack([text[p.prompt], text[p.prompt]])
         a, b = clip_scores(np.stack([emb[p.image_a], emb[p.image_b]]), t)
         out["clip_score"][p.id] = (float(a), float(b))
+    skipped = {}
     if aesthetic_head is not None:
-        head = AestheticHead.load(aesthetic_head)
-        out["aesthetic"] = {
-            p.id: tuple(float(x) for x in head.scores(np.stack([emb[p.image_a], emb[p.image_b]])))
-            for p in pairs
-        }
-    return out
+        try:
+            head = AestheticHead.load(aesthetic_head)
+            out["aesthetic"] = {
+                p.id: tuple(
+                    float(x) for x in head.scores(np.stack([emb[p.image_a], emb[p.image_b]]))
+                )
+                for p in pairs
+            }
+        except InputError as e:
+            skipped["aesthetic"] = str(e)
+    return out, skipped

@@ -86,9 +86,10 @@ def nearest_buckets(widths, heights, buckets: list[tuple]) -> list[tuple[int, in
     return [tuple(buckets[i]) for i in best]
 
 
-def read_image(row, endpoint_url: str | None) -> Image.Image:
+def read_image(row, endpoint_url: str | None, draft: int | None = None) -> Image.Image:
     """One catalog row's image (`row.source`, `.object`, `.offset`, `.length`; offset -1: the
-    whole object), decoded as RGB with its EXIF rotation applied."""
+    whole object), decoded as RGB with its EXIF rotation applied; with `draft`, a JPEG decodes
+    at the smallest DCT scale whose sides still cover `draft` pixels (far cheaper)."""
     store = worker_storage(row.source, endpoint_url)
     offset = int(row.offset)
     data = (
@@ -98,6 +99,8 @@ def read_image(row, endpoint_url: str | None) -> Image.Image:
     )
     Image.MAX_IMAGE_PIXELS = None  # ingest already enforced the pixel limit
     with Image.open(io.BytesIO(data)) as img:
+        if draft and img.format == "JPEG":
+            img.draft("RGB", (draft, draft))
         return to_rgb(ImageOps.exif_transpose(img))
 
 

@@ -13,6 +13,7 @@ scores onto a partition's rows for the expectations: `unsafe`, `caption_language
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 
 from data_quality.content import language, semdedup, store, unsafe
 from data_quality.content.clip import AestheticHead, clip_scores
+from data_quality.suite import check_rows
 from kiln_config import EmbedRun, LaunchConfig, QualityConfig, write_run_file
 from kiln_config.errors import InputError
 from tasks.catalog.view import ViewPart, read_part
@@ -43,6 +45,7 @@ __all__ = [
     "ContentScores",
     "clip_scorer",
     "content_columns",
+    "content_scorers",
     "has_content_rules",
     "score_content",
     "semantic_duplicates",
@@ -77,6 +80,26 @@ def clip_scorer(clip_model: str) -> str:
     return "clip-" + files_sha256(path)["sha256"][:16]
 
 
+def content_scorers(rules: QualityConfig) -> tuple[str, ...]:
+    """The names of the models whose scores `rules` read: part of the verdict's suite key.
+
+    Raises:
+        InputError: the CLIP folder is missing.
+    """
+    out = []
+    if rules.max_unsafe is not None:
+        out.append(unsafe.SCORER)
+    if rules.allowed_languages is not None:
+        out.append(language.scorer(rules.allowed_languages))
+    if rules.needs_clip:
+        out.append(clip_scorer(rules.clip_model))
+    if rules.aesthetic_head is not None and rules.min_aesthetic is not None:
+        out.append(
+            "aesthetic-" + files_sha256(Path(rules.aesthetic_head).expanduser())["sha256"][:16]
+        )
+    return tuple(out)
+
+
 @dataclass
 class ContentScores:
     """Where a validate's partitions find the content scores (picklable, for Dask)."""
@@ -100,7 +123,13 @@ def _unsafe(table: Path, rows: pd.DataFrame, endpoint_url: str | None, threads: 
     det = unsafe.detector()
 
     def score(chunk: pd.DataFrame) -> np.ndarray:
-        return det.scores([read_image(r, endpoint_url) for r in chunk.itertuples()])
+        # 16 images decoded at a time, each at the smallest JPEG draft that covers the
+        # detector's 320 px, so a thread holds 16 small images, not 256 full-size ones.
+        out = []
+        for s in range(0, len(chunk), 16):
+            rows = chunk.iloc[s : s + 16].itertuples()
+            out.append(det.scores([read_image(r, endpoint_url, unsafe.SIZE) for r in rows]))
+        return np.concatenate(out)
 
     # Scored 256 images a task; committed every `_COMMIT_ROWS`, so that a crash loses at most
     # that much work and the table's log stays short.
@@ -123,12 +152,13 @@ def _unsafe(table: Path, rows: pd.DataFrame, endpoint_url: str | None, threads: 
 def _languages(table: Path, rows: pd.DataFrame, rules: QualityConfig) -> int:
     caps = rows[["caption"]].assign(ckey=store.caption_keys(rows["caption"])).dropna()
     caps = caps.drop_duplicates("ckey")
-    have = set(store.read(table, language.SCORER, caps["ckey"])["key"])
+    scorer = language.scorer(rules.allowed_languages)
+    have = set(store.read(table, scorer, caps["ckey"])["key"])
     caps = caps[~caps["ckey"].isin(have)]
     for s in range(0, len(caps), _COMMIT_ROWS):
         chunk = caps.iloc[s : s + _COMMIT_ROWS]
         codes, conf = language.detect(chunk["caption"].tolist(), rules.allowed_languages)
-        store.append(table, chunk["ckey"], language.SCORER, scores=conf, labels=codes)
+        store.append(table, chunk["ckey"], scorer, scores=conf, labels=codes)
     return len(caps)
 
 
@@ -154,8 +184,17 @@ def _embed(
         caps = caps[~caps["key"].isin(set(store.read(captions_t, scorer, caps["key"])["key"]))]
     if not len(imgs) and not len(caps):
         return {"images": 0, "captions": 0}
-    work = root / "content-embed" / scorer
-    work.mkdir(parents=True, exist_ok=True)  # kept across a failed launch: its parts resume
+    # One folder per work list and batch size: a relaunch of the same list resumes its parts
+    # (kept across a failed launch); a different list (a new ingest since) starts afresh.
+    jobs = hashlib.sha256(
+        "\n".join([str(rules.embed_batch_size), *imgs["sha256"], "", *caps["key"]]).encode()
+    ).hexdigest()[:16]
+    base = root / "content-embed" / scorer
+    for old in base.glob("*") if base.is_dir() else []:
+        if old.name != jobs:
+            shutil.rmtree(old, ignore_errors=True)
+    work = base / jobs
+    work.mkdir(parents=True, exist_ok=True)
     imgs.rename(columns={"sha256": "key"})[["key", *_WHERE]].to_parquet(work / "images.parquet")
     caps[["key", "caption"]].to_parquet(work / "captions.parquet")
     run = EmbedRun(
@@ -173,13 +212,27 @@ def _embed(
         workdir=work,
         name="embed-content",
     )
-    for kind, table in (("images", images_t), ("captions", captions_t)):
+    for kind, table, want in (
+        ("images", images_t, imgs["sha256"]),
+        ("captions", captions_t, caps["key"]),
+    ):
         files = sorted((work / "parts").glob(f"{kind}-*.parquet"))
-        if files:
-            t = pa.concat_tables([pq.read_table(f) for f in files])
+        got = set()
+        for f in files:
+            got.update(pq.read_table(f, columns=["key"])["key"].to_pylist())
+        lacking = set(want) - got
+        if lacking:
+            raise RuntimeError(
+                f"the embedding launch wrote no {kind} embedding for {len(lacking)} of "
+                f"{len(want)} keys (e.g. {sorted(lacking)[0]}); its parts are in {work}"
+            )
+        # appended a few parts at a time: the driver never holds every new embedding
+        step = max(1, _COMMIT_ROWS // rules.embed_batch_size)
+        for s in range(0, len(files), step):
+            t = pa.concat_tables([pq.read_table(f) for f in files[s : s + step]])
             emb = np.stack(t["embedding"].to_numpy(zero_copy_only=False)).astype(np.float32)
             store.append(table, t["key"].to_pylist(), scorer, embeddings=emb)
-    shutil.rmtree(work, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
     return {"images": len(imgs), "captions": len(caps)}
 
 
@@ -213,7 +266,9 @@ def score_content(
         log.info("content: unsafe probability of %d new images (%s)", n, unsafe.SCORER)
     if rules.allowed_languages is not None:
         n = _languages(captions_t, rows, rules)
-        log.info("content: language of %d new captions (%s)", n, language.SCORER)
+        log.info(
+            "content: language of %d new captions (%s)", n, language.scorer(rules.allowed_languages)
+        )
     scorer = None
     if rules.needs_clip:
         scorer = clip_scorer(rules.clip_model)
@@ -256,7 +311,9 @@ def content_columns(df: pd.DataFrame, rules: QualityConfig, scores: ContentScore
         got, at = joined(images_t, unsafe.SCORER, sha, "unsafe probability")
         out["unsafe"] = np.where(at >= 0, got["score"].to_numpy(float)[np.maximum(at, 0)], np.nan)
     if rules.allowed_languages is not None:
-        got, at = joined(captions_t, language.SCORER, ckeys, "caption language")
+        got, at = joined(
+            captions_t, language.scorer(rules.allowed_languages), ckeys, "caption language"
+        )
         code = got["label"].to_numpy(object)[np.maximum(at, 0)]
         conf = got["score"].to_numpy(float)[np.maximum(at, 0)]
         lang = np.where(conf >= rules.min_language_confidence, code, language.UNDETERMINED)
@@ -268,13 +325,17 @@ def content_columns(df: pd.DataFrame, rules: QualityConfig, scores: ContentScore
             cgot, cat = joined(captions_t, scores.clip, ckeys, "CLIP caption embedding")
             txt = cgot.attrs["embedding"][np.maximum(cat, 0)]
             out["clip_score"] = np.where(cat >= 0, np.round(clip_scores(img, txt), 4), np.nan)
-        if (
-            rules.aesthetic_head is not None
-            and rules.min_aesthetic is not None
-            and rules.aesthetic_column not in df.columns
-        ):
-            head = AestheticHead.load(rules.aesthetic_head)
-            out[rules.aesthetic_column] = np.round(head.scores(img), 4)
+        if rules.aesthetic_head is not None and rules.min_aesthetic is not None:
+            # The source's own score wins row by row; the head fills the rows without one
+            # (a declared column that no row has yet reads as null).
+            head = np.round(AestheticHead.load(rules.aesthetic_head).scores(img), 4)
+            col = rules.aesthetic_column
+            own = (
+                pd.to_numeric(df[col], errors="coerce").to_numpy(float)
+                if col in df.columns
+                else np.full(len(df), np.nan)
+            )
+            out[col] = np.where(np.isnan(own), head, own)
     if rules.semantic_duplicate_similarity is not None:
         sem = pd.read_parquet(scores.semantic) if scores.semantic else None
         of = pd.Series(None, index=df.index, dtype=object)
@@ -295,7 +356,10 @@ def cluster_task(folder: str, first_new: int, similarity: float) -> pd.DataFrame
     emb = np.stack(t["embedding"].to_numpy(zero_copy_only=False)).astype(np.float32)
     pos = t["pos"].to_numpy()
     sha = t["sha256"].to_numpy(zero_copy_only=False)
-    hit, of, cos = semdedup.cluster_duplicates(emb, pos, first_new, similarity, keys=sha)
+    ok = t["eligible"].to_numpy(zero_copy_only=False)
+    hit, of, cos = semdedup.cluster_duplicates(
+        emb, pos, first_new, similarity, keys=sha, eligible=ok
+    )
     uid = t["uid"].to_numpy(zero_copy_only=False)
     at = pd.Index(pos)
     return pd.DataFrame(
@@ -314,13 +378,19 @@ def semantic_duplicates(
     scores: ContentScores,
     out: Path,
     *,
+    columns: list[str],
     workers: int,
     dask_address: str | None,
 ) -> ContentScores:
-    """SemDeDup over the view (`parts`, in priority order) for the rows at positions from
-    `first_new`: each row's cluster (the centroids fitted once and kept in
-    `<catalog>/content-centroids/`), then one task per cluster that has new rows. Writes the
-    duplicates found to `out` (uid, semantic_duplicate_of, semantic_similarity)."""
+    """SemDeDup over the view (`parts`, in priority order; `columns`: its columns) for the
+    rows at positions from `first_new`: each row's cluster (the centroids fitted once and kept
+    in `<catalog>/content-centroids/`) and whether another row-local rule rejects it (such a
+    row is no row's original), then one task per cluster that has new rows. Writes the
+    duplicates found to `out` (uid, semantic_duplicate_of, semantic_similarity).
+
+    Raises:
+        RuntimeError: a row of the view has no stored embedding.
+    """
     total = sum(p.rows for p in parts)
     if rules.semantic_duplicate_similarity is None or total <= first_new:
         return scores  # no rule, or no row to check: nothing found
@@ -330,15 +400,26 @@ def semantic_duplicates(
     work = out.with_suffix(".clusters")
     shutil.rmtree(work, ignore_errors=True)
     pos, todo = 0, set()
+    others = rules.model_copy(update={"semantic_duplicate_similarity": None})
+    plain = ContentScores(scores.catalog, scores.clip, None)
 
     def batches():
         nonlocal pos
         for p in parts:
             for g in range(p.row_groups):
-                df = read_part(p, ["source", "key", "sha256"], [g])
+                df = content_columns(read_part(p, columns, [g]), others, plain)
                 got = store.read(images_t, scores.clip, df["sha256"])
                 at = pd.Index(got["key"]).get_indexer(df["sha256"])
+                if (at < 0).any():
+                    raise RuntimeError(
+                        f"content store has no CLIP image embedding ({scores.clip}) for "
+                        f"{int((at < 0).sum())} rows of {p.path}: score_content must embed "
+                        "every row of the view first"
+                    )
                 emb = got.attrs["embedding"][at]
+                eligible = np.ones(len(df), bool)
+                rejected = check_rows(df, others, gx_check=False, hashes=False).rejected
+                eligible[rejected["pos"].to_numpy(np.int64)] = False
                 cl = semdedup.assign(emb, centroids)
                 n = len(df)
                 positions = np.arange(pos, pos + n)
@@ -351,6 +432,7 @@ def semantic_duplicates(
                         "pos": pa.array(positions, pa.int64()),
                         "uid": pa.array(uid.tolist(), pa.string()),
                         "sha256": pa.array(df["sha256"].tolist(), pa.string()),
+                        "eligible": pa.array(eligible, pa.bool_()),
                         "embedding": pa.array(list(emb), pa.list_(pa.float32())),
                     }
                 )
@@ -361,6 +443,7 @@ def semantic_duplicates(
             ("pos", pa.int64()),
             ("uid", pa.string()),
             ("sha256", pa.string()),
+            ("eligible", pa.bool_()),
             ("embedding", pa.list_(pa.float32())),
         ]
     )
@@ -371,6 +454,7 @@ def semantic_duplicates(
         format="parquet",
         partitioning=pads.partitioning(pa.schema([("cluster", pa.int32())]), flavor="hive"),
         existing_data_behavior="overwrite_or_ignore",
+        max_partitions=len(centroids) + 1,  # pyarrow's default stops at 1,024 clusters
     )
     found = []
     with partition_runner(workers, dask_address) as runner:

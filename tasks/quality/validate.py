@@ -85,6 +85,7 @@ from tasks.catalog.view import (
 from tasks.quality.content import (
     ContentScores,
     content_columns,
+    content_scorers,
     score_content,
     semantic_duplicates,
 )
@@ -518,7 +519,7 @@ def _kept_verdict(layout: Layout, ingest_id: str, rules: QualityConfig) -> tuple
         raise MissingInput(
             f"no catalog view for ingest {ingest_id} under {layout.root}: run `kiln ingest` first"
         )
-    suite = suite_key(rules)
+    suite = suite_key(rules, content_scorers(rules))
     links = [(link, layout.catalog(link["id"])) for link in chain(layout, ingest_id)]
     return suite, reusable_verdict(links, suite)
 
@@ -588,6 +589,7 @@ def _verdict_rows(
             rules,
             content,
             stage / "semantic.parquet",
+            columns=scope.columns,
             workers=workers,
             dask_address=dask_address,
         )

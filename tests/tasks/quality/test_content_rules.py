@@ -29,7 +29,7 @@ def _quarantine(root, ingest_id) -> dict:
 
 def _rows(root, table: str) -> int:
     path = root / "catalog" / "tables" / table
-    return len(store.read(path, unsafe.SCORER)) + len(store.read(path, language.SCORER))
+    return len(store.read(path, unsafe.SCORER)) + len(store.read(path, language.scorer(["en"])))
 
 
 def test_unsafe_and_language_rules_with_the_packaged_models(tmp_path):
