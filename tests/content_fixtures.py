@@ -88,11 +88,13 @@ def near_copies(img: Image.Image) -> dict[str, Image.Image]:
     }
 
 
-def write_source(folder: Path, items: list[tuple[str, Image.Image, str]]) -> Path:
-    """An imagefolder source: each (name, image, caption) as name.png and a metadata.jsonl row."""
+def write_source(folder: Path, items: list[tuple], extra: dict | None = None) -> Path:
+    """An imagefolder source: each (name, image, caption) as name.png and a metadata.jsonl row
+    (with `extra[name]`'s columns, when given)."""
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "metadata.jsonl", "a") as f:
         for name, img, caption in items:
             img.save(folder / f"{name}.png")
-            f.write(json.dumps({"file_name": f"{name}.png", "text": caption}) + "\n")
+            row = {"file_name": f"{name}.png", "text": caption, **(extra or {}).get(name, {})}
+            f.write(json.dumps(row) + "\n")
     return folder

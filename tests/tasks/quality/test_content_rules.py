@@ -14,7 +14,7 @@ from kiln_config import IngestConfig, LaunchConfig, QualityConfig
 from kiln_config.errors import InputError
 from tasks.catalog.view import read_view
 from tasks.ingest.run import ingest_source
-from tasks.quality.content import clip_scorer
+from tasks.quality.content import ContentScores, clip_scorer, content_columns
 from tasks.quality.validate import validate_catalog
 from tasks.storage.layout import Layout
 from tests.content_fixtures import near_copies, palette_image, tiny_clip, write_source
@@ -89,9 +89,11 @@ def test_clip_rules_group_planted_near_copies_and_score_alignment(tmp_path):
         for i in (0, 1)
         for kind, img in near_copies(palette_image(i)).items()
     ]
-    src = write_source(tmp_path / "src", originals + copies)
+    # One row brings its own aesthetic score: it wins over the head's; the others get the head's.
+    src = write_source(tmp_path / "src", originals + copies, {"orig-5": {"aesthetic": 9.5}})
     root = tmp_path / "root"
-    ing = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
+    ingest = IngestConfig(source=str(src), workers=1, metadata_columns=["aesthetic"])
+    ing = ingest_source(ingest, str(root))
     rules = QualityConfig(
         clip_model=str(clip),
         min_clip_score=-1.0,
@@ -112,6 +114,11 @@ def test_clip_rules_group_planted_near_copies_and_score_alignment(tmp_path):
 
     # The scores are stored: the CLIP score and the aesthetic head re-decide from them.
     scorer = clip_scorer(str(clip))
+    view = read_view(Layout(root), ing.ingest_id)[0]
+    joined = content_columns(view, rules, ContentScores(str(root / "catalog"), scorer, None))
+    aesthetic = dict(zip(joined["key"], joined["aesthetic"], strict=True))
+    assert aesthetic["orig-5.png"] == 9.5
+    assert all(np.isfinite(v) and v != 9.5 for k, v in aesthetic.items() if k != "orig-5.png")
     images = store.read(root / "catalog/tables/content_images", scorer)
     captions = store.read(root / "catalog/tables/content_captions", scorer)
     assert len(images) == 12 and images.attrs["embedding"].shape == (12, 16)
@@ -138,7 +145,7 @@ def test_clip_rules_group_planted_near_copies_and_score_alignment(tmp_path):
             ("late-new", palette_image(7), "a shaded cyan colour field"),
         ],
     )
-    ing2 = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
+    ing2 = ingest_source(ingest, str(root))
     # SemDeDup's cluster tasks on a Dask cluster, as with execution.dask_address.
     with LocalCluster(
         n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None
