@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -26,6 +27,7 @@ __all__ = [
     "SecretUri",
     "Strict",
     "check_id",
+    "files_sha256",
     "is_id",
     "is_remote",
     "redact_text",
@@ -47,6 +49,29 @@ def stable_hash(obj: Any, n: int = 16) -> str:
     process and on any machine.
     """
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:n]
+
+
+def files_sha256(path: str | Path) -> dict:
+    """The sha256 of a weights file, or of each file of a folder plus one digest over them
+    (of the sorted `relpath sha256` lines), so a changed file anywhere changes `sha256`."""
+    path = Path(path)
+    if path.is_file():
+        return {"sha256": _file_sha256(path)}
+    files = {
+        p.relative_to(path).as_posix(): _file_sha256(p)
+        for p in sorted(path.rglob("*"))
+        if p.is_file() and ".cache" not in p.relative_to(path).parts
+    }
+    joined = "".join(f"{k} {v}\n" for k, v in files.items())
+    return {"sha256": hashlib.sha256(joined.encode()).hexdigest(), "files": files}
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def is_remote(uri: str) -> bool:

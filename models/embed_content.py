@@ -9,7 +9,10 @@ and writes each as `images-<batch>.parquet` or `captions-<batch>.parquet` (key a
 L2-normalised embedding) atomically, so a relaunch after a crash, on any number of
 processes, skips the batches already written. The caller (tasks/quality/content.py) appends
 the parts to the content store. Images are read from their source (the catalog's object and
-byte range), decoded as RGB and fed through the CLIP processor's own resize and crop.
+byte range), decoded as RGB and fed through the CLIP processor's own resize and crop. The
+reading is `tasks.ingest.render.read_image`, over tasks/storage, the one module that talks to
+sources: the only import of this layer from tasks/, since no other launched module reads a
+source (training reads shards through streaming).
 """
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from kiln_config import files_sha256
 from kiln_config.errors import KilnError
 from models.data.mds_reader import release_shared_memory
-from tasks.storage.digests import files_sha256
 
 __all__ = [
     "FID_RESIZE",

@@ -31,14 +31,13 @@ from prefect.cache_policies import NO_CACHE
 from data_quality.content import language, semdedup, store, unsafe
 from data_quality.content.clip import AestheticHead, clip_scores
 from data_quality.suite import check_rows
-from kiln_config import EmbedRun, LaunchConfig, QualityConfig, write_run_file
+from kiln_config import EmbedRun, LaunchConfig, QualityConfig, files_sha256, write_run_file
 from kiln_config.errors import InputError
 from tasks.catalog.view import ViewPart, read_part
 from tasks.ingest.render import read_image
 from tasks.launch.accelerate import launch_module
 from tasks.runtime.logs import task_logger
 from tasks.runtime.runners import partition_runner
-from tasks.storage.digests import files_sha256
 
 __all__ = [
     "CONTENT_COLUMNS",
