@@ -18,7 +18,7 @@ Data: `uniform` pHashes, and `skewed` ones as benchmarks/catalog_scale.py makes 
 within one bit of one of three placeholder hashes, 20% sharing one 16-bit block). Every faiss
 answer is checked equal to Kiln's.
 
-    pip install faiss-cpu==1.15.1   # not a dependency of Kiln: only this comparison uses it
+    # faiss-cpu is a dependency of Kiln for SemDeDup's k-means (data_quality/content/semdedup.py)
     python benchmarks/near_dup_faiss.py --out benchmarks/results/near_dup_faiss.json
 """
 
