@@ -27,12 +27,12 @@ class EmbedRun(Strict):
 
     clip_model: str = Field(description="Local CLIP folder (quality.clip_model).")
     images: str = Field(
-        description="Parquet of the images to embed: key (sha256), source, object, offset, length."
+        description="Parquet of the images to embed: key (sha256) and image (JPEG bytes at the "
+        "CLIP's input side), one row group per batch."
     )
     captions: str = Field(description="Parquet of the captions to embed: key (sha256), caption.")
     out_dir: str = Field(description="Folder of the embedding parts, one per batch.")
-    batch_size: int = Field(64, ge=1, description="Images or captions per forward pass.")
-    endpoint_url: str | None = Field(None, description="S3 endpoint of the sources, if any.")
+    batch_size: int = Field(64, ge=1, description="Captions per forward pass.")
 
 
 class PrecomputeRun(Strict):

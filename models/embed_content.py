@@ -3,21 +3,19 @@
     accelerate launch --config_file TOPOLOGY -m models.embed_content --config embed.yaml
 
 The run file (`kiln_config.EmbedRun`) names the CLIP folder and two Parquet files: the images
-(by content hash, with where their bytes are) and the captions (by hash) that the content
-store lacks. Work is cut into batches of `batch_size`; rank r takes batches r, r + world, ...
-and writes each as `images-<batch>.parquet` or `captions-<batch>.parquet` (key and the
-L2-normalised embedding) atomically, so a relaunch after a crash, on any number of
-processes, skips the batches already written. The caller (tasks/quality/content.py) appends
-the parts to the content store. Images are read from their source (the catalog's object and
-byte range), decoded as RGB and fed through the CLIP processor's own resize and crop. The
-reading is `tasks.ingest.render.read_image`, over tasks/storage, the one module that talks to
-sources: the only import of this layer from tasks/, since no other launched module reads a
-source (training reads shards through streaming).
+(by content hash, as JPEG thumbnails at the CLIP's input side that validate's driver wrote
+while it read each new image once, one row group per batch) and the captions (by hash) that
+the content store lacks. Rank r takes batches r, r + world, ... and writes each as
+`images-<batch>.parquet` or `captions-<batch>.parquet` (key and the L2-normalised embedding)
+atomically, so a relaunch after a crash, on any number of processes, skips the batches
+already written. The caller (tasks/quality/content.py) appends the parts to the content
+store. This process reads no source: the thumbnails travel in the work list.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 from pathlib import Path
 
@@ -31,7 +29,6 @@ from PIL import Image
 
 from kiln_config import EmbedRun, load_yaml_model
 from models.evaluation.image_metrics import load_clip
-from tasks.ingest.render import read_image
 
 __all__ = ["embed_captions", "embed_images", "main"]
 
@@ -66,12 +63,6 @@ def embed_captions(model, processor, captions: list[str]) -> np.ndarray:
     )
 
 
-def _input_side(processor) -> int | None:
-    """The side the CLIP processor resizes to (a JPEG need not decode larger)."""
-    size = getattr(processor.image_processor, "size", None) or {}
-    return size.get("shortest_edge") or size.get("height")
-
-
 def _write(out: Path, keys, emb: np.ndarray) -> None:
     table = pa.table(
         {
@@ -84,22 +75,27 @@ def _write(out: Path, keys, emb: np.ndarray) -> None:
     tmp.replace(out)
 
 
-def _run(accelerator, run: EmbedRun, model, processor, kind: str, frame: pd.DataFrame) -> int:
-    """This rank's batches of `frame` (`kind` images or captions); returns the batches done."""
+def _run(accelerator, run: EmbedRun, model, processor) -> int:
+    """This rank's batches of images (row groups of `run.images`) and captions; returns the
+    batches done."""
     out, done = Path(run.out_dir), 0
-    rank, world, size = accelerator.process_index, accelerator.num_processes, run.batch_size
-    for b, start in enumerate(range(0, len(frame), size)):
-        path = out / f"{kind}-{b:06d}.parquet"
+    rank, world = accelerator.process_index, accelerator.num_processes
+    images = pq.ParquetFile(run.images)
+    for b in range(images.metadata.num_row_groups):
+        path = out / f"images-{b:06d}.parquet"
         if b % world != rank or path.is_file():
             continue
-        batch = frame.iloc[start : start + size]
-        if kind == "images":
-            side = _input_side(processor)
-            images = [read_image(r, run.endpoint_url, side) for r in batch.itertuples()]
-            emb = embed_images(model, processor, images)
-        else:
-            emb = embed_captions(model, processor, batch["caption"].tolist())
-        _write(path, batch["key"], emb)
+        t = images.read_row_group(b)
+        pics = [Image.open(io.BytesIO(x)).convert("RGB") for x in t["image"].to_pylist()]
+        _write(path, t["key"].to_pylist(), embed_images(model, processor, pics))
+        done += 1
+    captions, size = pd.read_parquet(run.captions), run.batch_size
+    for b, start in enumerate(range(0, len(captions), size)):
+        path = out / f"captions-{b:06d}.parquet"
+        if b % world != rank or path.is_file():
+            continue
+        batch = captions.iloc[start : start + size]
+        _write(path, batch["key"], embed_captions(model, processor, batch["caption"].tolist()))
         done += 1
     return done
 
@@ -114,9 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model, processor = load_clip(run.clip_model)
     model.to(accelerator.device)
-    done = 0
-    for kind, path in (("images", run.images), ("captions", run.captions)):
-        done += _run(accelerator, run, model, processor, kind, pd.read_parquet(path))
+    done = _run(accelerator, run, model, processor)
     log.info("rank %d embedded %d batches", accelerator.process_index, done)
     accelerator.wait_for_everyone()
     accelerator.end_training()

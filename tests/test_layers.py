@@ -162,6 +162,8 @@ LAZY = {
     ("models/data/tokenization.py", "kiln_pyfunc"),
     # Tasks that run ML code in process: torch loads there, not with every flow.
     ("tasks/evaluation/study_metrics.py", "models.evaluation.study_metrics"),
+    ("tasks/evaluation/proxy_scores.py", "models.embed_content"),
+    ("tasks/evaluation/proxy_scores.py", "models.evaluation.image_metrics"),
     ("tasks/launch/gpu_fit.py", "tasks.planning.memory_model"),
     ("tasks/shards/vae_folder.py", "models.components.vae_fit"),
     ("tasks/shards/write.py", "models.components.factory"),

@@ -17,6 +17,7 @@ import threading
 import numpy as np
 
 from data_quality.content import package_version
+from kiln_config.errors import InputError
 
 __all__ = ["CANDIDATES", "UNDETERMINED", "detect", "scorer"]
 
@@ -71,8 +72,6 @@ def _detector(codes: tuple[str, ...]):
     try:
         from lingua import IsoCode639_1, LanguageDetectorBuilder
     except ImportError as e:
-        from kiln_config.errors import InputError
-
         raise InputError(
             "quality.allowed_languages needs Lingua: pip install lingua-language-detector "
             "(a dependency of Kiln), or unset it"
@@ -83,8 +82,6 @@ def _detector(codes: tuple[str, ...]):
             for c in codes:
                 iso = getattr(IsoCode639_1, c.upper(), None)
                 if iso is None:
-                    from kiln_config.errors import InputError
-
                     raise InputError(f"quality.allowed_languages: Lingua has no language {c!r}")
                 isos.append(iso)
             _DETECTORS[codes] = LanguageDetectorBuilder.from_iso_codes_639_1(*isos).build()

@@ -14,11 +14,13 @@ but a team that ships Kiln with it to others must honour the AGPL.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from data_quality.content import package_version
+from kiln_config.errors import InputError
 
 __all__ = ["SCORER", "UNSAFE_CLASSES", "UnsafeDetector", "detector", "preprocess"]
 
@@ -75,14 +77,10 @@ class UnsafeDetector:
             import nudenet
             import onnxruntime
         except ImportError as e:
-            from kiln_config.errors import InputError
-
             raise InputError(
                 "quality.max_unsafe needs NudeNet: pip install nudenet (a dependency of "
                 "Kiln), or unset it"
             ) from e
-        from pathlib import Path
-
         opts = onnxruntime.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads

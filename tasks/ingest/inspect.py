@@ -22,8 +22,8 @@ from pathlib import PurePosixPath
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from tasks.ingest.render import to_rgb
 from tasks.ingest.sources import Item, is_unsafe_key
+from tasks.storage.images import to_rgb
 from tasks.storage.objects import worker_storage
 
 __all__ = ["InspectOptions", "conversion_steps", "inspect_bytes", "inspect_item", "phash"]

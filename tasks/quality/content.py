@@ -14,6 +14,7 @@ scores onto a partition's rows for the expectations: `unsafe`, `caption_language
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
+from PIL import Image
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -34,10 +36,11 @@ from data_quality.suite import check_rows
 from kiln_config import EmbedRun, LaunchConfig, QualityConfig, files_sha256, write_run_file
 from kiln_config.errors import InputError
 from tasks.catalog.view import ViewPart, read_part
-from tasks.ingest.render import read_image
 from tasks.launch.accelerate import launch_module
 from tasks.runtime.logs import task_logger
 from tasks.runtime.runners import partition_runner
+from tasks.storage.images import read_image
+from tasks.storage.layout import Layout
 
 __all__ = [
     "CONTENT_COLUMNS",
@@ -113,39 +116,134 @@ def _rows(parts: list[ViewPart], columns: list[str]) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=columns)
 
 
-def _unsafe(table: Path, rows: pd.DataFrame, endpoint_url: str | None, threads: int) -> int:
+def _clip_side(clip_model: str) -> int:
+    """The side the CLIP's processor resizes to (its preprocessor_config.json; 224 if unsaid)."""
+    path = Path(clip_model).expanduser() / "preprocessor_config.json"
+    cfg = json.loads(path.read_text()) if path.is_file() else {}
+    size = cfg.get("size") or {}
+    size = size if isinstance(size, dict) else {"shortest_edge": size}
+    return int(size.get("shortest_edge") or size.get("height") or 224)
+
+
+def _thumbnail(img: Image.Image, side: int) -> bytes:
+    """`img` with its short side at most `side` (Lanczos), as a JPEG at quality 95: what the
+    embedding launch reads, so that it never reads a source itself."""
+    w, h = img.size
+    scale = side / min(w, h)
+    if scale < 1:
+        img = img.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.LANCZOS)
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=95)
+    return buf.getvalue()
+
+
+def _read_images(
+    catalog: Path,
+    rows: pd.DataFrame,
+    rules: QualityConfig,
+    clip: str | None,
+    endpoint_url: str | None,
+    threads: int,
+) -> tuple[int, Path | None]:
+    """One read of each new image for what the store lacks: its unsafe probability (stored,
+    committed every `_COMMIT_ROWS`) and, for the CLIP rules, a thumbnail at the CLIP's input
+    side in the embedding launch's work list (`images.parquet`, a row group per batch).
+    Returns (images scored for unsafe, the work folder or None when nothing is to embed)."""
+    images_t = store.table_dir(catalog, store.IMAGES)
     todo = rows.drop_duplicates("sha256")
-    have = set(store.read(table, unsafe.SCORER, todo["sha256"])["key"])
-    todo = todo[~todo["sha256"].isin(have)]
-    if not len(todo):
-        return 0
-    det = unsafe.detector()
+    need_unsafe, need_clip = set(), set()
+    if rules.max_unsafe is not None:
+        need_unsafe = set(todo["sha256"]) - set(
+            store.read(images_t, unsafe.SCORER, todo["sha256"])["key"]
+        )
+    work = None
+    if clip is not None:
+        need_clip = set(todo["sha256"]) - set(store.read(images_t, clip, todo["sha256"])["key"])
+    if need_clip:
+        side = _clip_side(rules.clip_model)
+        keys = sorted(need_clip)
+        # One folder per work list: a relaunch of the same list resumes its parts (kept across
+        # a failed launch); another list (a new ingest since) starts afresh.
+        digest = hashlib.sha256(
+            "\n".join([str(rules.embed_batch_size), str(side), *keys]).encode()
+        ).hexdigest()[:16]
+        base = _embed_folder(catalog, clip)
+        for old in base.glob("*") if base.is_dir() else []:
+            if old.name != digest:
+                shutil.rmtree(old, ignore_errors=True)
+        work = base / digest
+        work.mkdir(parents=True, exist_ok=True)
+        if (work / "images.parquet").is_file():
+            need_clip = set()  # the work list is written: only the launch is left
+    read = todo[todo["sha256"].isin(need_unsafe | need_clip)].sort_values("sha256")
+    if not len(read):
+        return 0, work
+    det = unsafe.detector() if need_unsafe else None
+    side = _clip_side(rules.clip_model) if need_clip else 0
+    draft = max(unsafe.SIZE, side)
 
-    def score(chunk: pd.DataFrame) -> np.ndarray:
-        # 16 images decoded at a time, each at the smallest JPEG draft that covers the
-        # detector's 320 px, so a thread holds 16 small images, not 256 full-size ones.
-        out = []
+    def task(chunk: pd.DataFrame) -> tuple[np.ndarray, list]:
+        # 16 images decoded at a time, each at the smallest JPEG draft that covers what reads
+        # it, so a thread holds 16 small images, not its whole chunk at full size.
+        scores, thumbs = [], []
         for s in range(0, len(chunk), 16):
-            rows = chunk.iloc[s : s + 16].itertuples()
-            out.append(det.scores([read_image(r, endpoint_url, unsafe.SIZE) for r in rows]))
-        return np.concatenate(out)
+            part = chunk.iloc[s : s + 16]
+            images = [read_image(r, endpoint_url, draft) for r in part.itertuples()]
+            mine = part["sha256"].isin(need_unsafe).to_numpy()
+            if mine.any():
+                scores.append(det.scores([im for im, m in zip(images, mine, strict=True) if m]))
+            for im, key in zip(images, part["sha256"], strict=True):
+                if key in need_clip:
+                    thumbs.append((key, _thumbnail(im, side)))
+        return (np.concatenate(scores) if scores else np.zeros(0, np.float32)), thumbs
 
-    # Scored 256 images a task; committed every `_COMMIT_ROWS`, so that a crash loses at most
-    # that much work and the table's log stays short.
-    chunks = [todo.iloc[s : s + 256] for s in range(0, len(todo), 256)]
-    keys, scores = [], []
+    chunks = [read.iloc[s : s + 256] for s in range(0, len(read), 256)]
+    keys, scores, pending, writer = [], [], [], None
+    tmp = work / "images.parquet.tmp" if need_clip else None
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        for chunk, got in zip(chunks, pool.map(score, chunks), strict=True):
-            keys.append(chunk["sha256"].to_numpy(object))
+        for chunk, (got, thumbs) in zip(chunks, pool.map(task, chunks), strict=True):
+            keys.append(chunk["sha256"][chunk["sha256"].isin(need_unsafe)].to_numpy(object))
             scores.append(got)
             if sum(map(len, keys)) >= _COMMIT_ROWS:
-                store.append(
-                    table, np.concatenate(keys), unsafe.SCORER, scores=np.concatenate(scores)
-                )
+                _store_unsafe(images_t, keys, scores)
                 keys, scores = [], []
-    if keys:
-        store.append(table, np.concatenate(keys), unsafe.SCORER, scores=np.concatenate(scores))
-    return len(todo)
+            if tmp is not None:
+                writer = writer or pq.ParquetWriter(tmp, _THUMBS)
+                pending += thumbs
+                size = rules.embed_batch_size
+                while len(pending) >= size:  # one row group per batch of the launch
+                    writer.write_table(_thumbs_table(pending[:size]))
+                    pending = pending[size:]
+    if sum(map(len, keys)):
+        _store_unsafe(images_t, keys, scores)
+    if tmp is not None:
+        writer = writer or pq.ParquetWriter(tmp, _THUMBS)
+        if pending:
+            writer.write_table(_thumbs_table(pending))
+        writer.close()
+        tmp.replace(work / "images.parquet")
+    return len(need_unsafe), work
+
+
+def _embed_folder(catalog: Path, clip: str) -> Path:
+    return catalog / "content-embed" / clip
+
+
+_THUMBS = pa.schema([("key", pa.string()), ("image", pa.binary())])
+
+
+def _thumbs_table(items: list[tuple[str, bytes]]) -> pa.Table:
+    return pa.table(
+        {
+            "key": pa.array([k for k, _ in items], pa.string()),
+            "image": pa.array([b for _, b in items], pa.binary()),
+        },
+        schema=_THUMBS,
+    )
+
+
+def _store_unsafe(table: Path, keys: list, scores: list) -> None:
+    store.append(table, np.concatenate(keys), unsafe.SCORER, scores=np.concatenate(scores))
 
 
 def _languages(table: Path, rows: pd.DataFrame, rules: QualityConfig) -> int:
@@ -162,47 +260,37 @@ def _languages(table: Path, rows: pd.DataFrame, rules: QualityConfig) -> int:
 
 
 def _embed(
-    root: Path,
+    catalog: Path,
     rows: pd.DataFrame,
     rules: QualityConfig,
     scorer: str,
     launch: LaunchConfig,
-    endpoint_url: str | None,
+    work: Path | None,
 ) -> dict:
-    """The CLIP embeddings the store lacks, by an accelerate launch; returns counts."""
-    images_t, captions_t = (
-        store.table_dir(root, store.IMAGES),
-        store.table_dir(root, store.CAPTIONS),
-    )
-    imgs = rows.drop_duplicates("sha256")
-    imgs = imgs[~imgs["sha256"].isin(set(store.read(images_t, scorer, imgs["sha256"])["key"]))]
-    caps = pd.DataFrame(columns=["key", "caption"])
+    """The CLIP embeddings the store lacks, by an accelerate launch over the work list that
+    `_read_images` wrote (images) and the captions; returns counts."""
+    images_t = store.table_dir(catalog, store.IMAGES)
+    captions_t = store.table_dir(catalog, store.CAPTIONS)
+    caps = pd.DataFrame({"key": [], "caption": []})
     if rules.min_clip_score is not None:
         caps = rows[["caption"]].assign(key=store.caption_keys(rows["caption"])).dropna()
         caps = caps.drop_duplicates("key")
         caps = caps[~caps["key"].isin(set(store.read(captions_t, scorer, caps["key"])["key"]))]
-    if not len(imgs) and not len(caps):
+    if work is None and not len(caps):
         return {"images": 0, "captions": 0}
-    # One folder per work list and batch size: a relaunch of the same list resumes its parts
-    # (kept across a failed launch); a different list (a new ingest since) starts afresh.
-    jobs = hashlib.sha256(
-        "\n".join([str(rules.embed_batch_size), *imgs["sha256"], "", *caps["key"]]).encode()
-    ).hexdigest()[:16]
-    base = root / "content-embed" / scorer
-    for old in base.glob("*") if base.is_dir() else []:
-        if old.name != jobs:
-            shutil.rmtree(old, ignore_errors=True)
-    work = base / jobs
-    work.mkdir(parents=True, exist_ok=True)
-    imgs.rename(columns={"sha256": "key"})[["key", *_WHERE]].to_parquet(work / "images.parquet")
+    if work is None:
+        work = _embed_folder(catalog, scorer) / "captions-only"
+        work.mkdir(parents=True, exist_ok=True)
+    images = work / "images.parquet"
+    if not images.is_file():
+        pq.write_table(_thumbs_table([]), images)
     caps[["key", "caption"]].to_parquet(work / "captions.parquet")
     run = EmbedRun(
         clip_model=str(Path(rules.clip_model).expanduser()),
-        images=str(work / "images.parquet"),
+        images=str(images),
         captions=str(work / "captions.parquet"),
         out_dir=str(work / "parts"),
         batch_size=rules.embed_batch_size,
-        endpoint_url=endpoint_url,
     )
     launch_module(
         launch,
@@ -211,8 +299,9 @@ def _embed(
         workdir=work,
         name="embed-content",
     )
+    want_images = pq.read_table(images, columns=["key"])["key"].to_pylist()
     for kind, table, want in (
-        ("images", images_t, imgs["sha256"]),
+        ("images", images_t, want_images),
         ("captions", captions_t, caps["key"]),
     ):
         files = sorted((work / "parts").glob(f"{kind}-*.parquet"))
@@ -231,8 +320,8 @@ def _embed(
             t = pa.concat_tables([pq.read_table(f) for f in files[s : s + step]])
             emb = np.stack(t["embedding"].to_numpy(zero_copy_only=False)).astype(np.float32)
             store.append(table, t["key"].to_pylist(), scorer, embeddings=emb)
-    shutil.rmtree(base, ignore_errors=True)
-    return {"images": len(imgs), "captions": len(caps)}
+    shutil.rmtree(_embed_folder(catalog, scorer), ignore_errors=True)
+    return {"images": len(want_images), "captions": len(caps)}
 
 
 def score_content(
@@ -254,28 +343,25 @@ def score_content(
     if not has_content_rules(rules):
         return None
     log = task_logger(__name__)
-    catalog = Path(root) / "catalog"
+    catalog = Layout(Path(root)).folder("catalog")
     rows = _rows(parts, ["sha256", "caption", *_WHERE])
-    images_t, captions_t = (
-        store.table_dir(catalog, store.IMAGES),
-        store.table_dir(catalog, store.CAPTIONS),
-    )
-    if rules.max_unsafe is not None:
-        n = _unsafe(images_t, rows, endpoint_url, threads)
-        log.info("content: unsafe probability of %d new images (%s)", n, unsafe.SCORER)
-    if rules.allowed_languages is not None:
-        n = _languages(captions_t, rows, rules)
-        log.info(
-            "content: language of %d new captions (%s)", n, language.scorer(rules.allowed_languages)
-        )
     scorer = None
     if rules.needs_clip:
         scorer = clip_scorer(rules.clip_model)
         if rules.aesthetic_head is not None:
-            AestheticHead.load(rules.aesthetic_head)  # a missing head fails before the launch
+            AestheticHead.load(rules.aesthetic_head)  # a missing head fails before the work
         if launch is None:
             raise InputError("the CLIP content rules need launch settings (launch.*)")
-        got = _embed(catalog, rows, rules, scorer, launch, endpoint_url)
+    n, work = _read_images(catalog, rows, rules, scorer, endpoint_url, threads)
+    if rules.max_unsafe is not None:
+        log.info("content: unsafe probability of %d new images (%s)", n, unsafe.SCORER)
+    if rules.allowed_languages is not None:
+        n = _languages(store.table_dir(catalog, store.CAPTIONS), rows, rules)
+        log.info(
+            "content: language of %d new captions (%s)", n, language.scorer(rules.allowed_languages)
+        )
+    if scorer is not None:
+        got = _embed(catalog, rows, rules, scorer, launch, work)
         log.info("content: embedded %d images and %d captions (%s)", *got.values(), scorer)
     return ContentScores(str(catalog), scorer, None)
 

@@ -170,22 +170,24 @@ def test_clip_rules_name_what_is_missing(tmp_path):
 
 def test_the_embedding_launch_resumes_by_batch(tmp_path):
     """A relaunch (models.embed_content, in-process here) writes only the batches missing."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from kiln_config import EmbedRun, write_run_file
     from models.embed_content import main
 
-    src = write_source(
-        tmp_path / "src", [(f"p{i}", palette_image(i), f"colour {i}") for i in range(3)]
-    )
-    images = pd.DataFrame(
-        {
-            "key": [f"k{i}" for i in range(3)],
-            "source": str(src),
-            "object": [f"p{i}.png" for i in range(3)],
-            "offset": -1,
-            "length": 0,
-        }
-    )
-    images.to_parquet(tmp_path / "images.parquet")
+    def jpeg(i):
+        buf = io.BytesIO()
+        palette_image(i).save(buf, format="JPEG")
+        return buf.getvalue()
+
+    with pq.ParquetWriter(
+        tmp_path / "images.parquet", pa.schema([("key", pa.string()), ("image", pa.binary())])
+    ) as w:
+        for i in range(3):  # one row group per batch, as validate's driver writes them
+            w.write_table(pa.table({"key": [f"k{i}"], "image": [jpeg(i)]}))
     pd.DataFrame({"key": ["c0"], "caption": ["colour 0"]}).to_parquet(tmp_path / "caps.parquet")
     run = EmbedRun(
         clip_model=str(tiny_clip(tmp_path / "clip")),
@@ -207,6 +209,8 @@ def test_the_embedding_launch_resumes_by_batch(tmp_path):
     after = {p.name: p.stat().st_mtime_ns for p in sorted((tmp_path / "parts").glob("*.parquet"))}
     assert after.keys() == before.keys()
     assert {n for n in after if after[n] != before[n]} == {"images-000001.parquet"}
+    got = pq.read_table(tmp_path / "parts" / "images-000001.parquet")
+    assert got["key"].to_pylist() == ["k1"] and len(got["embedding"][0]) == 16
 
 
 def test_kiln_validate_names_missing_weights_before_it_starts(tmp_path, make_config):
