@@ -2,7 +2,7 @@
 
 Lingua holds every language it can tell apart in memory once loaded (about 1.3 GB and 4 s for
 all 75 in its high-accuracy mode); Kiln loads the common ones (`CANDIDATES`) plus the
-allowed, about 600 MB and 2 s once per process, and detects about 6,800 captions a second on
+allowed, about 600 MB and 2 s once per process, and detects about 7,000 captions a second on
 two cores (docs/benchmarks.md, "Content rules"). Its low-accuracy mode took a Spanish caption
 for Azerbaijani here, so it is not used. A caption's language is its top candidate; below
 quality.min_language_confidence it is `und` (undetermined): short captions ("a cat") are
