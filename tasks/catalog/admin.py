@@ -86,7 +86,8 @@ def _versions(layout: Layout, version: int | None) -> dict[str, int | None]:
 
 def show(root: str) -> dict:
     """The catalog's state: table versions, rows by source and by quarantine reason (counted
-    a batch at a time), and each table's commit history, newest first."""
+    a batch at a time), the newest verdict's rejects by reason, the content store's scores,
+    and each table's commit history, newest first."""
     layout = Layout(Path(root))
     ingest_id = layout.latest_or_none("catalog")
     versions = view_versions(layout, ingest_id)
@@ -108,6 +109,10 @@ def show(root: str) -> dict:
         "table_versions": versions,
         "accepted_by_source": counts["accepted"],
         "quarantined_by_reason": counts["quarantine"],
+        # the newest verdict's rejects by reason: the quality rules, content rules included
+        "rejected_by_reason": dict(
+            sorted(Counter(_verdict_rejects(layout, ("reason",))["reason"].to_pylist()).items())
+        ),
         "content": _content_summary(layout),
         "history": history,
     }
@@ -180,10 +185,11 @@ def _connect(root: str, version: int | None):
     return con
 
 
-def _verdict_rejects(layout: Layout) -> pa.Table:
-    """(source, key) of the rows the newest ingest's verdict rejected, from the rejects
-    table at the version the verdict wrote; none when it was not validated."""
-    empty = pa.table({"source": pa.array([], pa.string()), "key": pa.array([], pa.string())})
+def _verdict_rejects(layout: Layout, columns: tuple[str, ...] = ("source", "key")) -> pa.Table:
+    """`columns` (of source, key, reason, detail) of the rows the newest ingest's verdict
+    rejected, from the rejects table at the version the verdict wrote; none when it was not
+    validated."""
+    empty = pa.table({c: pa.array([], pa.string()) for c in columns})
     ingest_id = layout.latest_or_none("catalog")
     verdict = read_verdict(layout.catalog(ingest_id)) if ingest_id else None
     version = (verdict or {}).get("verdict_table_versions", {}).get("rejects")
@@ -191,7 +197,7 @@ def _verdict_rejects(layout: Layout) -> pa.Table:
         return empty
     version = surviving_version(open_table(layout, "rejects"), version)  # compaction since
     data = open_table(layout, "rejects", version).to_pyarrow_dataset()
-    got = data.to_table(columns=["source", "key"], filter=ds.field("verdict") == ingest_id)
+    got = data.to_table(columns=list(columns), filter=ds.field("verdict") == ingest_id)
     return got.cast(empty.schema) if got.num_rows else empty
 
 

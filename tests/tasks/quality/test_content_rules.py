@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from data_quality.content import language, store, unsafe
 from kiln_config import IngestConfig, LaunchConfig, QualityConfig
 from kiln_config.errors import InputError
+from tasks.catalog.admin import show
 from tasks.catalog.view import read_view
 from tasks.ingest.run import ingest_source
 from tasks.quality.content import ContentScores, clip_scorer, content_columns
@@ -57,6 +58,7 @@ def test_unsafe_and_language_rules_with_the_packaged_models(tmp_path):
         "es.png": "caption_language",
         "fr.png": "caption_language",
     }
+    assert show(str(root))["rejected_by_reason"] == {"caption_language": 3}
     kinds = {e["reason"] for e in res.expectations}
     assert {"unsafe", "caption_language"} <= kinds
     assert "caption_not_ascii" not in kinds, "the language rule replaces the ASCII heuristic"
