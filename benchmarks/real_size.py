@@ -271,6 +271,10 @@ def reference_run(stage: Path, out: Path, env: dict, log: Path) -> dict:
     two exports' UNets (EMA and raw) tensor by tensor, and the loss histories."""
     run = yaml.safe_load((stage / "stage.yaml").read_text())
     run |= {"output_dir": str(out), "tracking_uri": None, "mlflow_run_id": None}
+    # One checkpoint, the last step's (a stage always writes one): the run is only compared,
+    # never resumed, and a second copy of the weights and the optimizer would add several GB
+    # of disk at the end of the benchmark, when the exports and the registry's copy are there.
+    run["train"]["checkpoint_every"] = run["train"]["stages"][run["stage_index"]]["max_steps"]
     out.mkdir(parents=True, exist_ok=True)
     (out / "stage.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
     from models.training.cpu_threads import cpu_threads_per_process

@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 import psutil
 
+from deployments.stack import main as stack_main
 from flows.steps import STEPS, check_id_params
 from kiln_cli.catalog import catalog
 from kiln_cli.lineage import lineage, takedown
@@ -450,6 +451,17 @@ def _ui_env(port: int, env) -> dict[str, str]:
     if env.get("PREFECT_SERVER_UI_API_URL") or env.get("PREFECT_UI_API_URL"):
         return {}
     return {"PREFECT_SERVER_UI_API_URL": f"http://127.0.0.1:{port}/api"}
+
+
+@main.command(
+    context_settings={"ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def stack(args: tuple[str, ...]) -> None:
+    """A team's services on this machine: PostgreSQL, S3, the Prefect server and a worker,
+    MLflow with logins, the rating app (`kiln stack --help`; docs/operations.md)."""
+    raise SystemExit(stack_main(list(args)))
 
 
 @main.command("mlflow-ui")

@@ -4,6 +4,7 @@ one line per bad field (its dotted path and the value received).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,13 @@ from pydantic import (
 
 from kiln_config.base import ConfigError, redact_text
 
-__all__ = ["apply_overrides", "format_validation_error", "load_yaml_model", "read_yaml"]
+__all__ = [
+    "apply_overrides",
+    "expand_env",
+    "format_validation_error",
+    "load_yaml_model",
+    "read_yaml",
+]
 
 
 # "Value error, train.stages.1.num_machines: ..." : a model validator's message that already
@@ -71,6 +78,43 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
+# `${NAME}` in a string value: the environment variable NAME, so that a credential (a database
+# URL's password, a tracking server's address) is given by the service's environment, not
+# written in the file.
+# `${NAME:-default}` gives `default` where NAME is unset or empty; a value that is one
+# reference and comes out empty leaves the field unset (its default).
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def expand_env(data: Any, where: str = "") -> Any:
+    """`data` with each `${NAME}` in its strings replaced by the environment variable NAME.
+
+    Raises:
+        ConfigError: naming the field and the variable, where one is not set.
+    """
+    if isinstance(data, dict):
+        return {k: expand_env(v, f"{where}.{k}" if where else str(k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [expand_env(v, f"{where}.{i}") for i, v in enumerate(data)]
+    if not isinstance(data, str) or "${" not in data:
+        return data
+
+    def value(m: re.Match) -> str:
+        name, default = m.group(1), m.group(2)
+        if default is not None:
+            return os.environ.get(name) or default
+        if name not in os.environ:
+            raise ConfigError(
+                f"{where}: the environment variable {name} is not set (the value is "
+                f"${{{name}}}: set it in the environment of every process that loads this "
+                "config, such as the Prefect worker's)"
+            )
+        return os.environ[name]
+
+    out = _ENV_REF.sub(value, data)
+    return None if out == "" and _ENV_REF.fullmatch(data) else out
+
+
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     """A YAML mapping, with its `base:` file (relative to its folder) merged underneath.
 
@@ -111,6 +155,10 @@ def load_yaml_model(model: type[BaseModel], path: str | Path) -> Any:
     dotted field paths."""
     path = Path(path)
     data = read_yaml(path)
+    try:
+        data = expand_env(data)
+    except ConfigError as e:
+        raise ConfigError(f"invalid config {path}: {e}") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:

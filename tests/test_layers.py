@@ -10,6 +10,7 @@ ALLOWED = {
     "deployments": {"deployments", "flows", "kiln_config"},
     "kiln_cli": {
         "kiln_cli",
+        "deployments",
         "flows",
         "tasks",
         "models",

@@ -125,6 +125,10 @@ def mlflow_uris(uri: str) -> Iterator[None]:
 def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
     """The experiment's id, creating it with artifacts under `artifact_root` if missing.
 
+    A tracking server (an http(s) URI) keeps the artifacts where it is configured to
+    (`--artifacts-destination`, an object store behind its proxy): there `artifact_root` is not
+    used, since a folder of this machine would be out of reach of the server's other clients.
+
     Either way it is tagged as model development (`EXPERIMENT_KIND`), so the MLflow UI opens
     on its runs. An experiment made before Kiln tagged it gets the tag now; a kind that a
     person chose in the UI is left alone (only a missing or UI-inferred kind is replaced).
@@ -133,7 +137,8 @@ def ensure_experiment(client: MlflowClient, name: str, artifact_root: str | None
     key, kind = EXPERIMENT_KIND
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        location = Path(artifact_root).resolve().as_uri() if artifact_root else None
+        served = urlsplit(client.tracking_uri).scheme in ("http", "https")
+        location = Path(artifact_root).resolve().as_uri() if artifact_root and not served else None
         tags = {key: kind, EXPERIMENT_NOTE: EXPERIMENT_DESCRIPTION}
         return client.create_experiment(name, artifact_location=location, tags=tags)
     current = exp.tags.get(key)
