@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kiln-installed
 DEMO_DATA ?= demo-data
 CONFIG ?= configs/tiny.yaml
 
-.PHONY: install system-packages demo demo-compare test test-fast lint format benchmark gpu-wheels \
+.PHONY: install system-packages stack demo demo-compare test test-fast lint format benchmark gpu-wheels \
 	gpu-check clean
 
 # Create the venv if missing and install the project with the pinned constraints.
@@ -46,6 +46,13 @@ demo-compare: $(STAMP)
 	echo "  $(BIN)/kiln rate report --config $(CONFIG) --comparison $$cid"; \
 	echo "and open kiln-data/human_eval/$$cid/preference.png. Ctrl-C stops the app."; \
 	$(BIN)/kiln rate serve --config $(CONFIG) $(if $(RATE_PORT),--port $(RATE_PORT))
+
+# A team's services on this machine (docs/operations.md, "Running Kiln for a team"): PostgreSQL,
+# an S3 stand-in, the Prefect server with an auth string and a worker, MLflow with logins and
+# the rating app. Their data and secrets stay in STACK_DIR; Ctrl-C stops them all.
+STACK_DIR ?= stack
+stack: $(STAMP) system-packages
+	$(BIN)/kiln stack --dir $(STACK_DIR)
 
 # Debian packages the tests use, installed when missing, where apt-get exists: Chromium for the
 # rating app's browser test (Playwright's own browser download needs the network), SLURM with

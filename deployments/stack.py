@@ -280,9 +280,14 @@ class Stack:
                     shutil.chown(p, "postgres", "postgres")
                 os.chmod(pg, 0o700)
             init = self._pg(
-                "initdb", "-D", str(data), "-U", "kiln", "--auth=scram-sha-256",
+                "initdb",
+                "-D",
+                str(data),
+                "-U",
+                "kiln",
+                "--auth=scram-sha-256",
                 f"--pwfile={pwfile}",
-            )  # fmt: skip
+            )
             r = subprocess.run(init, capture_output=True, text=True)
             pwfile.unlink()
             if r.returncode:
@@ -299,9 +304,11 @@ class Stack:
             raise StackError(f"PostgreSQL did not start: {tail.strip()}")
         self._pg_started = True
         conn = dict(
-            host=self.host, port=self.ports.postgres, user="kiln",
+            host=self.host,
+            port=self.ports.postgres,
+            user="kiln",
             password=self._secrets["POSTGRES_PASSWORD"],
-        )  # fmt: skip
+        )
         with psycopg.connect(dbname="postgres", autocommit=True, **conn) as c:
             have = {r[0] for r in c.execute("SELECT datname FROM pg_database")}
             for db in PG_DATABASES:
@@ -370,10 +377,13 @@ class Stack:
         r = subprocess.run(crash, env=self._prefect_env(), cwd=REPO, capture_output=True, text=True)
         if r.returncode:
             raise StackError(f"the crash automation was not created: {r.stderr[-600:]}")
+        self._start_worker()
+
+    def _start_worker(self) -> subprocess.Popen:
         worker_env = self._prefect_env() | self.team_env()
         worker_env["PREFECT_FLOWS_HEARTBEAT_FREQUENCY"] = str(HEARTBEAT_S)
         worker = [str(BIN / "prefect"), "worker", "start", "--pool", POOL, "--type", "process"]
-        self._spawn("prefect-worker", worker, worker_env)
+        return self._spawn("prefect-worker", worker, worker_env)
 
     def _start_mlflow(self) -> None:
         s = self._secrets
@@ -395,9 +405,17 @@ class Stack:
             AWS_DEFAULT_REGION="us-east-1",
         )
         cmd = [
-            str(BIN / "mlflow"), "server", "--host", self.host, "--port", str(self.ports.mlflow),
-            "--artifacts-destination", f"s3://{self.bucket}/mlflow", "--app-name", "basic-auth",
-        ]  # fmt: skip
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            self.host,
+            "--port",
+            str(self.ports.mlflow),
+            "--artifacts-destination",
+            f"s3://{self.bucket}/mlflow",
+            "--app-name",
+            "basic-auth",
+        ]
         p = self._spawn("mlflow", cmd, env)
         admin = ("admin", s["MLFLOW_ADMIN_PASSWORD"])
         _wait(
@@ -417,28 +435,43 @@ class Stack:
         api = f"{self.mlflow_url}/api/2.0/mlflow/users"
         if httpx.get(f"{api}/get", params={"username": user}, auth=admin, timeout=10).is_success:
             return
-        r = httpx.post(f"{api}/create", json={"username": user, "password": password},
-                       auth=admin, timeout=10)  # fmt: skip
+        r = httpx.post(
+            f"{api}/create", json={"username": user, "password": password}, auth=admin, timeout=10
+        )
         if not r.is_success:
             raise StackError(f"could not create the MLflow user {user}: {r.status_code} {r.text}")
 
     def _start_ratings(self) -> None:
         env = self._env(**self.team_env())
         cmd = [
-            str(BIN / "kiln"), "rate", "serve", "--config", str(REPO / "configs" / "team.yaml"),
-            "--host", self.host, "--port", str(self.ports.ratings),
-        ]  # fmt: skip
+            str(BIN / "kiln"),
+            "rate",
+            "serve",
+            "--config",
+            str(REPO / "configs" / "team.yaml"),
+            "--host",
+            self.host,
+            "--port",
+            str(self.ports.ratings),
+        ]
         p = self._spawn("ratings", cmd, env)
         url = f"http://{self.host}:{self.ports.ratings}/healthz"
         _wait("the rating app", lambda: _http_ok(url), 120, [p])
 
     # --- running and stopping ---------------------------------------------------------------
 
-    def watch(self) -> str | None:
-        """The first service that exited, or None while all run."""
-        for name, p in self.procs.items():
-            if p.poll() is not None:
-                return f"{name} exited ({p.returncode}); see {self.dir / 'logs' / name}.log"
+    def watch(self, say: Callable[[str], None]) -> str | None:
+        """The first service that exited, or None while all run. A worker that died (killed,
+        out of memory) is started again, as a process manager would: its runs that died with
+        it are marked Crashed by the crash automation, and a new one polls the pool."""
+        for name, p in list(self.procs.items()):
+            if p.poll() is None:
+                continue
+            if name == "prefect-worker":
+                say(f"kiln stack: the worker exited ({p.returncode}): starting another")
+                self._start_worker()
+                continue
+            return f"{name} exited ({p.returncode}); see {self.dir / 'logs' / name}.log"
         return None
 
     def stop(self) -> None:
@@ -456,8 +489,9 @@ class Stack:
         self.procs.clear()
         if self._pg_started:
             data = self.dir / "postgres" / "data"
-            subprocess.run(self._pg("pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop"),
-                           capture_output=True)  # fmt: skip
+            subprocess.run(
+                self._pg("pg_ctl", "-D", str(data), "-m", "fast", "-w", "stop"), capture_output=True
+            )
             self._pg_started = False
 
 
@@ -492,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         stack.start(_say)
         while not stopping:
-            dead = stack.watch()
+            dead = stack.watch(_say)
             if dead:
                 _say(f"kiln stack: {dead}; stopping the others", err=True)
                 return 1

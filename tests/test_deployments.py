@@ -41,7 +41,7 @@ def test_training_deployments_never_overlap_and_weekly_retrain_warm_starts():
 
     spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
     deps = {d["name"]: d for d in spec["deployments"]}
-    for name in ("weekly-retrain", "from-scratch", "tiny-pipeline"):
+    for name in ("weekly-retrain", "from-scratch", "tiny-pipeline", "team-pipeline"):
         assert deps[name]["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
     weekly = deps["weekly-retrain"]
     assert weekly["entrypoint"] == "flows/entry.py:retrain" and weekly["schedules"]

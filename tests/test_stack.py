@@ -125,6 +125,51 @@ def _kiln(env: dict, *args: str, cwd: Path | None = None) -> subprocess.Complete
     )
 
 
+def _deploy(
+    team: dict, tmp_path: Path, max_steps: int, entry: str = "pipeline", **extra
+) -> tuple[Path, Path]:
+    """`prefect deploy` of the shipped team-pipeline (or the same for another entry of
+    flows/entry.py, as `team-<entry>`), given a config of the shipped team.yaml with the
+    test's small stage. Returns (config, the CLI's PREFECT_HOME)."""
+    cfg = tmp_path / f"team-{entry}.yaml"
+    stage = {"resolution": 32, "batch_size": 4, "learning_rate": 1e-3, "max_steps": max_steps}
+    data = {
+        "base": str(REPO / "configs" / "team.yaml"),
+        "train": {"stages": [stage], **extra.pop("train", {})},
+        "launch": {"health_check": False, "max_restarts": 0, **extra.pop("launch", {})},
+        "evaluate": {"limit": 2, "num_inference_steps": 1, "batch_size": 2, "seeds": [0]},
+    }
+    cfg.write_text(yaml.safe_dump(data))
+    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    (dep,) = [d for d in spec["deployments"] if d["name"] == "team-pipeline"]
+    dep["parameters"]["config"] = str(cfg)
+    if entry != "pipeline":
+        dep |= {"name": f"team-{entry}", "entrypoint": f"flows/entry.py:{entry}"}
+    spec["deployments"] = [dep]
+    pfile = tmp_path / "prefect.yaml"
+    pfile.write_text(yaml.safe_dump(spec, sort_keys=False))
+    home = tmp_path / "prefect-home"
+    _prefect(team, home, "--no-prompt", "deploy", "--prefect-file", str(pfile), "--all")
+    return cfg, home
+
+
+def _upload(team: dict, folder: Path):
+    """The images land in the team's bucket; returns the S3 client."""
+    import boto3
+
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=team["KILN_S3_ENDPOINT_URL"],
+        aws_access_key_id=team["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=team["AWS_SECRET_ACCESS_KEY"],
+        region_name="us-east-1",
+    )
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            s3.upload_file(str(p), "kiln", f"images/{p.relative_to(folder).as_posix()}")
+    return s3
+
+
 CONSUMER = """
 import io, json, mlflow, pandas as pd
 from PIL import Image
@@ -135,56 +180,13 @@ print(json.dumps({"size": Image.open(io.BytesIO(df["image"][0])).size}))
 """
 
 
-def test_a_team_runs_trains_and_consumes_through_the_stack(stack, tmp_path, demo_src, monkeypatch):
-    import boto3
-    import mlflow
-    from mlflow import MlflowClient
-
-    team, secrets = stack["team"], stack["secrets"]
-    # Who refuses what: the Prefect server without its auth string, MLflow without a login.
-    anon = httpx.post(f"{team['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10)
-    assert anon.status_code == 401
-    anon = httpx.get(f"{team['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/experiments/search", timeout=10)
-    assert anon.status_code == 401
-
-    # The images land in the team's bucket.
-    s3 = boto3.client(
-        "s3",
-        endpoint_url=team["KILN_S3_ENDPOINT_URL"],
-        aws_access_key_id=team["AWS_ACCESS_KEY_ID"],
-        aws_secret_access_key=team["AWS_SECRET_ACCESS_KEY"],
-        region_name="us-east-1",
-    )
-    for p in sorted(demo_src.rglob("*")):
-        if p.is_file():
-            s3.upload_file(str(p), "kiln", f"images/{p.relative_to(demo_src).as_posix()}")
-
-    # The team's config: the shipped one, with the test's small stages.
-    cfg = tmp_path / "team-small.yaml"
-    cfg.write_text(
-        yaml.safe_dump(
-            {
-                "base": str(REPO / "configs" / "team.yaml"),
-                "train": {
-                    "stages": [
-                        {"resolution": 32, "batch_size": 4, "learning_rate": 1e-3, "max_steps": 2}
-                    ]
-                },
-                "launch": {"health_check": False, "max_restarts": 0},
-                "evaluate": {"limit": 2, "num_inference_steps": 1, "batch_size": 2, "seeds": [0]},
-            }
-        )
-    )
-    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
-    (dep,) = [d for d in spec["deployments"] if d["name"] == "team-pipeline"]
-    dep["parameters"]["config"] = str(cfg)
-    spec["deployments"] = [dep]
-    pfile = tmp_path / "prefect.yaml"
-    pfile.write_text(yaml.safe_dump(spec, sort_keys=False))
-    home = tmp_path / "prefect-home"
-    _prefect(team, home, "--no-prompt", "deploy", "--prefect-file", str(pfile), "--all")
-
-    # The UI's Quick run: the worker runs it.
+@pytest.fixture(scope="module")
+def pipeline_run(stack, tmp_path_factory, demo_src):
+    """The shipped team-pipeline deployed with `prefect deploy` and run by the stack's worker
+    (the UI's Quick run), from the images in the team's bucket. `ps` is read while it runs."""
+    team, tmp_path = stack["team"], tmp_path_factory.mktemp("team-pipeline")
+    s3 = _upload(team, demo_src)
+    cfg, home = _deploy(team, tmp_path, max_steps=2)
     out = _prefect(team, home, "deployment", "run", "kiln-pipeline/team-pipeline")
     run_id = out.split("/runs/flow-run/")[1].split()[0]
     procs_seen = []
@@ -200,6 +202,22 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(stack, tmp_path, demo
     worker_log = stack["dir"] / "logs" / "prefect-worker.log"
     run = _wait("the pipeline run by the worker", finished, 600, [stack["proc"]])
     assert run["state_type"] == "COMPLETED", worker_log.read_text()[-5000:]
+    return {"cfg": cfg, "run": run, "ps": procs_seen, "s3": s3}
+
+
+def test_a_team_runs_trains_and_consumes_through_the_stack(
+    stack, pipeline_run, tmp_path, monkeypatch
+):
+    import mlflow
+    from mlflow import MlflowClient
+
+    team, secrets = stack["team"], stack["secrets"]
+    cfg, run, s3 = pipeline_run["cfg"], pipeline_run["run"], pipeline_run["s3"]
+    # Who refuses what: the Prefect server without its auth string, MLflow without a login.
+    anon = httpx.post(f"{team['PREFECT_API_URL']}/flow_runs/filter", json={}, timeout=10)
+    assert anon.status_code == 401
+    anon = httpx.get(f"{team['MLFLOW_TRACKING_URI']}/api/2.0/mlflow/experiments/search", timeout=10)
+    assert anon.status_code == 401
 
     # Registered through the authenticated server; the files went to the bucket.
     for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
@@ -259,7 +277,7 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(stack, tmp_path, demo
     shown = [
         stack["out"](),
         *[p.read_text(errors="replace") for p in (stack["dir"] / "logs").glob("*.log")],
-        *procs_seen,
+        *pipeline_run["ps"],
         json.dumps(mlrun.data.params),
         json.dumps(mlrun.data.tags),
         json.dumps(version.tags),
@@ -276,3 +294,77 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(stack, tmp_path, demo
 
 def team_port(stack) -> str:
     return stack["out"]().split("Rating app    http://127.0.0.1:")[1].split()[0]
+
+
+def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
+    stack, pipeline_run, tmp_path
+):
+    """SIGKILL to the worker and its flow-run process while a stage trains (a train deployment
+    on the pipeline's shards): the launch dies with them (no orphan training), the crash
+    automation marks the run Crashed, the GPU limit's slot and the root's training lock come
+    back, the stack starts another worker, and the deployment's next run resumes the stage
+    from its checkpoint."""
+    import psutil
+
+    from tasks.storage.lock import root_busy
+
+    team = stack["team"]
+    _, home = _deploy(
+        team,
+        tmp_path,
+        max_steps=400,
+        entry="train",
+        train={"checkpoint_every": 10, "keep_checkpoints": 1, "eval_every": 1000},
+        launch={"gpu_limit": {"lease_s": 60}},
+    )
+    root = Path(team["KILN_ROOT"])
+    earlier = set(root.glob("runs/*"))
+    out = _prefect(team, home, "deployment", "run", "kiln-train/team-train")
+    run_id = out.split("/runs/flow-run/")[1].split()[0]
+
+    def checkpointed():
+        done = root.glob("runs/*/stage-32/checkpoints/step-*[0-9]/kiln_state.json")
+        runs = [p.parents[3] for p in done if p.parents[3] not in earlier]
+        return runs[0] if runs else None
+
+    run_dir = _wait("the stage's first checkpoint", checkpointed, 600, [stack["proc"]])
+    stack_proc = psutil.Process(stack["proc"].pid)
+    (worker,) = [p for p in stack_proc.children() if "worker" in " ".join(p.cmdline())]
+    tree = [worker, *worker.children(recursive=True)]
+    ranks = [p for p in tree if "models.train" in " ".join(p.cmdline())]
+    assert ranks, "the stage trains under the worker"
+    flow_procs = [p for p in worker.children() if p.pid not in {r.pid for r in ranks}]
+    killed_at = time.monotonic()
+    for p in (worker, *flow_procs):  # the worker and its flow-run process, nothing else
+        p.kill()
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, "the training outlived its flow run"
+
+    with _api(team) as api:
+        state = lambda rid: api.get(f"/flow_runs/{rid}").json()["state_type"]  # noqa: E731
+        _wait("the dead run marked Crashed", lambda: state(run_id) == "CRASHED", 300)
+        crashed_s = time.monotonic() - killed_at
+        assert not root_busy(root), "the root's training lock is free"
+        limits = lambda: api.post("/v2/concurrency_limits/filter", json={}).json()  # noqa: E731
+        _wait("the GPU limit's slot back", lambda: limits()[0]["active_slots"] == 0, 240)
+        slot_s = time.monotonic() - killed_at
+        assert "starting another" in stack["out"](), "the stack started a new worker"
+
+        # The deployment's next run, given the interrupted run, resumes from its checkpoint.
+        out = _prefect(
+            team,
+            home,
+            "deployment",
+            "run",
+            "kiln-train/team-train",
+            "--param",
+            f"run_id={run_dir.name}",
+        )
+        again = out.split("/runs/flow-run/")[1].split()[0]
+        _wait("the resumed run", lambda: state(again) in FINAL, 600, [stack["proc"]])
+        worker_log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
+        assert state(again) == "COMPLETED", worker_log[-5000:]
+    assert f"resumed from {run_dir}/stage-32/checkpoints/step-" in worker_log
+    manifest = json.loads((run_dir / "stage-32" / "manifest.json").read_text())
+    assert manifest["final_step"] == 400
+    print(f"worker SIGKILL -> run Crashed: {crashed_s:.0f}s; GPU slot back: {slot_s:.0f}s")

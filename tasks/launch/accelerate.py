@@ -49,6 +49,7 @@ from tasks.launch.common import (
 from tasks.launch.gpu_fit import cuda_available
 from tasks.launch.gpu_limit import gpu_slot
 from tasks.launch.kubernetes import run_train_job
+from tasks.launch.orphan_guard import guarded
 from tasks.launch.slurm import run_slurm_job
 from tasks.planning.topology import local_processes, processes_per_machine
 from tasks.runtime.logs import task_logger
@@ -143,7 +144,7 @@ def run_launch(
 def _run(cmd, logger, tail, env, heartbeat, hang_timeout_s, on_progress, timeout_s) -> None:
     logger.info("launching: %s", " ".join(cmd))
     proc = subprocess.Popen(
-        cmd,
+        guarded(cmd),  # dies with this process, however it dies (tasks/launch/orphan_guard.py)
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

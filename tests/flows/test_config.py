@@ -203,6 +203,38 @@ def test_a_config_error_never_prints_a_secret(tmp_path):
     )
 
 
+def test_env_references_fill_credentials_and_name_what_is_missing(tmp_path, monkeypatch):
+    """The shipped configs/team.yaml: every service from the environment, none in the file;
+    a missing variable names its field; `${NAME:-}` left empty leaves the field unset."""
+    secret = "postgresql+psycopg://kiln:s3cret-pw@db.internal/ratings"
+    env = {
+        "KILN_ROOT": str(tmp_path / "root"),
+        "KILN_SOURCE": "s3://team-bucket/images",
+        "MLFLOW_TRACKING_URI": "http://mlflow.internal:5000",
+        "KILN_RATINGS_DATABASE_URL": secret,
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("KILN_S3_ENDPOINT_URL", raising=False)
+    team = REPO / "configs" / "team.yaml"
+    assert "s3cret" not in team.read_text()
+    cfg = load_config(team)
+    assert cfg.storage.root == env["KILN_ROOT"] and cfg.ingest.source == env["KILN_SOURCE"]
+    assert cfg.tracking_uri == env["MLFLOW_TRACKING_URI"]
+    assert cfg.human_eval.database_url == secret
+    assert cfg.storage.endpoint_url is None, "an empty ${NAME:-} leaves the default"
+    assert "s3cret-pw" not in cfg.model_dump_json(), "dumps mask the password"
+    monkeypatch.setenv("KILN_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    assert load_config(team).storage.endpoint_url == "http://127.0.0.1:9000"
+
+    monkeypatch.delenv("KILN_RATINGS_DATABASE_URL")
+    with pytest.raises(ConfigError) as e:
+        load_config(team)
+    assert "human_eval.database_url: the environment variable KILN_RATINGS_DATABASE_URL is not" in (
+        str(e.value)
+    )
+
+
 # -- check_inputs: every input a step needs, checked before any flow starts -------------------
 
 

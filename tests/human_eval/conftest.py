@@ -99,9 +99,10 @@ def wait_until_up(url: str, proc, timeout: float = 60.0) -> None:
     raise TimeoutError(f"server at {url} not up after {timeout}s")
 
 
-def serve_argv(root: Path, port: int) -> list[str]:
-    """`kiln rate serve` over the root's default ratings store, on 127.0.0.1:port."""
-    config = str(REPO / "configs" / "tiny.yaml")
+def serve_argv(root: Path, port: int, config: str | None = None) -> list[str]:
+    """`kiln rate serve` on 127.0.0.1:port over `config`'s ratings store (default tiny.yaml's:
+    the root's SQLite file)."""
+    config = config or str(REPO / "configs" / "tiny.yaml")
     return [
         "kiln_cli",
         "rate",
