@@ -130,6 +130,8 @@ def run_backend(name: str, work: Path, pg: Postgres | None) -> dict:
     store = RatingStore(url)
     load.check_exact(store, cid, RATERS, VOTES)
     store.close()
+    if not ballots == shown == after == RATERS * VOTES:
+        raise SystemExit(f"{name}: stored {ballots}, shown {shown}, after the restart {after}")
     return load.latency_summary(raters, wall) | {
         "ballots_stored": ballots,
         "admin_page_count": shown,

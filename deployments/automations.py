@@ -1,7 +1,7 @@
-"""The Prefect automation that marks a dead worker's flow runs `Crashed`.
+"""The Prefect automation that marks a dead flow run `Crashed`.
 
-A process worker killed outright (SIGKILL, the OOM killer, a machine that went away) takes its
-flow-run processes with it, and nothing tells the server: the runs stay `Running` for ever, and
+A flow-run process killed outright (the OOM killer, SIGKILL to the worker's process tree, a
+machine that went away) tells the server nothing: the run stays `Running` for ever, and
 a deployment with a concurrency limit (`tiny-pipeline`, `weekly-retrain`) queues its next run
 behind them. Prefect's answer, for a server a team runs itself: each flow run sends a heartbeat
 event every `PREFECT_FLOWS_HEARTBEAT_FREQUENCY` seconds (set it in the worker's environment, 30
@@ -13,8 +13,9 @@ back its deployment's concurrency slot.
 creates it on the server (once: an automation of that name is left as it is). `kiln stack`
 does so on every start. What else a dead run held comes back by itself: the root's training
 lock is a `flock` the kernel drops with its process, a GPU slot is a lease that expires
-(`launch.gpu_limit.lease_s`), and a SLURM stage job is cancelled by its own watchdog
-(docs/operations.md, "Running Kiln for a team").
+(`launch.gpu_limit.lease_s`), and a local launch dies with its flow run
+(tasks/launch/orphan_guard.py). A SLURM job or a Kubernetes TrainJob does not: cancel it before
+resuming (docs/operations.md, "Running Kiln for a team").
 """
 
 from __future__ import annotations

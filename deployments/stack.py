@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote
 
 __all__ = ["Stack", "StackError", "main", "read_env_file"]
 
@@ -56,27 +60,33 @@ class StackError(RuntimeError):
 
 
 def read_env_file(path: Path) -> dict[str, str]:
-    """`NAME=value` lines (the files the stack writes), comments and blank lines skipped."""
+    """`NAME=value` lines, shell-quoted (the files the stack writes, which `.` reads),
+    comments and blank lines skipped."""
     out = {}
     for line in path.read_text().splitlines():
         if line.strip() and not line.lstrip().startswith("#"):
             name, _, value = line.partition("=")
-            out[name.strip()] = value
+            words = shlex.split(value)
+            out[name.strip()] = words[0] if words else ""
     return out
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Write `text` readable by its owner alone from its first byte (mode 600)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
+    """Write `text` readable by its owner alone from its first byte (mode 600), through a new
+    temporary file of its own (never one that was there, nor a link)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _env_text(values: dict[str, str], header: str) -> str:
-    return f"# {header}\n" + "".join(f"{k}={v}\n" for k, v in values.items())
+    return f"# {header}\n" + "".join(f"{k}={shlex.quote(v)}\n" for k, v in values.items())
 
 
 def _postgres_bin() -> Path:
@@ -93,9 +103,14 @@ def _postgres_bin() -> Path:
     )
 
 
+_STOP: list[int] = []  # the signals received: a start in progress gives up at its next wait
+
+
 def _wait(what: str, check: Callable[[], bool], timeout: float, procs=()) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if _STOP:
+            raise StackError(f"stopped by signal {_STOP[0]} while waiting for {what}")
         for p in procs:
             if p.poll() is not None:
                 raise StackError(f"{what}: the process exited ({p.returncode}); see its log")
@@ -134,17 +149,18 @@ class Stack:
     s3_endpoint: str | None = None  # a real object store; default: moto's server
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _pg_started: bool = False
+    _restarts: list[float] = field(default_factory=list)
 
     # --- secrets and the environments -----------------------------------------------------
 
     def secrets(self) -> dict[str, str]:
         """The stack's secrets: made on its first start, read back on every later one."""
         path = self.dir / "secrets.env"
-        if path.is_file():
-            return read_env_file(path)
+        kept = read_env_file(path) if path.is_file() else {}
         tok = lambda: secrets.token_urlsafe(24)  # noqa: E731
         values = {
             "POSTGRES_PASSWORD": tok(),
+            "RATINGS_DB_PASSWORD": tok(),
             "PREFECT_AUTH_PASSWORD": tok(),
             "MLFLOW_ADMIN_PASSWORD": tok(),
             "MLFLOW_KILN_PASSWORD": tok(),
@@ -156,12 +172,21 @@ class Stack:
         if self.s3_endpoint:  # a real store's keys are the caller's
             values["AWS_ACCESS_KEY_ID"] = os.environ.get("AWS_ACCESS_KEY_ID", "")
             values["AWS_SECRET_ACCESS_KEY"] = os.environ.get("AWS_SECRET_ACCESS_KEY", "")
+        if kept.keys() >= values.keys():
+            return kept
+        values |= kept  # the ones made before stay: the databases were set up with them
         _write_private(path, _env_text(values, "kiln stack's secrets: keep this file private"))
         return values
 
     def pg_url(self, db: str, driver: str = "psycopg") -> str:
-        pw = self._secrets["POSTGRES_PASSWORD"]
+        """The services' own databases, as the server's owner (never handed to a member)."""
+        pw = quote(self._secrets["POSTGRES_PASSWORD"], safe="")
         return f"postgresql+{driver}://kiln:{pw}@{self.host}:{self.ports.postgres}/{db}"
+
+    def ratings_url(self) -> str:
+        """The ratings database, as its own role: owner of that database and nothing else."""
+        pw = quote(self._secrets["RATINGS_DB_PASSWORD"], safe="")
+        return f"postgresql+psycopg://ratings:{pw}@{self.host}:{self.ports.postgres}/ratings"
 
     @property
     def s3_url(self) -> str:
@@ -189,7 +214,7 @@ class Stack:
             "MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD": "true",
             "MLFLOW_HTTP_REQUEST_TIMEOUT": "900",
             "KILN_ROOT": str(self.dir / "root"),
-            "KILN_RATINGS_DATABASE_URL": self.pg_url("ratings"),
+            "KILN_RATINGS_DATABASE_URL": self.ratings_url(),
             "KILN_S3_ENDPOINT_URL": self.s3_url,
             "KILN_SOURCE": f"s3://{self.bucket}/images",
             "AWS_ACCESS_KEY_ID": s["AWS_ACCESS_KEY_ID"],
@@ -211,7 +236,8 @@ class Stack:
         return env | extra
 
     def _log(self, name: str):
-        return open(self.dir / "logs" / f"{name}.log", "a")  # noqa: SIM115
+        path = self.dir / "logs" / f"{name}.log"
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a")
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
         with self._log(name) as log:
@@ -230,7 +256,9 @@ class Stack:
 
     def start(self, say: Callable[[str], None]) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "logs").mkdir(exist_ok=True)
+        # Others may pass through (PostgreSQL runs as `postgres` under root), never list it.
+        os.chmod(self.dir, 0o711)
+        (self.dir / "logs").mkdir(mode=0o700, exist_ok=True)
         (self.dir / "root").mkdir(exist_ok=True)
         self._secrets = self.secrets()
         _write_private(
@@ -271,8 +299,10 @@ class Stack:
 
         pg = self.dir / "postgres"
         data = pg / "data"
-        if not data.is_dir():
+        if not (data / "PG_VERSION").is_file():  # none, or an initdb that did not finish
             pg.mkdir(exist_ok=True)
+            if data.exists():
+                shutil.rmtree(data)
             pwfile = pg / "pw"
             _write_private(pwfile, self._secrets["POSTGRES_PASSWORD"] + "\n")
             if os.geteuid() == 0:
@@ -288,8 +318,10 @@ class Stack:
                 "--auth=scram-sha-256",
                 f"--pwfile={pwfile}",
             )
-            r = subprocess.run(init, capture_output=True, text=True)
-            pwfile.unlink()
+            try:
+                r = subprocess.run(init, capture_output=True, text=True)
+            finally:
+                pwfile.unlink(missing_ok=True)
             if r.returncode:
                 raise StackError(
                     f"initdb failed in {data}: {r.stderr.strip()[-600:]} (as root, the "
@@ -298,11 +330,11 @@ class Stack:
         opts = f"-p {self.ports.postgres} -c listen_addresses={self.host} -k {pg}"
         log = pg / "server.log"
         start = self._pg("pg_ctl", "-D", str(data), "-l", str(log), "-w", "-o", opts, "start")
+        self._pg_started = True  # before: a server that comes up late is still stopped
         r = subprocess.run(start, capture_output=True, text=True)
         if r.returncode:
             tail = log.read_text()[-800:] if log.is_file() else r.stderr
             raise StackError(f"PostgreSQL did not start: {tail.strip()}")
-        self._pg_started = True
         conn = dict(
             host=self.host,
             port=self.ports.postgres,
@@ -311,9 +343,15 @@ class Stack:
         )
         with psycopg.connect(dbname="postgres", autocommit=True, **conn) as c:
             have = {r[0] for r in c.execute("SELECT datname FROM pg_database")}
+            roles = {r[0] for r in c.execute("SELECT rolname FROM pg_roles")}
+            if "ratings" not in roles:  # the rating app's and the members' role: its database only
+                pw = self._secrets["RATINGS_DB_PASSWORD"].replace("'", "''")
+                c.execute(f"CREATE ROLE ratings LOGIN PASSWORD '{pw}'")
             for db in PG_DATABASES:
                 if db not in have:
-                    c.execute(f'CREATE DATABASE "{db}"')
+                    owner = ' OWNER "ratings"' if db == "ratings" else ""
+                    c.execute(f'CREATE DATABASE "{db}"{owner}')
+                    c.execute(f'REVOKE ALL ON DATABASE "{db}" FROM PUBLIC')
         with psycopg.connect(dbname="prefect", autocommit=True, **conn) as c:
             c.execute("CREATE EXTENSION IF NOT EXISTS pg_trgm")
 
@@ -442,7 +480,13 @@ class Stack:
             raise StackError(f"could not create the MLflow user {user}: {r.status_code} {r.text}")
 
     def _start_ratings(self) -> None:
-        env = self._env(**self.team_env())
+        # What configs/team.yaml names, and no other credential: not the S3 keys, the Prefect
+        # auth string nor an MLflow login.
+        team = self.team_env()
+        names = ("KILN_ROOT", "KILN_SOURCE", "KILN_S3_ENDPOINT_URL", "KILN_RATINGS_DATABASE_URL")
+        env = self._env(MLFLOW_TRACKING_URI=team["MLFLOW_TRACKING_URI"])
+        env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+        env |= {k: team[k] for k in names}
         cmd = [
             str(BIN / "kiln"),
             "rate",
@@ -469,6 +513,10 @@ class Stack:
                 continue
             if name == "prefect-worker":
                 say(f"kiln stack: the worker exited ({p.returncode}): starting another")
+                self._restarts = [t for t in self._restarts if time.monotonic() - t < 60]
+                if len(self._restarts) >= 5:
+                    return "the worker exited 5 times in a minute; see its log"
+                self._restarts.append(time.monotonic())
                 self._start_worker()
                 continue
             return f"{name} exited ({p.returncode}); see {self.dir / 'logs' / name}.log"
@@ -479,13 +527,15 @@ class Stack:
         for name in reversed(list(self.procs)):
             p = self.procs[name]
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
         for p in self.procs.values():
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+            # A leader gone leaves its group: children that outlived it (a server's workers).
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            p.wait()
         self.procs.clear()
         if self._pg_started:
             data = self.dir / "postgres" / "data"
@@ -514,18 +564,12 @@ def main(argv: list[str] | None = None) -> int:
     ports = Ports(**{n: getattr(a, f"{n}_port") for n in vars(defaults)})
     stack = Stack(a.dir.resolve(), ports, a.host, a.bucket, a.s3_endpoint)
 
-    stopping: list[int] = []
-
-    def on_signal(signum, _frame):
-        stopping.append(signum)
-        if not stack.procs.get("ratings"):  # still starting: abandon the start
-            raise StackError(f"stopped by signal {signum} while starting")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    for sig in stops:  # noted only: a start in progress gives up at its next wait
+        signal.signal(sig, lambda signum, _frame: _STOP.append(signum))
     try:
         stack.start(_say)
-        while not stopping:
+        while not _STOP:
             dead = stack.watch(_say)
             if dead:
                 _say(f"kiln stack: {dead}; stopping the others", err=True)
@@ -537,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"kiln stack: {e}", err=True)
         return 1
     finally:
+        for sig in stops:  # a second Ctrl-C does not interrupt the stopping
+            signal.signal(sig, signal.SIG_IGN)
         stack.stop()
 
 

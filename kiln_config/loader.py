@@ -86,6 +86,9 @@ def _merge(base: dict, over: dict) -> dict:
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
+_UNSET = object()  # a field given as one reference that came out empty: left at its default
+
+
 def expand_env(data: Any, where: str = "") -> Any:
     """`data` with each `${NAME}` in its strings replaced by the environment variable NAME.
 
@@ -93,9 +96,11 @@ def expand_env(data: Any, where: str = "") -> Any:
         ConfigError: naming the field and the variable, where one is not set.
     """
     if isinstance(data, dict):
-        return {k: expand_env(v, f"{where}.{k}" if where else str(k)) for k, v in data.items()}
+        out = {k: expand_env(v, f"{where}.{k}" if where else str(k)) for k, v in data.items()}
+        return {k: v for k, v in out.items() if v is not _UNSET}
     if isinstance(data, list):
-        return [expand_env(v, f"{where}.{i}") for i, v in enumerate(data)]
+        out = [expand_env(v, f"{where}.{i}") for i, v in enumerate(data)]
+        return [v for v in out if v is not _UNSET]
     if not isinstance(data, str) or "${" not in data:
         return data
 
@@ -112,7 +117,13 @@ def expand_env(data: Any, where: str = "") -> Any:
         return os.environ[name]
 
     out = _ENV_REF.sub(value, data)
-    return None if out == "" and _ENV_REF.fullmatch(data) else out
+    given = "".join(os.environ.get(m.group(1), "") for m in _ENV_REF.finditer(data))
+    if "${" in out and "${" not in given:  # left over, and not from a variable's own value
+        raise ConfigError(
+            f"{where}: a malformed ${{...}} reference in {redact_text(data)!r} (write "
+            "${NAME} or ${NAME:-default})"
+        )
+    return _UNSET if out == "" and _ENV_REF.fullmatch(data) else out
 
 
 def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:

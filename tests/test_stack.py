@@ -11,6 +11,7 @@ the MLflow run, the Prefect run or `ps`. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -32,6 +34,21 @@ pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+
+
+def _cmd(p) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _gone(p) -> bool:
+    """Exited, or a zombie (dead, its reaper not yet come by): never a process that runs."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def _free_port() -> int:
@@ -80,6 +97,7 @@ def stack():
         start_new_session=True,
     )
     said = lambda: (base / "stack.out").read_text()  # noqa: E731
+    services: list = []
     try:
         _wait("kiln stack to come up", lambda: "kiln stack is up" in said(), 300, [proc])
         yield {
@@ -91,18 +109,24 @@ def stack():
             "proc": proc,
         }
     finally:
+        # Every service's process, PostgreSQL's included (its children run as `postgres`).
+        services = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        services += [p for p in psutil.process_iter() if str(folder) in " ".join(_cmd(p))]
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
         try:
             rc = proc.wait(timeout=90)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
             rc = None
+        _, alive = psutil.wait_procs(services, timeout=30)
+        for p in alive:  # a failed stop: nothing may outlive the test
+            with contextlib.suppress(psutil.Error):
+                p.kill()
         out.close()
-        left = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        text = said()
         shutil.rmtree(base, ignore_errors=True)
-        assert rc == 0, f"kiln stack exited {rc} on SIGTERM:\n{said()[-3000:]}"
-        assert str(folder) not in left, "a service outlived the stack"
+        assert rc == 0, f"kiln stack exited {rc} on SIGTERM:\n{text[-3000:]}"
+        assert not alive, f"services outlived the stack: {[_cmd(p)[:3] for p in alive]}"
 
 
 def _prefect(team: dict, home: Path, *args: str, timeout: float = 120) -> str:
@@ -256,6 +280,7 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
     refused = _kiln(viewer_env, "promote", "--config", str(cfg), "--first")
     assert refused.returncode != 0
     assert "PERMISSION_DENIED" in refused.stderr or "permission" in refused.stderr.lower()
+    assert "champion" not in client.get_registered_model("kiln-t2i").aliases, "nothing moved"
     team_env = _clean_env() | team
     done = _kiln(team_env, "promote", "--config", str(cfg), "--first")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -304,8 +329,6 @@ def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
     automation marks the run Crashed, the GPU limit's slot and the root's training lock come
     back, the stack starts another worker, and the deployment's next run resumes the stage
     from its checkpoint."""
-    import psutil
-
     from tasks.storage.lock import root_busy
 
     team = stack["team"]
@@ -337,16 +360,19 @@ def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
     killed_at = time.monotonic()
     for p in (worker, *flow_procs):  # the worker and its flow-run process, nothing else
         p.kill()
-    _, alive = psutil.wait_procs(ranks, timeout=30)
-    assert not alive, "the training outlived its flow run"
+    _wait("the training to die with its flow run", lambda: all(map(_gone, ranks)), 30)
 
     with _api(team) as api:
         state = lambda rid: api.get(f"/flow_runs/{rid}").json()["state_type"]  # noqa: E731
         _wait("the dead run marked Crashed", lambda: state(run_id) == "CRASHED", 300)
         crashed_s = time.monotonic() - killed_at
         assert not root_busy(root), "the root's training lock is free"
-        limits = lambda: api.post("/v2/concurrency_limits/filter", json={}).json()  # noqa: E731
-        _wait("the GPU limit's slot back", lambda: limits()[0]["active_slots"] == 0, 240)
+        limits = lambda: {  # noqa: E731
+            c["name"]: c["active_slots"]
+            for c in api.post("/v2/concurrency_limits/filter", json={}).json()
+        }
+        assert "gpu" in limits(), "the launch held a slot of the GPU limit"
+        _wait("the GPU limit's slot back", lambda: limits()["gpu"] == 0, 240)
         slot_s = time.monotonic() - killed_at
         assert "starting another" in stack["out"](), "the stack started a new worker"
 

@@ -10,11 +10,9 @@ for any reason (failure, cancellation), so no orphan workers are left behind.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -49,7 +47,7 @@ from tasks.launch.common import (
 from tasks.launch.gpu_fit import cuda_available
 from tasks.launch.gpu_limit import gpu_slot
 from tasks.launch.kubernetes import run_train_job
-from tasks.launch.orphan_guard import guarded
+from tasks.launch.orphan_guard import guarded, kill_tree
 from tasks.launch.slurm import run_slurm_job
 from tasks.planning.topology import local_processes, processes_per_machine
 from tasks.runtime.logs import task_logger
@@ -105,9 +103,10 @@ def accelerate_command(
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the launch: every process under its guard (ranks in sessions of their own
+    included), then the guard's group."""
     if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
 
 

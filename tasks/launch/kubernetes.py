@@ -11,7 +11,8 @@ know fails here, not in the cluster.
 While the job runs, node 0's log streams into the Prefect log, the stage's heartbeat (on the
 shared storage root, which this machine sees too) drives progress and the hang watchdog, and
 a job still running when the watch ends for any reason (a hang, a timeout, an exception, a
-cancelled or killed flow run) is deleted with its pods.
+cancelled flow run, SIGTERM) is deleted with its pods. A flow-run process killed outright
+(SIGKILL, the OOM killer) runs no cleanup: its TrainJob runs on until it ends or is deleted.
 """
 
 from __future__ import annotations

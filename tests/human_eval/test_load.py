@@ -1,6 +1,6 @@
 """Load and durability: 50 concurrent raters x 20 votes over loopback HTTP, on SQLite and on
-PostgreSQL, with a kill -9 of the app and a restart of the database (tests/human_eval/
-rating_load.py simulates the raters)."""
+PostgreSQL, and a kill -9 of the app mid-load on SQLite (tests/human_eval/rating_load.py
+simulates the raters; benchmarks/ratings_load.py restarts PostgreSQL too)."""
 
 from __future__ import annotations
 
