@@ -51,6 +51,13 @@ def _gone(p) -> bool:
         return True
 
 
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _free_port() -> int:
     import socket
 
@@ -274,6 +281,43 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
     )
     assert got.returncode == 0, got.stderr[-3000:]
     assert json.loads(got.stdout.strip().splitlines()[-1])["size"] == [32, 32]
+    # `mlflow models serve` of the same URI, with the same login, answers.
+    port = _free_port()
+    served = bare | stack["viewer"] | {"PATH": f"{BIN}{os.pathsep}{bare.get('PATH', '')}"}
+    with open(tmp_path / "serve.log", "w") as log:
+        server = subprocess.Popen(
+            [
+                str(BIN / "mlflow"),
+                "models",
+                "serve",
+                "-m",
+                "models:/kiln-t2i@candidate",
+                "--env-manager",
+                "local",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+            ],
+            env=served,
+            cwd=consumer,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait("the scoring server", lambda: _up(f"{base}/ping"), 240, [server])
+        body = {
+            "dataframe_split": {"columns": ["prompt"], "data": [["a red circle"]]},
+            "params": {"num_inference_steps": 2, "seed": 0},
+        }
+        answer = httpx.post(f"{base}/invocations", json=body, timeout=300)
+        assert answer.status_code == 200, answer.text[:2000]
+        assert answer.json()["predictions"][0]["prompt"] == "a red circle"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
 
     # Promotion: refused to the viewer's read-only login, done with the team's.
     viewer_env = _clean_env() | team | stack["viewer"]
@@ -307,6 +351,7 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
         json.dumps(mlrun.data.tags),
         json.dumps(version.tags),
         json.dumps(run["parameters"]),
+        json.dumps(_api(team).post("/artifacts/filter", json={}).json()),
         refused.stderr,
         done.stderr + done.stdout,
     ]
@@ -394,3 +439,73 @@ def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
     manifest = json.loads((run_dir / "stage-32" / "manifest.json").read_text())
     assert manifest["final_step"] == 400
     print(f"worker SIGKILL -> run Crashed: {crashed_s:.0f}s; GPU slot back: {slot_s:.0f}s")
+
+
+def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
+    stack, pipeline_run, tmp_path, monkeypatch
+):
+    """The shipped weekly-retrain deployment on the stack: a member's real `kiln takedown add`
+    (of images the newest training saw) emits the event its trigger waits for; the worker runs
+    the retrain, which warm-starts from the champion, registers a candidate and opens the
+    blind comparison in the ratings database on PostgreSQL."""
+    from mlflow import MlflowClient
+
+    from human_eval.store import RatingStore
+
+    team = stack["team"]
+    member = _clean_env() | team
+    for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(k, team[k])
+    client = MlflowClient(team["MLFLOW_TRACKING_URI"])
+    if "champion" not in client.get_registered_model("kiln-t2i").aliases:
+        first = _kiln(member, "promote", "--config", str(pipeline_run["cfg"]), "--first")
+        assert first.returncode == 0, first.stderr[-3000:]
+    champion = client.get_model_version_by_alias("kiln-t2i", "champion").version
+    versions = len(client.search_model_versions("name='kiln-t2i'"))
+
+    cfg = tmp_path / "retrain.yaml"
+    stage = {"resolution": 32, "batch_size": 4, "learning_rate": 1e-3, "max_steps": 2}
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "base": str(REPO / "configs" / "team.yaml"),
+                "train": {"stages": [stage], "init_from_model": "models:/kiln-t2i@champion"},
+                "launch": {"health_check": False, "max_restarts": 0},
+                "evaluate": {"limit": 2, "num_inference_steps": 1, "batch_size": 2, "seeds": [0]},
+                "human_eval": {"gold_per_rater": 1},  # 2 prompts: room for one gold pair
+            }
+        )
+    )
+    spec = yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())
+    (weekly,) = [d for d in spec["deployments"] if d["name"] == "weekly-retrain"]
+    weekly["parameters"]["config"] = str(cfg)
+    weekly.pop("schedules")  # the trigger alone
+    spec["deployments"] = [weekly]
+    pfile = tmp_path / "prefect.yaml"
+    pfile.write_text(yaml.safe_dump(spec, sort_keys=False))
+    home = tmp_path / "prefect-home"
+    _prefect(team, home, "--no-prompt", "deploy", "--prefect-file", str(pfile), "--all")
+
+    down = _kiln(
+        member, "takedown", "add", "--contributor", "cy-shoots", "--reason", "withdrawn",
+        "--config", str(cfg),
+    )  # fmt: skip
+    assert down.returncode == 0, down.stderr[-3000:]
+    with _api(team) as api:
+        dep = api.get("/deployments/name/kiln-retrain/weekly-retrain").json()["id"]
+
+        def retrain():
+            runs = api.post(
+                "/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [dep]}}}
+            ).json()
+            return [r for r in runs if r["state_type"] in FINAL]
+
+        (run,) = _wait("the retrain the takedown made due", retrain, 600, [stack["proc"]])
+    log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
+    assert run["state_type"] == "COMPLETED", log[-5000:]
+    assert run["parameters"]["event_root"] == team["KILN_ROOT"]
+    new = client.get_model_version_by_alias("kiln-t2i", "candidate")
+    assert len(client.search_model_versions("name='kiln-t2i'")) == versions + 1
+    assert new.tags["parent_version"] == str(champion), "warm-started from the champion"
+    with RatingStore.open(Path(team["KILN_ROOT"]), team["KILN_RATINGS_DATABASE_URL"]) as store:
+        assert [c.model_b for c in store.comparisons()], "the comparison is in PostgreSQL"
