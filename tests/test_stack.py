@@ -487,9 +487,16 @@ def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
     _prefect(team, home, "--no-prompt", "deploy", "--prefect-file", str(pfile), "--all")
 
     down = _kiln(
-        member, "takedown", "add", "--contributor", "cy-shoots", "--reason", "withdrawn",
-        "--config", str(cfg),
-    )  # fmt: skip
+        member,
+        "takedown",
+        "add",
+        "--contributor",
+        "cy-shoots",
+        "--reason",
+        "withdrawn",
+        "--config",
+        str(cfg),
+    )
     assert down.returncode == 0, down.stderr[-3000:]
     with _api(team) as api:
         dep = api.get("/deployments/name/kiln-retrain/weekly-retrain").json()["id"]

@@ -20,8 +20,17 @@ PRESETS = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_kiln_plan_fits_every_stage_of_every_preset(preset, tmp_path):
+def test_kiln_plan_fits_every_stage_of_every_preset(preset, tmp_path, monkeypatch):
     root = tmp_path / "root"
+    # configs/team.yaml names its services by the environment (a team's stack's team.env).
+    team = {
+        "KILN_ROOT": str(root),
+        "KILN_SOURCE": "s3://team/images",
+        "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000",
+        "KILN_RATINGS_DATABASE_URL": "postgresql+psycopg://ratings@127.0.0.1/ratings",
+    }
+    for k, v in team.items():
+        monkeypatch.setenv(k, v)
     args = ["plan", "--config", str(REPO / "configs" / preset), "--root", str(root)]
     out = CliRunner().invoke(main, [*args, "--img-per-s", "100"])
     assert out.exit_code == 0, out.output
