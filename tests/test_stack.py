@@ -28,6 +28,8 @@ import pytest
 import yaml
 
 from deployments.stack import read_env_file
+from human_eval.store import RatingStore
+from tasks.storage.lock import root_busy
 
 pytestmark = pytest.mark.e2e
 
@@ -374,8 +376,6 @@ def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
     automation marks the run Crashed, the GPU limit's slot and the root's training lock come
     back, the stack starts another worker, and the deployment's next run resumes the stage
     from its checkpoint."""
-    from tasks.storage.lock import root_busy
-
     team = stack["team"]
     _, home = _deploy(
         team,
@@ -449,8 +449,6 @@ def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
     the retrain, which warm-starts from the champion, registers a candidate and opens the
     blind comparison in the ratings database on PostgreSQL."""
     from mlflow import MlflowClient
-
-    from human_eval.store import RatingStore
 
     team = stack["team"]
     member = _clean_env() | team

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tasks.launch.orphan_guard import guarded
+
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -58,8 +60,6 @@ def test_a_sigkilled_flow_process_takes_its_launch_and_ranks_with_it(tmp_path, o
 
 
 def test_the_launch_exit_status_comes_through(tmp_path):
-    from tasks.launch.orphan_guard import guarded
-
     exits = guarded([sys.executable, "-c", "raise SystemExit(3)"])
     assert subprocess.run(exits, cwd=REPO).returncode == 3
     killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
