@@ -35,6 +35,7 @@ sys.path.insert(0, str(REPO))
 from human_eval.store import RatingStore, sqlite_url  # noqa: E402
 from human_eval.studies import create_comparison, load_study  # noqa: E402
 from tasks.storage.layout import Layout  # noqa: E402
+from tests.servers import free_port  # noqa: E402
 
 
 def _load(name: str):
@@ -106,7 +107,7 @@ def run_backend(name: str, work: Path, pg: Postgres | None) -> dict:
     config = work / f"{name}.yaml"
     base_cfg = str(REPO / "configs" / "tiny.yaml")
     config.write_text(yaml.safe_dump({"base": base_cfg, "human_eval": {"database_url": url}}))
-    port = helpers.free_port()
+    port = free_port()
     argv = helpers.serve_argv(root, port, str(config))
     proc, base = helpers.start_server(argv, port)
     try:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.servers import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -222,12 +223,6 @@ def tiny_shards(tmp_path_factory, demo_src, make_config):
     return cfg_path, Path(root), res.dataset_version
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto's S3 server on 127.0.0.1: a real HTTP endpoint, not an in-process mock."""
@@ -236,7 +231,7 @@ def s3_endpoint():
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     yield f"http://127.0.0.1:{port}"

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from kiln_config import load_config
+from tests.servers import model_server
 
 pytestmark = pytest.mark.e2e
 
@@ -319,57 +320,20 @@ def test_study_has_one_image_per_prompt_and_seed(pipeline_run, drawbench_csv):
 def test_served_model_answers_a_rest_request_with_a_png(pipeline_run, tmp_path):
     """`mlflow models serve` of the registered alias, as the README shows, on loopback."""
     import base64
-    import signal
-    import socket
     import time
 
     import httpx
     from PIL import Image
 
     root, _, env, _ = pipeline_run
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    bindir = Path(sys.executable).parent
     env = {
         **env,
         "MLFLOW_TRACKING_URI": f"sqlite:///{root / 'mlflow.db'}",
-        # --env-manager local runs a bare `uvicorn`: the venv's bin must be on PATH.
-        "PATH": f"{bindir}{os.pathsep}{env.get('PATH', '')}",
         "MLFLOW_SCORING_SERVER_REQUEST_TIMEOUT": "300",
     }
-    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
-    server = subprocess.Popen(
-        [
-            str(bindir / "mlflow"),
-            "models",
-            "serve",
-            "-m",
-            "models:/kiln-t2i@candidate",
-            "--env-manager",
-            "local",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/ping", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the scoring server did not come up in 180 s"
-            time.sleep(1)  # poll interval of a bounded wait
+    with model_server(
+        "models:/kiln-t2i@candidate", env, tmp_path / "serve.log", timeout=180
+    ) as base:
         t0 = time.monotonic()
         r = httpx.post(
             f"{base}/invocations",
@@ -409,13 +373,6 @@ def test_served_model_answers_a_rest_request_with_a_png(pipeline_run, tmp_path):
             timeout=60,
         )
         assert r.status_code == 400 and "1 to 64 prompts, got 65" in r.json()["message"]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-        log.close()
 
 
 def test_kiln_generate_writes_pngs_from_a_registered_alias(pipeline_run, tmp_path):

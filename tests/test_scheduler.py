@@ -20,33 +20,11 @@ import yaml
 
 from kiln_config import load_config
 from tasks.storage.layout import Layout
+from tests.servers import BIN, free_port, http_ok, wait_for
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(what: str, check, timeout: float, procs=()):
-    """Poll `check` until it returns something truthy; fail naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"{p.args[:4]} exited ({p.returncode}) waiting for {what}")
-        got = check()
-        if got:
-            return got
-        time.sleep(1)  # a poll interval of a bounded wait, not a race dodge
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def _runs(api: str, deployment_id: str) -> list[dict]:
@@ -83,7 +61,7 @@ def prefect_server(tmp_path_factory):
     the worker's). One server for the module's tests (each starts in 10-15 s): they create
     different deployments, and each filters runs by its own deployment's id."""
     tmp_path = tmp_path_factory.mktemp("prefect-server")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {
         **os.environ,
@@ -116,15 +94,8 @@ def prefect_server(tmp_path_factory):
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-
-    def healthy():
-        try:
-            return httpx.get(f"{api}/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     try:
-        _wait("the Prefect server's health endpoint", healthy, 120, [server])
+        wait_for("the Prefect server's health", lambda: http_ok(f"{api}/health"), 120, [server])
         yield api, env
     finally:
         server.terminate()
@@ -216,7 +187,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     assert ingest_id and weekly_id, "prefect deploy created the deployments"
 
     # 1. The server's scheduler service creates the scheduled ingest by itself.
-    _wait("the scheduled ingest run", lambda: _states(api, ingest_id, manual_only=False), 90)
+    wait_for("the scheduled ingest run", lambda: _states(api, ingest_id, manual_only=False), 90)
 
     # Meanwhile the first model is trained in this process and promoted: the champion to
     # continue from. No worker runs yet, so the scheduled ingest (due during this training on
@@ -237,7 +208,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
     worker = _worker(env, elsewhere, tmp_path / "worker.log")
     wlog = lambda: (tmp_path / "worker.log").read_text()[-6000:]  # noqa: E731
     try:
-        done = _wait(
+        done = wait_for(
             "the scheduled ingest, run by the worker",
             lambda: [
                 r for r in _states(api, ingest_id, manual_only=False) if r["state_type"] in FINAL
@@ -254,7 +225,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         assert "Created flow run" in _cli(
             ["deployment", "run", "kiln-ingest/nightly-ingest"], env, REPO
         )
-        manual = _wait(
+        manual = wait_for(
             "the ingest started by hand",
             lambda: [r for r in _states(api, ingest_id) if r["state_type"] in FINAL],
             300,
@@ -262,7 +233,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         )
         ingest_s = time.monotonic() - t0
         assert manual[0]["state_type"] == "COMPLETED", wlog()
-        triggered = _wait(
+        triggered = wait_for(
             "the retrain the new-data trigger starts",
             lambda: [r for r in _states(api, weekly_id) if r["state_type"] in ("RUNNING", *FINAL)],
             120,
@@ -273,7 +244,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
 
         # 4. A second retrain started meanwhile waits for the first (ENQUEUE).
         _cli(["deployment", "run", "kiln-retrain/weekly-retrain"], env, REPO)
-        second = _wait(
+        second = wait_for(
             "the second retrain, waiting for the concurrency slot",
             lambda: [
                 r
@@ -287,7 +258,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         assert now[triggered["id"]]["state_type"] == "RUNNING", "the first still runs"
 
         # 5. The triggered retrain completes: a candidate warm-started from the champion.
-        finished = _wait(
+        finished = wait_for(
             "the triggered retrain to finish",
             lambda: [
                 r
@@ -311,7 +282,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
 
         # 6. The waiting run gets the slot once the first is done, and finds nothing new since
         # that training: it completes without training (no version 3).
-        after = _wait(
+        after = wait_for(
             "the second retrain to run once the first is done",
             lambda: [
                 r
@@ -334,7 +305,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         _cli(
             ["events", "emit", "kiln.ingest.completed", "--resource", json.dumps(other)], env, REPO
         )
-        foreign = _wait(
+        foreign = wait_for(
             "the run the other root's event triggers",
             lambda: [
                 r
@@ -351,7 +322,7 @@ def test_new_data_triggers_the_weekly_retrain_on_a_real_worker(
         # a taken-down image) starts the retrain the same way; that root's, here.
         down = {**other, "prefect.resource.name": str(tmp_path / "someone-elses-takedown")}
         _cli(["events", "emit", "kiln.takedown.added", "--resource", json.dumps(down)], env, REPO)
-        _wait(
+        wait_for(
             "the run the takedown event triggers",
             lambda: [
                 r
@@ -395,13 +366,13 @@ def test_serve_cron_schedule_creates_runs(prefect_server, tmp_path, demo_src, ma
         start_new_session=True,
     )
     try:
-        dep_id = _wait(
+        dep_id = wait_for(
             "serve.py's retrain deployment",
             lambda: _deployment_id(api, "kiln-pipeline", "retrain"),
             120,
             [serve],
         )
-        scheduled = _wait(
+        scheduled = wait_for(
             "runs scheduled from serve.py's cron",
             lambda: [r for r in _runs(api, dep_id) if r["auto_scheduled"]],
             90,

@@ -21,15 +21,11 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.servers import free_port
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(url: str) -> bool:
@@ -69,7 +65,7 @@ COMMANDS = {
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_a_serving_command_stops_its_whole_tree(command, sig, tmp_path, tiny_config):
     argv, health = COMMANDS[command]
-    port = _port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp_path / "prefect")}
     cmd = [sys.executable, "-m", "kiln_cli", *argv(str(tiny_config), str(port))]
     # Its own session: the test's signal reaches the kiln process only, not a group.

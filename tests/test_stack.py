@@ -30,11 +30,11 @@ import yaml
 from deployments.stack import read_env_file
 from human_eval.store import RatingStore
 from tasks.storage.lock import root_busy
+from tests.servers import BIN, free_port, model_server, prefect_client, wait_for
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 
 
@@ -53,34 +53,6 @@ def _gone(p) -> bool:
         return True
 
 
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(what: str, check, timeout: float, procs=()):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise AssertionError(f"{p.args[:3]} exited ({p.returncode}) waiting for {what}")
-        got = check()
-        if got:
-            return got
-        time.sleep(1)  # a poll interval of a bounded wait
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
 def _clean_env() -> dict[str, str]:
     """This process's environment without any Prefect, MLflow or AWS setting: each command
     gets only what a user of the stack would export."""
@@ -95,7 +67,7 @@ def stack():
     base = Path(tempfile.mkdtemp(prefix="kiln-stack-"))
     os.chmod(base, 0o711)
     folder = base / "stack"
-    ports = {n: _free_port() for n in ("postgres", "s3", "prefect", "mlflow", "ratings")}
+    ports = {n: free_port() for n in ("postgres", "s3", "prefect", "mlflow", "ratings")}
     args = [a for n, p in ports.items() for a in (f"--{n}-port", str(p))]
     out = open(base / "stack.out", "w")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -108,7 +80,7 @@ def stack():
     said = lambda: (base / "stack.out").read_text()  # noqa: E731
     services: list = []
     try:
-        _wait("kiln stack to come up", lambda: "kiln stack is up" in said(), 300, [proc])
+        wait_for("kiln stack to come up", lambda: "kiln stack is up" in said(), 300, [proc])
         yield {
             "dir": folder,
             "team": read_env_file(folder / "team.env"),
@@ -148,8 +120,7 @@ def _prefect(team: dict, home: Path, *args: str, timeout: float = 120) -> str:
 
 
 def _api(team: dict):
-    user, _, password = team["PREFECT_API_AUTH_STRING"].partition(":")
-    return httpx.Client(base_url=team["PREFECT_API_URL"], auth=(user, password), timeout=10)
+    return prefect_client(team["PREFECT_API_URL"], team["PREFECT_API_AUTH_STRING"])
 
 
 def _kiln(env: dict, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -233,7 +204,7 @@ def pipeline_run(stack, tmp_path_factory, demo_src):
         return run if run["state_type"] in FINAL else None
 
     worker_log = stack["dir"] / "logs" / "prefect-worker.log"
-    run = _wait("the pipeline run by the worker", finished, 600, [stack["proc"]])
+    run = wait_for("the pipeline run by the worker", finished, 600, [stack["proc"]])
     assert run["state_type"] == "COMPLETED", worker_log.read_text()[-5000:]
     return {"cfg": cfg, "run": run, "ps": procs_seen, "s3": s3}
 
@@ -284,32 +255,10 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
     assert got.returncode == 0, got.stderr[-3000:]
     assert json.loads(got.stdout.strip().splitlines()[-1])["size"] == [32, 32]
     # `mlflow models serve` of the same URI, with the same login, answers.
-    port = _free_port()
-    served = bare | stack["viewer"] | {"PATH": f"{BIN}{os.pathsep}{bare.get('PATH', '')}"}
-    with open(tmp_path / "serve.log", "w") as log:
-        server = subprocess.Popen(
-            [
-                str(BIN / "mlflow"),
-                "models",
-                "serve",
-                "-m",
-                "models:/kiln-t2i@candidate",
-                "--env-manager",
-                "local",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-            ],
-            env=served,
-            cwd=consumer,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait("the scoring server", lambda: _up(f"{base}/ping"), 240, [server])
+    served = bare | stack["viewer"]
+    with model_server(
+        "models:/kiln-t2i@candidate", served, tmp_path / "serve.log", consumer
+    ) as base:
         body = {
             "dataframe_split": {"columns": ["prompt"], "data": [["a red circle"]]},
             "params": {"num_inference_steps": 2, "seed": 0},
@@ -317,9 +266,6 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
         answer = httpx.post(f"{base}/invocations", json=body, timeout=300)
         assert answer.status_code == 200, answer.text[:2000]
         assert answer.json()["predictions"][0]["prompt"] == "a red circle"
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=60)
 
     # Promotion: refused to the viewer's read-only login, done with the team's.
     viewer_env = _clean_env() | team | stack["viewer"]
@@ -395,7 +341,7 @@ def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
         runs = [p.parents[3] for p in done if p.parents[3] not in earlier]
         return runs[0] if runs else None
 
-    run_dir = _wait("the stage's first checkpoint", checkpointed, 600, [stack["proc"]])
+    run_dir = wait_for("the stage's first checkpoint", checkpointed, 600, [stack["proc"]])
     stack_proc = psutil.Process(stack["proc"].pid)
     (worker,) = [p for p in stack_proc.children() if "worker" in " ".join(p.cmdline())]
     tree = [worker, *worker.children(recursive=True)]
@@ -405,11 +351,11 @@ def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
     killed_at = time.monotonic()
     for p in (worker, *flow_procs):  # the worker and its flow-run process, nothing else
         p.kill()
-    _wait("the training to die with its flow run", lambda: all(map(_gone, ranks)), 30)
+    wait_for("the training to die with its flow run", lambda: all(map(_gone, ranks)), 30)
 
     with _api(team) as api:
         state = lambda rid: api.get(f"/flow_runs/{rid}").json()["state_type"]  # noqa: E731
-        _wait("the dead run marked Crashed", lambda: state(run_id) == "CRASHED", 300)
+        wait_for("the dead run marked Crashed", lambda: state(run_id) == "CRASHED", 300)
         crashed_s = time.monotonic() - killed_at
         assert not root_busy(root), "the root's training lock is free"
         limits = lambda: {  # noqa: E731
@@ -417,7 +363,7 @@ def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
             for c in api.post("/v2/concurrency_limits/filter", json={}).json()
         }
         assert "gpu" in limits(), "the launch held a slot of the GPU limit"
-        _wait("the GPU limit's slot back", lambda: limits()["gpu"] == 0, 240)
+        wait_for("the GPU limit's slot back", lambda: limits()["gpu"] == 0, 240)
         slot_s = time.monotonic() - killed_at
         assert "starting another" in stack["out"](), "the stack started a new worker"
 
@@ -432,7 +378,7 @@ def test_a_worker_killed_mid_training_gives_everything_back_and_the_run_resumes(
             f"run_id={run_dir.name}",
         )
         again = out.split("/runs/flow-run/")[1].split()[0]
-        _wait("the resumed run", lambda: state(again) in FINAL, 600, [stack["proc"]])
+        wait_for("the resumed run", lambda: state(again) in FINAL, 600, [stack["proc"]])
         worker_log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
         assert state(again) == "COMPLETED", worker_log[-5000:]
     assert f"resumed from {run_dir}/stage-32/checkpoints/step-" in worker_log
@@ -505,7 +451,7 @@ def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
             ).json()
             return [r for r in runs if r["state_type"] in FINAL]
 
-        (run,) = _wait("the retrain the takedown made due", retrain, 600, [stack["proc"]])
+        (run,) = wait_for("the retrain the takedown made due", retrain, 600, [stack["proc"]])
     log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
     assert run["state_type"] == "COMPLETED", log[-5000:]
     assert run["parameters"]["event_root"] == team["KILN_ROOT"]

@@ -2,7 +2,6 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -10,13 +9,9 @@ import urllib.request
 
 import pytest
 
+from tests.servers import free_port
+
 pytestmark = pytest.mark.e2e
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_ok(url: str, procs: list, timeout: float = 120) -> bytes:
@@ -37,7 +32,7 @@ def _wait_ok(url: str, procs: list, timeout: float = 120) -> bytes:
 def test_prefect_and_mlflow_uis_serve(tmp_path, tiny_config):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
     env.pop("PREFECT_API_URL", None)
-    pp, mp = _port(), _port()
+    pp, mp = free_port(), free_port()
     cli = [sys.executable, "-m", "kiln_cli"]
     procs = [
         subprocess.Popen(

@@ -70,14 +70,6 @@ def two_studies(tmp_path) -> tuple[Path, Path, Path]:
 REPO = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until_up(url: str, proc, timeout: float = 60.0) -> None:
     """Poll /healthz until the server answers; fail (with its output) after `timeout`."""
     import time

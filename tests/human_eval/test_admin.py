@@ -16,8 +16,9 @@ from human_eval.report import build_report
 from human_eval.store import Pair, RatingStore, Task
 from human_eval.studies import create_comparison, load_study
 from tasks.storage.layout import Layout
+from tests.servers import free_port
 
-from .conftest import free_port, many_prompts, start_server, stop, write_study
+from .conftest import many_prompts, start_server, stop, write_study
 
 pytestmark = pytest.mark.integration
 

@@ -11,8 +11,9 @@ import pytest
 from human_eval.store import RatingStore, sqlite_url
 from human_eval.studies import create_comparison, load_study
 from tasks.storage.layout import Layout
+from tests.servers import free_port
 
-from .conftest import PROMPTS, free_port, serve_argv, start_server, stop, write_study
+from .conftest import PROMPTS, serve_argv, start_server, stop, write_study
 
 pytestmark = pytest.mark.integration
 

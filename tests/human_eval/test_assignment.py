@@ -14,8 +14,9 @@ from sqlalchemy import func, select
 from human_eval.store import Pair, RatingStore, Task, sqlite_url
 from human_eval.studies import create_comparison, load_study
 from tasks.storage.layout import Layout
+from tests.servers import free_port
 
-from .conftest import free_port, many_prompts, start_server, stop, write_study
+from .conftest import many_prompts, start_server, stop, write_study
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,9 @@ from human_eval.store import RatingStore
 from kiln_cli.main import main as cli
 from kiln_config import load_config
 from tasks.storage.layout import Layout
+from tests.servers import free_port
 
-from .conftest import PROMPTS, free_port, start_server, stop, write_study
+from .conftest import PROMPTS, start_server, stop, write_study
 
 pytestmark = pytest.mark.integration
 

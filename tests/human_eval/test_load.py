@@ -16,8 +16,9 @@ import yaml
 from human_eval.store import RatingStore, sqlite_url
 from human_eval.studies import create_comparison, load_study
 from tasks.storage.layout import Layout
+from tests.servers import free_port
 
-from .conftest import REPO, free_port, many_prompts, serve_argv, start_server, stop, write_study
+from .conftest import REPO, many_prompts, serve_argv, start_server, stop, write_study
 from .rating_load import check_exact, join, latency_summary, run_load
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,6 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from PIL import Image
 
 from tasks.evaluation.grid_artifact import sample_grid_report
+from tests.servers import free_port
 
 
 def _grid(path: Path, seed: int) -> Image.Image:
@@ -35,12 +35,6 @@ def test_without_mlflow_the_report_shows_the_file_only(tmp_path):
     assert "Not in MLflow" in md and "![" not in md
     assert sample_grid_report(32, {"samples": []}, None, None) is None
     assert sample_grid_report(32, {}, None, None) is None  # a manifest from before grids
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, proc, timeout: float = 120) -> bytes:
@@ -63,7 +57,7 @@ def test_report_shows_the_newest_logged_grid_served_by_mlflow(tmp_path):
     grid's PNG (the one logged last for the newest step), and its link opens the run's page."""
     from mlflow.tracking import MlflowClient
 
-    port = _port()
+    port = free_port()
     env = {**os.environ, "MLFLOW_BACKEND_STORE_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
     mlflow = Path(sys.executable).parent / "mlflow"
     proc = subprocess.Popen(
