@@ -35,11 +35,11 @@ sys.path.insert(0, str(REPO))
 from human_eval.store import RatingStore, sqlite_url  # noqa: E402
 from human_eval.studies import create_comparison, load_study  # noqa: E402
 from tasks.storage.layout import Layout  # noqa: E402
-from tests.servers import free_port  # noqa: E402
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tests/human_eval" / f"{name}.py")
+def _load(name: str, folder: str = "tests/human_eval"):
+    """A test helper module by its file (`tests` is not a package outside pytest)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / folder / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -47,6 +47,7 @@ def _load(name: str):
 
 helpers = _load("conftest")  # studies on disk and the app as a process
 load = _load("rating_load")  # the simulated raters
+servers = _load("servers", "tests")  # a free port
 
 RATERS, VOTES, PAIRS, LIMIT_S = 50, 40, 450, 900  # 450 pairs x K=5 >= 2,000 ballots
 
@@ -107,7 +108,7 @@ def run_backend(name: str, work: Path, pg: Postgres | None) -> dict:
     config = work / f"{name}.yaml"
     base_cfg = str(REPO / "configs" / "tiny.yaml")
     config.write_text(yaml.safe_dump({"base": base_cfg, "human_eval": {"database_url": url}}))
-    port = free_port()
+    port = servers.free_port()
     argv = helpers.serve_argv(root, port, str(config))
     proc, base = helpers.start_server(argv, port)
     try:

@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.servers import free_port
-
 REPO = Path(__file__).resolve().parent.parent
 
 # Two test workers share the cores (`make test`), each launching training processes of its own: one
@@ -227,6 +225,9 @@ def tiny_shards(tmp_path_factory, demo_src, make_config):
 def s3_endpoint():
     """moto's S3 server on 127.0.0.1: a real HTTP endpoint, not an in-process mock."""
     from moto.server import ThreadedMotoServer
+
+    # Here, not at the top: tests/test_conftest_hooks.py runs this file outside the repository.
+    from tests.servers import free_port
 
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
