@@ -155,7 +155,7 @@ def _write_tiny_config(
     cfg["ingest"]["source"] = str(source)
     cfg["evaluate"]["prompts_csv"] = str(prompts)
     cfg["launch"]["accelerate_config"] = str(REPO / "configs" / "accelerate" / "single.yaml")
-    # The VAE fit is per root (about 75 CPU-seconds at the preset's 800 steps, paid again by
+    # The VAE fit is per root (about 50 CPU-seconds at the preset's 800 steps, paid again by
     # every test that trains in a root of its own): 30 steps give a VAE that works, and no test
     # here judges image quality (the learning test runs the preset's own fit).
     cfg["train"]["model"]["vae"]["fit"]["steps"] = 30
