@@ -139,7 +139,14 @@ def _du_gib(path: Path) -> float:
 
 
 def write_config(
-    work: Path, components: Path, *, reduced: bool, precompute: bool, steps: int, val: bool
+    work: Path,
+    components: Path,
+    *,
+    reduced: bool,
+    precompute: bool,
+    steps: int,
+    val: bool,
+    resolutions: tuple[int, ...] = (64, 128, 192),
 ) -> Path:
     """configs/sd2-base.yaml at its real size on the demo images, with few steps and small
     studies; `reduced`: one layer per UNet block (the widths and heads are SD2's)."""
@@ -176,7 +183,7 @@ def write_config(
     }
     train = cfg["train"]
     train |= {
-        "stages": [{"resolution": r, **stage} for r in (64, 128, 192)],
+        "stages": [{"resolution": r, **stage} for r in resolutions],
         "checkpoint_every": max(1, steps - 1),
         "keep_checkpoints": 1,
         "log_every": 1,
@@ -366,7 +373,12 @@ def run_all(args, env: dict, res: dict) -> None:
         env,
         log,
     )
-    opts = {"reduced": args.reduced, "steps": args.steps, "val": not args.no_val}
+    opts = {
+        "reduced": args.reduced,
+        "steps": args.steps,
+        "val": not args.no_val,
+        "resolutions": args.resolutions,
+    }
     plain = write_config(work, components, precompute=False, **opts)
     latents = write_config(work, components, precompute=True, **opts)
     for step in ("ingest", "validate"):
@@ -396,7 +408,7 @@ def run_all(args, env: dict, res: dict) -> None:
     res["run_id"], res["dataset_versions"] = run_id, versions
     res["stages"] = {
         r: _stage_figures(_stage_dir(root, run_id, r), tidy.sizes[f"stage-{r}"])
-        for r in (64, 128, 192)
+        for r in args.resolutions
     }
     steps["evaluate"] = _run(
         [*kiln, "evaluate", "--config", str(cfg), "--run-id", run_id], env, log
@@ -413,7 +425,7 @@ def run_all(args, env: dict, res: dict) -> None:
         [*kiln, "register", "--config", str(cfg), "--run-id", run_id], env, log
     )
     res["registered"] = _registered(root, "kiln-t2i", "candidate")
-    export = _stage_dir(root, run_id, 192) / "final"
+    export = _stage_dir(root, run_id, args.resolutions[-1]) / "final"
     steps["consumer"] = _run(
         [sys.executable, "-c", CONSUMER, str(export), str(work / "generated.png")], env, log
     )
@@ -424,6 +436,20 @@ def run_all(args, env: dict, res: dict) -> None:
         )
     for s in steps.values():
         s.pop("stdout", None)
+
+
+def _resolutions(text: str) -> tuple[int, ...]:
+    try:
+        res = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected resolutions like 64,128 (got {text!r})"
+        ) from None
+    if KILLED_RES not in res or len(res) < 2 or list(res) != sorted(set(res)):
+        raise argparse.ArgumentTypeError(
+            f"expected at least two increasing resolutions including {KILLED_RES} (got {text!r})"
+        )
+    return res
 
 
 def main() -> None:
@@ -440,6 +466,13 @@ def main() -> None:
     p.add_argument("--reference", action="store_true", help="Rerun the killed stage whole")
     p.add_argument("--steps", type=int, default=3, help="Optimizer steps per stage (>= 2)")
     p.add_argument("--no-val", action="store_true", help="No validation split (faster)")
+    p.add_argument(
+        "--resolutions",
+        type=_resolutions,
+        default=(64, 128, 192),
+        help=f"The stages' resolutions, comma-separated; {KILLED_RES} (the killed stage) among "
+        "them (default: 64,128,192)",
+    )
     p.add_argument(
         "--no-precompute",
         action="store_true",

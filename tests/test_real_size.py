@@ -5,11 +5,15 @@
 head dimensions and 1024-wide cross-attention with one layer per block (583M parameters), the
 real SD VAE and a 2-layer, 1024-wide text encoder, all with random weights from local folders
 loaded through `pretrained:` paths. It runs `kiln demo-data`, `ingest`, `validate`, `shard`
-(images, and precomputed latents and text states), `train` on the precomputed shards (three
-stages of 2 steps, 64 -> 128 -> 192 px, EMA on in bfloat16, its training process SIGKILLed
-after the 128 px stage's first checkpoint and resumed by the flow), `evaluate`, `register`,
-and loads the export in a fresh process with diffusers. The killed stage is trained again
-without the kill, and both must end bit-identical.
+(images, and precomputed latents and text states), `train` on the precomputed shards (two
+stages of 2 steps, 64 -> 128 px, EMA on in bfloat16, its training process SIGKILLed after the
+128 px stage's first checkpoint and resumed by the flow), `evaluate`, `register`, and loads
+the export in a fresh process with diffusers. The killed stage is trained again without the
+kill, and both must end bit-identical.
+
+Two stages, not the benchmark's three: the second starts from the first's export, is killed
+and resumed, and its export is what evaluate, register and the consumer load; a third stage
+would repeat the hand-over at a larger size (the benchmark runs it).
 """
 
 import json
@@ -47,6 +51,8 @@ def real_size(tmp_path_factory, _prefect_api):
             "--train-on",
             "latents",
             "--reference",
+            "--resolutions",
+            "64,128",
             "--work",
             str(work / "w"),
             "--out",
@@ -72,7 +78,7 @@ def test_three_stages_trained_and_the_killed_one_resumed_exactly(real_size):
     r, _ = real_size
     assert r["steps"]["train"]["killed"], "the training process was SIGKILLed mid-stage"
     stages = r["stages"]
-    assert [stages[k]["final_step"] for k in ("64", "128", "192")] == [2, 2, 2]
+    assert [stages[k]["final_step"] for k in ("64", "128")] == [2, 2]
     assert stages["128"]["resumed"] and not stages["64"]["resumed"]
     ref = r["reference"]
     assert ref["bit_exact"] == {"final/unet": True, "final-raw/unet": True}
@@ -80,7 +86,7 @@ def test_three_stages_trained_and_the_killed_one_resumed_exactly(real_size):
 
 
 def test_bf16_ema_halves_its_checkpoint_share(real_size):
-    files = real_size[0]["stages"]["192"]["checkpoint_files_gib"]
+    files = real_size[0]["stages"]["128"]["checkpoint_files_gib"]
     model, ema = files["model.safetensors"], files["custom_checkpoint_0.pkl"]
     assert 0.45 < ema / model < 0.55, files
 
@@ -90,7 +96,7 @@ def test_export_loads_with_diffusers_at_the_real_widths(real_size):
     c = r["consumer"]
     assert c["unet_parameters"] == REDUCED_UNET_PARAMETERS
     assert (c["text_width"], c["text_layers"], c["scaling_factor"]) == (1024, 2, 0.18215)
-    assert c["size"] == [192, 192]
+    assert c["size"] == [128, 128]
     assert (work / "generated.png").stat().st_size > 0
 
 
