@@ -26,10 +26,10 @@ from human_eval.app import blind_png
 from human_eval.store import Pair, RatingStore, Task, sqlite_url
 from human_eval.studies import create_comparison, load_study
 from tasks.storage.layout import Layout
+from tests.servers import free_port
 
 from .conftest import (
     PROMPTS,
-    free_port,
     many_prompts,
     serve_argv,
     start_server,

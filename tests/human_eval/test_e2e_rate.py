@@ -24,8 +24,9 @@ from human_eval.store import RatingStore
 from kiln_cli.main import main as cli
 from kiln_config import load_config
 from tasks.storage.layout import Layout
+from tests.servers import free_port
 
-from .conftest import free_port, start_server, stop
+from .conftest import start_server, stop
 
 pytestmark = pytest.mark.e2e
 
