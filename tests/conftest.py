@@ -18,6 +18,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 PROMPTS = REPO / "tests" / "data" / "prompts.csv"  # 12 prompts of our own, DrawBench's columns
 
 
+# Seconds each of the longest files takes in `make test` (docs/benchmarks.md, "Test suite";
+# rounded, since only their order matters): handed out longest first, so that the two workers
+# start the long files together and finish on the short ones, instead of one long file running
+# alone at the end while the other worker idles.
+LONG_FILES = {
+    "test_stack.py": 700,
+    "models/test_train.py": 550,
+    "test_real_size.py": 500,
+    "test_newcomer.py": 480,
+    "test_e2e.py": 230,
+    "test_scheduler.py": 200,
+    "tasks/launch/test_launch.py": 180,
+    "test_learning.py": 150,
+    "tasks/planning/test_memory_model.py": 150,
+    "test_gpu_check.py": 120,
+    "tasks/launch/test_slurm.py": 120,
+}
+
+
 def _weight(item) -> int:
     """0 for end-to-end tests, 1 for integration tests, 2 for the rest (their markers)."""
     if item.get_closest_marker("e2e"):
@@ -25,15 +44,23 @@ def _weight(item) -> int:
     return 1 if item.get_closest_marker("integration") else 2
 
 
+def _seconds(path: Path) -> int:
+    tests = REPO / "tests"
+    if not path.is_relative_to(tests):
+        return 0
+    return LONG_FILES.get(path.relative_to(tests).as_posix(), 0)
+
+
 def pytest_collection_modifyitems(config, items):
-    """End-to-end files first, then integration files, then unit tests: a scheduling hint for
-    the test workers (`--dist loadfile --no-loadscope-reorder` hands out whole files in this
-    order), so that a long file never starts last and runs alone at the end. It reads only the
-    markers the tests carry anyway; the sort is stable, so each file's tests stay together."""
+    """The longest files first (`LONG_FILES`), then end-to-end files, then integration files,
+    then unit tests: a scheduling hint for the test workers (`--dist loadfile
+    --no-loadscope-reorder` hands out whole files in this order), so that a long file never
+    starts last and runs alone at the end. It reads only the markers the tests carry anyway and
+    the table above; the sort is stable, so each file's tests stay together."""
     weight: dict = {}
     for item in items:
         weight[item.path] = min(weight.get(item.path, 2), _weight(item))
-    items.sort(key=lambda item: weight[item.path])
+    items.sort(key=lambda item: (-_seconds(item.path), weight[item.path]))
 
 
 # A module or session fixture that fails is re-raised, with its whole traceback, in every test

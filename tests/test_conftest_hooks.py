@@ -65,3 +65,15 @@ def test_files_run_end_to_end_first_then_integration_then_unit(tmp_path):
     out = _pytest(tmp_path, "-v", "-o", "markers=e2e\nintegration")
     order = [ln.split("::")[0] for ln in out.splitlines() if "::test_it PASSED" in ln]
     assert order == ["test_c_e2e.py", "test_b_integration.py", "test_a_unit.py"], out
+
+
+def test_the_longest_files_go_first_whatever_their_markers(tmp_path):
+    folder = tmp_path / "tests"  # the conftest's LONG_FILES name files under its tests/ folder
+    folder.mkdir()
+    marks = {"a_unit": "", "c_e2e": "e2e", "learning": "e2e", "stack": ""}
+    for name, mark in marks.items():
+        head = f"import pytest\npytestmark = pytest.mark.{mark}\n" if mark else ""
+        (folder / f"test_{name}.py").write_text(head + "def test_it():\n    pass\n")
+    out = _pytest(folder, "-v", "-o", "markers=e2e\nintegration")
+    order = [ln.split("::")[0] for ln in out.splitlines() if "::test_it PASSED" in ln]
+    assert order == ["test_stack.py", "test_learning.py", "test_c_e2e.py", "test_a_unit.py"], out
