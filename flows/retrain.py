@@ -19,6 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from flows.human_evaluation import study_for_model
 from flows.pipeline import kiln_pipeline
+from flows.steps import STEPS
 from kiln_config import PipelineConfig
 from kiln_config.errors import InputError
 from tasks.evaluation.comparison import create_comparison_task
@@ -56,7 +57,7 @@ def retrain_flow(config: PipelineConfig, event_root: str | None = None) -> dict:
             "scratch; use the kiln-pipeline flow for that, or set it to "
             f"models:/{cfg.registry.model_name}@champion"
         )
-    check_inputs(cfg, ("ingest", "train", "evaluate", "register"))
+    check_inputs(cfg, STEPS["pipeline"].checks)
     result = kiln_pipeline(cfg, only_new_data=True)
     if "skipped" in result:
         create_markdown_artifact(

@@ -2,10 +2,11 @@
 deployments' entry flows (flows/entry.py, which deployments/prefect.yaml and serve.py run).
 
 A step names its flow, the inputs checked before it starts (`tasks.inputs.check_inputs`: the
-source, the topology file, the tracking store, the cluster, the evaluation prompts) and whether
-it is exclusive (it takes the root's training lock, so it is refused at once while another
-process holds it). Both doors load the config through `Step.load_config`, so a step checks the
-same inputs whichever door starts it.
+source, the content rules' models, the topology file, the tracking store, the cluster, the
+evaluation prompts; the pipeline's are those of the steps it chains) and whether it is
+exclusive (it takes the root's training lock, so it is refused at once while another process
+holds it). Both doors load the config through `Step.load_config`, so a step checks the same
+inputs whichever door starts it.
 
 A flow is named by its module and function, and imported only when its step runs: the flows
 import Prefect, torch and MLflow (seconds and about a gigabyte), which `kiln --help`, a
@@ -23,7 +24,7 @@ from typing import Any
 from kiln_config import PipelineConfig, check_id
 from tasks.inputs import load_checked
 
-__all__ = ["ID_PARAMS", "STEPS", "Step", "check_id_params"]
+__all__ = ["ID_PARAMS", "PIPELINE", "STEPS", "Step", "check_id_params"]
 
 # A step's parameters that name a folder under the root: checked (`kiln_config.check_id`)
 # by either door before anything runs, so that `--run-id ../../escape` is one line.
@@ -52,7 +53,7 @@ class Step:
     Attributes:
         name: The step's name (the CLI command and the entry flow of the same name).
         flow: `module:function` of its typed flow, which takes the loaded `PipelineConfig`.
-        checks: The steps whose inputs are checked before it starts (`tasks.inputs`).
+        checks: The inputs checked before it starts (names from `tasks.inputs.INPUTS`).
         exclusive: It takes the root's training lock.
     """
 
@@ -86,24 +87,31 @@ class Step:
         return getattr(importlib.import_module(module), function)
 
 
-EVERY_STEP = ("ingest", "train", "evaluate", "register")
+_STEPS = (
+    Step("ingest", "flows.ingest:ingest_flow", ("source",)),
+    Step("validate", "flows.validate:validate_flow", ("content",)),
+    Step("shard", "flows.shard:shard_flow", ("precompute",)),
+    Step("train", "flows.train:train_flow", ("topology", "tracking", "cluster", "memory"), True),
+    Step("evaluate", "flows.evaluate:evaluate_flow", ("topology", "prompts")),
+    Step("register", "flows.register:register_flow", ("tracking",)),
+    Step("promote", "flows.promote:promote_flow", ("tracking",)),
+    Step("rollback", "flows.promote:rollback_flow", ("tracking",)),
+    # It logs its report to the tracking store, as registration does.
+    Step("human_eval", "flows.human_evaluation:human_eval_flow", ("tracking",)),
+    Step("takedown", "flows.takedown:takedown_flow"),
+)
+
+PIPELINE = ("ingest", "validate", "shard", "train", "evaluate", "register")
+"""The steps `kiln run` chains, in order: the pipeline checks all their inputs before it starts
+(and a due retrain, flows/retrain.py, the same)."""
+
+
+_BY_NAME = {s.name: s for s in _STEPS}
+_PIPELINE_CHECKS = tuple(dict.fromkeys(c for name in PIPELINE for c in _BY_NAME[name].checks))
 
 STEPS: dict[str, Step] = {
-    s.name: s
-    for s in (
-        Step("pipeline", "flows.pipeline:kiln_pipeline", EVERY_STEP, exclusive=True),
-        # Checks its inputs itself, once it knows the retrain is due.
-        Step("retrain", "flows.retrain:retrain_flow"),
-        Step("ingest", "flows.ingest:ingest_flow", ("ingest",)),
-        Step("validate", "flows.validate:validate_flow"),
-        Step("shard", "flows.shard:shard_flow", ("shard",)),
-        Step("train", "flows.train:train_flow", ("train",), exclusive=True),
-        Step("evaluate", "flows.evaluate:evaluate_flow", ("evaluate",)),
-        Step("register", "flows.register:register_flow", ("register",)),
-        Step("promote", "flows.promote:promote_flow", ("register",)),
-        Step("rollback", "flows.promote:rollback_flow", ("register",)),
-        # It logs its report to the tracking store, as registration does.
-        Step("human_eval", "flows.human_evaluation:human_eval_flow", ("register",)),
-        Step("takedown", "flows.takedown:takedown_flow"),
-    )
+    "pipeline": Step("pipeline", "flows.pipeline:kiln_pipeline", _PIPELINE_CHECKS, exclusive=True),
+    # Checks the pipeline's inputs itself, once it knows the retrain is due.
+    "retrain": Step("retrain", "flows.retrain:retrain_flow"),
+    **_BY_NAME,
 }

@@ -248,7 +248,7 @@ def plan(
 
     if (measure_steps is None) == (img_per_s is None):
         raise click.UsageError("give exactly one of --measure-steps N or --img-per-s X")
-    cfg = load_for_command(config_path, root, checks=("plan",))
+    cfg = load_for_command(config_path, root, checks=("topology",))
     given = {"gpu_memory_gb": gpu_memory_gb, "inter_node_gbps": inter_node_gbps}
     launch = cfg.launch.model_copy(update={k: v for k, v in given.items() if v is not None})
     worlds = stage_processes(launch, cfg.train)

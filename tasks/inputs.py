@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -33,8 +34,8 @@ from tasks.storage.lock import RootBusy, busy_reason
 from tasks.storage.objects import ProbeError, Storage
 
 __all__ = [
+    "INPUTS",
     "SOURCE_FIX",
-    "STEP_INPUTS",
     "check_inputs",
     "load_checked",
     "prompts_file",
@@ -43,31 +44,47 @@ __all__ = [
 ]
 
 
-# The inputs each step needs before it starts; `check_inputs` checks them for the given steps.
-STEP_INPUTS = {
-    "ingest": ("source",),
-    "validate": ("content",),
-    "train": ("topology", "tracking", "cluster", "memory"),
-    "plan": ("topology",),
-    "evaluate": ("topology", "prompts"),
-    "register": ("tracking",),
-}
+# The inputs a step can need before it starts; the table of steps (flows/steps.py) names each
+# step's. `source`: ingest.source lists files. `content`: the content rules' local models and
+# languages (and the topology, when the CLIP embeddings launch). `precompute`: the topology,
+# when the shard step precomputes latents. `topology`: launch.accelerate_config and its
+# sharding. `tracking`: the MLflow store is writable or answers. `cluster`: SLURM or
+# Kubernetes accepts the stages. `memory`: each stage fits the GPUs the config declares.
+# `prompts`: the evaluation prompts are readable.
+INPUTS = (
+    "source",
+    "content",
+    "precompute",
+    "topology",
+    "tracking",
+    "cluster",
+    "memory",
+    "prompts",
+)
 
 
-def check_inputs(cfg: PipelineConfig, steps: tuple[str, ...]) -> None:
+def check_inputs(cfg: PipelineConfig, inputs: Iterable[str]) -> None:
     """Fail fast on missing inputs that a later step needs, before hours of earlier steps.
 
     Runs before any flow starts, so a typo costs a second, not a Prefect server start and a
-    failed run. The local checks (the source folder, the topology file, the tracking folder)
-    run first and report every failure at once; the ones that may reach the network (an S3
-    source listed with a fast probe, an http(s) tracking server, the DrawBench prompts, which
-    may come from the Hub) run after, so an offline machine reports a local typo quickly.
+    failed run. The local checks (the content models, the source folder, the topology file,
+    the tracking folder) run first and report every failure at once; the ones that may reach
+    the network (an S3 source listed with a fast probe, an http(s) tracking server, the
+    DrawBench prompts, which may come from the Hub) run after, so an offline machine reports a
+    local typo quickly.
+
+    Args:
+        cfg: The loaded config (read, never changed).
+        inputs: Names from `INPUTS` (a step's `checks` in flows/steps.py).
 
     Raises:
         ConfigError: one line per failing input, naming the field, the value and the fix.
+        ValueError: an input name that is not in `INPUTS` (a bug in the table of steps).
     """
-    need = {check for step in steps for check in STEP_INPUTS.get(step, ())}
-    if "shard" in steps and cfg.shards.precompute:  # precompute launches on the topology
+    need = set(inputs)
+    if need - set(INPUTS):
+        raise ValueError(f"unknown inputs {sorted(need - set(INPUTS))}; known: {INPUTS}")
+    if "precompute" in need and cfg.shards.precompute:  # precompute launches on the topology
         need.add("topology")
     if "content" in need and cfg.quality.needs_clip:  # the embeddings launch on it too
         need.add("topology")
@@ -299,7 +316,7 @@ def _check_tracking_server(uri: str, timeout_s: float = 5.0) -> None:
 
 def load_checked(
     path: str,
-    steps: tuple[str, ...] = (),
+    inputs: Iterable[str] = (),
     *,
     root: str | None = None,
     source: str | None = None,
@@ -312,7 +329,7 @@ def load_checked(
 
     Args:
         path: The pipeline YAML.
-        steps: The steps whose inputs `check_inputs` checks.
+        inputs: The inputs `check_inputs` checks (the step's `checks`).
         root: Overrides `storage.root`.
         source: Overrides `ingest.source`.
         exclusive: The step takes the root's training lock (tasks/storage/lock.py): refused
@@ -326,7 +343,7 @@ def load_checked(
     """
     cfg = load_config(path, root=root, source=source)
     apply_overrides(cfg, overrides or {})
-    check_inputs(cfg, steps)
+    check_inputs(cfg, inputs)
     busy = exclusive and busy_reason(Path(cfg.storage.root))
     if busy:
         raise RootBusy(busy)

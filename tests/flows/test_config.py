@@ -239,12 +239,14 @@ def test_env_references_fill_credentials_and_name_what_is_missing(tmp_path, monk
 
 
 def _checked(tmp_path, make_config, demo_src, steps, source=None, **overrides):
-    """check_inputs on a tiny config: returns the ConfigError's lines ([] when it passes)."""
+    """check_inputs of the table's `steps` (flows/steps.py) on a tiny config: returns the
+    ConfigError's lines ([] when it passes)."""
+    from flows.steps import STEPS
     from tasks.inputs import check_inputs
 
     path = make_config(tmp_path / "c.yaml", tmp_path / "root", source or demo_src, **overrides)
     try:
-        check_inputs(load_config(path), steps)
+        check_inputs(load_config(path), [c for step in steps for c in STEPS[step].checks])
     except ConfigError as e:
         return str(e).splitlines()
     return []
@@ -387,7 +389,7 @@ def test_unset_source_says_how_to_set_it(tmp_path, make_config, demo_src):
     cfg = load_config(make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src))
     cfg.ingest.source = None
     with pytest.raises(ConfigError) as e:
-        check_inputs(cfg, ("ingest",))
+        check_inputs(cfg, ("source",))
     assert str(e.value) == "ingest.source: not set (pass --source or set ingest.source)"
 
 
@@ -405,14 +407,14 @@ def test_run_config_reuses_a_config_equal_to_the_snapshot(tmp_path, make_config,
     assert config_hash(kept) == config_hash(cfg)
 
 
-def test_load_checked_applies_overrides_and_checks_the_steps(tmp_path, make_config, demo_src):
+def test_load_checked_applies_overrides_and_checks_the_inputs(tmp_path, make_config, demo_src):
     from tasks.inputs import load_checked
 
     path = make_config(tmp_path / "c.yaml", tmp_path / "root", demo_src)
-    cfg = load_checked(str(path), ("ingest",), root=str(tmp_path / "other"))
+    cfg = load_checked(str(path), ("source",), root=str(tmp_path / "other"))
     assert cfg.storage.root == str(tmp_path / "other")
     with pytest.raises(ConfigError, match="ingest.source: "):
-        load_checked(str(path), ("ingest",), source=str(tmp_path / "no-such-folder"))
+        load_checked(str(path), ("source",), source=str(tmp_path / "no-such-folder"))
 
 
 def test_checking_the_prompts_leaves_the_config_as_given(
@@ -429,7 +431,7 @@ def test_checking_the_prompts_leaves_the_config_as_given(
     )
     cfg = load_config(path)
     before = cfg.model_dump()
-    check_inputs(cfg, ("evaluate",))
+    check_inputs(cfg, ("topology", "prompts"))
     assert cfg.model_dump() == before and cfg.evaluate.prompts_csv is None
     assert prompts_file(cfg) == str(drawbench)
     resolved = with_prompts(cfg)

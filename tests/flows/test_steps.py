@@ -134,3 +134,60 @@ def test_both_doors_refuse_an_id_that_would_leave_the_root(tiny_config, tmp_path
     with pytest.raises(InputError, match=r"^ingest_id: "):
         entry.validate.fn(config=str(tiny_config), ingest_id="..")
     assert not outside.exists() and not (tmp_path / "root").exists()
+
+
+@pytest.fixture(scope="module")
+def clip_folder(tmp_path_factory):
+    """A small random CLIP saved like a hub folder (16-d embeddings)."""
+    from tests.content_fixtures import tiny_clip
+
+    return tiny_clip(tmp_path_factory.mktemp("clip") / "clip")
+
+
+def _missing_content(tmp_path, clip_folder) -> dict[str, tuple[dict, str]]:
+    """Each content model or setting a validate can lack: (the config's fields, its line)."""
+    import torch
+    from safetensors.torch import save_file
+
+    narrow = tmp_path / "head-8d.safetensors"
+    save_file({"weight": torch.zeros(1, 8), "bias": torch.zeros(1)}, narrow)
+    clip = {"quality.clip_model": str(clip_folder), "quality.min_aesthetic": 4.0}
+    return {
+        "clip folder": (
+            {"quality.clip_model": str(tmp_path / "no-clip"), "quality.min_clip_score": 0.28},
+            f"quality.clip_model: no CLIP folder at {tmp_path / 'no-clip'} (config.json,",
+        ),
+        "aesthetic head": (
+            clip | {"quality.aesthetic_head": str(tmp_path / "no-head.pth")},
+            f"quality.aesthetic_head: no file at {tmp_path / 'no-head.pth'}; stage LAION's",
+        ),
+        "head of another width": (
+            clip | {"quality.aesthetic_head": str(narrow)},
+            "quality.aesthetic_head expects 8-d embeddings; quality.clip_model gives 16-d: use",
+        ),
+        "language": (
+            {"quality.allowed_languages": ["en", "xx"]},
+            "quality.allowed_languages: Lingua has no language ['xx']",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "missing", ["clip folder", "aesthetic head", "head of another width", "language"]
+)
+@pytest.mark.parametrize("step", ["validate", "pipeline"])
+def test_both_doors_refuse_a_missing_content_model_before_anything_runs(
+    step, missing, tmp_path, demo_src, make_config, clip_folder
+):
+    """`kiln validate`, `kiln run` and their entry flows: one line naming the field, before
+    Prefect starts a flow run (the check runs on the loaded config, before the step's flow is
+    imported) and before anything is written under the root."""
+    fields, line = _missing_content(tmp_path, clip_folder)[missing]
+    root = tmp_path / "root"
+    path = make_config(tmp_path / "c.yaml", root, demo_src, **fields)
+    cli = _cli_errors([*CLI[step], "--config", str(path)])
+    with pytest.raises(ConfigError) as deployment:
+        getattr(entry, step).fn(config=str(path))
+    assert cli == str(deployment.value).splitlines()
+    assert len(cli) == 1 and cli[0].startswith(line), cli
+    assert not root.exists(), "nothing under the root"

@@ -59,7 +59,7 @@ def test_a_topology_sharding_cannot_use_is_refused_before_the_run(
     cfg = load_config(path)
     cfg.launch.accelerate_config = str(topo)
     with pytest.raises(ConfigError, match=says) as err:
-        check_inputs(cfg, ("plan",))
+        check_inputs(cfg, ("topology",))
     assert str(err.value).startswith("train.sharding: stage 1 shards with full_shard")
 
 

@@ -131,7 +131,7 @@ def test_without_a_cluster_the_job_is_refused_with_the_reason(tmp_path, monkeypa
     cfg = load_config(REPO / "configs" / "tiny.yaml")
     cfg.launch = LaunchConfig(backend="kubernetes", kubernetes=KubernetesConfig(image="k"))
     with pytest.raises(ConfigError, match="no cluster to talk to"):
-        check_inputs(cfg, ("train",))
+        check_inputs(cfg, ("cluster",))
 
 
 @pytest.mark.integration

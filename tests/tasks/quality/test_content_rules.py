@@ -231,7 +231,7 @@ def test_kiln_validate_names_missing_weights_before_it_starts(tmp_path, make_con
         },
     )
     with pytest.raises(ConfigError) as e:
-        check_inputs(load_config(path), ("validate",))
+        check_inputs(load_config(path), ("content",))
     msg = str(e.value)
     assert "quality.clip_model: no CLIP folder" in msg
     assert "quality.aesthetic_head: no file" in msg
