@@ -144,6 +144,28 @@ class QualityConfig(BaseModel):
         "candidates) a caption's language is 'und' (undetermined) and passes the language "
         "rule: short captions are often ambiguous ('a cat': Romanian at 0.18).",
     )
+    min_language_words: int = Field(
+        3,
+        ge=1,
+        description="A caption of fewer words passes the language rule whatever its top "
+        "language: a short caption is mostly names, and a name reads as its own language "
+        "('finland flag': Swedish).",
+    )
+    max_allowed_language_confidence: float = Field(
+        0.04,
+        ge=0,
+        le=1,
+        description="A caption fails the language rule only when no allowed language has more "
+        "confidence than this (Lingua spreads about 0.033 over each of its ~30 candidates when "
+        "a caption says nothing either way): evidence against every allowed language, not "
+        "another language's first guess.",
+    )
+    min_language_ratio: float = Field(
+        6.0,
+        gt=0,
+        description="Or, in a caption of 5 words or more, its top language is at least this many "
+        "times as likely as the best allowed one.",
+    )
     clip_model: str | None = Field(
         None,
         description="Local folder of a CLIP model (transformers save_pretrained: config, "

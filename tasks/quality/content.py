@@ -93,6 +93,7 @@ def content_scorers(rules: QualityConfig) -> tuple[str, ...]:
         out.append(unsafe.SCORER)
     if rules.allowed_languages is not None:
         out.append(language.scorer(rules.allowed_languages))
+        out.append(language.allowed_scorer(rules.allowed_languages))
     if rules.needs_clip:
         out.append(clip_scorer(rules.clip_model))
     if rules.aesthetic_head is not None and rules.min_aesthetic is not None:
@@ -250,12 +251,16 @@ def _languages(table: Path, rows: pd.DataFrame, rules: QualityConfig) -> int:
     caps = rows[["caption"]].assign(ckey=store.caption_keys(rows["caption"])).dropna()
     caps = caps.drop_duplicates("ckey")
     scorer = language.scorer(rules.allowed_languages)
+    best = language.allowed_scorer(rules.allowed_languages)
     have = set(store.read(table, scorer, caps["ckey"])["key"])
+    have &= set(store.read(table, best, caps["ckey"])["key"])
     caps = caps[~caps["ckey"].isin(have)]
     for s in range(0, len(caps), _COMMIT_ROWS):
         chunk = caps.iloc[s : s + _COMMIT_ROWS]
-        codes, conf = language.detect(chunk["caption"].tolist(), rules.allowed_languages)
+        codes, conf, allowed = language.detect(chunk["caption"].tolist(), rules.allowed_languages)
+        # The allowed languages' row after the top language's: a caption with both is done.
         store.append(table, chunk["ckey"], scorer, scores=conf, labels=codes)
+        store.append(table, chunk["ckey"], best, scores=allowed)
     return len(caps)
 
 
@@ -401,7 +406,14 @@ def content_columns(df: pd.DataFrame, rules: QualityConfig, scores: ContentScore
         )
         code = got["label"].to_numpy(object)[np.maximum(at, 0)]
         conf = got["score"].to_numpy(float)[np.maximum(at, 0)]
-        lang = np.where(conf >= rules.min_language_confidence, code, language.UNDETERMINED)
+        bgot, bat = joined(
+            captions_t,
+            language.allowed_scorer(rules.allowed_languages),
+            ckeys,
+            "allowed languages' confidence",
+        )
+        best = bgot["score"].to_numpy(float)[np.maximum(bat, 0)]
+        lang = language.verdict(df["caption"].tolist(), code, conf, best, rules)
         out["caption_language"] = np.where(at >= 0, lang, None)
     if scores.clip is not None:
         got, at = joined(images_t, scores.clip, sha, "CLIP image embedding")
