@@ -12,50 +12,27 @@ prompts) and the share of captions in ten other languages it catches.
 from __future__ import annotations
 
 import argparse
-import csv
+import importlib.util
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from data_quality.content.language import UNDETERMINED, detect, verdict  # noqa: E402
 from kiln_config import QualityConfig  # noqa: E402
-from kiln_demo.data import write_demo_dataset  # noqa: E402
-
-SETS = REPO / "tests" / "data" / "captions"
 
 
-def caption_sets() -> dict[str, list[str]]:
-    """The English sets (their captions should all pass) and the other languages'."""
-    with tempfile.TemporaryDirectory() as tmp:
-        write_demo_dataset(tmp, n=400, seed=0)
-        rows = [json.loads(x) for x in (Path(tmp) / "metadata.jsonl").read_text().splitlines()]
-    demo = sorted({r["text"] for r in rows if isinstance(r.get("text"), str) and r["text"]})
-    prompts = []
-    for f in (REPO / "tests" / "data" / "prompts.csv", REPO / "configs" / "prompts" / "tiny.csv"):
-        with f.open(newline="") as fh:
-            prompts += [r["Prompts"] for r in csv.DictReader(fh)]
-    other = [
-        line.split("\t", 1)[1] for line in (SETS / "other-languages.tsv").read_text().splitlines()
-    ]
-    return {
-        "english_with_names": (SETS / "english-names.txt").read_text().splitlines(),
-        "demo_captions": demo,
-        "prompts": prompts,
-        "other_languages": other,
-    }
+def _load(name: str):
+    """A test helper module by its file (`tests` is not a package outside pytest)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "tests" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def quarantined(captions: list[str], rules: QualityConfig) -> list[bool]:
-    """Whether the language rule quarantines each caption under `rules`."""
-    code, conf, best = detect(captions, rules.allowed_languages)
-    lang = verdict(captions, code, conf, best, rules)
-    ok = {*rules.allowed_languages, UNDETERMINED}
-    return [str(x) not in ok for x in lang]
+sets_ = _load("caption_sets")
 
 
 def main() -> None:
@@ -63,20 +40,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     shipped = QualityConfig(allowed_languages=["en"])
-    top_only = shipped.model_copy(
-        update={
-            "min_language_words": 1,
-            "max_allowed_language_confidence": 1.0,
-            "min_language_ratio": 1e-9,
-        }
-    )
-    sets = caption_sets()
+    top_only = sets_.top_language_only(shipped)
+    sets = sets_.caption_sets()
     t = time.perf_counter()
     res: dict = {"sets": {k: len(v) for k, v in sets.items()}, "rules": {}}
     for name, rules in (("top_language_only", top_only), ("shipped", shipped)):
         r = {}
         for k, caps in sets.items():
-            q = quarantined(caps, rules)
+            q = sets_.quarantined(caps, rules)
             r[k] = {"quarantined": sum(q), "share": round(sum(q) / len(caps), 5)}
             if k != "other_languages":
                 r[k]["examples"] = [c for c, bad in zip(caps, q, strict=True) if bad][:8]

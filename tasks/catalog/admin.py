@@ -86,8 +86,8 @@ def _versions(layout: Layout, version: int | None) -> dict[str, int | None]:
 
 def show(root: str) -> dict:
     """The catalog's state: table versions, rows by source and by quarantine reason (counted
-    a batch at a time), the newest verdict's rejects by reason, the content store's scores,
-    and each table's commit history, newest first."""
+    a batch at a time), the newest verdict's rejects by reason and a few of each with the value
+    that failed, the content store's scores, and each table's commit history, newest first."""
     layout = Layout(Path(root))
     ingest_id = layout.latest_or_none("catalog")
     versions = view_versions(layout, ingest_id)
@@ -113,8 +113,22 @@ def show(root: str) -> dict:
         "rejected_by_reason": dict(
             sorted(Counter(_verdict_rejects(layout, ("reason",))["reason"].to_pylist()).items())
         ),
+        "rejects": _rejects_sample(layout),
         "content": _content_summary(layout),
         "history": history,
+    }
+
+
+REJECTS_SHOWN = 5
+
+
+def _rejects_sample(layout: Layout) -> dict:
+    """The newest verdict's first `REJECTS_SHOWN` rejects of each reason, with the value that
+    failed (a content rule's score or label): what a team would lose, before it is lost."""
+    t = _verdict_rejects(layout, ("key", "reason", "detail")).to_pandas()
+    return {
+        reason: g.sort_values("key")[["key", "detail"]].head(REJECTS_SHOWN).to_dict("records")
+        for reason, g in sorted(t.groupby("reason"), key=lambda kv: kv[0])
     }
 
 

@@ -252,14 +252,16 @@ def _languages(table: Path, rows: pd.DataFrame, rules: QualityConfig) -> int:
     caps = caps.drop_duplicates("ckey")
     scorer = language.scorer(rules.allowed_languages)
     best = language.allowed_scorer(rules.allowed_languages)
-    have = set(store.read(table, scorer, caps["ckey"])["key"])
-    have &= set(store.read(table, best, caps["ckey"])["key"])
-    caps = caps[~caps["ckey"].isin(have)]
+    has_top = caps["ckey"].isin(set(store.read(table, scorer, caps["ckey"])["key"]))
+    has_best = caps["ckey"].isin(set(store.read(table, best, caps["ckey"])["key"]))
+    caps = caps.assign(has_top=has_top)[~(has_top & has_best)]
     for s in range(0, len(caps), _COMMIT_ROWS):
         chunk = caps.iloc[s : s + _COMMIT_ROWS]
         codes, conf, allowed = language.detect(chunk["caption"].tolist(), rules.allowed_languages)
         # The allowed languages' row after the top language's: a caption with both is done.
-        store.append(table, chunk["ckey"], scorer, scores=conf, labels=codes)
+        # A caption stored by a version without the second row gets that row alone.
+        new = ~chunk["has_top"].to_numpy()
+        store.append(table, chunk["ckey"][new], scorer, scores=conf[new], labels=codes[new])
         store.append(table, chunk["ckey"], best, scores=allowed)
     return len(caps)
 
@@ -395,24 +397,30 @@ def content_columns(df: pd.DataFrame, rules: QualityConfig, scores: ContentScore
             )
         return got, at
 
+    def taken(values: np.ndarray, at: np.ndarray, fill) -> np.ndarray:
+        """`values[at]`, `fill` where a row has no stored value (no caption, or none at all)."""
+        out = np.full(len(at), fill, dtype=object if values.dtype == object else float)
+        out[at >= 0] = values[at[at >= 0]]
+        return out
+
     sha = df["sha256"].to_numpy(object)
     ckeys = store.caption_keys(df["caption"])
     if rules.max_unsafe is not None:
         got, at = joined(images_t, unsafe.SCORER, sha, "unsafe probability")
-        out["unsafe"] = np.where(at >= 0, got["score"].to_numpy(float)[np.maximum(at, 0)], np.nan)
+        out["unsafe"] = taken(got["score"].to_numpy(float), at, np.nan)
     if rules.allowed_languages is not None:
         got, at = joined(
             captions_t, language.scorer(rules.allowed_languages), ckeys, "caption language"
         )
-        code = got["label"].to_numpy(object)[np.maximum(at, 0)]
-        conf = got["score"].to_numpy(float)[np.maximum(at, 0)]
+        code = taken(got["label"].to_numpy(object), at, language.UNDETERMINED)
+        conf = taken(got["score"].to_numpy(float), at, 0.0)
         bgot, bat = joined(
             captions_t,
             language.allowed_scorer(rules.allowed_languages),
             ckeys,
             "allowed languages' confidence",
         )
-        best = bgot["score"].to_numpy(float)[np.maximum(bat, 0)]
+        best = taken(bgot["score"].to_numpy(float), bat, 0.0)
         lang = language.verdict(df["caption"].tolist(), code, conf, best, rules)
         out["caption_language"] = np.where(at >= 0, lang, None)
     if scores.clip is not None:

@@ -84,6 +84,7 @@ def test_show_sql_export_and_compact(migrated, tmp_path):
     assert info["accepted_by_source"] == acc.groupby("source").size().to_dict()
     assert info["quarantined_by_reason"] == q.groupby("reason").size().to_dict()
     assert [h["version"] for h in info["history"]["accepted"]] == [2, 1, 0]
+    assert info["rejects"] == {}, "not validated: nothing rejected"
 
     n = query(str(root), "SELECT count(*) AS n FROM clean").column("n")[0].as_py()
     assert n == len(acc)  # not validated: nothing rejected

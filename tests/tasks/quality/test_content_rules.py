@@ -58,7 +58,14 @@ def test_unsafe_and_language_rules_with_the_packaged_models(tmp_path):
         "es.png": "caption_language",
         "fr.png": "caption_language",
     }
-    assert show(str(root))["rejected_by_reason"] == {"caption_language": 3}
+    shown = show(str(root))
+    assert shown["rejected_by_reason"] == {"caption_language": 3}
+    assert shown["rejects"] == {
+        "caption_language": [
+            {"key": f"{lang}.png", "detail": f"caption_language={lang!r}"}
+            for lang in ("de", "es", "fr")
+        ]
+    }, "each rule's rejects, with the value that failed"
     kinds = {e["reason"] for e in res.expectations}
     assert {"unsafe", "caption_language"} <= kinds
     assert "caption_not_ascii" not in kinds, "the language rule replaces the ASCII heuristic"
