@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from deltalake import DeltaTable
 from distributed import LocalCluster
 from safetensors.torch import save_file
 
@@ -34,6 +35,10 @@ def _rows(root, table: str) -> int:
 
 
 def test_unsafe_and_language_rules_with_the_packaged_models(tmp_path):
+    """Both offline rules through validate. The content store starts as an older Kiln left it,
+    with the top language alone for two captions: validate adds their allowed-language rows and
+    no second top-language row. A row without a caption fails as missing, not inside the
+    language rule; two words of names pass."""
     captions = {
         "en-0": "a red square on a white background, studio photo",
         "en-1": "a green field under a bright sky with a few clouds",
@@ -43,6 +48,8 @@ def test_unsafe_and_language_rules_with_the_packaged_models(tmp_path):
         "es": "una pared amarilla bajo la luz del sol de la tarde",
         "fr": "un mur violet dans la lumière douce du matin",
         "en-3": "a black and white photograph of an empty room",
+        "flag": "finland flag",  # read as Swedish, but two words of names: passes
+        "none": None,
     }
     src = write_source(
         tmp_path / "src",
@@ -51,21 +58,28 @@ def test_unsafe_and_language_rules_with_the_packaged_models(tmp_path):
     root = tmp_path / "root"
     ing = ingest_source(IngestConfig(source=str(src), workers=1), str(root))
     rules = QualityConfig(max_unsafe=1.0, allowed_languages=["en"], max_reject_fraction=0.9)
+    table = root / "catalog" / "tables" / "content_captions"
+    old = [captions["en-0"], captions["de"]]
+    code, conf, _ = language.detect(old, ["en"])
+    store.append(table, store.caption_keys(old), language.scorer(["en"]), scores=conf, labels=code)
     res = validate_catalog.fn(str(root), ing.ingest_id, rules)
     reasons = _quarantine(root, ing.ingest_id)
     assert {k: v for k, v in reasons.items()} == {
         "de.png": "caption_language",
         "es.png": "caption_language",
         "fr.png": "caption_language",
+        "none.png": "caption_missing",
     }
+    per = DeltaTable(str(table)).to_pandas(columns=["key", "scorer"]).groupby("scorer")["key"]
+    n = len([c for c in captions.values() if c])
+    assert per.count()[language.scorer(["en"])] == n, "no top-language row twice"
+    assert per.nunique()[language.allowed_scorer(["en"])] == n
     shown = show(str(root))
-    assert shown["rejected_by_reason"] == {"caption_language": 3}
-    assert shown["rejects"] == {
-        "caption_language": [
-            {"key": f"{lang}.png", "detail": f"caption_language={lang!r}"}
-            for lang in ("de", "es", "fr")
-        ]
-    }, "each rule's rejects, with the value that failed"
+    assert shown["rejected_by_reason"] == {"caption_language": 3, "caption_missing": 1}
+    assert shown["rejects"]["caption_language"] == [
+        {"key": f"{lang}.png", "detail": f"caption_language={lang!r}"}
+        for lang in ("de", "es", "fr")
+    ], "each rule's rejects, with the value that failed"
     kinds = {e["reason"] for e in res.expectations}
     assert {"unsafe", "caption_language"} <= kinds
     assert "caption_not_ascii" not in kinds, "the language rule replaces the ASCII heuristic"
