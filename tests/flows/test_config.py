@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from flows.steps import STEPS
 from kiln_config import (
     PROJECT_DIR,
     ConfigError,
@@ -241,7 +242,6 @@ def test_env_references_fill_credentials_and_name_what_is_missing(tmp_path, monk
 def _checked(tmp_path, make_config, demo_src, steps, source=None, **overrides):
     """check_inputs of the table's `steps` (flows/steps.py) on a tiny config: returns the
     ConfigError's lines ([] when it passes)."""
-    from flows.steps import STEPS
     from tasks.inputs import check_inputs
 
     path = make_config(tmp_path / "c.yaml", tmp_path / "root", source or demo_src, **overrides)

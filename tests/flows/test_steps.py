@@ -15,6 +15,7 @@ from kiln_cli.main import main
 from kiln_config import ConfigError
 from kiln_config.errors import InputError
 from tasks.storage.lock import RootBusy
+from tests.content_fixtures import tiny_clip
 
 # The command that runs each step, with the arguments it requires.
 CLI = {
@@ -139,8 +140,6 @@ def test_both_doors_refuse_an_id_that_would_leave_the_root(tiny_config, tmp_path
 @pytest.fixture(scope="module")
 def clip_folder(tmp_path_factory):
     """A small random CLIP saved like a hub folder (16-d embeddings)."""
-    from tests.content_fixtures import tiny_clip
-
     return tiny_clip(tmp_path_factory.mktemp("clip") / "clip")
 
 
