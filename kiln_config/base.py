@@ -10,7 +10,7 @@ import json
 import re
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 from pydantic import (
     BaseModel,
@@ -23,7 +23,9 @@ from kiln_config.errors import ConfigError, InputError
 
 __all__ = [
     "ConfigError",
+    "ENV_OK",
     "REVEAL_SECRETS",
+    "EnvPath",
     "SecretUri",
     "Strict",
     "check_id",
@@ -89,31 +91,40 @@ def redact_uri(uri: str) -> str:
 
     Tracking URIs can hold database credentials (`postgresql://user:secret@host/db`,
     `postgresql://host/db?user=u&password=secret`) or, for an http(s) server, a bare token as
-    the user (`https://token@host`). Never raises: the netloc is split as text, so a
-    malformed port cannot turn a message into a traceback, and a URI `urlsplit` refuses (an
-    unclosed `[`) is shown as its scheme alone.
+    the user (`https://token@host`). A password may hold `/`, `#`, `?` and `@` unencoded
+    (SQLAlchemy's URL parser takes the first three, and a user may write the fourth): the
+    userinfo runs from after `://` to the last `@` of the URI, so a password never shows,
+    even where that masks a host too (an `@` in the query after a password). Never raises:
+    the text is split by hand, so a malformed port or an unclosed `[` cannot turn a message
+    into a traceback.
     """
-    try:
-        parts = urlsplit(uri)
-    except ValueError:
-        return uri.partition("://")[0] + "://***"
-    if parts.query:
-        pairs = parse_qsl(parts.query, keep_blank_values=True)
-        if any(_SECRET_PARAM.search(k) for k, _ in pairs):
-            masked_q = [(k, "***" if _SECRET_PARAM.search(k) else v) for k, v in pairs]
-            parts = parts._replace(query=urlencode(masked_q, safe="*"))
-            uri = urlunsplit(parts)
-    userinfo, at, hostport = parts.netloc.rpartition("@")
-    if not at:
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
         return uri
+    userinfo, at, tail = rest.rpartition("@")
     user, colon, _ = userinfo.partition(":")
-    if colon:
-        masked = f"{user}:***"
-    elif parts.scheme in ("http", "https"):
-        masked = "***"  # a token in the user part
-    else:
-        return uri  # a database user name alone is no secret
-    return urlunsplit(parts._replace(netloc=f"{masked}@{hostport}"))
+    bare_token = scheme in ("http", "https") and not any(c in userinfo for c in "/?#")
+    if at and (colon or bare_token):
+        if "/" in user or "?" in user or "#" in user:
+            # The first `:` is a port's, not a password's (`host:5432/db?u=a@b`): the
+            # text between it and the last `@` may still hold one; mask it whole.
+            user = user.split("/")[0].split("?")[0].split("#")[0]
+        masked = f"{user}:***" if colon else "***"
+        return _redact_query(f"{scheme}://{masked}@{tail}")
+    return _redact_query(uri)
+
+
+def _redact_query(uri: str) -> str:
+    """`uri` with the value of each query parameter that names a secret masked."""
+    head, q, query = uri.partition("?")
+    if not q:
+        return uri
+    query, hash_, fragment = query.partition("#")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if not any(_SECRET_PARAM.search(k) for k, _ in pairs):
+        return uri
+    masked = [(k, "***" if _SECRET_PARAM.search(k) else v) for k, v in pairs]
+    return f"{head}?{urlencode(masked, safe='*')}{hash_}{fragment}"
 
 
 _URI_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"]+")
@@ -154,9 +165,24 @@ def _redact_in_json(uri: str, info: SerializationInfo) -> str:
     return uri if (info.context or {}).get("reveal_secrets") else redact_uri(uri)
 
 
+class _EnvOk:
+    """Marks a field whose value a config may give as `${NAME}` (kiln_config/loader.py)."""
+
+    def __repr__(self) -> str:
+        return "ENV_OK"
+
+
+ENV_OK = _EnvOk()
+
+# A path, a folder or an address (a local path, `s3://bucket/prefix`, a scheduler's address):
+# a config may give it from the environment as `${NAME}`. Other fields may not, so a secret
+# put in the environment cannot slip through a field that is shown unmasked.
+EnvPath = Annotated[str, ENV_OK]
+
 # A URI that may hold credentials (a database password, a token). A JSON dump of the config
 # (a Prefect flow run's parameters, anything logged) masks them; a file that must load back
-# (the run's config snapshot) dumps with `context=REVEAL_SECRETS`.
-SecretUri = Annotated[str, PlainSerializer(_redact_in_json, when_used="json")]
+# (the run's config snapshot) dumps with `context=REVEAL_SECRETS`. A config may give it as
+# `${NAME}`.
+SecretUri = Annotated[str, PlainSerializer(_redact_in_json, when_used="json"), ENV_OK]
 
 REVEAL_SECRETS = {"reveal_secrets": True}

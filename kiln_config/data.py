@@ -18,7 +18,7 @@ from pydantic import (
     model_validator,
 )
 
-from kiln_config.base import Strict
+from kiln_config.base import EnvPath, Strict
 
 # The columns ingest writes for every row: `ingest.metadata_columns` may not reuse them.
 CATALOG_COLUMNS = [
@@ -49,11 +49,11 @@ SOURCE_FORMATS = ("imagefolder", "img2dataset", "webdataset")
 
 
 class IngestConfig(Strict):
-    source: str | None = Field(None, description="Local folder or s3://bucket/prefix.")
+    source: EnvPath | None = Field(None, description="Local folder or s3://bucket/prefix.")
     layout: Literal[("auto", *SOURCE_FORMATS)] = Field(
         "auto", description="Format of the source's files; auto detects it from the listing."
     )
-    metadata_file: str | None = Field(
+    metadata_file: EnvPath | None = Field(
         None, description="imagefolder manifest; default metadata.jsonl, .csv or .parquet."
     )
     caption_column: str = "text"
@@ -166,7 +166,7 @@ class QualityConfig(BaseModel):
         description="Or, in a caption of 5 words or more, its top language is at least this many "
         "times as likely as the best allowed one.",
     )
-    clip_model: str | None = Field(
+    clip_model: EnvPath | None = Field(
         None,
         description="Local folder of a CLIP model (transformers save_pretrained: config, "
         "weights, processor files) whose embeddings the clip_score, aesthetic and "
@@ -179,7 +179,7 @@ class QualityConfig(BaseModel):
         description="Image-caption cosine similarity below which a row is quarantined "
         "(DataComp and LAION-2B: 0.28 with ViT-B/32); needs clip_model.",
     )
-    aesthetic_head: str | None = Field(
+    aesthetic_head: EnvPath | None = Field(
         None,
         description="Local file (.safetensors or .pt) of a LAION-style linear aesthetic head "
         "(weight [1, D], bias [1]) on clip_model's normalised image embedding; fills the "
@@ -266,12 +266,12 @@ class ShardsConfig(Strict):
         64, gt=0, description="Bucket sides are multiples of this (64 for SD2: VAE x UNet)."
     )
     bucket_max_aspect: float = Field(2.0, ge=1.0, description="Widest aspect ratio either way.")
-    remote: str | None = Field(
+    remote: EnvPath | None = Field(
         None,
         description="s3://bucket/prefix (or a shared folder) to publish dataset versions to; "
         "training then streams them from there through cache_dir.",
     )
-    cache_dir: str | None = Field(
+    cache_dir: EnvPath | None = Field(
         None,
         description="Local cache of streamed shards on each training machine (fast local "
         "disk); default <root>/cache.",

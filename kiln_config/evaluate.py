@@ -8,7 +8,7 @@ from pydantic import (
     Field,
 )
 
-from kiln_config.base import SecretUri, Strict
+from kiln_config.base import EnvPath, SecretUri, Strict
 
 __all__ = [
     "GUIDANCE_SCALE",
@@ -31,12 +31,12 @@ class EvalMetricsConfig(Strict):
     """Automated image metrics of `kiln evaluate`; each is skipped (and says so) when its
     weights are not configured or not found."""
 
-    clip_model: str | None = Field(
+    clip_model: EnvPath | None = Field(
         None,
         description="CLIP model for CLIP score: a local folder or a hub id (transformers); "
         "default quality.clip_model, the CLIP that curated the data.",
     )
-    inception_weights: str | None = Field(
+    inception_weights: EnvPath | None = Field(
         None, description="Local path of the FID Inception weights (torch-fidelity's .pth)."
     )
     fid_max_images: int = Field(
@@ -45,7 +45,7 @@ class EvalMetricsConfig(Strict):
 
 
 class EvaluateConfig(Strict):
-    prompts_csv: str | None = Field(
+    prompts_csv: EnvPath | None = Field(
         None,
         description="CSV with columns Prompts,Category. Unset: KILN_DRAWBENCH_CSV, else the 200 "
         "DrawBench prompts fetched once from the Hugging Face Hub (tasks/evaluation/prompts.py).",

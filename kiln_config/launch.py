@@ -11,7 +11,7 @@ from pydantic import (
     model_validator,
 )
 
-from kiln_config.base import Strict
+from kiln_config.base import EnvPath, Strict
 
 __all__ = ["GpuLimitConfig", "KubernetesConfig", "LaunchConfig", "SlurmConfig"]
 
@@ -105,7 +105,7 @@ class KubernetesConfig(Strict):
 
 
 class LaunchConfig(Strict):
-    accelerate_config: str = Field(
+    accelerate_config: EnvPath = Field(
         "configs/accelerate/single.yaml", description="Accelerate topology YAML."
     )
     num_processes: int | None = Field(None, gt=0, description="Override the topology's count.")

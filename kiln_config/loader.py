@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -15,10 +15,11 @@ from pydantic import (
     ValidationError,
 )
 
-from kiln_config.base import ConfigError, redact_text
+from kiln_config.base import ENV_OK, ConfigError, redact_text
 
 __all__ = [
     "apply_overrides",
+    "env_fields",
     "expand_env",
     "format_validation_error",
     "load_yaml_model",
@@ -80,29 +81,83 @@ def _merge(base: dict, over: dict) -> dict:
 
 # `${NAME}` in a string value: the environment variable NAME, so that a credential (a database
 # URL's password, a tracking server's address) is given by the service's environment, not
-# written in the file.
-# `${NAME:-default}` gives `default` where NAME is unset or empty; a value that is one
-# reference and comes out empty leaves the field unset (its default).
+# written in the file. Only fields that take a secret or a path read the environment
+# (`SecretUri` and `EnvPath` in the schema): a secret given to any other field would be shown
+# wherever the config is (Prefect's parameters, MLflow's params, messages).
+# `${NAME:-default}` gives `default` where NAME is unset or empty; a value that is one such
+# reference and comes out empty leaves the field unset (its default). A plain `${NAME}` that
+# is set but empty is an error: an empty variable would otherwise silently fall back to the
+# field's default (a local registry instead of the team's).
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 _UNSET = object()  # a field given as one reference that came out empty: left at its default
 
 
-def expand_env(data: Any, where: str = "") -> Any:
+def env_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """The dotted fields of `model` that may be given as `${NAME}` (`*` stands for a list's
+    index or a mapping's key)."""
+    out: list[str] = []
+    for name, field in model.model_fields.items():
+        _collect(field.annotation, list(field.metadata), f"{prefix}{name}", out)
+    return out
+
+
+def _collect(annotation: Any, metadata: list, path: str, out: list[str]) -> None:
+    if any(m is ENV_OK for m in metadata):
+        out.append(path)
+        return
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        _collect(args[0], list(annotation.__metadata__), path, out)
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        out.extend(env_fields(annotation, f"{path}."))
+    elif origin in (list, tuple):
+        for a in args:
+            _collect(a, [], f"{path}.*", out)
+    elif origin is dict:
+        _collect(args[1], [], f"{path}.*", out)
+    else:  # a union (`X | None`)
+        for a in args:
+            _collect(a, [], path, out)
+
+
+def _allowed(where: str, fields: list[str]) -> bool:
+    parts = where.split(".")
+    return any(
+        len(f.split(".")) == len(parts)
+        and all(p == "*" or p == w for p, w in zip(f.split("."), parts, strict=True))
+        for f in fields
+    )
+
+
+def expand_env(data: Any, where: str = "", fields: list[str] | None = None) -> Any:
     """`data` with each `${NAME}` in its strings replaced by the environment variable NAME.
 
+    Args:
+        fields: The dotted fields that may hold a reference (`env_fields` of the model the
+            data is for); None: any.
+
     Raises:
-        ConfigError: naming the field and the variable, where one is not set.
+        ConfigError: naming the field and the variable, where one is not set or is empty, or
+            where the field does not take a secret or a path.
     """
     if isinstance(data, dict):
-        out = {k: expand_env(v, f"{where}.{k}" if where else str(k)) for k, v in data.items()}
+        out = {
+            k: expand_env(v, f"{where}.{k}" if where else str(k), fields) for k, v in data.items()
+        }
         return {k: v for k, v in out.items() if v is not _UNSET}
     if isinstance(data, list):
-        out = [expand_env(v, f"{where}.{i}") for i, v in enumerate(data)]
+        out = [expand_env(v, f"{where}.{i}", fields) for i, v in enumerate(data)]
         return [v for v in out if v is not _UNSET]
     if not isinstance(data, str) or "${" not in data:
         return data
+    if fields is not None and _ENV_REF.search(data) and not _allowed(where, fields):
+        raise ConfigError(
+            f"{where}: ${{NAME}} is read from the environment only in the fields that take a "
+            'secret or a path (docs/operations.md, "Credentials from the environment"); '
+            "write this value in the file"
+        )
 
     def value(m: re.Match) -> str:
         name, default = m.group(1), m.group(2)
@@ -113,6 +168,11 @@ def expand_env(data: Any, where: str = "") -> Any:
                 f"{where}: the environment variable {name} is not set (the value is "
                 f"${{{name}}}: set it in the environment of every process that loads this "
                 "config, such as the Prefect worker's)"
+            )
+        if not os.environ[name]:
+            raise ConfigError(
+                f"{where}: the environment variable {name} is empty (set it, or write "
+                f"${{{name}:-}} to leave the field at its default where it is empty)"
             )
         return os.environ[name]
 
@@ -161,15 +221,22 @@ def read_yaml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict:
     return _merge(under, data)
 
 
-def load_yaml_model(model: type[BaseModel], path: str | Path) -> Any:
+def load_yaml_model(model: type[BaseModel], path: str | Path, *, env: bool = False) -> Any:
     """Load a YAML file (and its `base:`) into `model`, raising :class:`ConfigError` with
-    dotted field paths."""
+    dotted field paths.
+
+    Args:
+        env: Expand `${NAME}` in the fields that take a secret or a path (a user's config).
+            A file Kiln wrote (a run file, a config snapshot) holds values as they were
+            loaded and is read as it is: a password that holds `${` is not expanded again.
+    """
     path = Path(path)
     data = read_yaml(path)
-    try:
-        data = expand_env(data)
-    except ConfigError as e:
-        raise ConfigError(f"invalid config {path}: {e}") from None
+    if env:
+        try:
+            data = expand_env(data, fields=env_fields(model))
+        except ConfigError as e:
+            raise ConfigError(f"invalid config {path}: {e}") from None
     try:
         return model.model_validate(data)
     except ValidationError as e:

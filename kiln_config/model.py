@@ -12,7 +12,7 @@ from pydantic import (
     model_validator,
 )
 
-from kiln_config.base import Strict
+from kiln_config.base import EnvPath, Strict
 
 __all__ = ["Component", "ModelConfig", "TokenizerConfig", "VaeComponent", "VaeFitConfig"]
 
@@ -21,7 +21,7 @@ class Component(Strict):
     """A model component: built from a config dict, or loaded from a local path or hub id."""
 
     config: dict[str, Any] | None = None
-    pretrained: str | None = None
+    pretrained: EnvPath | None = None
     subfolder: str | None = None
 
     @model_validator(mode="after")
@@ -77,7 +77,7 @@ class TokenizerConfig(Strict):
     BPE vocabulary with only an end-of-word marker; elsewhere bytes stay bytes."""
 
     builtin: Literal["bytes"] | None = None
-    pretrained: str | None = None
+    pretrained: EnvPath | None = None
     subfolder: str | None = None
     model_max_length: int = Field(77, gt=1)
     words: list[str] = Field(default_factory=list)

@@ -25,7 +25,14 @@ from pydantic import (
     model_validator,
 )
 
-from kiln_config.base import REVEAL_SECRETS, SecretUri, Strict, is_remote, stable_hash
+from kiln_config.base import (
+    REVEAL_SECRETS,
+    EnvPath,
+    SecretUri,
+    Strict,
+    is_remote,
+    stable_hash,
+)
 from kiln_config.data import CATALOG_COLUMNS, IngestConfig, QualityConfig, ShardsConfig
 from kiln_config.evaluate import EvaluateConfig, GateConfig, HumanEvalConfig
 from kiln_config.launch import LaunchConfig
@@ -52,7 +59,7 @@ PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 
 class StorageConfig(Strict):
-    root: str = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
+    root: EnvPath = Field("./kiln-data", description="Local (or mounted) folder for all outputs.")
     endpoint_url: SecretUri | None = Field(
         None, description="S3-compatible endpoint (MinIO, R2...)."
     )
@@ -68,7 +75,7 @@ class StorageConfig(Strict):
 
 
 class ExecutionConfig(Strict):
-    dask_address: str | None = Field(
+    dask_address: EnvPath | None = Field(
         None, description="Dask scheduler (tcp://host:8786) for ingest partitions; else local."
     )
 
@@ -224,7 +231,8 @@ def load_config(
     Raises:
         ConfigError: naming each bad field's dotted path and the value received.
     """
-    cfg: PipelineConfig = load_yaml_model(PipelineConfig, path)
+    is_snapshot = Path(path).expanduser().is_file() and _is_snapshot(Path(path).expanduser())
+    cfg: PipelineConfig = load_yaml_model(PipelineConfig, path, env=not is_snapshot)
     base, cwd = Path(path).expanduser().resolve().parent, Path.cwd()
     if root is not None:
         cfg.storage = StorageConfig(root=_abs(root, cwd), endpoint_url=cfg.storage.endpoint_url)
@@ -259,8 +267,20 @@ def _abs_sqlite(url: str, base: Path) -> str:
     return prefix + str((base / url[len(prefix) :]).resolve())
 
 
+# The first line of a run's config snapshot. A config that starts with it is read as it is:
+# its values are the ones the run loaded, `${NAME}` already expanded, so a value that holds
+# `${` (a password) is not expanded a second time.
+SNAPSHOT_HEADER = "# kiln: the config a run loaded, read as it is (no ${NAME} is expanded)\n"
+
+
+def _is_snapshot(path: Path) -> bool:
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.readline() == SNAPSHOT_HEADER
+
+
 def _snapshot_text(cfg: PipelineConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json", context=REVEAL_SECRETS), sort_keys=False)
+    dumped = cfg.model_dump(mode="json", context=REVEAL_SECRETS)
+    return SNAPSHOT_HEADER + yaml.safe_dump(dumped, sort_keys=False)
 
 
 def write_snapshot(cfg: PipelineConfig, path: Path) -> Path:

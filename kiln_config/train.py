@@ -11,7 +11,7 @@ from pydantic import (
     model_validator,
 )
 
-from kiln_config.base import Strict
+from kiln_config.base import EnvPath, Strict
 from kiln_config.evaluate import GUIDANCE_SCALE, INFERENCE_STEPS
 from kiln_config.model import ModelConfig
 
@@ -124,7 +124,7 @@ class TrainConfig(Strict):
         "models/components/sharding.py.",
     )
     init_from: Literal["ema", "raw"] = "ema"
-    init_from_model: str | None = Field(
+    init_from_model: EnvPath | None = Field(
         None,
         description="Warm start: the first stage starts from this model's UNet (its EMA "
         "starts there too): models:/NAME@ALIAS, models:/NAME/VERSION or an exported pipeline "

@@ -184,6 +184,80 @@ def test_redact_uri_masks_only_the_password():
     assert redact_uri("https://h/api?token=t0k&x=1") == "https://h/api?token=***&x=1"
 
 
+@pytest.mark.parametrize("password", ["pa/ss", "pa#ss", "pa?ss", "p@ss", "a/b#c?d@e"])
+def test_redact_uri_masks_a_password_that_holds_url_delimiters(password):
+    """SQLAlchemy's own parser takes `/`, `#` and `?` in a password unencoded; a user may write
+    `@` too. The mask runs to the last `@`, so none of it shows."""
+    from sqlalchemy.engine import make_url
+
+    uri = f"postgresql+psycopg://kiln:{password}@db.internal:5432/ratings"
+    if "@" not in password:
+        assert make_url(uri).password == password, "SQLAlchemy connects with this password"
+    shown = redact_uri(uri)
+    assert shown == "postgresql+psycopg://kiln:***@db.internal:5432/ratings"
+    assert redact_uri(f"mysql://kiln:{password}@db/m?sslpassword=x") == (
+        "mysql://kiln:***@db/m?sslpassword=***"
+    )
+
+
+def test_env_references_only_in_fields_that_take_a_secret_or_a_path(tmp_path, monkeypatch):
+    """`${NAME}` in a field that is shown unmasked (a pod's environment, an sbatch line, a
+    prompt) is refused in one line naming the field; the variable's value is never shown."""
+    monkeypatch.setenv("TEAM_TOKEN", "s3cret-t0ken")
+    tiny = REPO / "configs" / "tiny.yaml"
+    for field, value in [
+        ("launch:\n  kubernetes:\n    env:\n      HF_TOKEN", "${TEAM_TOKEN}"),
+        ("launch:\n  slurm:\n    sbatch_lines", '["#SBATCH --comment=${TEAM_TOKEN}"]'),
+        ("registry:\n  model_name", "kiln-${TEAM_TOKEN:-x}"),
+    ]:
+        path = tmp_path / "c.yaml"
+        path.write_text(f"base: {tiny}\n{field}: {value}\n")
+        with pytest.raises(ConfigError) as e:
+            load_config(path)
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and "s3cret" not in msg, msg
+        assert "only in the fields that take a secret or a path" in msg
+        assert field.replace(":\n", ".").replace(" ", "") in msg, msg
+
+
+def test_an_empty_variable_is_an_error_unless_its_default_is_asked_for(tmp_path, monkeypatch):
+    """An empty `${NAME}` would otherwise fall back to the field's default: a local SQLite
+    registry instead of the team's server."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"base: {REPO / 'configs' / 'tiny.yaml'}\nregistry:\n  tracking_uri: ${{KILN_T}}\n"
+    )
+    monkeypatch.setenv("KILN_T", "")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert "registry.tracking_uri: the environment variable KILN_T is empty" in str(e.value)
+    path.write_text(path.read_text().replace("${KILN_T}", "${KILN_T:-}"))
+    assert load_config(path).registry.tracking_uri is None, "`:-` asks for the default"
+
+
+def test_a_snapshot_and_a_run_file_load_without_expanding_again(tmp_path, monkeypatch):
+    """A password that holds `${...}` is expanded once, from the user's config; the run's
+    snapshot and its launched processes' run files read it back as it is, with or without
+    the variable in their environment."""
+    from kiln_config import HealthCheckRun, load_yaml_model
+    from kiln_config.runs import write_run_file
+
+    secret = "postgresql://kiln:pa${HOME}ss@db/ratings"
+    monkeypatch.setenv("KILN_DB", secret)
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"base: {REPO / 'configs' / 'tiny.yaml'}\nhuman_eval:\n  database_url: ${{KILN_DB}}\n"
+    )
+    cfg = load_config(path, root=str(tmp_path / "r"))
+    assert cfg.human_eval.database_url == secret
+    snap = write_snapshot(cfg, tmp_path / "run" / "config.yaml")
+    monkeypatch.delenv("KILN_DB")
+    again = load_config(snap)
+    assert again.human_eval.database_url == secret and config_hash(again) == config_hash(cfg)
+    run = write_run_file(HealthCheckRun(out_dir="/x/${HOME}"), tmp_path / "health.yaml")
+    assert load_yaml_model(HealthCheckRun, run).out_dir == "/x/${HOME}"
+
+
 def test_a_config_error_never_prints_a_secret(tmp_path):
     """A misspelt key holding a database URL, or a credential field with a bad value: the
     error line names the field, never the password."""
