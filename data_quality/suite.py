@@ -90,6 +90,7 @@ INGEST_REASONS = {
     "not_an_image": "bytes are not a known image format",
     "decode_error": "truncated or corrupt image data",
     "too_many_pixels": "pixel count over ingest.max_pixels (never decoded)",
+    "too_large": "file, sidecar or tar member over ingest.max_bytes (never read)",
     "read_error": "the object could not be read",
     "unsafe_key": "key is absolute or contains '..' (never read or written)",
     "unsupported_extension": "not an image extension of ingest.image_extensions",

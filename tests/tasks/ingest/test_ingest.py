@@ -473,3 +473,39 @@ def test_a_metadata_column_null_in_the_first_ingest_takes_the_type_of_later_valu
     assert (got.clean, sum(got.reasons.values())) == (0, 3), got.reasons
     n = query(str(tmp_path / "lic"), "SELECT count(*) AS n FROM accepted WHERE license IS NULL")
     assert n.column("n").to_pylist() == [3]
+
+
+def test_an_oversized_member_or_object_is_quarantined_unread(tmp_path, s3_bucket, s3_endpoint):
+    """`ingest.max_bytes`: a gzip-compressed tar whose member expands to 5 MB of zeros (a few
+    KB on disk) is quarantined `too_large` from its header, and its other samples pass; an
+    object over the cap is refused after reading at most the cap (S3: from its length)."""
+    import gzip
+
+    from PIL import Image
+
+    from tasks.storage.objects import ObjectTooLarge, Storage
+
+    buf = io.BytesIO()
+    Image.new("RGB", (48, 48), (9, 90, 200)).save(buf, format="JPEG")
+    jpg = buf.getvalue()
+    members = [("ok.jpg", jpg), ("ok.txt", b"a blue square"), ("bomb.jpg", bytes(5_000_000))]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "00000.tar").write_bytes(gzip.compress(_tar_bytes([*members, ("bomb.txt", b"x")])))
+    assert (src / "00000.tar").stat().st_size < 50_000
+    cfg = IngestConfig(source=str(src), workers=1, max_bytes=100_000)
+    res = ingest_source(cfg, str(tmp_path / "root"))
+    q = _cat(tmp_path / "root", res.ingest_id, "view_quarantine")
+    assert dict(zip(q["key"], q["reason"], strict=True)) == {"00000.tar/bomb": "too_large"}
+    assert q["detail"][0] == "member bomb.jpg is 5000000 bytes, over 100000 (ingest.max_bytes)"
+    assert list(_cat(tmp_path / "root", res.ingest_id)["key"]) == ["00000.tar/ok"]
+
+    bucket, client = s3_bucket
+    client.put_object(Bucket=bucket, Key="big/a.jpg", Body=bytes(3000))
+    for store, key in [
+        (Storage(str(src)), "00000.tar"),
+        (Storage(f"s3://{bucket}", s3_endpoint), "big/a.jpg"),
+    ]:
+        with pytest.raises(ObjectTooLarge, match=r"is over 1000 bytes \(ingest.max_bytes\)"):
+            store.read_bytes(key, 1000)
+        assert len(store.read_bytes(key, 1_000_000)) == len(store.read_bytes(key))
