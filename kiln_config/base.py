@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import parse_qsl, urlencode
@@ -35,6 +37,7 @@ __all__ = [
     "redact_text",
     "redact_uri",
     "stable_hash",
+    "write_private",
 ]
 
 
@@ -186,3 +189,24 @@ EnvPath = Annotated[str, ENV_OK]
 SecretUri = Annotated[str, PlainSerializer(_redact_in_json, when_used="json"), ENV_OK]
 
 REVEAL_SECRETS = {"reveal_secrets": True}
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write `text` to `path` atomically, readable by its owner alone (mode 600) from its first
+    byte: for a file that holds a credential (a run's config snapshot, a run file).
+
+    The temporary file beside it is created by `tempfile.mkstemp`: an unpredictable name,
+    opened with O_EXCL and O_NOFOLLOW, so another user of the folder cannot plant a link or a
+    file for Kiln to write through. The rename then replaces `path` itself (a link there is
+    replaced, not followed).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path

@@ -15,7 +15,6 @@ subprocesses see the same files and a snapshot of the loaded config loads to the
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import yaml
@@ -32,6 +31,7 @@ from kiln_config.base import (
     Strict,
     is_remote,
     stable_hash,
+    write_private,
 )
 from kiln_config.data import CATALOG_COLUMNS, IngestConfig, QualityConfig, ShardsConfig
 from kiln_config.evaluate import EvaluateConfig, GateConfig, HumanEvalConfig
@@ -290,16 +290,9 @@ def write_snapshot(cfg: PipelineConfig, path: Path) -> Path:
     Loading the snapshot gives the same config (and `config_hash`) from any directory, however
     the user's file changes afterwards.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    # Owner-only from its first byte: the snapshot keeps the config's credentials in clear
-    # (a database URL's password), so that it loads back.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(_snapshot_text(cfg))
-    os.chmod(tmp, 0o600)  # an older file of the same name keeps its mode through O_CREAT
-    tmp.replace(path)
-    return path
+    # Owner-only: the snapshot keeps the config's credentials in clear (a database URL's
+    # password), so that it loads back.
+    return write_private(path, _snapshot_text(cfg))
 
 
 def run_config(cfg: PipelineConfig, snapshot: Path, log: logging.Logger | None = None):

@@ -9,13 +9,12 @@ so each default stays declared once, in its section.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import yaml
 from pydantic import Field, model_validator
 
-from kiln_config.base import Strict
+from kiln_config.base import Strict, write_private
 from kiln_config.evaluate import EvaluateConfig
 from kiln_config.train import StageConfig, TrainConfig
 
@@ -98,13 +97,6 @@ def write_run_file(run: Strict, path: Path) -> Path:
     """Write a launched process's run file (a `StageRun`, `PrecomputeRun`, ...) atomically,
     readable by its owner alone; the module loads it back with `load_yaml_model` to the same
     values."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # Owner-only, as the run's config snapshot: a run file names the tracking store, whose
     # URI can hold a database password.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
-    return path
+    return write_private(path, yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))

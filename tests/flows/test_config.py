@@ -172,6 +172,27 @@ def test_a_snapshot_loads_to_the_same_config_from_anywhere(tmp_path, monkeypatch
     assert snap.stat().st_mode & 0o777 == 0o600
 
 
+def test_a_snapshot_is_written_through_no_planted_link(tmp_path):
+    """Another user of the run's folder plants a link at every temporary name Kiln used to
+    take (`.config.yaml.<pid>.tmp`) and at the snapshot itself: the file the links point at
+    is untouched, the snapshot is a new owner-only file, and no temporary file is left."""
+    import os
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", root=str(tmp_path / "r"))
+    run = tmp_path / "run"
+    run.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    for pid in range(os.getpid() - 5, os.getpid() + 5):
+        (run / f".config.yaml.{pid}.tmp").symlink_to(victim)
+    (run / "config.yaml").symlink_to(victim)
+    snap = write_snapshot(cfg, run / "config.yaml")
+    assert victim.read_text() == "keep"
+    assert not snap.is_symlink() and snap.stat().st_mode & 0o777 == 0o600
+    assert load_config(snap) == cfg
+    assert sorted(p.name for p in run.iterdir() if not p.is_symlink()) == ["config.yaml"]
+
+
 def test_redact_uri_masks_only_the_password():
     assert redact_uri("postgresql://kiln:s3cret@db:5432/mlflow") == (
         "postgresql://kiln:***@db:5432/mlflow"
