@@ -19,8 +19,7 @@ import json
 import click
 import pandas as pd
 
-from flows.steps import STEPS
-from kiln_cli.options import config_options, load_for_command
+from kiln_cli.options import config_options, load_for_command, step_flow
 from tasks.catalog.takedown import read_keys_file, read_takedowns
 
 __all__ = ["lineage", "takedown"]
@@ -130,9 +129,7 @@ def takedown_add(
         raise click.UsageError(f"give exactly one of --key, --contributor, --file (got {given})")
     cfg = load_for_command(config_path, root, "takedown")
     wanted = list(keys) or (read_keys_file(keys_file) if keys_file else None)
-    result = STEPS["takedown"].load_flow()(
-        cfg, reason=reason, keys=wanted, contributor=contributor, by=by
-    )
+    result = step_flow("takedown")(cfg, reason=reason, keys=wanted, contributor=contributor, by=by)
     click.echo(json.dumps(result, indent=2, default=str))
 
 

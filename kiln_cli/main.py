@@ -21,7 +21,7 @@ import click
 import psutil
 
 from deployments.stack import main as stack_main
-from flows.steps import STEPS, check_id_params
+from flows.steps import check_id_params
 from kiln_cli.catalog import catalog
 from kiln_cli.lineage import lineage, takedown
 from kiln_cli.options import (
@@ -32,6 +32,7 @@ from kiln_cli.options import (
     KilnGroup,
     config_options,
     load_for_command,
+    step_flow,
     study_for_model,
 )
 from kiln_cli.rate import compare, rate
@@ -72,7 +73,7 @@ def _run_step(
     """
     check_id_params(kwargs, lambda name: "--" + name.replace("_", "-"))
     cfg = load_for_command(config_path, root, step, source=source)
-    return cfg, STEPS[step].load_flow()(cfg, **kwargs)
+    return cfg, step_flow(step)(cfg, **kwargs)
 
 
 def _show(result: dict) -> None:

@@ -6,6 +6,9 @@ user's error is one line, a bug prints its traceback.
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import signal
 import threading
 import traceback
@@ -15,7 +18,7 @@ import click
 from pydantic import BaseModel
 
 from flows.steps import STEPS
-from kiln_config import PipelineConfig
+from kiln_config import PipelineConfig, redact_uri
 from kiln_config.errors import KilnError
 from tasks.inputs import load_checked
 
@@ -29,6 +32,7 @@ __all__ = [
     "load_for_command",
     "study_for_model",
     "schema_default",
+    "step_flow",
 ]
 
 CONFIG = click.option(
@@ -139,12 +143,54 @@ def load_for_command(
         raise ValueError(f"step {step!r} checks its own inputs; got checks {checks} too")
     try:
         if step is not None:
-            return STEPS[step].load_config(
+            cfg = STEPS[step].load_config(
                 config_path, root=root, source=source, overrides=_overrides()
             )
-        return load_checked(config_path, checks, root=root, source=source, overrides=_overrides())
+        else:
+            cfg = load_checked(
+                config_path, checks, root=root, source=source, overrides=_overrides()
+            )
     except OSError as e:  # an unreadable file: ConfigError covers a missing or invalid one
         raise CliError(str(e)) from e
+    _LOADED["registry"] = cfg.tracking_uri  # what a registry's refusal names
+    return cfg
+
+
+# What the running command loaded, for its error line.
+_LOADED: dict[str, str] = {}
+
+# How a tracking server says no: an HTTP status in MLflow's message, or its REST error code.
+_STATUS = re.compile(r"error code (\d{3})")
+_REFUSALS = {
+    401: "not logged in, or a wrong login: set MLFLOW_TRACKING_USERNAME and "
+    "MLFLOW_TRACKING_PASSWORD to a login the server has",
+    403: "permission denied to {user}: ask the server's admin for EDIT on the registered "
+    "model, or use a login that has it",
+    404: "not found: {message}",
+    409: "conflict, changed by someone else meanwhile (run the command again): {message}",
+}
+_REST_STATUS = {
+    "UNAUTHENTICATED": 401,
+    "PERMISSION_DENIED": 403,
+    "RESOURCE_DOES_NOT_EXIST": 404,
+    "RESOURCE_ALREADY_EXISTS": 409,
+}
+
+
+def registry_refusal(e: Exception, server: str | None) -> str:
+    """The one line for an MLflow error: the server (its URI, masked) and what to do, for the
+    refusals a user meets (a login missing or wrong, a permission, not found, a conflict)."""
+    message = getattr(e, "message", str(e))
+    found = _STATUS.search(message)
+    status = int(found.group(1)) if found else _REST_STATUS.get(getattr(e, "error_code", ""))
+    where = f"registry {redact_uri(server)}" if server else "registry"
+    if status not in _REFUSALS:
+        return f"{where}: {message}"
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    said = _REFUSALS[status].format(
+        user=f"the login {user!r}" if user else "an anonymous client", message=message
+    )
+    return f"{where}: {said}"
 
 
 def study_for_model(cfg: PipelineConfig, ref: str) -> str:
@@ -171,8 +217,35 @@ def _expected(e: Exception) -> str | None:
     from mlflow.exceptions import MlflowException
 
     if isinstance(e, MlflowException):
-        return f"registry: {e.message}"
+        return registry_refusal(e, _LOADED.get("registry"))
     return None
+
+
+def step_flow(step: str):
+    """The table's flow of `step`, imported, with Prefect's console made quiet about expected
+    errors: a flow run that fails on one (a refusal from the registry, a missing model, a
+    permission) logs its one line there, and `kiln: error:` says it again on the way out; its
+    traceback goes only to the run's logs in the Prefect UI, and to the console under
+    `kiln --debug`."""
+    flow = STEPS[step].load_flow()  # imports Prefect, which configures its logging
+    ctx = click.get_current_context(silent=True)
+    if not (ctx and ctx.find_root().params.get("debug")):
+        for handler in {*logging.getLogger("prefect").handlers, *logging.getLogger().handlers}:
+            if isinstance(handler, logging.StreamHandler) and not hasattr(handler, "_kiln_quiet"):
+                handler.emit = _quiet_emit(handler.emit)
+                handler._kiln_quiet = True
+    return flow
+
+
+def _quiet_emit(emit):
+    def quiet(record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and _expected(exc) is not None:
+            # A copy: the other handlers (Prefect's API, for the UI) keep the traceback.
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        emit(record)
+
+    return quiet
 
 
 def _exit_cleanly_on_sigterm() -> None:

@@ -506,3 +506,37 @@ def test_defaults_in_help_come_from_the_schema():
     assert f"human_eval.port, {HumanEvalConfig().port}]" in serve
     generate = CliRunner().invoke(main, ["generate", "--help"]).output
     assert f"evaluate.guidance_scale, {EvaluateConfig().guidance_scale}]" in generate
+
+
+def test_a_tracking_servers_refusals_are_one_line_naming_it_and_what_to_do(monkeypatch):
+    """MLflow's own exceptions, as its REST client raises them for a server's answer: the
+    HTTP status in the message (a basic-auth server's 401 and 403), or the REST error code.
+    The server is named with its password masked. (The real server's refusals go through
+    this in tests/test_stack.py.)"""
+    from mlflow.exceptions import MlflowException, RestException
+
+    from kiln_cli.options import registry_refusal
+
+    server = "https://kiln:pw@mlflow.internal"
+    call = "API request to endpoint /api/2.0/mlflow/registered-models/alias failed with "
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "viewer")
+    forbidden = MlflowException(call + "error code 403 != 200. Response body: 'Permission denied'")
+    assert registry_refusal(forbidden, server) == (
+        "registry https://kiln:***@mlflow.internal: permission denied to the login 'viewer': "
+        "ask the server's admin for EDIT on the registered model, or use a login that has it"
+    )
+    monkeypatch.delenv("MLFLOW_TRACKING_USERNAME")
+    anonymous = MlflowException(call + "error code 401 != 200. Response body: 'You are not'")
+    assert registry_refusal(anonymous, None) == (
+        "registry: not logged in, or a wrong login: set MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD to a login the server has"
+    )
+    gone = RestException({"error_code": "RESOURCE_DOES_NOT_EXIST", "message": "no kiln-t2i"})
+    assert registry_refusal(gone, "http://h:5000") == (
+        "registry http://h:5000: not found: RESOURCE_DOES_NOT_EXIST: no kiln-t2i"
+    )
+    other = RestException({"error_code": "INTERNAL_ERROR", "message": "disk full"})
+    assert (
+        registry_refusal(other, "http://h:5000")
+        == "registry http://h:5000: INTERNAL_ERROR: disk full"
+    )

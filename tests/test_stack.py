@@ -274,9 +274,21 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
 
     # Promotion: refused to the viewer's read-only login, done with the team's.
     viewer_env = _clean_env() | team | stack["viewer"]
+    # Each refusal is one line naming the server and what to do, exit 1, no traceback.
     refused = _kiln(viewer_env, "promote", "--config", str(cfg), "--first")
-    assert refused.returncode != 0
-    assert "PERMISSION_DENIED" in refused.stderr or "permission" in refused.stderr.lower()
+    back = _kiln(viewer_env, "rollback", "--config", str(cfg))
+    said = f"kiln: error: registry {team['MLFLOW_TRACKING_URI']}: permission denied to the login"
+    lines = []
+    for out in (refused, back):
+        errors = [x for x in out.stderr.splitlines() if x.startswith("kiln: error:")]
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert len(errors) == 1, out.stderr[-3000:]
+        lines += errors
+    assert lines[0].startswith(f"{said} 'viewer': ask the server's admin for EDIT"), lines
+    assert (
+        lines[1]
+        == "kiln: error: kiln-t2i has no previous-champion to roll back to (champion: none)"
+    )
     assert "champion" not in client.get_registered_model("kiln-t2i").aliases, "nothing moved"
     team_env = _clean_env() | team
     done = _kiln(team_env, "promote", "--config", str(cfg), "--first")
@@ -306,6 +318,7 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
         json.dumps(run["parameters"]),
         json.dumps(_api(team).post("/artifacts/filter", json={}).json()),
         refused.stderr,
+        back.stderr,
         done.stderr + done.stdout,
     ]
     for name, value in secrets.items():

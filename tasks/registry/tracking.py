@@ -478,6 +478,10 @@ def model_version(client: MlflowClient, ref: str):
             else client.get_model_version(name, number)
         )
     except MlflowException as e:
+        # The server answered that it has no such model, alias or version; a refusal (no
+        # login, no permission) or an unreachable server is raised as it is.
+        if e.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            raise
         raise ModelVersionNotFound(f"{ref} does not exist in the registry ({e.message})") from e
 
 
