@@ -20,6 +20,9 @@ from __future__ import annotations
 import functools
 import io
 import logging
+import threading
+import time
+from collections import OrderedDict, deque
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -37,7 +40,7 @@ from PIL import Image as PILImage
 from human_eval.report import gold_accuracy, summarize_comparison
 from human_eval.store import QUESTIONS, Rater, RatingStore
 
-__all__ = ["blind_png", "create_app", "serve"]
+__all__ = ["BadTokenLimit", "blind_png", "create_app", "serve"]
 
 log = logging.getLogger("kiln.human_eval")
 HERE = Path(__file__).resolve().parent
@@ -89,17 +92,70 @@ def _store(request: Request) -> RatingStore:
     return request.app.state.store
 
 
-def rater_from_token(token: str, store: RatingStore = Depends(_store)) -> Rater:
-    """The rater a link belongs to; an unknown token is 403 (never says whether it exists)."""
+class BadTokenLimit:
+    """Unknown links per client address: after `limit` of them within `window_s`, every
+    link from that address is refused (429, with Retry-After) until the window has passed,
+    so guessing tokens is bounded and a flood of them costs the store nothing. At most
+    `max_addresses` addresses are tracked (the oldest forgotten first)."""
+
+    def __init__(self, limit: int = 20, window_s: float = 60.0, max_addresses: int = 10_000):
+        self.limit, self.window_s, self.max_addresses = limit, window_s, max_addresses
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _recent(self, address: str, now: float) -> deque[float]:
+        times = self._failures.get(address, deque())
+        while times and now - times[0] > self.window_s:
+            times.popleft()
+        return times
+
+    def check(self, address: str) -> None:
+        """Raises a 429 while `address` is over its limit."""
+        now = time.monotonic()
+        with self._lock:
+            times = self._recent(address, now)
+            if len(times) >= self.limit:
+                wait = int(self.window_s - (now - times[0])) + 1
+                raise HTTPException(
+                    status_code=429,
+                    detail="too many unknown links from this address: wait, then try again",
+                    headers={"Retry-After": str(wait)},
+                )
+
+    def failed(self, address: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            times = self._recent(address, now)
+            times.append(now)
+            self._failures[address] = times
+            self._failures.move_to_end(address)
+            while len(self._failures) > self.max_addresses:
+                self._failures.popitem(last=False)
+
+
+def _address(request: Request) -> str:
+    return request.client.host if request.client else ""
+
+
+def rater_from_token(token: str, request: Request, store: RatingStore = Depends(_store)) -> Rater:
+    """The rater a link belongs to; an unknown or revoked token is 403 (never says whether it
+    exists), and counts against its address (`BadTokenLimit`)."""
+    limit: BadTokenLimit = request.app.state.bad_tokens
+    limit.check(_address(request))
     rater = store.rater(token)
     if rater is None:
+        limit.failed(_address(request))
         raise HTTPException(status_code=403, detail="unknown rating link")
     return rater
 
 
-def admin_from_token(token: str, store: RatingStore = Depends(_store)) -> None:
-    """The admin token only: a rater token is 403 here (compared in constant time)."""
+def admin_from_token(token: str, request: Request, store: RatingStore = Depends(_store)) -> None:
+    """The admin token only: a rater token is 403 here (compared in constant time), and
+    counts against its address as an unknown one does."""
+    limit: BadTokenLimit = request.app.state.bad_tokens
+    limit.check(_address(request))
     if not store.is_admin(token):
+        limit.failed(_address(request))
         raise HTTPException(status_code=403, detail="admin token required")
 
 
@@ -235,17 +291,20 @@ def create_app(
     min_gold_accuracy: float,
     n_resamples: int,
     seed: int,
+    bad_links_per_minute: int = 60,
 ) -> FastAPI:
     """The rating app over `store` (every route reads it from `app.state`).
 
     The admin page's running result uses the report's settings: give it those of
     `kiln rate report` (human_eval.min_gold_accuracy, bootstrap_resamples, seed), and it
-    shows the numbers the report would write now.
+    shows the numbers the report would write now. An address that sends more than
+    `bad_links_per_minute` unknown links is refused for the rest of the minute.
     """
     templates = Jinja2Templates(directory=str(HERE / "templates"))  # autoescape on for .html
     templates.env.globals["fmt"] = _fmt
     app = FastAPI(title="Kiln human evaluation", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
+    app.state.bad_tokens = BadTokenLimit(limit=bad_links_per_minute)
     app.state.report_settings = {
         "min_gold_accuracy": min_gold_accuracy,
         "n_resamples": n_resamples,
@@ -286,7 +345,8 @@ def create_app(
 def serve(store: RatingStore, host: str, port: int, **report_settings) -> None:
     """Run the app with uvicorn until SIGINT or SIGTERM (`kiln rate serve` starts it).
 
-    `report_settings`: `create_app`'s min_gold_accuracy, n_resamples and seed.
+    `report_settings`: `create_app`'s min_gold_accuracy, n_resamples, seed and
+    bad_links_per_minute.
     """
     import uvicorn
 

@@ -34,6 +34,7 @@ import random
 import re
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -79,6 +80,10 @@ QUESTIONS = ("quality", "alignment")
 ANSWERS = ("a", "b", "tie")
 # A served task that is neither answered nor this old no longer holds a place on its pair.
 TASK_LEASE = dt.timedelta(minutes=15)
+# A running app reads a link it knows again after this long: a revoked one stops within it.
+RATER_RECHECK_S = 5.0
+# What a revoked rater's token column starts with: no SHA-256 in hex does.
+REVOKED = "revoked:"
 
 
 def _now() -> dt.datetime:
@@ -201,9 +206,10 @@ _TOKENS_HASHED = "tokens_sha256"
 _SECRET = "secret"
 
 
-def _sqlite_engine(url: str) -> Engine:
+def _sqlite_engine(url: str, *, writer: bool = True) -> Engine:
     """SQLite in WAL mode, synchronous=FULL (a committed vote survives a power cut), and
-    `BEGIN IMMEDIATE` transactions (SQLAlchemy's documented recipe for pysqlite)."""
+    `BEGIN IMMEDIATE` transactions (SQLAlchemy's documented recipe for pysqlite). A reader
+    (`writer=False`) begins none: each statement reads a snapshot and takes no write lock."""
     engine = create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
 
     @event.listens_for(engine, "connect")
@@ -218,9 +224,11 @@ def _sqlite_engine(url: str) -> Engine:
         cur.execute("PRAGMA secure_delete=ON")
         cur.close()
 
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn):
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    if writer:
+
+        @event.listens_for(engine, "begin")
+        def _on_begin(conn):
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
 
@@ -245,11 +253,16 @@ class RatingStore:
         self.url = url
         if url.startswith("sqlite:///"):  # a database_url naming a file: its owner's alone
             _owner_only(Path(url.removeprefix("sqlite:///")))
-        self.engine = _sqlite_engine(url) if url.startswith("sqlite") else create_engine(url)
+        sqlite = url.startswith("sqlite")
+        self.engine = _sqlite_engine(url) if sqlite else create_engine(url)
         Base.metadata.create_all(self.engine)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        # Token checks read only: on SQLite through a second engine that takes no write lock,
+        # so a flood of unknown links never queues the votes behind it.
+        self._reader = _sqlite_engine(url, writer=False) if sqlite else self.engine
+        self._read_sessions = sessionmaker(self._reader, expire_on_commit=False)
         self._totals: dict[str, int] = {}
-        self._raters: dict[str, Rater] = {}
+        self._raters: dict[str, tuple[Rater, float]] = {}
         self._lock = threading.Lock() if self.engine.dialect.name == "sqlite" else nullcontext()
         self._hash_tokens()
         self._secret = self._store_secret()
@@ -307,6 +320,7 @@ class RatingStore:
     def close(self) -> None:
         """Close the connections: on SQLite, the last one folds the write-ahead log back into
         the database file, so that a copy of `ratings.db` alone holds every vote."""
+        self._reader.dispose()
         self.engine.dispose()
 
     def __enter__(self) -> RatingStore:
@@ -414,16 +428,37 @@ class RatingStore:
         return out
 
     def rater(self, token: str) -> Rater | None:
-        """The rater of a token. Found raters are memoised (a token never changes hands), so
-        a request does not queue for the write lock just to check its link."""
+        """The rater of a token, read without the write lock. A found rater is memoised for
+        `RATER_RECHECK_S`, so a revoked link (`revoke_rater`, from another process) stops
+        working within that time."""
         key = token_hash(token)
-        if key not in self._raters:
-            with self.session() as s:
-                rater = s.scalar(select(Rater).where(Rater.token == key))
+        known = self._raters.get(key)
+        if known is not None and time.monotonic() - known[1] < RATER_RECHECK_S:
+            return known[0]
+        with self._read_sessions() as s:
+            rater = s.scalar(select(Rater).where(Rater.token == key))
+        if rater is None:
+            self._raters.pop(key, None)
+            return None
+        self._raters[key] = (rater, time.monotonic())
+        return rater
+
+    def revoke_rater(self, comparison_id: str, pseudonym: str) -> int | None:
+        """Stop one rater's link from working (their votes are kept): the stored hash is
+        replaced by a value no token hashes to. Returns the rater's vote count, or None when
+        the comparison has no such rater (or its link is already revoked)."""
+        with self.session() as s:
+            rater = s.scalar(
+                select(Rater).where(
+                    Rater.comparison_id == comparison_id,
+                    Rater.pseudonym == pseudonym,
+                    Rater.token.not_like(f"{REVOKED}%"),
+                )
+            )
             if rater is None:
                 return None
-            self._raters[key] = rater
-        return self._raters[key]
+            rater.token = REVOKED + secrets.token_hex(27)
+            return s.scalar(select(func.count()).select_from(Vote).where(Vote.rater_id == rater.id))
 
     def new_admin_token(self, *, rotate: bool = False) -> str | None:
         """A new admin token, when the store has none or `rotate` replaces the one it has (its
@@ -441,8 +476,9 @@ class RatingStore:
             return token
 
     def is_admin(self, token: str) -> bool:
-        """Whether `token` is the admin token (compared as hashes, in constant time)."""
-        with self.session() as s:
+        """Whether `token` is the admin token (compared as hashes, in constant time; read
+        without the write lock)."""
+        with self._read_sessions() as s:
             row = s.get(Meta, _ADMIN)
         return row is not None and secrets.compare_digest(token_hash(token), row.value)
 

@@ -4,6 +4,7 @@
     kiln rate invite --config C --comparison ID --raters N   -> one link per rater
     kiln rate serve --config C                            -> the rating app
     kiln rate admin-link --config C [--rotate]            -> the admin page's link
+    kiln rate revoke --config C --comparison ID --rater R -> that rater's link stops working
     kiln rate report --config C --comparison ID           -> <root>/human_eval/ID/
 
 A study is `kiln evaluate` output: an id under `<root>/eval/` or a study folder. Like every
@@ -132,6 +133,7 @@ def serve(config_path: str, root: str | None) -> None:
         min_gold_accuracy=he.min_gold_accuracy,
         n_resamples=he.bootstrap_resamples,
         seed=he.seed,
+        bad_links_per_minute=he.bad_links_per_minute,
     )
 
 
@@ -152,8 +154,7 @@ def admin_link(config_path: str, root: str | None, rotate: bool) -> None:
             "an admin link exists, and only its hash is stored: pass --rotate to make a new "
             "one (the old link stops working)"
         )
-    host, port = cfg.human_eval.host, cfg.human_eval.port  # --host and --port applied
-    click.echo(f"http://{host}:{port}/admin/{token}")
+    click.echo(f"{_link_base(cfg)}/admin/{token}")
 
 
 @rate.command()
@@ -165,14 +166,38 @@ def admin_link(config_path: str, root: str | None, rotate: bool) -> None:
     "--port", type=int, cls=ConfigDefault, field="human_eval.port", help="Port in the links."
 )
 def invite(config_path: str, root: str | None, comparison: str, raters: int) -> None:
-    """Print one rating link per new rater: http://HOST:PORT/rate/<token>."""
+    """Print one rating link per new rater: <human_eval.public_url>/rate/<token>, by default
+    http://HOST:PORT/rate/<token>."""
     cfg, store = _load(config_path, root)
     if raters < 1:
         raise click.UsageError(f"--raters must be at least 1 (got {raters})")
-    host, port = cfg.human_eval.host, cfg.human_eval.port  # --host and --port applied
     links = store.add_raters(comparison, raters)
     for pseudonym, token in links:
-        click.echo(f"{pseudonym}\thttp://{host}:{port}/rate/{token}")
+        click.echo(f"{pseudonym}\t{_link_base(cfg)}/rate/{token}")
+
+
+@rate.command()
+@config_options
+@COMPARISON
+@click.option("--rater", "pseudonym", required=True, help="The rater's name in the links (r003).")
+def revoke(config_path: str, root: str | None, comparison: str, pseudonym: str) -> None:
+    """Stop one rater's link from working (a running app within seconds); the answers they
+    gave are kept, and the report's gold check still judges them."""
+    _, store = _load(config_path, root)
+    answers = store.revoke_rater(comparison, pseudonym)
+    if answers is None:
+        raise CliError(
+            f"comparison {comparison} has no rater {pseudonym} with a working link "
+            "(`kiln rate report` lists its raters)"
+        )
+    click.echo(f"{pseudonym}: link revoked; their {answers} answers are kept")
+
+
+def _link_base(cfg) -> str:
+    """Where the printed links point: `human_eval.public_url`, else the app's own address
+    (--host and --port applied)."""
+    he = cfg.human_eval
+    return he.public_url or f"http://{he.host}:{he.port}"
 
 
 @rate.command()

@@ -4,8 +4,11 @@ A/B rating app) and the promotion gate (`registry.gate`).
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from pydantic import (
     Field,
+    field_validator,
 )
 
 from kiln_config.base import EnvPath, SecretUri, Strict
@@ -86,6 +89,18 @@ class HumanEvalConfig(Strict):
     )
     host: str = Field("127.0.0.1", description="Address `kiln rate serve` listens on.")
     port: int = Field(8765, gt=0, lt=65536, description="Port of `kiln rate serve`.")
+    public_url: str | None = Field(
+        None,
+        description="Where raters reach the app, for the links `kiln rate invite` and "
+        "`kiln rate admin-link` print: https://rate.example.com behind a TLS proxy. Default: "
+        "http://HOST:PORT.",
+    )
+    bad_links_per_minute: int = Field(
+        60,
+        ge=1,
+        description="Unknown or revoked links one address may send a minute; past it, the app "
+        "answers 429 to that address until the minute is over.",
+    )
     raters_per_pair: int = Field(5, ge=1, description="Votes collected per pair (K).")
     gold_per_rater: int = Field(10, ge=0, description="Attention checks shown to each rater.")
     min_gold_accuracy: float = Field(
@@ -93,3 +108,15 @@ class HumanEvalConfig(Strict):
     )
     bootstrap_resamples: int = Field(2000, ge=100, description="Prompt-level bootstrap draws.")
     seed: int = Field(0, description="Seed of the bootstrap and of the gold pairs' choice.")
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected http(s)://host[:port][/path]")
+        if parts.query or parts.fragment or parts.username or parts.password:
+            raise ValueError("a link base has no query, fragment or login")
+        return v.rstrip("/")

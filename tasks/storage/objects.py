@@ -237,14 +237,19 @@ class Storage:
             body = open(self._local(key), "rb")  # noqa: SIM115 - closed below
             size = os.fstat(body.fileno()).st_size
         try:
-            if max_bytes is None:
-                return body.read()
-            if size is not None and size > max_bytes:
+            if max_bytes is not None and size is not None and size > max_bytes:
                 raise ObjectTooLarge(key, max_bytes)
-            data = body.read(max_bytes + 1)  # the size can change between the two
+            # Never `read(max_bytes + 1)`: http.client allocates (and zeroes) the whole amount
+            # asked for, 256 MiB by default, for every small image.
+            data = body.read() if size is not None or max_bytes is None else body.read(1 << 20)
+            while size is None and max_bytes is not None and len(data) <= max_bytes:
+                more = body.read(1 << 20)
+                if not more:
+                    break
+                data += more
         finally:
             body.close()
-        if len(data) > max_bytes:
+        if max_bytes is not None and len(data) > max_bytes:  # grew since its size was read
             raise ObjectTooLarge(key, max_bytes)
         return data
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import socket
+from pathlib import Path
 
 import httpx
 import pytest
@@ -181,3 +182,81 @@ def test_a_vote_body_past_its_bounds_is_refused_and_counts_nothing(app_server):
         many = client.post(url, content=vote + "".join(f"&f{i}=1" for i in range(40)))
         assert many.status_code == 400 and "not a vote" in many.text
     assert store.count_votes() == before
+
+
+def test_a_revoked_link_stops_and_unknown_links_are_bounded_without_the_write_lock(tmp_path):
+    """`kiln rate revoke` stops one rater's link on a running app within seconds and keeps
+    their answers; links point at `human_eval.public_url`; an unknown link is checked while
+    another process holds the database's write lock (a token check takes none), and past
+    `bad_links_per_minute` an address gets 429 with Retry-After, its good links included."""
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    from human_eval.store import RATER_RECHECK_S
+
+    root = tmp_path / "root"
+    a = write_study(root, "run-alpha-1111", model="run-alpha")
+    b = write_study(root, "run-beta-2222", colour=(0, 90, 200), model="run-beta")
+    db = Layout(root).ratings_db()
+    with RatingStore(sqlite_url(db)) as store:
+        cid, _ = create_comparison(store, load_study(a), load_study(b), raters_per_pair=2, gold=1)
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        "base: " + str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml") + "\n"
+        "human_eval:\n  bad_links_per_minute: 4\n  public_url: https://rate.example.com/\n"
+    )
+
+    def kiln(*args):
+        common = ["--config", str(config), "--root", str(root)]
+        return subprocess.run(
+            [sys.executable, "-m", "kiln_cli", "rate", *args, *common],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    links = kiln("invite", "--comparison", cid, "--raters", "2").stdout.split()
+    assert links[0] == "r001" and links[1].startswith("https://rate.example.com/rate/")
+    tokens = [links[1].rsplit("/", 1)[1], links[3].rsplit("/", 1)[1]]
+    port = free_port()
+    proc, base = start_server(serve_argv(root, port, str(config)), port)
+    try:
+        with httpx.Client(timeout=10) as client:
+            _, task_id = _task(client, base, tokens[0])
+            voted = client.post(
+                f"{base}/rate/{tokens[0]}/vote",
+                data={"task_id": task_id, "quality": "left", "alignment": "tie"},
+            )
+            assert voted.status_code == 303, voted.text
+            done = kiln("revoke", "--comparison", cid, "--rater", "r001")
+            assert done.returncode == 0, done.stderr
+            assert done.stdout == "r001: link revoked; their 2 answers are kept\n"
+            again = kiln("revoke", "--comparison", cid, "--rater", "r001")
+            assert again.returncode == 1 and again.stderr.startswith(
+                f"kiln: error: comparison {cid} has no rater r001 with a working link"
+            )
+            deadline = time.monotonic() + RATER_RECHECK_S + 10
+            while client.get(f"{base}/rate/{tokens[0]}").status_code == 200:
+                assert time.monotonic() < deadline, "the revoked link still works"
+                time.sleep(0.5)
+            with RatingStore(sqlite_url(db)) as store:
+                assert len(store.votes(cid)) == 2, "the revoked rater's answers are kept"
+
+            holder = sqlite3.connect(db, timeout=0)
+            holder.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+            try:
+                t0 = time.monotonic()
+                assert client.get(f"{base}/rate/nope").status_code == 403
+                assert time.monotonic() - t0 < 5, "an unknown link waited for the write lock"
+            finally:
+                holder.rollback()
+                holder.close()
+            # The revoked link's 403 and `nope` were two: two more reach the limit of 4.
+            codes = [client.get(f"{base}/rate/nope-{i}").status_code for i in range(2)]
+            assert codes == [403, 403]
+            refused = client.get(f"{base}/rate/{tokens[1]}")
+            assert refused.status_code == 429 and 0 < int(refused.headers["Retry-After"]) <= 61
+    finally:
+        stop(proc)
