@@ -5,9 +5,12 @@
 - **PostgreSQL** (Debian's, 14 or newer), data in `<dir>/postgres`, on 127.0.0.1 with password
   (SCRAM) authentication. Databases: `prefect` (with `pg_trgm`, as Prefect's docs ask), `mlflow`,
   `mlflow_auth` (the tracking server's users) and `ratings`.
-- **An S3 object store**: moto's server on loopback stands in for MinIO or AWS. Its objects live
-  in its memory: they are gone when the stack stops. `--s3-endpoint` names a real one instead
-  (its keys from the environment's `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`).
+- **An S3 object store**: moto's server on 127.0.0.1 stands in for MinIO or AWS, with its
+  authentication on (`deployments/object_store.py`): an unsigned request or a wrong key is
+  refused, the members' key reaches the bucket but `mlflow/`, and only the MLflow server's key
+  reaches `mlflow/`, the registry's artifacts. Its objects live in its memory: they are gone
+  when the stack stops. `--s3-endpoint` names a real one instead (its keys from the
+  environment's `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`, for both uses).
 - **Prefect**: the server on PostgreSQL with an auth string (the UI asks for it), the process
   work pool `kiln-process`, and a worker polling it.
 - **MLflow**: the tracking server with its backend store on PostgreSQL, artifacts proxied to
@@ -21,7 +24,9 @@ same databases. Each service gets its secrets in its environment, never on its c
 exports to work against the stack with `configs/team.yaml`; `<dir>/viewer.env` holds what a
 registry consumer needs: the tracking URL and the viewer's login, nothing else.
 
-The stack prints each UI's link and stops every service on Ctrl-C or SIGTERM.
+PostgreSQL and the object store listen on 127.0.0.1 only; `--public-host` moves the three web
+services (Prefect, MLflow, the rating app). The stack prints each UI's link and stops every
+service on Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ __all__ = ["Stack", "StackError", "main", "read_env_file"]
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 POOL = "kiln-process"
+# PostgreSQL and the object store listen here only, whatever the web services do.
+LOOPBACK = "127.0.0.1"
 PG_DATABASES = ("prefect", "mlflow", "mlflow_auth", "ratings")
 PG_VERSIONS = ("17", "16", "15", "14")  # Prefect asks for PostgreSQL 14.9 or newer
 HEARTBEAT_S = 30
@@ -120,6 +127,17 @@ def _wait(what: str, check: Callable[[], bool], timeout: float, procs=()) -> Non
     raise StackError(f"{what}: not ready after {timeout:.0f} s; see its log")
 
 
+def _http_answers(url: str) -> bool:
+    """Whether a server answers at `url` at all (a refusal is an answer)."""
+    import httpx
+
+    try:
+        httpx.get(url, timeout=3)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
 def _http_ok(url: str, headers: dict | None = None, auth=None) -> bool:
     import httpx
 
@@ -166,12 +184,18 @@ class Stack:
             "MLFLOW_KILN_PASSWORD": tok(),
             "MLFLOW_VIEWER_PASSWORD": tok(),
             "MLFLOW_FLASK_SERVER_SECRET_KEY": tok(),
-            "AWS_ACCESS_KEY_ID": "kiln" + secrets.token_hex(6),
+            # The members' and the worker's key to the object store (images), and the MLflow
+            # server's (artifacts), which no member holds.
+            "AWS_ACCESS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
             "AWS_SECRET_ACCESS_KEY": tok(),
+            "S3_ARTIFACTS_KEY_ID": "AKIA" + secrets.token_hex(8).upper(),
+            "S3_ARTIFACTS_SECRET": tok(),
         }
-        if self.s3_endpoint:  # a real store's keys are the caller's
+        if self.s3_endpoint:  # a real store's keys are the caller's, for both uses
             values["AWS_ACCESS_KEY_ID"] = os.environ.get("AWS_ACCESS_KEY_ID", "")
             values["AWS_SECRET_ACCESS_KEY"] = os.environ.get("AWS_SECRET_ACCESS_KEY", "")
+            values["S3_ARTIFACTS_KEY_ID"] = values["AWS_ACCESS_KEY_ID"]
+            values["S3_ARTIFACTS_SECRET"] = values["AWS_SECRET_ACCESS_KEY"]
         if kept.keys() >= values.keys():
             return kept
         values |= kept  # the ones made before stay: the databases were set up with them
@@ -181,16 +205,16 @@ class Stack:
     def pg_url(self, db: str, driver: str = "psycopg") -> str:
         """The services' own databases, as the server's owner (never handed to a member)."""
         pw = quote(self._secrets["POSTGRES_PASSWORD"], safe="")
-        return f"postgresql+{driver}://kiln:{pw}@{self.host}:{self.ports.postgres}/{db}"
+        return f"postgresql+{driver}://kiln:{pw}@{LOOPBACK}:{self.ports.postgres}/{db}"
 
     def ratings_url(self) -> str:
         """The ratings database, as its own role: owner of that database and nothing else."""
         pw = quote(self._secrets["RATINGS_DB_PASSWORD"], safe="")
-        return f"postgresql+psycopg://ratings:{pw}@{self.host}:{self.ports.postgres}/ratings"
+        return f"postgresql+psycopg://ratings:{pw}@{LOOPBACK}:{self.ports.postgres}/ratings"
 
     @property
     def s3_url(self) -> str:
-        return self.s3_endpoint or f"http://{self.host}:{self.ports.s3}"
+        return self.s3_endpoint or f"http://{LOOPBACK}:{self.ports.s3}"
 
     @property
     def prefect_api(self) -> str:
@@ -271,10 +295,11 @@ class Stack:
         )
         self._start_postgres()
         dbs = ", ".join(PG_DATABASES)
-        say(f"PostgreSQL    {self.host}:{self.ports.postgres} (databases {dbs})")
-        if not self.s3_endpoint:
-            self._start_s3()
-        self._ensure_bucket()
+        say(f"PostgreSQL    {LOOPBACK}:{self.ports.postgres} (databases {dbs})")
+        if self.s3_endpoint:
+            self._ensure_bucket()
+        else:
+            self._start_s3()  # makes the bucket itself
         say(f"S3            {self.s3_url} (bucket {self.bucket})")
         self._start_prefect()
         say(f"Prefect UI    http://{self.host}:{self.ports.prefect} (the auth string: team.env)")
@@ -327,7 +352,7 @@ class Stack:
                     f"initdb failed in {data}: {r.stderr.strip()[-600:]} (as root, the "
                     "`postgres` user must be able to reach this folder: give --dir one it can)"
                 )
-        opts = f"-p {self.ports.postgres} -c listen_addresses={self.host} -k {pg}"
+        opts = f"-p {self.ports.postgres} -c listen_addresses={LOOPBACK} -k {pg}"
         log = pg / "server.log"
         start = self._pg("pg_ctl", "-D", str(data), "-l", str(log), "-w", "-o", opts, "start")
         self._pg_started = True  # before: a server that comes up late is still stopped
@@ -336,7 +361,7 @@ class Stack:
             tail = log.read_text()[-800:] if log.is_file() else r.stderr
             raise StackError(f"PostgreSQL did not start: {tail.strip()}")
         conn = dict(
-            host=self.host,
+            host=LOOPBACK,
             port=self.ports.postgres,
             user="kiln",
             password=self._secrets["POSTGRES_PASSWORD"],
@@ -357,10 +382,17 @@ class Stack:
 
     def _start_s3(self) -> None:
         s = self._secrets
-        env = self._env(AWS_ACCESS_KEY_ID=s["AWS_ACCESS_KEY_ID"])
-        cmd = [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.ports.s3)]
+        env = self._env(
+            KILN_S3_IMAGES_KEY_ID=s["AWS_ACCESS_KEY_ID"],
+            KILN_S3_IMAGES_SECRET=s["AWS_SECRET_ACCESS_KEY"],
+            KILN_S3_ARTIFACTS_KEY_ID=s["S3_ARTIFACTS_KEY_ID"],
+            KILN_S3_ARTIFACTS_SECRET=s["S3_ARTIFACTS_SECRET"],
+        )
+        env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+        cmd = [sys.executable, "-m", "deployments.object_store", "--host", LOOPBACK]
+        cmd += ["--port", str(self.ports.s3), "--bucket", self.bucket]
         p = self._spawn("s3", cmd, env)
-        _wait("the S3 server", lambda: _http_ok(f"{self.s3_url}/moto-api/"), 60, [p])
+        _wait("the S3 server", lambda: _http_answers(self.s3_url), 60, [p])
 
     def _ensure_bucket(self) -> None:
         import boto3
@@ -438,8 +470,8 @@ class Stack:
             MLFLOW_AUTH_ADMIN_PASSWORD=s["MLFLOW_ADMIN_PASSWORD"],
             MLFLOW_FLASK_SERVER_SECRET_KEY=s["MLFLOW_FLASK_SERVER_SECRET_KEY"],
             MLFLOW_S3_ENDPOINT_URL=self.s3_url,
-            AWS_ACCESS_KEY_ID=s["AWS_ACCESS_KEY_ID"],
-            AWS_SECRET_ACCESS_KEY=s["AWS_SECRET_ACCESS_KEY"],
+            AWS_ACCESS_KEY_ID=s["S3_ARTIFACTS_KEY_ID"],
+            AWS_SECRET_ACCESS_KEY=s["S3_ARTIFACTS_SECRET"],
             AWS_DEFAULT_REGION="us-east-1",
         )
         cmd = [
@@ -554,7 +586,14 @@ def _say(line: str, err: bool = False) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kiln stack", description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", type=Path, default=Path("stack"), help="The stack's folder (kept).")
-    p.add_argument("--host", default="127.0.0.1", help="Address every service listens on.")
+    p.add_argument(
+        "--public-host",
+        "--host",
+        dest="host",
+        default=LOOPBACK,
+        help="Address the web services (Prefect, MLflow, the rating app) listen on; PostgreSQL "
+        "and the object store stay on 127.0.0.1.",
+    )
     p.add_argument("--bucket", default="kiln", help="The S3 bucket for artifacts and images.")
     p.add_argument("--s3-endpoint", default=None, help="A running object store (default moto's).")
     defaults = Ports()

@@ -245,6 +245,35 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
     listed = s3.list_objects_v2(Bucket="kiln", Prefix="mlflow/")
     assert listed.get("KeyCount", 0) > 0, "the artifacts are in the object store"
 
+    # The object store checks keys: no anonymous request, no wrong secret, no control API,
+    # and a member's key cannot touch the registry's artifacts (the server's key alone can).
+    import boto3
+    from botocore.exceptions import ClientError
+
+    endpoint = team["KILN_S3_ENDPOINT_URL"]
+    assert endpoint.startswith("http://127.0.0.1:")
+    keys = [o["Key"] for o in listed["Contents"]]
+    pkl = next((k for k in keys if k.endswith("python_model.pkl")), keys[0])
+    assert httpx.get(f"{endpoint}/kiln/{pkl}", timeout=10).status_code == 403
+    assert httpx.put(f"{endpoint}/kiln/{pkl}", content=b"x", timeout=10).status_code == 403
+    assert httpx.post(f"{endpoint}/moto-api/reset", timeout=10).status_code == 403
+    wrong = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=team["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key="not-the-secret",
+        region_name="us-east-1",
+    )
+    for client_, call, code in [
+        (wrong, lambda c: c.list_objects_v2(Bucket="kiln"), "SignatureDoesNotMatch"),
+        (s3, lambda c: c.put_object(Bucket="kiln", Key=pkl, Body=b"evil"), "AccessDenied"),
+        (s3, lambda c: c.delete_object(Bucket="kiln", Key=pkl), "AccessDenied"),
+        (s3, lambda c: c.get_object(Bucket="kiln", Key=pkl), "AccessDenied"),
+    ]:
+        with pytest.raises(ClientError) as refused_s3:
+            call(client_)
+        assert refused_s3.value.response["Error"]["Code"] == code
+
     # A consumer elsewhere with the URL and a read-only login, nothing else.
     consumer = tmp_path / "consumer"
     consumer.mkdir()
@@ -322,7 +351,7 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
         done.stderr + done.stdout,
     ]
     for name, value in secrets.items():
-        if name.endswith(("PASSWORD", "SECRET_KEY", "SECRET_ACCESS_KEY")):
+        if name.endswith(("PASSWORD", "SECRET", "SECRET_KEY", "SECRET_ACCESS_KEY")):
             leaks = [i for i, text in enumerate(shown) if value in text]
             assert not leaks, f"{name} shows in {leaks}"
             assert value.encode() not in artifacts, f"{name} shows in the run's artifacts"
