@@ -14,7 +14,10 @@ the bucket and two IAM users whose keys come from the environment:
   through the tracking server, which checks each write against its logins.
 
 An unsigned request, an unknown key, a wrong signature or a key outside its prefix is refused
-(403), as S3 and MinIO refuse them. moto's own control API (`/moto-api/`: its dashboard, and a
+(403), as S3 and MinIO refuse them. A presigned URL (SigV4 in the query: the tracking server
+hands them to its clients to move large artifacts in parts) is verified here, against the
+key that signed it, its expiry and that key's prefix, since moto's own checks read only the
+Authorization header. moto's own control API (`/moto-api/`: its dashboard, and a
 reset that empties every bucket) is refused too. Objects live in the server's memory: gone when
 it stops.
 """
@@ -22,9 +25,14 @@ it stops.
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import hashlib
+import hmac
 import json
 import os
 import sys
+import threading
+from urllib.parse import parse_qsl, quote, unquote
 
 __all__ = ["ACCOUNT", "ARTIFACTS_PREFIX", "main"]
 
@@ -61,6 +69,7 @@ def _setup(bucket: str) -> None:
         iam.create_user("us-east-1", user)
         key = iam.create_access_key(user)
         key.access_key_id, key.secret_access_key = key_id, secret  # the stack's own keys
+        KEYS[key_id] = (secret, "artifacts" if user == "kiln-artifacts" else "images")
         iam.put_user_policy(user, "kiln", policy)
 
 
@@ -69,23 +78,105 @@ _ANONYMOUS = (
     b"<Message>Anonymous access is not allowed: sign the request with an access key"
     b"</Message></Error>\n"
 )
+_BAD_URL = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>AccessDenied</Code>'
+    b"<Message>The presigned URL is expired, altered or not this key's to sign"
+    b"</Message></Error>\n"
+)
+
+# The keys this process made: {access key id: (secret, the user's object prefix rule)}.
+KEYS: dict[str, tuple[str, str]] = {}
+# Set while a presigned request that `_presigned_ok` verified runs in this thread.
+_VERIFIED = threading.local()
 
 
-def _guarded(app):
-    """`app` behind two refusals of its own: moto's control API, and a request with no
-    signature at all (moto's checks expect one and would answer 500)."""
+def _quote(text: str) -> str:
+    return quote(text, safe="-_.~")
+
+
+def _presigned_ok(environ: dict, bucket: str) -> bool:
+    """Whether a presigned (SigV4 query) request is signed by one of this store's keys, not
+    expired, and for an object that key may reach. moto's own checks cannot verify one
+    (they read the Authorization header): the tracking server hands such URLs to its
+    clients for large artifacts."""
+    pairs = parse_qsl(environ.get("QUERY_STRING", ""), keep_blank_values=True)
+    q = dict(pairs)
+    try:
+        key_id, day, region, service, _ = q["X-Amz-Credential"].split("/")
+        secret, rule = KEYS[key_id]
+        signed_at = dt.datetime.strptime(q["X-Amz-Date"], "%Y%m%dT%H%M%SZ").replace(tzinfo=dt.UTC)
+        expires = int(q["X-Amz-Expires"])
+    except (KeyError, ValueError):
+        return False
+    if dt.datetime.now(dt.UTC) > signed_at + dt.timedelta(seconds=expires):
+        return False
+    raw_path = environ.get("RAW_URI") or environ.get("REQUEST_URI") or environ["PATH_INFO"]
+    path = raw_path.split("?", 1)[0]
+    obj = unquote(path).lstrip("/").removeprefix(f"{bucket}/")
+    if (rule == "artifacts") != obj.startswith(ARTIFACTS_PREFIX):
+        return False
+    query = "&".join(f"{_quote(k)}={_quote(v)}" for k, v in sorted(pairs) if k != "X-Amz-Signature")
+    names = q.get("X-Amz-SignedHeaders", "host").split(";")
+    values = {"host": environ.get("HTTP_HOST", "")}
+    headers = "".join(
+        f"{n}:{values.get(n, environ.get('HTTP_' + n.upper().replace('-', '_'), '')).strip()}\n"
+        for n in names
+    )
+    canonical = "\n".join(
+        [environ["REQUEST_METHOD"], path, query, headers, ";".join(names), "UNSIGNED-PAYLOAD"]
+    )
+    scope = f"{day}/{region}/{service}/aws4_request"
+    digest = hashlib.sha256(canonical.encode()).hexdigest()
+    to_sign = f"AWS4-HMAC-SHA256\n{q['X-Amz-Date']}\n{scope}\n{digest}"
+    k = f"AWS4{secret}".encode()
+    for part in (day, region, service, "aws4_request"):
+        k = hmac.new(k, part.encode(), hashlib.sha256).digest()
+    expected = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, q.get("X-Amz-Signature", ""))
+
+
+def _guarded(app, bucket: str):
+    """`app` behind refusals of its own: moto's control API, a request with no signature at
+    all (moto's checks expect one and would answer 500), and a presigned URL that
+    `_presigned_ok` does not verify; a verified one skips moto's header checks."""
+
+    def refuse(start_response, body: bytes, kind: str = "application/xml"):
+        start_response("403 Forbidden", [("Content-Type", kind)])
+        return [body]
 
     def wsgi(environ, start_response):
         if environ.get("PATH_INFO", "").startswith("/moto-api"):
-            start_response("403 Forbidden", [("Content-Type", "text/plain")])
-            return [b"moto's control API is off in this object store\n"]
+            return refuse(
+                start_response, b"moto's control API is off in this object store\n", "text/plain"
+            )
         query = environ.get("QUERY_STRING", "")
-        if "HTTP_AUTHORIZATION" not in environ and "Signature=" not in query:
-            start_response("403 Forbidden", [("Content-Type", "application/xml")])
-            return [_ANONYMOUS]
+        if "X-Amz-Signature=" in query:
+            if not _presigned_ok(environ, bucket):
+                return refuse(start_response, _BAD_URL)
+            _VERIFIED.on = True
+            try:
+                return list(app(environ, start_response))
+            finally:
+                _VERIFIED.on = False
+        if "HTTP_AUTHORIZATION" not in environ:
+            return refuse(start_response, _ANONYMOUS)
         return app(environ, start_response)
 
     return wsgi
+
+
+def _skip_checks_when_verified() -> None:
+    """moto's check of each action, skipped for a presigned request verified above."""
+    from moto.core.authorization import ActionAuthenticatorMixin
+
+    check = ActionAuthenticatorMixin._authenticate_and_authorize_action
+
+    def checked(self, iam_request_cls, resource="*"):
+        if getattr(_VERIFIED, "on", False):
+            return None
+        return check(self, iam_request_cls, resource)
+
+    ActionAuthenticatorMixin._authenticate_and_authorize_action = checked
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
     settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
     _setup(a.bucket)
-    app = _guarded(DomainDispatcherApplication(create_backend_app))
+    _skip_checks_when_verified()
+    app = _guarded(DomainDispatcherApplication(create_backend_app), a.bucket)
     sys.stdout.write(f"object store on http://{a.host}:{a.port}, bucket {a.bucket}\n")
     sys.stdout.flush()
     run_simple(a.host, a.port, app, threaded=True, request_handler=MotoRequestHandler)

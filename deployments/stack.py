@@ -55,7 +55,19 @@ REPO = Path(__file__).resolve().parent.parent
 POOL = "kiln-process"
 # PostgreSQL and the object store listen here only, whatever the web services do.
 LOOPBACK = "127.0.0.1"
-PG_DATABASES = ("prefect", "mlflow", "mlflow_auth", "ratings")
+# Each database and the role that owns it (the service's login).
+PG_DATABASES = {
+    "prefect": "prefect",
+    "mlflow": "mlflow",
+    "mlflow_auth": "mlflow",
+    "ratings": "ratings",
+}
+# Each owner role and the secret that holds its password.
+ROLE_SECRETS = {
+    "prefect": "PREFECT_DB_PASSWORD",
+    "mlflow": "MLFLOW_DB_PASSWORD",
+    "ratings": "RATINGS_DB_PASSWORD",
+}
 PG_VERSIONS = ("17", "16", "15", "14")  # Prefect asks for PostgreSQL 14.9 or newer
 HEARTBEAT_S = 30
 """The worker's flow runs' heartbeat period (PREFECT_FLOWS_HEARTBEAT_FREQUENCY; Prefect's least):
@@ -167,6 +179,7 @@ class Stack:
     s3_endpoint: str | None = None  # a real object store; default: moto's server
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     _pg_started: bool = False
+    _db_owners: dict[str, str] = field(default_factory=dict)
     _restarts: list[float] = field(default_factory=list)
 
     # --- secrets and the environments -----------------------------------------------------
@@ -179,6 +192,8 @@ class Stack:
         values = {
             "POSTGRES_PASSWORD": tok(),
             "RATINGS_DB_PASSWORD": tok(),
+            "PREFECT_DB_PASSWORD": tok(),
+            "MLFLOW_DB_PASSWORD": tok(),
             "PREFECT_AUTH_PASSWORD": tok(),
             "MLFLOW_ADMIN_PASSWORD": tok(),
             "MLFLOW_KILN_PASSWORD": tok(),
@@ -203,9 +218,13 @@ class Stack:
         return values
 
     def pg_url(self, db: str, driver: str = "psycopg") -> str:
-        """The services' own databases, as the server's owner (never handed to a member)."""
-        pw = quote(self._secrets["POSTGRES_PASSWORD"], safe="")
-        return f"postgresql+{driver}://kiln:{pw}@{LOOPBACK}:{self.ports.postgres}/{db}"
+        """A service's own database, as the database's owner role: not a superuser, and
+        never handed to a member. A database that an older stack made (owned by the server's
+        login) is reached as that login, as before."""
+        role = self._db_owners.get(db, "kiln")
+        secret = ROLE_SECRETS.get(role, "POSTGRES_PASSWORD")
+        pw = quote(self._secrets[secret], safe="")
+        return f"postgresql+{driver}://{role}:{pw}@{LOOPBACK}:{self.ports.postgres}/{db}"
 
     def ratings_url(self) -> str:
         """The ratings database, as its own role: owner of that database and nothing else."""
@@ -369,14 +388,19 @@ class Stack:
         with psycopg.connect(dbname="postgres", autocommit=True, **conn) as c:
             have = {r[0] for r in c.execute("SELECT datname FROM pg_database")}
             roles = {r[0] for r in c.execute("SELECT rolname FROM pg_roles")}
-            if "ratings" not in roles:  # the rating app's and the members' role: its database only
-                pw = self._secrets["RATINGS_DB_PASSWORD"].replace("'", "''")
-                c.execute(f"CREATE ROLE ratings LOGIN PASSWORD '{pw}'")
+            # One owner role per service, each its database(s) only: not a superuser, so an
+            # SQL injection in a server cannot reach the machine (`COPY ... TO PROGRAM`). The
+            # `ratings` role is also the members' (they rate and report).
+            for role, secret in ROLE_SECRETS.items():
+                if role not in roles:
+                    pw = self._secrets[secret].replace("'", "''")
+                    c.execute(f"CREATE ROLE \"{role}\" LOGIN NOSUPERUSER PASSWORD '{pw}'")
             for db in PG_DATABASES:
                 if db not in have:
-                    owner = ' OWNER "ratings"' if db == "ratings" else ""
-                    c.execute(f'CREATE DATABASE "{db}"{owner}')
+                    c.execute(f'CREATE DATABASE "{db}" OWNER "{PG_DATABASES[db]}"')
                     c.execute(f'REVOKE ALL ON DATABASE "{db}" FROM PUBLIC')
+            rows = c.execute("SELECT datname, pg_get_userbyid(datdba) FROM pg_database")
+            self._db_owners = {db: owner for db, owner in rows if db in PG_DATABASES}
         with psycopg.connect(dbname="prefect", autocommit=True, **conn) as c:
             c.execute("CREATE EXTENSION IF NOT EXISTS pg_trgm")
 

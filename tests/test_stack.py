@@ -88,6 +88,7 @@ def stack():
             "secrets": read_env_file(folder / "secrets.env"),
             "out": said,
             "proc": proc,
+            "ports": ports,
         }
     finally:
         # Every service's process, PostgreSQL's included (its children run as `postgres`).
@@ -244,6 +245,26 @@ def test_a_team_runs_trains_and_consumes_through_the_stack(
     artifacts = b"".join(p.read_bytes() for p in files.rglob("*") if p.is_file())
     listed = s3.list_objects_v2(Bucket="kiln", Prefix="mlflow/")
     assert listed.get("KeyCount", 0) > 0, "the artifacts are in the object store"
+
+    # Each service reaches its database as the database's owner role, none a superuser.
+    import psycopg
+
+    pg = dict(host="127.0.0.1", port=stack["ports"]["postgres"], dbname="postgres")
+    with psycopg.connect(user="kiln", password=secrets["POSTGRES_PASSWORD"], **pg) as c:
+        supers = dict(c.execute("SELECT rolname, rolsuper FROM pg_roles").fetchall())
+        owners = dict(c.execute("SELECT datname, pg_get_userbyid(datdba) FROM pg_database"))
+        sessions = c.execute(
+            "SELECT DISTINCT datname, usename FROM pg_stat_activity WHERE datname IN "
+            "('prefect', 'mlflow', 'mlflow_auth', 'ratings')"
+        ).fetchall()
+    assert [supers[r] for r in ("prefect", "mlflow", "ratings")] == [False, False, False]
+    assert {d: owners[d] for d in ("prefect", "mlflow", "mlflow_auth", "ratings")} == {
+        "prefect": "prefect",
+        "mlflow": "mlflow",
+        "mlflow_auth": "mlflow",
+        "ratings": "ratings",
+    }
+    assert sessions and all(owners[db] == user for db, user in sessions), sessions
 
     # The object store checks keys: no anonymous request, no wrong secret, no control API,
     # and a member's key cannot touch the registry's artifacts (the server's key alone can).
