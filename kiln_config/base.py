@@ -191,9 +191,10 @@ SecretUri = Annotated[str, PlainSerializer(_redact_in_json, when_used="json"), E
 REVEAL_SECRETS = {"reveal_secrets": True}
 
 
-def write_private(path: Path, text: str) -> Path:
-    """Write `text` to `path` atomically, readable by its owner alone (mode 600) from its first
-    byte: for a file that holds a credential (a run's config snapshot, a run file).
+def write_private(path: Path, text: str | bytes) -> Path:
+    """Write `text` (or bytes) to `path` atomically, readable by its owner alone (mode 600)
+    from its first byte: for a file that holds a credential (a run's config snapshot, a run
+    file), and for any file a reader must see whole or not at all.
 
     The temporary file beside it is created by `tempfile.mkstemp`: an unpredictable name,
     opened with O_EXCL and O_NOFOLLOW, so another user of the folder cannot plant a link or a
@@ -203,7 +204,7 @@ def write_private(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
+from kiln_config.base import write_private
 from kiln_config.errors import InputError, KilnError
 
 __all__ = ["ObjectInfo", "ObjectTooLarge", "ProbeError", "Storage", "worker_storage"]
@@ -286,16 +287,7 @@ class Storage:
         if self.is_s3:
             self.client.put_object(Bucket=self.bucket, Key=self._s3_key(key), Body=data)
             return
-        dest = self._local(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, dest)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_private(self._local(key), data)
 
     def upload_file(self, key: str, path: Path) -> None:
         """Copy a local file to `key`, atomically as `write_bytes` (S3: multipart when large;
