@@ -42,10 +42,13 @@ ARTIFACTS_PREFIX = "mlflow/"
 
 def _policy(bucket: str, objects: str, deny: str | None = None) -> str:
     statements = [
-        {"Effect": "Allow", "Action": ["s3:ListBucket", "s3:GetBucketLocation"],
-         "Resource": f"arn:aws:s3:::{bucket}"},
+        {
+            "Effect": "Allow",
+            "Action": ["s3:ListBucket", "s3:GetBucketLocation"],
+            "Resource": f"arn:aws:s3:::{bucket}",
+        },
         {"Effect": "Allow", "Action": "s3:*", "Resource": f"arn:aws:s3:::{bucket}/{objects}"},
-    ]  # fmt: skip
+    ]
     if deny:
         statements.append(
             {"Effect": "Deny", "Action": "s3:*", "Resource": f"arn:aws:s3:::{bucket}/{deny}"}
