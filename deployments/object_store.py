@@ -56,6 +56,12 @@ def _policy(bucket: str, objects: str, deny: str | None = None) -> str:
     return json.dumps({"Version": "2012-10-17", "Statement": statements})
 
 
+# The environment that gives the two users their keys.
+KEY_VARIABLES = tuple(
+    f"KILN_S3_{who}_{part}" for who in ("IMAGES", "ARTIFACTS") for part in ("KEY_ID", "SECRET")
+)
+
+
 def _setup(bucket: str) -> None:
     """The bucket and the two users, made in the backends of this process."""
     from moto.iam.models import iam_backends
@@ -188,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--bucket", default="kiln")
     a = p.parse_args(argv)
+    missing = [n for n in KEY_VARIABLES if not os.environ.get(n)]
+    if missing:
+        p.error(f"set {', '.join(missing)}: the two users' keys (kiln stack writes them)")
     os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"  # read when moto's settings import
     os.environ.setdefault("MOTO_PORT", str(a.port))
     from moto import settings

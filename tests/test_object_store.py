@@ -117,3 +117,21 @@ def test_presigned_urls_are_verified_against_their_key_expiry_and_prefix(store):
     part = sign(artifacts, "upload_part", UploadId=upload, PartNumber=1)
     sent = httpx.put(part, content=b"part one")
     assert sent.status_code == 200 and sent.headers["etag"]
+
+
+def test_a_store_without_its_keys_refuses_to_start_and_names_them():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KILN_S3_")}
+    env["KILN_S3_IMAGES_KEY_ID"] = KEYS["images"][0]
+    proc = subprocess.run(
+        [sys.executable, "-m", "deployments.object_store", "--port", str(free_port())],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith(
+        "error: set KILN_S3_IMAGES_SECRET, KILN_S3_ARTIFACTS_KEY_ID, KILN_S3_ARTIFACTS_SECRET: "
+        "the two users' keys (kiln stack writes them)"
+    )
