@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from kiln_cli.main import main
+from kiln_cli.options import registry_refusal
 
 COMMANDS = [
     "demo-data",
@@ -514,8 +515,6 @@ def test_a_tracking_servers_refusals_are_one_line_naming_it_and_what_to_do(monke
     The server is named with its password masked. (The real server's refusals go through
     this in tests/test_stack.py.)"""
     from mlflow.exceptions import MlflowException, RestException
-
-    from kiln_cli.options import registry_refusal
 
     server = "https://kiln:pw@mlflow.internal"
     call = "API request to endpoint /api/2.0/mlflow/registered-models/alias failed with "

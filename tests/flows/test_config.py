@@ -9,13 +9,18 @@ from flows.steps import STEPS
 from kiln_config import (
     PROJECT_DIR,
     ConfigError,
+    HealthCheckRun,
     PipelineConfig,
+    SlurmConfig,
     config_hash,
     load_config,
+    load_yaml_model,
     redact_uri,
     stable_hash,
     write_snapshot,
 )
+from kiln_config.runs import write_run_file
+from tasks.launch.slurm import SlurmRejected, job_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -264,8 +269,6 @@ def test_a_snapshot_and_a_run_file_load_without_expanding_again(tmp_path, monkey
     """A password that holds `${...}` is expanded once, from the user's config; the run's
     snapshot and its launched processes' run files read it back as it is, with or without
     the variable in their environment."""
-    from kiln_config import HealthCheckRun, load_yaml_model
-    from kiln_config.runs import write_run_file
 
     secret = "postgresql://kiln:pa${HOME}ss@db/ratings"
     monkeypatch.setenv("KILN_DB", secret)
@@ -574,8 +577,6 @@ def test_node_counts_need_a_cluster_and_a_fitting_sample_order(tmp_path, launch,
 
 def test_the_batch_script_refuses_a_control_character_the_config_could_not_see(tmp_path):
     """A log path under a root whose name holds a newline: the script is not written."""
-    from kiln_config import SlurmConfig
-    from tasks.launch.slurm import SlurmRejected, job_script
 
     kw = {"nodes": 1, "processes_per_machine": 1, "name": "s0", "workdir": str(tmp_path)}
     exclusive = SlurmConfig(sbatch_lines=["--exclusive"])

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from human_eval.store import RatingStore, sqlite_url
+from human_eval.store import RATER_RECHECK_S, RatingStore, sqlite_url
 from human_eval.studies import create_comparison, load_study
 from tasks.storage.layout import Layout
 from tests.servers import free_port
@@ -193,8 +193,6 @@ def test_a_revoked_link_stops_and_unknown_links_are_bounded_without_the_write_lo
     import subprocess
     import sys
     import time
-
-    from human_eval.store import RATER_RECHECK_S
 
     root = tmp_path / "root"
     a = write_study(root, "run-alpha-1111", model="run-alpha")

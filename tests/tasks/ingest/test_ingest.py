@@ -14,6 +14,7 @@ from tasks.catalog.view import read_view
 from tasks.ingest.run import ingest_source
 from tasks.quality.validate import validate_catalog
 from tasks.storage.layout import Layout
+from tasks.storage.objects import ObjectTooLarge, Storage
 
 
 def _cat(root, ingest_id, name="view_accepted"):
@@ -482,8 +483,6 @@ def test_an_oversized_member_or_object_is_quarantined_unread(tmp_path, s3_bucket
     import gzip
 
     from PIL import Image
-
-    from tasks.storage.objects import ObjectTooLarge, Storage
 
     buf = io.BytesIO()
     Image.new("RGB", (48, 48), (9, 90, 200)).save(buf, format="JPEG")
