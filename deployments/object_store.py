@@ -56,10 +56,10 @@ def _policy(bucket: str, objects: str, deny: str | None = None) -> str:
     return json.dumps({"Version": "2012-10-17", "Statement": statements})
 
 
-# The environment that gives the two users their keys.
-KEY_VARIABLES = tuple(
-    f"KILN_S3_{who}_{part}" for who in ("IMAGES", "ARTIFACTS") for part in ("KEY_ID", "SECRET")
-)
+# Each user, and the prefix of the environment variables that give its key
+# (`<prefix>_KEY_ID`, `<prefix>_SECRET`).
+USERS = {"kiln-images": "KILN_S3_IMAGES", "kiln-artifacts": "KILN_S3_ARTIFACTS"}
+KEY_VARIABLES = tuple(f"{env}_{part}" for env in USERS.values() for part in ("KEY_ID", "SECRET"))
 
 
 def _setup(bucket: str) -> None:
@@ -69,11 +69,12 @@ def _setup(bucket: str) -> None:
 
     s3_backends[ACCOUNT]["aws"].create_bucket(bucket, "us-east-1")
     iam = iam_backends[ACCOUNT]["aws"]
-    users = {
-        "kiln-images": ("KILN_S3_IMAGES", _policy(bucket, "*", deny=f"{ARTIFACTS_PREFIX}*")),
-        "kiln-artifacts": ("KILN_S3_ARTIFACTS", _policy(bucket, f"{ARTIFACTS_PREFIX}*")),
+    policies = {
+        "kiln-images": _policy(bucket, "*", deny=f"{ARTIFACTS_PREFIX}*"),
+        "kiln-artifacts": _policy(bucket, f"{ARTIFACTS_PREFIX}*"),
     }
-    for user, (env, policy) in users.items():
+    for user, env in USERS.items():
+        policy = policies[user]
         key_id, secret = os.environ[f"{env}_KEY_ID"], os.environ[f"{env}_SECRET"]
         iam.create_user("us-east-1", user)
         key = iam.create_access_key(user)
