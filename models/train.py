@@ -470,20 +470,30 @@ def main(argv: list[str] | None = None) -> None:
     )
     # CPU, memory (and GPU) use into the stage's MLflow run, stopped however the stage ends.
     with system_metrics(run.tracking_uri, run.mlflow_run_id, accelerator.is_main_process):
-        comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
-        # After the (identically seeded) model build: each rank now draws its own noise and
-        # timesteps. A resumed run restores these RNG states from the checkpoint instead.
-        set_seed(run.train.seed + run.stage_index, device_specific=True)
-        loader = build_dataloader(run, comps)
-        ctx = TrainContext(
-            run, accelerator, comps, optimizer, lr_scheduler, ema, weight_dtype, loader, sink
-        )
-        state = train_loop(ctx)
-        release_optimizer_state(optimizer)
-        sample_grid(run, accelerator, comps, ema, state.step, sink)  # listed in the manifest
-        save_and_export(run, accelerator, comps, ema, state, sink)
+        train_and_export(run, accelerator, sink)
         accelerator.wait_for_everyone()
+    # The models, the optimizer and the hooks FSDP and DDP put on them hold the process group's
+    # work in reference cycles. Collect them now, while the interpreter is whole and the group
+    # still up: left to the interpreter's exit, a gloo rank can abort after its work is done
+    # ("terminate called without an active exception", exit code -6).
+    accelerator.free_memory()
     accelerator.end_training()
+
+
+def train_and_export(run: StageRun, accelerator: Accelerator, sink: MetricsSink) -> None:
+    """The stage's phases in order; what they build is freed when this returns."""
+    comps, optimizer, lr_scheduler, ema, weight_dtype = build_models(run, accelerator)
+    # After the (identically seeded) model build: each rank now draws its own noise and
+    # timesteps. A resumed run restores these RNG states from the checkpoint instead.
+    set_seed(run.train.seed + run.stage_index, device_specific=True)
+    loader = build_dataloader(run, comps)
+    ctx = TrainContext(
+        run, accelerator, comps, optimizer, lr_scheduler, ema, weight_dtype, loader, sink
+    )
+    state = train_loop(ctx)
+    release_optimizer_state(optimizer)
+    sample_grid(run, accelerator, comps, ema, state.step, sink)  # listed in the manifest
+    save_and_export(run, accelerator, comps, ema, state, sink)
 
 
 def _accelerator(run: StageRun) -> Accelerator:
