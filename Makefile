@@ -80,7 +80,7 @@ system-packages:
 # so a module's fixtures are built once). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= auto
 test: $(STAMP) system-packages
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --cpu-top 30
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not e2e and not integration"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,63 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (-_seconds(item.path), weight[item.path]))
 
 
+# CPU-seconds of each test phase: this process's and its finished children's (a subprocess
+# counts once it is waited for, with everything it waited for). `make test` prints the largest
+# (`--cpu-top`): the suite keeps both cores busy, so its time is its CPU work, and wall
+# durations alone hide a test that waits idle or one that keeps several processes busy.
+_PHASES = ("setup", "call", "teardown")
+_CPU = pytest.StashKey[dict]()
+
+
+def _cpu_s() -> float:
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-top",
+        type=int,
+        default=0,
+        metavar="N",
+        help="list the N test phases that used the most CPU-seconds (with their children's)",
+    )
+
+
+def _measured(when: str):
+    @pytest.hookimpl(wrapper=True)
+    def hook(item):
+        start = _cpu_s()
+        try:
+            return (yield)
+        finally:
+            item.stash.setdefault(_CPU, {})[when] = _cpu_s() - start
+
+    return hook
+
+
+pytest_runtest_setup, pytest_runtest_call, pytest_runtest_teardown = map(_measured, _PHASES)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    top = config.getoption("--cpu-top")
+    if not top:
+        return
+    rows = [
+        (dict(r.user_properties)["cpu_s"], r.when, r.nodeid)
+        for reports in terminalreporter.stats.values()
+        for r in reports
+        if getattr(r, "when", None) in _PHASES and "cpu_s" in dict(r.user_properties)
+    ]
+    total = sum(cpu for cpu, _, _ in rows)
+    terminalreporter.write_sep("=", f"most CPU-seconds {top} (all phases: {total:.0f} CPU-s)")
+    for cpu, when, nodeid in sorted(rows, reverse=True)[:top]:
+        terminalreporter.write_line(f"{cpu:8.1f}s {when:<8} {nodeid}")
+
+
 # A module or session fixture that fails is re-raised, with its whole traceback, in every test
 # that uses it. The first such test reports it in full; the others say where to look.
 _FAILED_FIXTURES: dict[int, tuple[BaseException, str]] = {}
@@ -71,6 +129,9 @@ _FAILED_FIXTURES: dict[int, tuple[BaseException, str]] = {}
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     report = yield
+    cpu = item.stash.get(_CPU, {}).get(call.when)
+    if cpu is not None:
+        report.user_properties.append(("cpu_s", round(cpu, 1)))
     if call.when != "setup" or call.excinfo is None or not report.failed:
         return report
     exc = call.excinfo.value
