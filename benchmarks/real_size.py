@@ -1,8 +1,9 @@
 """The real recipe at its real size on this machine: SD2-base (865,910,724 UNet parameters),
 its VAE and OpenCLIP-H-sized text encoder with random weights, through the real commands.
 
-`kiln demo-data`, then `kiln ingest`, `validate`, `shard` (images, then again with
-`shards.precompute`: latents and text states), `train` (three stages of a few steps, 64 ->
+`kiln demo-data`, then `kiln ingest`, `validate`, `shard` (images; and again with
+`shards.precompute`, which adds latents and text states, unless `--no-precompute`; a run that
+trains on latents shards only that way), `train` (three stages of a few steps, 64 ->
 128 -> 192 px, batch 1, EMA on; the training process is SIGKILLed mid-stage right after a
 checkpoint and the flow's relaunch resumes it), `evaluate` (a study of two prompts) and
 `register`; then a fresh process loads the export with diffusers'
@@ -144,12 +145,13 @@ def write_config(
     *,
     reduced: bool,
     precompute: bool,
-    steps: int,
+    steps: tuple[int, ...],
     val: bool,
     resolutions: tuple[int, ...] = (64, 128, 192),
 ) -> Path:
-    """configs/sd2-base.yaml at its real size on the demo images, with few steps and small
-    studies; `reduced`: one layer per UNet block (the widths and heads are SD2's)."""
+    """configs/sd2-base.yaml at its real size on the demo images, with few steps (`steps`: one
+    count per stage) and small studies; `reduced`: one layer per UNet block (the widths and
+    heads are SD2's)."""
     cfg = yaml.safe_load((REPO / "configs" / "sd2-base.yaml").read_text())
     cfg["storage"]["root"] = str(work / "root")
     cfg["ingest"] |= {"source": str(work / "demo"), "workers": 2}
@@ -175,16 +177,16 @@ def write_config(
         "workers": 2,
         "precompute": precompute,
     }
-    stage = {
-        "batch_size": 1,
-        "learning_rate": 1.0e-4,
-        "max_steps": steps,
-        "lr_scheduler": "constant",
-    }
+    stage = {"batch_size": 1, "learning_rate": 1.0e-4, "lr_scheduler": "constant"}
     train = cfg["train"]
     train |= {
-        "stages": [{"resolution": r, **stage} for r in resolutions],
-        "checkpoint_every": max(1, steps - 1),
+        "stages": [
+            {"resolution": r, "max_steps": n, **stage}
+            for r, n in zip(resolutions, steps, strict=True)
+        ],
+        # The killed stage's next-to-last step, where it is killed; every stage also writes
+        # one at its last step.
+        "checkpoint_every": _killed_at(resolutions, steps),
         "keep_checkpoints": 1,
         "log_every": 1,
         "num_workers": 0,
@@ -217,6 +219,11 @@ def write_config(
     path = work / ("real-latents.yaml" if precompute else "real.yaml")
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
+
+
+def _killed_at(resolutions: tuple[int, ...], steps: tuple[int, ...]) -> int:
+    """The step of the killed stage's checkpoint after which its process is killed."""
+    return steps[resolutions.index(KILLED_RES)] - 1
 
 
 def _stage_dir(root: Path, run_id: str, res: int) -> Path:
@@ -383,7 +390,9 @@ def run_all(args, env: dict, res: dict) -> None:
     latents = write_config(work, components, precompute=True, **opts)
     for step in ("ingest", "validate"):
         steps[step] = _run([*kiln, step, "--config", str(plain)], env, log)
-    steps["shard"] = _run([*kiln, "shard", "--config", str(plain)], env, log)
+    # The precomputed version holds the stage images as well: training on it needs no other.
+    if args.train_on == "images":
+        steps["shard"] = _run([*kiln, "shard", "--config", str(plain)], env, log)
     if args.train_on == "latents" or not args.no_precompute:
         steps["shard-precompute"] = _run([*kiln, "shard", "--config", str(latents)], env, log)
     versions = {
@@ -394,7 +403,7 @@ def run_all(args, env: dict, res: dict) -> None:
     cfg = latents if args.train_on == "latents" else plain
     version = versions["shard-precompute" if args.train_on == "latents" else "shard"]
     root = work / "root"
-    kill_when = _killed_checkpoint_ready(root, max(1, args.steps - 1))
+    kill_when = _killed_checkpoint_ready(root, _killed_at(args.resolutions, args.steps))
     tidy = CompletedCheckpoints(root)
     steps["train"] = _run(
         [*kiln, "train", "--config", str(cfg), "--dataset-version", version],
@@ -452,6 +461,18 @@ def _resolutions(text: str) -> tuple[int, ...]:
     return res
 
 
+def _steps(text: str) -> tuple[int, ...]:
+    try:
+        steps = tuple(int(n) for n in text.split(","))
+    except ValueError:
+        steps = ()
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a step count, or one per stage like 1,2 (got {text!r})"
+        )
+    return steps
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, type=Path, help="JSON output path")
@@ -464,7 +485,13 @@ def main() -> None:
         help="Train on the image shards or the precomputed ones",
     )
     p.add_argument("--reference", action="store_true", help="Rerun the killed stage whole")
-    p.add_argument("--steps", type=int, default=3, help="Optimizer steps per stage (>= 2)")
+    p.add_argument(
+        "--steps",
+        type=_steps,
+        default=(3,),
+        help=f"Optimizer steps per stage: one count for all, or one per stage (1,2); at least "
+        f"2 for the killed {KILLED_RES} px stage (default: 3)",
+    )
     p.add_argument("--no-val", action="store_true", help="No validation split (faster)")
     p.add_argument(
         "--resolutions",
@@ -479,6 +506,12 @@ def main() -> None:
         help="Skip the precomputed shards (with --train-on images)",
     )
     args = p.parse_args()
+    if len(args.steps) == 1:
+        args.steps *= len(args.resolutions)
+    if len(args.steps) != len(args.resolutions):
+        p.error(f"--steps: {len(args.steps)} counts for {len(args.resolutions)} stages")
+    if _killed_at(args.resolutions, args.steps) < 1:
+        p.error(f"--steps: the killed {KILLED_RES} px stage needs at least 2")
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),

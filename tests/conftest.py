@@ -29,12 +29,12 @@ LONG_FILES = {
     "test_real_size.py": 500,
     "test_newcomer.py": 480,
     "test_e2e.py": 230,
-    "test_scheduler.py": 200,
     "tasks/launch/test_launch.py": 180,
     "test_learning.py": 150,
     "tasks/planning/test_memory_model.py": 150,
     "test_gpu_check.py": 120,
     "tasks/launch/test_slurm.py": 120,
+    "test_scheduler.py": 110,
 }
 
 
@@ -65,7 +65,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 # CPU-seconds of each test phase: this process's and its finished children's (a subprocess
-# counts once it is waited for, with everything it waited for). `make test` prints the largest
+# counts once it is waited for, with everything it waited for, so a server that a shared
+# fixture keeps up counts in the teardown that stops it). `make test` prints the largest
 # (`--cpu-top`): the suite keeps both cores busy, so its time is its CPU work, and wall
 # durations alone hide a test that waits idle or one that keeps several processes busy.
 _PHASES = ("setup", "call", "teardown")

@@ -466,7 +466,9 @@ def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
     """The shipped weekly-retrain deployment on the stack: a member's real `kiln takedown add`
     (of images the newest training saw) emits the event its trigger waits for; the worker runs
     the retrain, which warm-starts from the champion, registers a candidate and opens the
-    blind comparison in the ratings database on PostgreSQL."""
+    blind comparison in the ratings database on PostgreSQL. A second run started meanwhile
+    waits for the first (the deployment's ENQUEUE limit), then finds nothing new or taken
+    down since that training and trains nothing."""
     from mlflow import MlflowClient
 
     team = stack["team"]
@@ -522,18 +524,49 @@ def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
     with _api(team) as api:
         dep = api.get("/deployments/name/kiln-retrain/weekly-retrain").json()["id"]
 
-        def retrain():
-            runs = api.post(
+        def runs(*states: str) -> list[dict]:
+            found = api.post(
                 "/flow_runs/filter", json={"flow_runs": {"deployment_id": {"any_": [dep]}}}
             ).json()
-            return [r for r in runs if r["state_type"] in FINAL]
+            return [r for r in found if r["state_type"] in states or r["state_name"] in states]
 
-        (run,) = wait_for("the retrain the takedown made due", retrain, 600, [stack["proc"]])
-    log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
-    assert run["state_type"] == "COMPLETED", log[-5000:]
-    assert run["parameters"]["event_root"] == team["KILN_ROOT"]
-    new = client.get_model_version_by_alias("kiln-t2i", "candidate")
-    assert len(client.search_model_versions("name='kiln-t2i'")) == versions + 1
-    assert new.tags["parent_version"] == str(champion), "warm-started from the champion"
-    with RatingStore.open(Path(team["KILN_ROOT"]), team["KILN_RATINGS_DATABASE_URL"]) as store:
-        assert [c.model_b for c in store.comparisons()], "the comparison is in PostgreSQL"
+        (first,) = wait_for(
+            "the retrain the takedown made due",
+            lambda: runs("RUNNING", *FINAL),
+            300,
+            [stack["proc"]],
+        )
+        assert first["state_type"] == "RUNNING"
+        t0 = time.monotonic()
+        _prefect(team, home, "deployment", "run", "kiln-retrain/weekly-retrain")
+        (second,) = wait_for(
+            "a second retrain, waiting for the first",
+            lambda: runs("AwaitingConcurrencySlot"),
+            120,
+            [stack["proc"]],
+        )
+        assert [r["id"] for r in runs("RUNNING")] == [first["id"]], "the first still runs"
+
+        def ended(run_id: str):
+            return [r for r in runs(*FINAL) if r["id"] == run_id]
+
+        (run,) = wait_for(
+            "the first retrain to end", lambda: ended(first["id"]), 600, [stack["proc"]]
+        )
+        retrain_s = time.monotonic() - t0
+        log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
+        assert run["state_type"] == "COMPLETED", log[-5000:]
+        assert run["parameters"]["event_root"] == team["KILN_ROOT"]
+        new = client.get_model_version_by_alias("kiln-t2i", "candidate")
+        assert len(client.search_model_versions("name='kiln-t2i'")) == versions + 1
+        assert new.tags["parent_version"] == str(champion), "warm-started from the champion"
+        with RatingStore.open(Path(team["KILN_ROOT"]), team["KILN_RATINGS_DATABASE_URL"]) as store:
+            assert [c.model_b for c in store.comparisons()], "the comparison is in PostgreSQL"
+
+        (after,) = wait_for(
+            "the second retrain to end", lambda: ended(second["id"]), 300, [stack["proc"]]
+        )
+        log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
+        assert after["state_type"] == "COMPLETED", log[-5000:]
+        assert len(client.search_model_versions("name='kiln-t2i'")) == versions + 1, "no retrain"
+    print(f"the takedown's retrain, running to completed: {retrain_s:.0f}s")
