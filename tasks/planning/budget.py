@@ -85,71 +85,16 @@ def make_plan(
         raise InputError(f"--img-per-s must be positive, got {img_per_s}")
     if isinstance(num_processes, int):
         num_processes = [num_processes] * len(train.stages)
-    rates: list[tuple[float, str]] = []
-    val_forward_s: list[float | None] = [None] * len(train.stages)
     if measure_steps is not None:
-        for i in range(len(train.stages)):
-            # One process's share of the split the run will evaluate (an even split: the
-            # evaluation deals batches round-robin, so the busiest rank can hold a batch more).
-            share = None
-            if val_samples and val_samples[i]:
-                share = -(-min(val_samples[i], train.val_max_samples) // num_processes[i])
-            m = measure_stage(
-                train,
-                i,
-                steps=measure_steps,
-                local_processes=processes_per_machine or num_processes[i],
-                val_samples=share,
-            )
-            on = m["device"] + (f" ({m['cpu_threads']} threads)" if m["cpu_threads"] else "")
-            rates.append((m["img_per_s"], f"measured on {on}, {measure_steps} steps"))
-            val_forward_s[i] = m["val_forward_s"]
-    else:
-        # Scale by the UNet's FLOPs alone: its config is in the YAML (no download needed), and
-        # it dominates the cost of every stage.
-        unet = train.model.unet
-        flops = [
-            train_flops_per_sample(
-                unet,
-                resolution=s.resolution,
-                latent_channels=unet.get("in_channels", 4),
-                seq_len=train.model.tokenizer.model_max_length,
-            )
-            for s in train.stages
-        ]
-        rates = [
-            (img_per_s * flops[0] / f, f"given {img_per_s:g} img/s at stage 1, FLOPs-scaled")
-            for f in flops
-        ]
-    stages = []
-    for i, (s, (rate, source)) in enumerate(zip(train.stages, rates, strict=True)):
-        procs = num_processes[i]
-        samples = s.max_steps * s.global_batch(procs)
-        global_rate = rate * procs
-        n_val = min(val_samples[i], train.val_max_samples) if val_samples else 0
-        evals = 2 + (s.max_steps - 1) // train.eval_every if train.eval_every else 2
-        forwards = evals * 4 * train.val_timesteps * n_val
-        if val_forward_s[i] is not None:  # measured; each process evaluates its share
-            eval_h = forwards * val_forward_s[i] / procs / 3600
-        else:  # a third of a training sample (a forward and a backward, about three forwards)
-            eval_h = forwards / 3 / global_rate / 3600
-        wall_h = samples / global_rate / 3600 + eval_h
-        stages.append(
-            StagePlan(
-                resolution=s.resolution,
-                steps=s.max_steps,
-                samples=samples,
-                img_per_s_per_device=round(rate, 3),
-                img_per_s=round(global_rate, 3),
-                wall_hours=wall_h,
-                gpu_hours=wall_h * procs,
-                cost_usd=wall_h * procs * gpu_hour_usd,
-                rate_source=source,
-                processes=procs,
-                eval_hours=eval_h,
-                val_forward_s=val_forward_s[i],
-            )
+        measured = _measured_rates(
+            train, num_processes, measure_steps, val_samples, processes_per_machine
         )
+    else:
+        measured = [(*rate, None) for rate in _flops_scaled_rates(train, img_per_s)]
+    stages = [
+        _stage_plan(train, i, num_processes[i], measured[i], val_samples, gpu_hour_usd)
+        for i in range(len(train.stages))
+    ]
     total = {
         k: sum(getattr(p, k) for p in stages)
         for k in ("steps", "samples", "wall_hours", "gpu_hours", "cost_usd")
@@ -159,6 +104,91 @@ def make_plan(
         "stages": [asdict(p) for p in stages],
         "total": total,
     }
+
+
+def _measured_rates(
+    train: TrainConfig,
+    num_processes: list[int],
+    measure_steps: int,
+    val_samples: list[int] | None,
+    processes_per_machine: int | None,
+) -> list[tuple[float, str, float | None]]:
+    """Per stage: (img/s per process, where it comes from, one validation forward's seconds),
+    each measured by a few real steps."""
+    out = []
+    for i in range(len(train.stages)):
+        # One process's share of the split the run will evaluate (an even split: the
+        # evaluation deals batches round-robin, so the busiest rank can hold a batch more).
+        share = None
+        if val_samples and val_samples[i]:
+            share = -(-min(val_samples[i], train.val_max_samples) // num_processes[i])
+        m = measure_stage(
+            train,
+            i,
+            steps=measure_steps,
+            local_processes=processes_per_machine or num_processes[i],
+            val_samples=share,
+        )
+        on = m["device"] + (f" ({m['cpu_threads']} threads)" if m["cpu_threads"] else "")
+        out.append((m["img_per_s"], f"measured on {on}, {measure_steps} steps", m["val_forward_s"]))
+    return out
+
+
+def _flops_scaled_rates(train: TrainConfig, img_per_s: float) -> list[tuple[float, str]]:
+    """Per stage: (img/s per process, where it comes from), the first stage's given rate
+    scaled by the UNet's FLOPs. Its config is in the YAML (no download needed), and it
+    dominates the cost of every stage."""
+    unet = train.model.unet
+    flops = [
+        train_flops_per_sample(
+            unet,
+            resolution=s.resolution,
+            latent_channels=unet.get("in_channels", 4),
+            seq_len=train.model.tokenizer.model_max_length,
+        )
+        for s in train.stages
+    ]
+    return [
+        (img_per_s * flops[0] / f, f"given {img_per_s:g} img/s at stage 1, FLOPs-scaled")
+        for f in flops
+    ]
+
+
+def _stage_plan(
+    train: TrainConfig,
+    i: int,
+    procs: int,
+    measured: tuple[float, str, float | None],
+    val_samples: list[int] | None,
+    gpu_hour_usd: float,
+) -> StagePlan:
+    """Stage `i`'s samples, wall time (its steps and its validation passes) and cost."""
+    s = train.stages[i]
+    rate, source, val_forward_s = measured
+    samples = s.max_steps * s.global_batch(procs)
+    global_rate = rate * procs
+    n_val = min(val_samples[i], train.val_max_samples) if val_samples else 0
+    evals = 2 + (s.max_steps - 1) // train.eval_every if train.eval_every else 2
+    forwards = evals * 4 * train.val_timesteps * n_val
+    if val_forward_s is not None:  # measured; each process evaluates its share
+        eval_h = forwards * val_forward_s / procs / 3600
+    else:  # a third of a training sample (a forward and a backward, about three forwards)
+        eval_h = forwards / 3 / global_rate / 3600
+    wall_h = samples / global_rate / 3600 + eval_h
+    return StagePlan(
+        resolution=s.resolution,
+        steps=s.max_steps,
+        samples=samples,
+        img_per_s_per_device=round(rate, 3),
+        img_per_s=round(global_rate, 3),
+        wall_hours=wall_h,
+        gpu_hours=wall_h * procs,
+        cost_usd=wall_h * procs * gpu_hour_usd,
+        rate_source=source,
+        processes=procs,
+        eval_hours=eval_h,
+        val_forward_s=val_forward_s,
+    )
 
 
 def _hms(hours: float) -> str:
