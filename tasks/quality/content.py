@@ -504,64 +504,101 @@ def semantic_duplicates(
     centroids = _centroids(catalog, parts, rules, scores.clip, images_t, total, first_new)
     work = out.with_suffix(".clusters")
     shutil.rmtree(work, ignore_errors=True)
-    pos, todo = 0, set()
-    others = rules.model_copy(update={"semantic_duplicate_similarity": None})
-    plain = ContentScores(scores.catalog, scores.clip, None)
-
-    def batches():
-        nonlocal pos
-        for p in parts:
-            for g in range(p.row_groups):
-                df = content_columns(read_part(p, columns, [g]), others, plain)
-                got = store.read(images_t, scores.clip, df["sha256"])
-                at = pd.Index(got["key"]).get_indexer(df["sha256"])
-                if (at < 0).any():
-                    raise RuntimeError(
-                        f"content store has no CLIP image embedding ({scores.clip}) for "
-                        f"{int((at < 0).sum())} rows of {p.path}: score_content must embed "
-                        "every row of the view first"
-                    )
-                emb = got.attrs["embedding"][at]
-                eligible = np.ones(len(df), bool)
-                rejected = check_rows(df, others, gx_check=False, hashes=False).rejected
-                eligible[rejected["pos"].to_numpy(np.int64)] = False
-                cl = semdedup.assign(emb, centroids)
-                n = len(df)
-                positions = np.arange(pos, pos + n)
-                todo.update(cl[positions >= first_new].tolist())
-                pos += n
-                uid = df["source"].astype(str).str.rstrip("/") + "/" + df["key"].astype(str)
-                yield pa.record_batch(
-                    {
-                        "cluster": pa.array(cl, pa.int32()),
-                        "pos": pa.array(positions, pa.int64()),
-                        "uid": pa.array(uid.tolist(), pa.string()),
-                        "sha256": pa.array(df["sha256"].tolist(), pa.string()),
-                        "eligible": pa.array(eligible, pa.bool_()),
-                        "embedding": pa.array(list(emb), pa.list_(pa.float32())),
-                    }
-                )
-
-    schema = pa.schema(
-        [
-            ("cluster", pa.int32()),
-            ("pos", pa.int64()),
-            ("uid", pa.string()),
-            ("sha256", pa.string()),
-            ("eligible", pa.bool_()),
-            ("embedding", pa.list_(pa.float32())),
-        ]
-    )
+    todo: set[int] = set()  # the clusters that hold a new row, filled as the rows are written
     pads.write_dataset(
-        batches(),
+        _cluster_batches(parts, columns, first_new, rules, scores, centroids, todo),
         work,
-        schema=schema,
+        schema=_CLUSTER_SCHEMA,
         format="parquet",
         partitioning=pads.partitioning(pa.schema([("cluster", pa.int32())]), flavor="hive"),
         existing_data_behavior="overwrite_or_ignore",
         max_partitions=len(centroids) + 1,  # pyarrow's default stops at 1,024 clusters
     )
-    found = []
+    hits = _search_clusters(work, sorted(todo), first_new, rules, workers, dask_address)
+    shutil.rmtree(work, ignore_errors=True)
+    hits.to_parquet(out, index=False)
+    task_logger(__name__).info(
+        "content: %d semantic duplicates among %d rows checked (%d clusters searched of %d)",
+        len(hits),
+        total - first_new,
+        len(todo),
+        len(centroids),
+    )
+    return ContentScores(scores.catalog, scores.clip, str(out))
+
+
+# One row of the view per record, written partitioned by its cluster.
+_CLUSTER_SCHEMA = pa.schema(
+    [
+        ("cluster", pa.int32()),
+        ("pos", pa.int64()),
+        ("uid", pa.string()),
+        ("sha256", pa.string()),
+        ("eligible", pa.bool_()),
+        ("embedding", pa.list_(pa.float32())),
+    ]
+)
+
+
+def _cluster_batches(
+    parts: list[ViewPart],
+    columns: list[str],
+    first_new: int,
+    rules: QualityConfig,
+    scores: ContentScores,
+    centroids: np.ndarray,
+    todo: set[int],
+):
+    """The view's rows, one row group at a time, as `_CLUSTER_SCHEMA` batches: each row's
+    cluster, its position, its embedding and whether the other row-local rules keep it (a
+    rejected row is no row's original). Adds to `todo` the clusters of the rows from
+    `first_new` on."""
+    images_t = store.table_dir(Path(scores.catalog), store.IMAGES)
+    others = rules.model_copy(update={"semantic_duplicate_similarity": None})
+    plain = ContentScores(scores.catalog, scores.clip, None)
+    pos = 0
+    for p in parts:
+        for g in range(p.row_groups):
+            df = content_columns(read_part(p, columns, [g]), others, plain)
+            got = store.read(images_t, scores.clip, df["sha256"])
+            at = pd.Index(got["key"]).get_indexer(df["sha256"])
+            if (at < 0).any():
+                raise RuntimeError(
+                    f"content store has no CLIP image embedding ({scores.clip}) for "
+                    f"{int((at < 0).sum())} rows of {p.path}: score_content must embed "
+                    "every row of the view first"
+                )
+            emb = got.attrs["embedding"][at]
+            eligible = np.ones(len(df), bool)
+            rejected = check_rows(df, others, gx_check=False, hashes=False).rejected
+            eligible[rejected["pos"].to_numpy(np.int64)] = False
+            cl = semdedup.assign(emb, centroids)
+            positions = np.arange(pos, pos + len(df))
+            todo.update(cl[positions >= first_new].tolist())
+            pos += len(df)
+            uid = df["source"].astype(str).str.rstrip("/") + "/" + df["key"].astype(str)
+            yield pa.record_batch(
+                {
+                    "cluster": pa.array(cl, pa.int32()),
+                    "pos": pa.array(positions, pa.int64()),
+                    "uid": pa.array(uid.tolist(), pa.string()),
+                    "sha256": pa.array(df["sha256"].tolist(), pa.string()),
+                    "eligible": pa.array(eligible, pa.bool_()),
+                    "embedding": pa.array(list(emb), pa.list_(pa.float32())),
+                }
+            )
+
+
+def _search_clusters(
+    work: Path,
+    clusters: list[int],
+    first_new: int,
+    rules: QualityConfig,
+    workers: int,
+    dask_address: str | None,
+) -> pd.DataFrame:
+    """One `cluster_task` per cluster in `clusters` (its rows under `work`), on the
+    partition runner; their duplicates in one frame."""
     with partition_runner(workers, dask_address) as runner:
         futures = [
             runner.submit(
@@ -572,24 +609,12 @@ def semantic_duplicates(
                     "similarity": rules.semantic_duplicate_similarity,
                 },
             )
-            for c in sorted(todo)
+            for c in clusters
         ]
         found = [f.result() for f in futures]
-    shutil.rmtree(work, ignore_errors=True)
-    hits = (
-        pd.concat(found, ignore_index=True)
-        if found
-        else pd.DataFrame({"uid": [], "semantic_duplicate_of": [], "semantic_similarity": []})
-    )
-    hits.to_parquet(out, index=False)
-    task_logger(__name__).info(
-        "content: %d semantic duplicates among %d rows checked (%d clusters searched of %d)",
-        len(hits),
-        total - first_new,
-        len(todo),
-        len(centroids),
-    )
-    return ContentScores(scores.catalog, scores.clip, str(out))
+    if not found:
+        return pd.DataFrame({"uid": [], "semantic_duplicate_of": [], "semantic_similarity": []})
+    return pd.concat(found, ignore_index=True)
 
 
 def _centroids(catalog, parts, rules, scorer, images_t, total, first_new) -> np.ndarray:
