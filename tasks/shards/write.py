@@ -504,32 +504,9 @@ def write_shards(
             "run `kiln validate` first"
         )
     gate = gate_for_sharding(
-        layout.catalog(ingest_id),
-        ingest_id,
-        allow_failed_gate=allow_failed_gate,
-        logger=task_logger(__name__),
+        layout.catalog(ingest_id), ingest_id, allow_failed_gate=allow_failed_gate, logger=log
     )
-    min_side_factor = cfg.min_side_factor
-    settings = {
-        "resolutions": sorted(resolutions),
-        "min_side_factor": min_side_factor,
-        "jpeg_quality": cfg.jpeg_quality,
-        "image_format": cfg.image_format,
-        "size_limit": cfg.size_limit,
-        "partition_size": cfg.partition_size,
-    }
-    unknown = sorted(set(bucket_stages or []) - set(resolutions))
-    if unknown:
-        raise InputError(f"bucket stages {unknown} are not stage resolutions {sorted(resolutions)}")
-    buckets = {
-        r: aspect_buckets(r, cfg.bucket_step, cfg.bucket_max_aspect) for r in bucket_stages or []
-    }
-    if buckets:  # only then: versions written without buckets keep their hash
-        settings["buckets"] = {str(r): b for r, b in sorted(buckets.items())}
-    if tokenizer is not None:
-        settings["tokenizer"] = tokenizer
-    if cfg.val_fraction > 0 and cfg.val_max > 0:  # only then: versions without a split keep
-        settings["val"] = {"fraction": cfg.val_fraction, "max": cfg.val_max}  # their hash
+    settings, buckets = _version_settings(cfg, resolutions, bucket_stages, tokenizer)
     if dry_run:
         result = _plan(root, ingest_id, layout, settings, buckets, cfg)
         result.quality_gate = gate
@@ -550,20 +527,7 @@ def write_shards(
     )
     base = layout.shards(version)
     todo = [r for r in sorted(resolutions) if not is_published(base / str(r))]
-    eligible = {}
-    for r in sorted(resolutions):
-        ok, target = _eligible(clean, r, buckets.get(r), min_side_factor)
-        eligible[r] = clean[ok] if target is None else clean.assign(bucket=target)[ok]
-        _check_stage(r, int(ok.sum()), len(clean), r in buckets, min_side_factor)
-    held = pd.Series(
-        held_out_mask(clean["source"], clean["key"], cfg.val_fraction, cfg.val_max),
-        index=clean.index,
-    )
-    val = {}
-    for r in sorted(resolutions):
-        is_val = held.loc[eligible[r].index].to_numpy()
-        val[r], eligible[r] = eligible[r][is_val], eligible[r][~is_val]
-        _check_split(r, len(eligible[r]), len(val[r]), cfg)
+    eligible, val = _split_stages(clean, resolutions, buckets, cfg)
     if not todo:
         result.reused = True
         log.info("dataset %s already exists for %s px: reusing it", version, sorted(resolutions))
@@ -579,6 +543,59 @@ def write_shards(
     )
     layout.set_latest("shards", version)
     return result
+
+
+def _version_settings(
+    cfg: ShardsConfig,
+    resolutions: list[int],
+    bucket_stages: list[int] | None,
+    tokenizer: dict | None,
+) -> tuple[dict, dict[int, list]]:
+    """(the settings that, with the clean rows, make the dataset version; each bucketed
+    stage's aspect buckets)."""
+    settings = {
+        "resolutions": sorted(resolutions),
+        "min_side_factor": cfg.min_side_factor,
+        "jpeg_quality": cfg.jpeg_quality,
+        "image_format": cfg.image_format,
+        "size_limit": cfg.size_limit,
+        "partition_size": cfg.partition_size,
+    }
+    unknown = sorted(set(bucket_stages or []) - set(resolutions))
+    if unknown:
+        raise InputError(f"bucket stages {unknown} are not stage resolutions {sorted(resolutions)}")
+    buckets = {
+        r: aspect_buckets(r, cfg.bucket_step, cfg.bucket_max_aspect) for r in bucket_stages or []
+    }
+    if buckets:  # only then: versions written without buckets keep their hash
+        settings["buckets"] = {str(r): b for r, b in sorted(buckets.items())}
+    if tokenizer is not None:
+        settings["tokenizer"] = tokenizer
+    if cfg.val_fraction > 0 and cfg.val_max > 0:  # only then: versions without a split keep
+        settings["val"] = {"fraction": cfg.val_fraction, "max": cfg.val_max}  # their hash
+    return settings, buckets
+
+
+def _split_stages(
+    clean: pd.DataFrame, resolutions: list[int], buckets: dict[int, list], cfg: ShardsConfig
+) -> tuple[dict[int, pd.DataFrame], dict[int, pd.DataFrame]]:
+    """(each stage's training rows, each stage's held-out rows): the clean rows that qualify
+    for the stage (with their aspect bucket when it is bucketed), split by the held-out mask,
+    which is the same for every stage."""
+    eligible, val = {}, {}
+    held = pd.Series(
+        held_out_mask(clean["source"], clean["key"], cfg.val_fraction, cfg.val_max),
+        index=clean.index,
+    )
+    for r in sorted(resolutions):
+        ok, target = _eligible(clean, r, buckets.get(r), cfg.min_side_factor)
+        rows = clean[ok] if target is None else clean.assign(bucket=target)[ok]
+        _check_stage(r, int(ok.sum()), len(clean), r in buckets, cfg.min_side_factor)
+        is_val = held.loc[rows.index].to_numpy()
+        val[r], eligible[r] = rows[is_val], rows[~is_val]
+    for r in sorted(resolutions):
+        _check_split(r, len(eligible[r]), len(val[r]), cfg)
+    return eligible, val
 
 
 def _eligible(frame: pd.DataFrame, r: int, buckets: list | None, factor: float):
