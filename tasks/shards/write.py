@@ -46,7 +46,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -693,19 +693,44 @@ def _uids(frame: pd.DataFrame) -> list[tuple[str, str]]:
 def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, dask_address):
     """Render and write the `todo` stages' training (`eligible`) and validation (`val`)
     images in partitions, then publish each stage's split and then the stage."""
-    from contextlib import ExitStack
-
-    log = task_logger(__name__)
     train_keys = {r: set(_uids(eligible[r])) for r in todo}
     val_keys = {r: set(_uids(val[r])) for r in todo}
-    stage_keys = {r: train_keys[r] | val_keys[r] for r in todo}
+    bucket_of = {
+        r: dict(zip(_uids(frame), frame["bucket"], strict=True))
+        for r in todo
+        if "bucket" in eligible[r]
+        for frame in [pd.concat([eligible[r], val[r]])]
+    }
+    rows, jobs = _render_jobs(clean, todo, train_keys, val_keys, bucket_of, settings, endpoint_url)
+    partial = base / ".partial"
     held = set().union(*val_keys.values())
+    _write_partitions(base, partial, rows, jobs, held, settings, todo, workers, dask_address)
+    spec = _spec(settings.get("tokenizer"))
+    ids_len = _caption_tokenizer(spec).max_length if spec else None
+    for r in todo:
+        for name, split in ((f"{r}-val", val_keys[r]), (str(r), train_keys[r])):
+            # The split first: a published stage always has its split (a crash in between
+            # leaves the stage to do again, and its split already in place).
+            if split and not is_published(base / name):
+                buckets = (
+                    {u: b for u, b in bucket_of[r].items() if u in split}
+                    if r in bucket_of
+                    else None
+                )
+                _publish_stage(base, partial / name, r, buckets, len(split), ids_len, name)
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def _render_jobs(clean, todo, train_keys, val_keys, bucket_of, settings, endpoint_url):
+    """(each image's row by (source, key), one render job per image that a `todo` stage
+    takes, in key order): where to read it, and each stage's target (a side, or a side and
+    its aspect bucket) it is rendered to."""
+    stage_keys = {r: train_keys[r] | val_keys[r] for r in todo}
     keys = sorted(set().union(*stage_keys.values()))
     meta_cols = _meta_columns(clean)
     rows = {}
     for rec in clean.to_dict("records"):
-        uid = (rec["source"], rec["key"])
-        rows[uid] = {
+        rows[(rec["source"], rec["key"])] = {
             "caption": rec["caption"],
             "width": rec["width"],
             "height": rec["height"],
@@ -714,12 +739,6 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
             "offset": rec["offset"],
             "length": rec["length"],
         }
-    bucket_of = {
-        r: dict(zip(_uids(frame), frame["bucket"], strict=True))
-        for r in todo
-        if "bucket" in eligible[r]
-        for frame in [pd.concat([eligible[r], val[r]])]
-    }
 
     def target(r: int, uid: tuple):
         return (r, *bucket_of[r][uid]) if r in bucket_of else r
@@ -738,13 +757,20 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
         )
         for src, key in keys
     ]
+    return rows, jobs
+
+
+def _write_partitions(base, partial, rows, jobs, held, settings, todo, workers, dask_address):
+    """`write_partition` for each `partition_size` run of `jobs` into `partial`, in spawned
+    processes or on Dask; a partition an earlier run finished is kept. Every partition runs
+    before a failure is raised."""
+    log = task_logger(__name__)
     size = settings["partition_size"]
     parts = [jobs[i : i + size] for i in range(0, len(jobs), size)]
-    partial = base / ".partial"
     n_workers = workers or os.cpu_count() or 1
     log.info(
         "sharding %d images into %s for %s px: %d partitions on %s",
-        len(keys),
+        len(jobs),
         base.name,
         todo,
         len(parts),
@@ -784,29 +810,13 @@ def _convert(base, todo, eligible, val, clean, settings, workers, endpoint_url, 
                 errors.append(str(e))
             progress.advance(len(p))
         progress.finish()
-        if errors:
-            raise RuntimeError(
-                f"{len(errors)} of {len(parts)} shard partitions failed (finished "
-                f"ones are kept for the next run): {errors[:3]}"
-            )
-        if skipped:
-            log.info(
-                "%d of %d partitions were already finished by an earlier run", skipped, len(parts)
-            )
-    spec = _spec(settings.get("tokenizer"))
-    ids_len = _caption_tokenizer(spec).max_length if spec else None
-    for r in todo:
-        for name, split in ((f"{r}-val", val_keys[r]), (str(r), train_keys[r])):
-            # The split first: a published stage always has its split (a crash in between
-            # leaves the stage to do again, and its split already in place).
-            if split and not is_published(base / name):
-                buckets = (
-                    {u: b for u, b in bucket_of[r].items() if u in split}
-                    if r in bucket_of
-                    else None
-                )
-                _publish_stage(base, partial / name, r, buckets, len(split), ids_len, name)
-    shutil.rmtree(partial, ignore_errors=True)
+    if errors:
+        raise RuntimeError(
+            f"{len(errors)} of {len(parts)} shard partitions failed (finished "
+            f"ones are kept for the next run): {errors[:3]}"
+        )
+    if skipped:
+        log.info("%d of %d partitions were already finished by an earlier run", skipped, len(parts))
 
 
 def _spec(tokenizer: dict | None) -> str | None:
