@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -472,11 +473,14 @@ def main(argv: list[str] | None = None) -> None:
     with system_metrics(run.tracking_uri, run.mlflow_run_id, accelerator.is_main_process):
         train_and_export(run, accelerator, sink)
         accelerator.wait_for_everyone()
-    # The models, the optimizer and the hooks FSDP and DDP put on them hold the process group's
-    # work in reference cycles. Collect them now, while the interpreter is whole and the group
-    # still up: left to the interpreter's exit, a gloo rank can abort after its work is done
-    # ("terminate called without an active exception", exit code -6).
+    # The sharded UNet, the optimizer and the hooks FSDP and DDP put on them can hold the
+    # process group's work in reference cycles. Drop the accelerator's references to them
+    # (free_memory collects before it drops them, hence the second collection) and collect
+    # the cycles now, while the interpreter is whole and the group still up: left to the
+    # interpreter's exit, a gloo rank can abort after its work is done ("terminate called
+    # without an active exception", exit code -6).
     accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
 
 

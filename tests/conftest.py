@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 from pathlib import Path
@@ -65,8 +66,9 @@ def pytest_collection_modifyitems(config, items):
 
 
 # CPU-seconds of each test phase: this process's and its finished children's (a subprocess
-# counts once it is waited for, with everything it waited for, so a server that a shared
-# fixture keeps up counts in the teardown that stops it). `make test` prints the largest
+# counts once it is waited for, with everything it waited for, so a server process that a
+# shared fixture keeps up counts in the teardown that stops it; a server on one of this
+# process's threads counts in whatever phase runs meanwhile). `make test` prints the largest
 # (`--cpu-top`): the suite keeps both cores busy, so its time is its CPU work, and wall
 # durations alone hide a test that waits idle or one that keeps several processes busy.
 _PHASES = ("setup", "call", "teardown")
@@ -81,6 +83,15 @@ def _cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+@contextlib.contextmanager
+def _cpu_of(item, when: str):
+    start = _cpu_s()
+    try:
+        yield
+    finally:
+        item.stash.setdefault(_CPU, {})[when] = _cpu_s() - start
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--cpu-top",
@@ -91,19 +102,22 @@ def pytest_addoption(parser):
     )
 
 
-def _measured(when: str):
-    @pytest.hookimpl(wrapper=True)
-    def hook(item):
-        start = _cpu_s()
-        try:
-            return (yield)
-        finally:
-            item.stash.setdefault(_CPU, {})[when] = _cpu_s() - start
-
-    return hook
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    with _cpu_of(item, "setup"):
+        return (yield)
 
 
-pytest_runtest_setup, pytest_runtest_call, pytest_runtest_teardown = map(_measured, _PHASES)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    with _cpu_of(item, "call"):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    with _cpu_of(item, "teardown"):
+        return (yield)
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -117,7 +131,9 @@ def pytest_terminal_summary(terminalreporter, config):
         if getattr(r, "when", None) in _PHASES and "cpu_s" in dict(r.user_properties)
     ]
     total = sum(cpu for cpu, _, _ in rows)
-    terminalreporter.write_sep("=", f"most CPU-seconds {top} (all phases: {total:.0f} CPU-s)")
+    terminalreporter.write_sep(
+        "=", f"the {top} test phases with the most CPU-seconds (all phases: {total:.0f} CPU-s)"
+    )
     for cpu, when, nodeid in sorted(rows, reverse=True)[:top]:
         terminalreporter.write_line(f"{cpu:8.1f}s {when:<8} {nodeid}")
 

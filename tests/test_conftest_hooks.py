@@ -77,3 +77,25 @@ def test_the_longest_files_go_first_whatever_their_markers(tmp_path):
     out = _pytest(folder, "-v", "-o", "markers=e2e\nintegration")
     order = [ln.split("::")[0] for ln in out.splitlines() if "::test_it PASSED" in ln]
     assert order == ["test_stack.py", "test_learning.py", "test_c_e2e.py", "test_a_unit.py"], out
+
+
+def test_cpu_top_lists_the_phases_that_used_most_cpu_children_included(tmp_path):
+    (tmp_path / "test_cpu.py").write_text(
+        textwrap.dedent("""
+        import subprocess, sys
+
+        def test_busy_child():  # the CPU is spent in a child process, waited for
+            subprocess.run([sys.executable, "-c", "sum(range(30_000_000))"], check=True)
+
+        def test_idle():
+            pass
+    """)
+    )
+    out = _pytest(tmp_path, "-q", "--cpu-top", "2")
+    assert "the 2 test phases with the most CPU-seconds" in out, out
+    lines = out.splitlines()
+    heading = next(i for i, ln in enumerate(lines) if "test phases with the most" in ln)
+    first = lines[heading + 1].split()
+    assert first[1:] == ["call", "test_cpu.py::test_busy_child"], out
+    assert float(first[0].rstrip("s")) > 0.3, out
+    assert "the 2 test phases" not in _pytest(tmp_path, "-q"), "off by default"

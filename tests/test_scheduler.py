@@ -72,9 +72,7 @@ def prefect_server(tmp_path_factory):
         "PREFECT_API_URL": api,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-        # A run that waits for its deployment's concurrency slot (ENQUEUE) retries every 3 s,
-        # not 30, and the worker polls every 2 s, not 10: the same behaviour, ~40 s less idle.
-        "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "3",
+        # The worker polls every 2 s, not 10: the same behaviour, less idle time.
         "PREFECT_WORKER_QUERY_SECONDS": "2",
         "PREFECT_LOGGING_LEVEL": "INFO",
         "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",

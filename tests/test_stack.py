@@ -536,16 +536,20 @@ def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
             300,
             [stack["proc"]],
         )
-        assert first["state_type"] == "RUNNING"
+        worker_log = stack["dir"] / "logs" / "prefect-worker.log"
+        assert first["state_type"] == "RUNNING", worker_log.read_text()[-5000:]
         t0 = time.monotonic()
         _prefect(team, home, "deployment", "run", "kiln-retrain/weekly-retrain")
-        (second,) = wait_for(
-            "a second retrain, waiting for the first",
-            lambda: runs("AwaitingConcurrencySlot"),
-            120,
-            [stack["proc"]],
+
+        def waiting():
+            now = runs("RUNNING", "AwaitingConcurrencySlot", *FINAL)  # one snapshot
+            second = [r for r in now if r["state_name"] == "AwaitingConcurrencySlot"]
+            return (second[0], {r["id"]: r for r in now}[first["id"]]) if second else None
+
+        second, first_then = wait_for(
+            "a second retrain, waiting for the first", waiting, 120, [stack["proc"]]
         )
-        assert [r["id"] for r in runs("RUNNING")] == [first["id"]], "the first still runs"
+        assert first_then["state_type"] == "RUNNING", "the second waits while the first runs"
 
         def ended(run_id: str):
             return [r for r in runs(*FINAL) if r["id"] == run_id]
@@ -554,8 +558,7 @@ def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
             "the first retrain to end", lambda: ended(first["id"]), 600, [stack["proc"]]
         )
         retrain_s = time.monotonic() - t0
-        log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
-        assert run["state_type"] == "COMPLETED", log[-5000:]
+        assert run["state_type"] == "COMPLETED", worker_log.read_text()[-5000:]
         assert run["parameters"]["event_root"] == team["KILN_ROOT"]
         new = client.get_model_version_by_alias("kiln-t2i", "candidate")
         assert len(client.search_model_versions("name='kiln-t2i'")) == versions + 1
@@ -566,7 +569,6 @@ def test_a_takedown_makes_the_retrain_due_and_the_worker_runs_it(
         (after,) = wait_for(
             "the second retrain to end", lambda: ended(second["id"]), 300, [stack["proc"]]
         )
-        log = (stack["dir"] / "logs" / "prefect-worker.log").read_text()
-        assert after["state_type"] == "COMPLETED", log[-5000:]
+        assert after["state_type"] == "COMPLETED", worker_log.read_text()[-5000:]
         assert len(client.search_model_versions("name='kiln-t2i'")) == versions + 1, "no retrain"
     print(f"the takedown's retrain, running to completed: {retrain_s:.0f}s")

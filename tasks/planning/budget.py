@@ -86,13 +86,13 @@ def make_plan(
     if isinstance(num_processes, int):
         num_processes = [num_processes] * len(train.stages)
     if measure_steps is not None:
-        measured = _measured_rates(
+        rates = _measured_rates(
             train, num_processes, measure_steps, val_samples, processes_per_machine
         )
-    else:
-        measured = [(*rate, None) for rate in _flops_scaled_rates(train, img_per_s)]
+    else:  # no validation forward measured: `_stage_plan` prices it from the training rate
+        rates = [(*rate, None) for rate in _flops_scaled_rates(train, img_per_s)]
     stages = [
-        _stage_plan(train, i, num_processes[i], measured[i], val_samples, gpu_hour_usd)
+        _stage_plan(train, i, num_processes[i], rates[i], val_samples, gpu_hour_usd)
         for i in range(len(train.stages))
     ]
     total = {
@@ -158,13 +158,14 @@ def _stage_plan(
     train: TrainConfig,
     i: int,
     procs: int,
-    measured: tuple[float, str, float | None],
+    stage_rate: tuple[float, str, float | None],
     val_samples: list[int] | None,
     gpu_hour_usd: float,
 ) -> StagePlan:
-    """Stage `i`'s samples, wall time (its steps and its validation passes) and cost."""
+    """Stage `i`'s samples, wall time (its steps and its validation passes) and cost, from
+    `stage_rate`: (img/s per process, where it comes from, one validation forward's seconds)."""
     s = train.stages[i]
-    rate, source, val_forward_s = measured
+    rate, source, val_forward_s = stage_rate
     samples = s.max_steps * s.global_batch(procs)
     global_rate = rate * procs
     n_val = min(val_samples[i], train.val_max_samples) if val_samples else 0
