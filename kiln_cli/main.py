@@ -481,36 +481,48 @@ class _Stopped(Exception):
         self.signum = signum
 
 
+# SIGHUP too: in a session of its own, the command no longer gets the terminal's hang-up.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
 def _stops_its_tree(call):
-    """`call` (subprocess.call) that, on SIGTERM or SIGINT, stops every process it started,
-    their children included, and returns 0, as a server stopped on request does.
+    """`call` (subprocess.call) that, on SIGTERM, SIGINT or SIGHUP, stops every process it
+    started, their children included, and returns 0, as a server stopped on request does.
 
     `mlflow ui` serves from a uvicorn child with worker processes of its own and does not
     pass SIGTERM on: stopping only `mlflow ui` (as systemd, Docker or a process manager
     would) left uvicorn serving, orphaned. The tree is listed in the handler, while its
-    parent still holds it together; a member still up after 10 s is killed.
+    parent still holds it together; a member still up after 10 s is killed. The command
+    runs in a process group of its own, which is killed last: uvicorn replaces a worker
+    that exits until it handles its own SIGTERM, and a worker started in that moment is in
+    no list (and, once its parent is gone, no longer a child of anyone here).
     """
 
     def run(argv, **kwargs):
         tree: list = []
+        groups: set[int] = set()
 
         def stop(signum, _frame):
-            for sig in (signal.SIGTERM, signal.SIGINT):  # one stop at a time
+            for sig in _STOP_SIGNALS:  # one stop at a time
                 signal.signal(sig, signal.SIG_IGN)
             tree.extend(psutil.Process().children(recursive=True))
             for proc in tree:
-                with contextlib.suppress(psutil.NoSuchProcess):  # gone already
+                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):  # gone
+                    groups.add(os.getpgid(proc.pid))
                     proc.terminate()
             raise _Stopped(signum)
 
-        handlers = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        handlers = {sig: signal.signal(sig, stop) for sig in _STOP_SIGNALS}
         try:
-            return call(argv, **kwargs)
+            return call(argv, start_new_session=True, **kwargs)
         except _Stopped:
             _, alive = psutil.wait_procs(tree, timeout=10)
             for proc in alive:
                 proc.kill()
             psutil.wait_procs(alive, timeout=10)
+            for group in groups - {os.getpgrp()}:
+                with contextlib.suppress(ProcessLookupError):  # the whole group is gone
+                    os.killpg(group, signal.SIGKILL)
             return 0
         finally:
             for sig, handler in handlers.items():

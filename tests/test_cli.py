@@ -190,8 +190,9 @@ def test_mlflow_ui_gets_the_tracking_uri_through_the_environment(
     )
     calls = []
 
-    def fake_call(argv, env):  # stands in for the `mlflow ui` process
+    def fake_call(argv, env, start_new_session):  # stands in for the `mlflow ui` process
         calls.append((argv, env))
+        assert start_new_session, "its own process group, stopped as one"
         return 0
 
     monkeypatch.setattr(subprocess, "call", fake_call)
