@@ -70,6 +70,7 @@ __all__ = [
     "main",
     "release_optimizer_state",
     "save_and_export",
+    "train_and_export",
     "train_loop",
     "train_step",
 ]
